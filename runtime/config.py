@@ -1,0 +1,176 @@
+"""Engine configuration (frozen, validated) and the live-tunable subset, `Knobs`.
+
+Every bad value raises a `ConfigError` whose message names the field and what is allowed.
+Knob changes are validated on submission (constructing a new `Knobs`), so an invalid change
+never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import ConfigError
+from runtime.kv.formats import KV_FORMATS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+SCHEDULING_MODES = ("continuous", "static")
+QUEUE_POLICIES = ("fcfs", "priority", "sjf", "edf")
+RESERVATION_POLICIES = ("full", "lazy")
+# "swap" preemption arrives with the host tier; the scheduler's preemption path and the
+# SWAPPED request state are already shaped for it.
+PREEMPTION_MODES = ("recompute",)
+EVICTION_POLICIES = ("lru", "value")
+DEADLINE_ACTIONS = ("reject", "wait")
+
+
+def check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(f"{name} must be an integer from {lo:,} to {hi:,}, got {value!r}.")
+
+
+def check_float(name: str, value: Any, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ConfigError(f"{name} must be a number from {lo:g} to {hi:g}, got {value!r}.")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}.")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Settings an operator may change while the engine runs (applied between iterations)."""
+
+    max_num_batched_tokens: int = 2048
+    """Token budget per iteration: decode tokens plus prefill-chunk tokens."""
+    max_num_seqs: int = 256
+    """Most requests in one iteration's batch."""
+    chunk_size: int = 512
+    """Most prompt tokens one request may prefill in one iteration."""
+    scheduling: str = "continuous"
+    queue_policy: str = "fcfs"
+    sjf_max_wait_s: float = 30.0
+    """Under `sjf`, a request that has waited this long goes ahead of shorter ones (aging)."""
+    reservation: str = "lazy"
+    preemption: str = "recompute"
+    enable_prefix_caching: bool = True
+    prefix_cache_capacity: int = 0
+    """Most blocks the prefix cache may hold; 0 means bounded only by the pool."""
+    eviction_policy: str = "lru"
+    admission_control: bool = False
+    """Check a request's deadline against the executor's timing estimate before admitting."""
+    on_deadline_miss: str = "reject"
+    """What admission control does with a request that cannot meet its deadline."""
+
+    def __post_init__(self) -> None:
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
+        check_int("max_num_seqs", self.max_num_seqs, 1, 1 << 16)
+        check_int("chunk_size", self.chunk_size, 1, 1 << 20)
+        check_choice("scheduling", self.scheduling, SCHEDULING_MODES)
+        check_choice("queue_policy", self.queue_policy, QUEUE_POLICIES)
+        check_float("sjf_max_wait_s", self.sjf_max_wait_s, 0.0, 1e6)
+        check_choice("reservation", self.reservation, RESERVATION_POLICIES)
+        check_choice("preemption", self.preemption, PREEMPTION_MODES)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_int("prefix_cache_capacity", self.prefix_cache_capacity, 0, 1 << 30)
+        check_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        check_bool("admission_control", self.admission_control)
+        check_choice("on_deadline_miss", self.on_deadline_miss, DEADLINE_ACTIONS)
+
+    def with_changes(self, **changes: Any) -> Knobs:
+        """A validated copy with `changes` applied; unknown names raise a ConfigError."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            allowed = ", ".join(f.name for f in dataclasses.fields(self))
+            raise ConfigError(f"Unknown knob {unknown[0]!r}; knobs are {allowed}.")
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Fixed settings of one engine instance."""
+
+    block_size: int = 16
+    """KV block size in tokens (1–256)."""
+    kv_memory_bytes: int = 1 << 30
+    """KV pool budget; divided by the model's KV bytes per block it sets the block count."""
+    num_blocks: int | None = None
+    """Overrides the block count derived from `kv_memory_bytes` (tests use tiny pools)."""
+    kv_format: str = "fp16"
+    max_model_len: int | None = None
+    """Context limit; None takes the executor's model context."""
+    max_waiting: int = 4096
+    """Waiting-queue bound; a full queue refuses new requests."""
+    seed: int = 0
+    namespace: str = "default"
+    """Prefix-cache namespace: model, adapter and KV format that make cached KV reusable."""
+    knobs: Knobs = field(default_factory=Knobs)
+
+    def __post_init__(self) -> None:
+        check_int("block_size", self.block_size, 1, 256)
+        check_int("kv_memory_bytes", self.kv_memory_bytes, 1, 1 << 50)
+        if self.num_blocks is not None:
+            check_int("num_blocks", self.num_blocks, 1, 1 << 26)
+        check_choice("kv_format", self.kv_format, tuple(KV_FORMATS))
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, 2, 1 << 24)
+        check_int("max_waiting", self.max_waiting, 1, 1 << 24)
+        check_int("seed", self.seed, 0, (1 << 63) - 1)
+
+    def blocks_for_budget(self, kv_bytes_per_token: int) -> int:
+        """Blocks in the pool: the override, or the budget divided by bytes per block."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        n = self.kv_memory_bytes // (self.block_size * kv_bytes_per_token)
+        if n < 1:
+            raise ConfigError(
+                f"kv_memory_bytes {self.kv_memory_bytes:,} holds no block of {self.block_size} "
+                f"tokens at {kv_bytes_per_token:,} bytes per token; raise the budget."
+            )
+        return int(n)
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def split_settings(values: dict[str, Any], *classes: type) -> list[dict[str, Any]]:
+    """Split a flat settings dict by which dataclass owns each key; unknown keys are refused."""
+    parts: list[dict[str, Any]] = [{} for _ in classes]
+    for key, value in values.items():
+        for part, cls in zip(parts, classes, strict=True):
+            if key in field_names(cls) and key != "knobs":
+                part[key] = value
+                break
+        else:
+            allowed = sorted({n for c in classes for n in field_names(c)} - {"knobs"})
+            raise ConfigError(
+                f"Unknown setting {key!r}; allowed settings are {', '.join(allowed)}."
+            )
+    return parts
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML settings file as data, with a one-sentence error for a bad file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"Config file {p} does not exist.")
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"Config file {p} is not valid TOML: {e}.") from None

@@ -1,0 +1,1 @@
+"""Paged KV cache: block pool, block tables, prefix tree, host tier and formats."""

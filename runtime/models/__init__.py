@@ -1,0 +1,1 @@
+"""Model files: GGUF parsing, model facts, the registry, and (later) architectures."""

@@ -1,0 +1,28 @@
+"""Shared fixtures: tiny GGUF models written per session, and the real embedded model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.factories import TinySpec, write_tiny_gguf
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", TinySpec())
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = TinySpec(arch="gemma3", num_layers=7, num_kv_heads=1, sliding_window=8)
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-gemma3.gguf", spec)
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    """The real Gemma 3 270M GGUF, assembled from the `models` extra (installed by make test)."""
+    from runtime.models.registry import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL)

@@ -1,0 +1,62 @@
+"""profiles/ and themes/ ship inside the wheel and are found from it, not from the checkout."""
+
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_resources_found_from_editable_install() -> None:
+    from runtime.resources import profile_names, profiles_dir, themes_dir
+
+    assert Path(str(profiles_dir())) == REPO / "profiles"
+    assert "rtx-pro-6000" in profile_names("hardware")
+    assert themes_dir().joinpath("themes.toml").is_file()
+
+
+@pytest.mark.slow
+def test_resources_found_from_built_wheel(tmp_path: Path, tiny_llama: Path) -> None:
+    wheel_dir = tmp_path / "wheel"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(wheel_dir), str(REPO)],
+        check=True, capture_output=True, timeout=300,
+    )
+    (wheel,) = wheel_dir.glob("kvdeck-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    py = env_dir / "bin" / "python"
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site,
+                    str(wheel)], check=True, capture_output=True, timeout=300)
+    # Dependencies come from the dev venv through a .pth line; .pth files inside that
+    # directory (the editable install's finder) are not processed, so `runtime` and
+    # `profiles` can only come from the wheel.
+    deps = sysconfig.get_paths()["purelib"]
+    Path(site, "deps.pth").write_text(deps + "\n")
+    code = (
+        "from pathlib import Path\n"
+        "import runtime, profiles\n"
+        "from runtime.resources import profiles_dir, themes_dir, profile_names\n"
+        "print(Path(runtime.__file__).parent)\n"
+        "print(profile_names('hardware'), profile_names('models'), profile_names('workloads'))\n"
+        "print(themes_dir().joinpath('themes.toml').is_file(),"
+        " themes_dir().joinpath('kvdeck.tcss').is_file())\n"
+    )
+    r = subprocess.run([py, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr
+    where, names, themes = r.stdout.strip().splitlines()
+    assert where.startswith(site)
+    assert "rtx-pro-6000" in names and "qwen3-8b" in names and "long-context" in names
+    assert themes == "True True"
+    # Every subpackage made it into the wheel: the CLI runs end to end from it.
+    r = subprocess.run([py, "-m", "console.cli", "models", "--json", str(tiny_llama)],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert '"num_kv_heads": 2' in r.stdout

@@ -1,0 +1,21 @@
+"""runtime/ never imports the UI: checked in a fresh interpreter after importing every module."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_runtime_never_imports_textual_or_console() -> None:
+    code = (
+        "import importlib, pkgutil, sys, runtime\n"
+        "for m in pkgutil.walk_packages(runtime.__path__, 'runtime.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('textual', 'console'))\n"
+        "print(len(list(pkgutil.walk_packages(runtime.__path__))), bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr

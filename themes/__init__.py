@@ -1,0 +1,1 @@
+"""Console stylesheets and theme definitions (data only). Found via runtime.resources."""
