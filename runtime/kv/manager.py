@@ -1,0 +1,354 @@
+"""Block tables, reference counts, copy-on-write, reservation and prefix reuse.
+
+`BlockManager` is the single source of truth for where every request's KV lives. It hands
+executors block tables (read-only lists of physical block ids, one per `block_size` tokens)
+and copy-on-write instructions; executors never decide placement.
+
+Every change is also appended to `events` as a tuple, so an iteration trace can rebuild the
+block map without a model:
+
+    ("ref", rid, index, block)    table[rid][index] = block (a new entry, or a replacement)
+    ("unref", rid, index, block)  the entry at `index` (always the last) is dropped
+    ("cow", rid, src, dst)        block `src` was copied into `dst` (already in the table)
+    ("cache", node_id, parent_id, block, end_token)
+    ("evict", node_id, block)
+    ("hit", rid, num_tokens)
+    ("reserve", rid, num_blocks)  blocks promised (full reservation), not yet in the table
+
+Blocks referenced by a step that is still executing are not reused: a release while
+`in_flight` is set is deferred until `end_step()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from runtime.kv.block_pool import BlockPool
+from runtime.kv.formats import blocks_for_tokens
+from runtime.kv.prefix_tree import PrefixNode, PrefixTree, default_recompute_cost
+from runtime.request import Request
+
+Event = tuple
+
+
+class BlockManager:
+    """Paged KV accounting for one engine."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
+                 cache_capacity: int = 0, eviction_policy: str = "lru",
+                 namespace: str = "default", bytes_per_block: int = 1,
+                 recompute_cost: Callable[[int, int], float] = default_recompute_cost,
+                 clock: Callable[[], float] = lambda: 0.0):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, block_size)
+        self.events: list[Event] = []
+        self.tree = PrefixTree(self.pool, cache_capacity, eviction_policy, recompute_cost,
+                               bytes_per_block, events=self.events)
+        self.enable_caching = enable_caching
+        self.namespace = namespace
+        self.bytes_per_block = bytes_per_block
+        self.clock = clock
+        self.tables: dict[str, list[int]] = {}
+        self.reserved: dict[str, int] = {}
+        self.num_reserved = 0
+        self._chains: dict[str, list[PrefixNode]] = {}
+        """Per request, the tree nodes backing its leading full blocks."""
+        self.in_flight = False
+        self._deferred: list[str] = []
+        self.num_cow_copies = 0
+
+    # -- knobs ------------------------------------------------------------------------------
+
+    def configure_cache(self, enable: bool, capacity: int, policy: str) -> None:
+        """Apply prefix-cache knobs; shrinking capacity or disabling evicts what it can."""
+        self.enable_caching = enable
+        self.tree.capacity = capacity
+        self.tree.policy = policy
+        if not enable:
+            self.tree.clear()
+        else:
+            self._shrink_to_capacity()
+
+    # -- capacity ---------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def num_available_blocks(self) -> int:
+        """Blocks a new allocation could get: free + evictable − promised to reservations."""
+        return self.pool.num_free + self.tree.num_evictable - self.num_reserved
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return blocks_for_tokens(num_tokens, self.block_size)
+
+    def _take(self) -> int:
+        if not self.pool.can_take():
+            self.tree.evict_one()
+        return self.pool.take()
+
+    # -- prefix reuse -----------------------------------------------------------------------
+
+    def peek_prefix(self, req: Request) -> int:
+        """Cached prompt tokens a new admission of `req` would reuse (no side effects).
+
+        The last prompt token is never reused so the step that computes it yields logits.
+        """
+        if not self.enable_caching:
+            return 0
+        chain = self.tree.match(self.namespace, req.prompt_token_ids[:-1], 0.0, record=False)
+        return len(chain) * self.block_size
+
+    # -- admission and growth ---------------------------------------------------------------
+
+    def can_admit(self, req: Request, num_new_tokens: int, reserve_full: bool) -> bool:
+        """Whether `admit` would succeed without preempting anyone."""
+        hit = self.peek_prefix(req)
+        hit_blocks = hit // self.block_size
+        target = req.max_total_tokens if reserve_full else hit + num_new_tokens
+        need = self.blocks_needed(target) - hit_blocks
+        # Reused blocks that are currently evictable stop being available once referenced.
+        return need <= self.num_available_blocks() - self._evictable_in_prefix(req, hit_blocks)
+
+    def _evictable_in_prefix(self, req: Request, hit_blocks: int) -> int:
+        if not hit_blocks:
+            return 0
+        chain = self.tree.match(self.namespace, req.prompt_token_ids[:-1], 0.0, record=False)
+        return sum(1 for n in chain if self.pool.refcount[n.block] == 1)
+
+    def admit(self, req: Request, num_new_tokens: int, reserve_full: bool) -> list[tuple[int, int]]:
+        """Start (or restart) `req`: reuse its cached prefix, allocate the first chunk, and
+        under full reservation promise blocks for `prompt + max_tokens − 1` tokens.
+
+        Sets `req.num_computed_tokens` to the reused prefix. Callers check `can_admit` first.
+        """
+        rid = req.request_id
+        assert rid not in self.tables, f"{rid} admitted twice"
+        self.tables[rid] = table = []
+        chain: list[PrefixNode] = []
+        if self.enable_caching:
+            chain = self.tree.match(self.namespace, req.prompt_token_ids[:-1], self.clock())
+        for node in chain:
+            self.pool.incref(node.block)
+            self.tree.on_block_used(node.block)
+            self.events.append(("ref", rid, len(table), node.block))
+            table.append(node.block)
+        self._chains[rid] = chain
+        hit = len(chain) * self.block_size
+        req.num_computed_tokens = hit
+        req.num_cached_tokens = hit
+        if self.enable_caching:
+            self.events.append(("hit", rid, hit))
+        if reserve_full:
+            promise = self.blocks_needed(req.max_total_tokens) - len(table)
+            self.reserved[rid] = promise
+            self.num_reserved += promise
+            self.events.append(("reserve", rid, promise))
+        return self.allocate(req, num_new_tokens)
+
+    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """Whether `req` can grow by `num_new_tokens` (counting its own reservation)."""
+        need = self._new_blocks_needed(req, num_new_tokens)
+        return need <= self.num_available_blocks() + self.reserved.get(req.request_id, 0)
+
+    def _new_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        table = self.tables[req.request_id]
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
+        if self._tail_is_shared(req) and num_new_tokens > 0:
+            need += 1  # copy-on-write of the shared partial tail
+        return max(need, 0)
+
+    def _tail_is_shared(self, req: Request) -> bool:
+        table = self.tables[req.request_id]
+        n = req.num_computed_tokens
+        if n % self.block_size == 0 or not table:
+            return False
+        tail = table[(n - 1) // self.block_size]
+        return self.pool.refcount[tail] > 1
+
+    def allocate(self, req: Request, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Grow `req`'s table to hold `num_computed + num_new_tokens` tokens.
+
+        Returns copy-on-write pairs (src, dst) the executor must copy before writing: the
+        first write into a shared, partially filled tail block copies it.
+        """
+        rid = req.request_id
+        table = self.tables[rid]
+        cows: list[tuple[int, int]] = []
+        if num_new_tokens > 0 and self._tail_is_shared(req):
+            idx = (req.num_computed_tokens - 1) // self.block_size
+            src = table[idx]
+            dst = self._take_for(rid)
+            table[idx] = dst
+            self.events.append(("ref", rid, idx, dst))
+            self.events.append(("cow", rid, src, dst))
+            self._drop(src)
+            cows.append((src, dst))
+            self.num_cow_copies += 1
+        target = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
+        while len(table) < target:
+            block = self._take_for(rid)
+            self.events.append(("ref", rid, len(table), block))
+            table.append(block)
+        return cows
+
+    def _take_for(self, rid: str) -> int:
+        promised = self.reserved.get(rid, 0)
+        if promised:
+            self.reserved[rid] = promised - 1
+            self.num_reserved -= 1
+        return self._take()
+
+    def _drop(self, block: int) -> None:
+        """Drop one table reference to `block`, noting it in the tree if now cache-only."""
+        self.pool.decref(block)
+        if self.pool.cached[block] and self.pool.refcount[block] == 1:
+            self.tree.on_block_released(block, self.clock())
+            self._shrink_to_capacity()
+
+    def _shrink_to_capacity(self) -> None:
+        """After the capacity knob was lowered below what running requests used, evict the
+        excess as soon as it becomes evictable."""
+        cap = self.tree.capacity
+        while cap and self.tree.num_nodes > cap:
+            if self.tree.evict_one() is None:
+                break
+
+    # -- caching computed blocks ------------------------------------------------------------
+
+    def cache_computed(self, req: Request) -> None:
+        """Insert `req`'s newly computed full blocks into the prefix tree.
+
+        When the tree already holds identical content in another block, the request switches
+        to the cached block and frees its duplicate, so shared prefixes are stored once.
+        """
+        if not self.enable_caching:
+            return
+        rid = req.request_id
+        chain = self._chains[rid]
+        table = self.tables[rid]
+        p = self.block_size
+        full = min(req.num_computed_tokens // p, len(table))
+        now = self.clock()
+        while len(chain) < full:
+            k = len(chain)
+            key = tuple(req.token_slice(k * p, (k + 1) * p))
+            parent = chain[-1] if chain else None
+            node = self.tree.insert(self.namespace, parent, key, table[k], now)
+            if node is None:
+                return  # at capacity with nothing evictable: stays private
+            if node.block == table[k]:
+                self.events.append(("cache", node.node_id, parent.node_id if parent else 0,
+                                    node.block, node.depth_tokens))
+            else:
+                self.pool.incref(node.block)
+                self.tree.on_block_used(node.block)
+                old = table[k]
+                table[k] = node.block
+                self.events.append(("ref", rid, k, node.block))
+                self._drop(old)
+            chain.append(node)
+
+    # -- fork, truncate, release ------------------------------------------------------------
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` a table sharing every block of `parent` (full blocks and the partial
+        tail); the first write into the shared tail copies it."""
+        src = self.tables[parent.request_id]
+        cid = child.request_id
+        assert cid not in self.tables, f"{cid} already has a block table"
+        self.tables[cid] = list(src)
+        for i, block in enumerate(src):
+            self.pool.incref(block)
+            self.tree.on_block_used(block)
+            self.events.append(("ref", cid, i, block))
+        self._chains[cid] = list(self._chains.get(parent.request_id, []))
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Roll `req` back to its first `num_tokens` tokens, releasing whole blocks past them."""
+        rid = req.request_id
+        table = self.tables[rid]
+        keep = self.blocks_needed(num_tokens)
+        while len(table) > keep:
+            self._unref_last(rid, table)
+        req.num_computed_tokens = min(req.num_computed_tokens, num_tokens)
+        chain = self._chains[rid]
+        del chain[num_tokens // self.block_size:]
+
+    def _unref_last(self, rid: str, table: list[int]) -> None:
+        block = table.pop()
+        self.events.append(("unref", rid, len(table), block))
+        self._drop(block)
+
+    def release(self, req: Request) -> None:
+        """Drop `req`'s table and reservation. Deferred while a step is in flight."""
+        if self.in_flight:
+            self._deferred.append(req.request_id)
+            return
+        self._release(req.request_id)
+
+    def _release(self, rid: str) -> None:
+        table = self.tables.pop(rid, None)
+        if table is None:
+            return
+        while table:
+            self._unref_last(rid, table)
+        promised = self.reserved.pop(rid, 0)
+        if promised:
+            self.num_reserved -= promised
+            self.events.append(("reserve", rid, -promised))
+        self._chains.pop(rid, None)
+
+    def begin_step(self) -> None:
+        """An executor step that reads the current tables starts."""
+        self.in_flight = True
+
+    def end_step(self) -> None:
+        """The step finished: releases requested meanwhile happen now."""
+        self.in_flight = False
+        deferred, self._deferred = self._deferred, []
+        for rid in deferred:
+            self._release(rid)
+
+    def clear_cache(self) -> int:
+        """Evict every cached block no request uses."""
+        return self.tree.clear()
+
+    def take_events(self) -> list[Event]:
+        """The events since the last call (the list object stays shared with the tree)."""
+        events = self.events[:]
+        self.events.clear()
+        return events
+
+    # -- views and checks -------------------------------------------------------------------
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks not free (cached blocks count as used, as in vLLM)."""
+        return self.pool.num_used / self.pool.num_blocks
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless refcounts equal table entries plus cache references,
+        no block is both free and referenced, and free + used equals the pool."""
+        self.pool.check_integrity()
+        self.tree.check_integrity()
+        counts = [0] * self.pool.num_blocks
+        for rid, table in self.tables.items():
+            for b in table:
+                counts[b] += 1
+            chain = self._chains.get(rid, [])
+            assert len(chain) <= len(table)
+            for i, node in enumerate(chain):
+                assert table[i] == node.block, f"{rid} block {i} differs from its cached node"
+        for b in range(self.pool.num_blocks):
+            expected = counts[b] + (1 if self.pool.cached[b] else 0)
+            assert self.pool.refcount[b] == expected, \
+                f"block {b}: refcount {self.pool.refcount[b]} but {expected} references"
+        assert self.num_reserved == sum(self.reserved.values()) >= 0
+        assert self.num_reserved <= self.pool.num_free + self.tree.num_evictable, \
+            "more blocks promised than exist"

@@ -1,0 +1,141 @@
+"""Requests, their sampling parameters and their lifecycle states — plain dataclasses."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from runtime.errors import ConfigError
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life. The last four are final."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    """Evicted from the batch with its KV freed; waits at the head of the queue to recompute."""
+    SWAPPED = "swapped"
+    """Evicted from the batch with its KV moved to the host tier (swap preemption)."""
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINAL
+
+
+_FINAL = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+          RequestStatus.ABORTED, RequestStatus.REJECTED}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick output tokens and when to stop. Validated on construction."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ConfigError(f"temperature must be between 0 and 100, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be greater than 0 and at most 1, got {self.top_p}.")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be 0 (off) or a positive integer, got {self.top_k}.")
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ConfigError(f"logprobs must be between 0 and 20, got {self.logprobs}.")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must not be empty.")
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and everything that happened to it.
+
+    Times are on the engine clock (virtual seconds under the sim executor). `arrival_time`
+    is the scheduled arrival when the request comes from a trace, so queueing outside the
+    engine counts towards TTFT.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+    deadline: float | None = None
+    """Absolute completion deadline on the engine clock, or None."""
+    priority: int = 0
+    """Lower runs first under the `priority` policy (as in vLLM)."""
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens whose KV is in the cache (computed or reused from the prefix cache)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens reused from the prefix cache at the last admission."""
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    reason: str | None = None
+    """Why the request was rejected or aborted, or what stopped it."""
+    num_preemptions: int = 0
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ConfigError(f"Request {self.request_id!r} has an empty prompt; "
+                              "a prompt needs at least one token.")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: the length whose KV the next decode step needs."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The longest this request can get: prompt + max_tokens − 1 tokens of KV."""
+        return len(self.prompt_token_ids) + self.sampling.max_tokens - 1
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n \
+            else self.output_token_ids[position - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole sequence."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens to compute before the next token can be sampled (1 for a decode)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """True once the prompt (and any recomputation) is done and one token at a time remains."""
+        return bool(self.output_token_ids) and self.num_pending_tokens == 1
