@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
 
-from runtime.errors import KvdeckError
+from runtime.config import check_int
+from runtime.errors import ConfigError, KvdeckError
 
 app = typer.Typer(
     name="kvdeck",
@@ -63,7 +65,6 @@ def models(
 ) -> None:
     """List runnable models, or report one model's architecture and KV cost."""
     from console.model_report import render_model_list, render_model_report
-    from runtime.config import check_int
     from runtime.models.info import model_report, read_model_info
     from runtime.models.registry import DEFAULT_MODEL, list_models, resolve_model
 
@@ -88,6 +89,93 @@ def models(
         print_json(report)
     else:
         render_model_report(out, report)
+
+
+@app.command("run-trace")
+def run_trace(
+    trace: str = typer.Argument(..., help="Arrival trace: kvdeck/Mooncake JSONL or Azure CSV."),
+    config: str = typer.Option(None, "--config", help="TOML file of engine settings."),
+    executor: str = typer.Option("sim", "--executor", help="Executor to run on: sim."),
+    record: str = typer.Option(None, "--record", help="Write a run directory here."),
+    as_json: bool = typer.Option(False, "--json", help="Print summary and every request."),
+    output: str = typer.Option(None, "--output", "-o", help="Also write the JSON here."),
+    fmt: str = typer.Option("auto", "--format", help="auto, kvdeck, mooncake or azure."),
+    limit: int = typer.Option(None, "--limit", help="Run only the first N requests."),
+    time_scale: float = typer.Option(1.0, "--time-scale",
+                                     help="Multiply inter-arrival times (0.5 = twice the rate)."),
+    hash_block_tokens: int = typer.Option(512, "--hash-block-tokens",
+                                          help="Tokens per Mooncake hash id."),
+    slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
+    slo_tpot: float = typer.Option(None, "--slo-tpot", help="TPOT SLO in seconds."),
+    slo_e2e: float = typer.Option(None, "--slo-e2e", help="E2E SLO in seconds."),
+) -> None:
+    """Run an arrival trace through the engine headless and summarize it."""
+    from console.run_views import render_summary
+    from runtime.config import read_toml
+    from runtime.engine import Engine
+    from runtime.executors.sim import SimExecutor
+    from runtime.metrics import SLO
+    from runtime.recording import Recorder
+    from runtime.runner import configs_from_settings, run_arrivals
+    from runtime.trace import load_arrivals
+
+    def go() -> dict:
+        if executor != "sim":
+            raise ConfigError(f"Unknown executor {executor!r}; available executors: sim.")
+        check_int("--hash-block-tokens", hash_block_tokens, 1, 1 << 20)
+        if limit is not None:
+            check_int("--limit", limit, 1, 1 << 30)
+        settings = read_toml(config) if config else {}
+        engine_cfg, sim_cfg = configs_from_settings(settings)
+        slo = SLO(slo_ttft, slo_tpot, slo_e2e)
+        arrivals = load_arrivals(trace, fmt, limit=limit, time_scale=time_scale)
+        engine = Engine(engine_cfg, SimExecutor(sim_cfg, seed=engine_cfg.seed))
+        recorder = Recorder(record, engine) if record else None
+        try:
+            result = run_arrivals(engine, arrivals, vocab_size=sim_cfg.vocab_size,
+                                  hash_block_tokens=hash_block_tokens, slo=slo,
+                                  on_arrival=recorder.arrival if recorder else None)
+        finally:
+            if recorder:
+                recorder.close()
+        result["trace"] = str(trace)
+        result["settings"] = settings
+        return result
+
+    result = guarded(go)
+    if output:
+        Path(output).write_text(json.dumps(result, indent=1))
+    if as_json:
+        print_json(result)
+    else:
+        render_summary(out, f"{trace} on {result['summary']['model']}", result["summary"])
+        if record:
+            out.print(f"run recorded in {record}")
+
+
+@app.command()
+def compare(
+    a: str = typer.Argument(..., help="Result JSON of run-trace --json (A)."),
+    b: str = typer.Argument(..., help="Result JSON of run-trace --json (B)."),
+) -> None:
+    """Print two run-trace results side by side with deltas."""
+    from console.run_views import render_compare
+
+    def load(path: str) -> dict:
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"Result file {p} does not exist.") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"Result file {p} is not valid JSON ({e.msg}).") from None
+        if not isinstance(data, dict) or not isinstance(data.get("summary"), dict):
+            raise ConfigError(f"Result file {p} has no 'summary'; write it with "
+                              "kvdeck run-trace --json or --output.")
+        return data["summary"]
+
+    sa, sb = guarded(lambda: load(a)), guarded(lambda: load(b))
+    render_compare(out, a, sa, b, sb)
 
 
 def main() -> None:

@@ -27,3 +27,11 @@ class ConfigError(KvdeckError):
 
 class TraceError(KvdeckError):
     """A trace file is malformed; the message names the line and the problem."""
+
+
+class RequestError(KvdeckError):
+    """A request is invalid: empty or over-long prompt, bad sampling parameters."""
+
+
+class QueueFullError(KvdeckError):
+    """The waiting queue is at its configured bound; the request was not queued."""

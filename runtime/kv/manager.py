@@ -13,7 +13,7 @@ block map without a model:
     ("cache", node_id, parent_id, block, end_token)
     ("evict", node_id, block)
     ("hit", rid, num_tokens)
-    ("reserve", rid, num_blocks)  blocks promised (full reservation), not yet in the table
+    ("reserve", rid, delta)       change in blocks promised to rid (full reservation)
 
 Blocks referenced by a step that is still executing are not reused: a release while
 `in_flight` is set is deferred until `end_step()`.
@@ -89,14 +89,18 @@ class BlockManager:
 
     # -- prefix reuse -----------------------------------------------------------------------
 
-    def peek_prefix(self, req: Request) -> int:
-        """Cached prompt tokens a new admission of `req` would reuse (no side effects).
+    @staticmethod
+    def _reusable(req: Request) -> list[int]:
+        """Tokens whose KV may come from the cache: all known tokens but the last, so the
+        step that computes the last one yields logits (a preempted request's generated
+        tokens count too)."""
+        return req.token_slice(0, req.num_tokens - 1)
 
-        The last prompt token is never reused so the step that computes it yields logits.
-        """
+    def peek_prefix(self, req: Request) -> int:
+        """Cached tokens an admission of `req` would reuse now (no side effects)."""
         if not self.enable_caching:
             return 0
-        chain = self.tree.match(self.namespace, req.prompt_token_ids[:-1], 0.0, record=False)
+        chain = self.tree.match(self.namespace, self._reusable(req), 0.0, record=False)
         return len(chain) * self.block_size
 
     # -- admission and growth ---------------------------------------------------------------
@@ -113,7 +117,7 @@ class BlockManager:
     def _evictable_in_prefix(self, req: Request, hit_blocks: int) -> int:
         if not hit_blocks:
             return 0
-        chain = self.tree.match(self.namespace, req.prompt_token_ids[:-1], 0.0, record=False)
+        chain = self.tree.match(self.namespace, self._reusable(req), 0.0, record=False)
         return sum(1 for n in chain if self.pool.refcount[n.block] == 1)
 
     def admit(self, req: Request, num_new_tokens: int, reserve_full: bool) -> list[tuple[int, int]]:
@@ -127,7 +131,7 @@ class BlockManager:
         self.tables[rid] = table = []
         chain: list[PrefixNode] = []
         if self.enable_caching:
-            chain = self.tree.match(self.namespace, req.prompt_token_ids[:-1], self.clock())
+            chain = self.tree.match(self.namespace, self._reusable(req), self.clock())
         for node in chain:
             self.pool.incref(node.block)
             self.tree.on_block_used(node.block)
@@ -197,6 +201,7 @@ class BlockManager:
         if promised:
             self.reserved[rid] = promised - 1
             self.num_reserved -= 1
+            self.events.append(("reserve", rid, -1))
         return self._take()
 
     def _drop(self, block: int) -> None:

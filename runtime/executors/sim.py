@@ -1,0 +1,153 @@
+"""The `sim` executor: a timing model instead of a model, on a virtual clock.
+
+Step time is either the fitted model `fixed + per_token × new_tokens + per_pair × pairs`
+or a roofline `max(F / (P·MFU), (D_w + Σ L·k) / (β·MBU))` from a hardware and a model
+profile. Tokens are deterministic functions of (seed, request id, position), so the same
+trace, configuration and seed give byte-identical runs. KV exists only as accounting: an 8B
+model on a 96 GB card with hundreds of 8K-token requests runs on a laptop.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from runtime.config import check_choice, check_float, check_int
+from runtime.errors import ConfigError
+from runtime.plan import SchedulerOutput, StepResult, StepTiming
+from runtime.profiles import HardwareProfile, ModelProfile, StepFit
+
+TIMING_MODES = ("fit", "roofline")
+_MASK = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """A fast, well-mixed 64-bit hash (used as a stateless random number generator)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Settings of the sim executor (also accepted as keys of a run config file)."""
+
+    model_profile: str = "qwen3-8b"
+    hardware: str = "rtx-pro-6000"
+    timing: str = "fit"
+    fixed_ms: float | None = None
+    """Fitted-model overrides; when unset, the model profile's fit for `hardware` is used."""
+    per_token_us: float | None = None
+    per_pair_ns: float | None = None
+    vocab_size: int = 32_000
+    eos_probability: float = 0.0
+    """Chance that any sampled token is end-of-sequence (0: requests run to max_tokens)."""
+    eos_token_id: int = 2
+
+    def __post_init__(self) -> None:
+        check_choice("timing", self.timing, TIMING_MODES)
+        for name in ("fixed_ms", "per_token_us", "per_pair_ns"):
+            value = getattr(self, name)
+            if value is not None:
+                check_float(name, value, 0.0, 1e9)
+        check_int("vocab_size", self.vocab_size, 2, 1 << 24)
+        check_float("eos_probability", self.eos_probability, 0.0, 1.0)
+        check_int("eos_token_id", self.eos_token_id, 0, self.vocab_size - 1)
+
+
+class SimExecutor:
+    """Executor protocol implementation driven by a timing model."""
+
+    name = "sim"
+    virtual_time = True
+
+    def __init__(self, config: SimConfig = SimConfig(), seed: int = 0):
+        self.config = config
+        self.seed = seed
+        self.model = ModelProfile.load(config.model_profile)
+        self.hardware = HardwareProfile.load(config.hardware)
+        self.model_name = f"sim:{self.model.name}@{self.hardware.name}"
+        self.max_model_len = self.model.context_length
+        self.eos_token_ids = (config.eos_token_id,)
+        self.fit = self._resolve_fit()
+        self._kv_bytes_per_token = self.model.kv_bytes_per_token()
+        self._rid_hash: dict[str, int] = {}
+
+    def _resolve_fit(self) -> StepFit:
+        c = self.config
+        base = self.model.fits.get(self.hardware.name)
+        values = (c.fixed_ms, c.per_token_us, c.per_pair_ns)
+        if base is None and None in values and c.timing == "fit":
+            raise ConfigError(
+                f"Model profile {self.model.name} has no fitted timing for {self.hardware.name}; "
+                "set fixed_ms, per_token_us and per_pair_ns, or use timing = 'roofline'."
+            )
+        base = base or StepFit(0.0, 0.0, 0.0)
+        return StepFit(
+            base.fixed_s if c.fixed_ms is None else c.fixed_ms / 1e3,
+            base.per_token_s if c.per_token_us is None else c.per_token_us / 1e6,
+            base.per_pair_s if c.per_pair_ns is None else c.per_pair_ns / 1e9,
+        )
+
+    # -- protocol ---------------------------------------------------------------------------
+
+    def kv_bytes_per_token(self, kv_format: str) -> int:
+        self._kv_bytes_per_token = self.model.kv_bytes_per_token(kv_format)
+        return self._kv_bytes_per_token
+
+    def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
+        self.kv_bytes_per_token(kv_format)  # accounting only: nothing to allocate
+
+    def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
+                              num_context_tokens: int) -> float:
+        if self.config.timing == "fit":
+            return self.fit.seconds(num_new_tokens, num_pairs)
+        return self._roofline(num_new_tokens, num_pairs, num_context_tokens)
+
+    def _roofline(self, num_new: int, num_pairs: int, num_context: int) -> float:
+        m, hw = self.model, self.hardware
+        flops = 2.0 * m.matrix_params * num_new \
+            + 4.0 * num_pairs * m.num_heads * m.head_dim * m.num_layers
+        bytes_read = m.matrix_weight_bytes + num_context * self._kv_bytes_per_token
+        return max(flops / (hw.peak_flops * hw.mfu),
+                   bytes_read / (hw.bandwidth_bytes_per_s * hw.mbu))
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        num_new = num_pairs = context = 0
+        sampled: dict[str, int] = {}
+        for chunk in plan.chunks:
+            num_new += chunk.num_new_tokens
+            num_pairs += chunk.num_pairs
+            context += chunk.start + chunk.num_new_tokens
+            if chunk.sample:
+                sampled[chunk.request_id] = self._token(chunk.request_id,
+                                                        chunk.start + chunk.num_new_tokens)
+        seconds = self.estimate_step_seconds(num_new, num_pairs, context) if plan.chunks else 0.0
+        timing = StepTiming(
+            seconds=seconds, measured=False,
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_decode_tokens=plan.num_decode_tokens,
+            num_pairs=num_pairs,
+            bytes_read=self.model.matrix_weight_bytes + context * self._kv_bytes_per_token,
+        )
+        return StepResult(sampled, timing)
+
+    def _token(self, request_id: str, position: int) -> int:
+        h = self._rid_hash.get(request_id)
+        if h is None:
+            # crc32, not hash(): Python's string hash changes between processes.
+            h = self._rid_hash[request_id] = zlib.crc32(request_id.encode())
+        r = splitmix64((self.seed << 40) ^ (h << 20) ^ position)
+        c = self.config
+        if c.eos_probability and (r >> 11) / float(1 << 53) < c.eos_probability:
+            return c.eos_token_id
+        token = splitmix64(r) % c.vocab_size
+        return token if token != c.eos_token_id else (token + 1) % c.vocab_size
+
+    def forget(self, request_id: str) -> None:
+        """Drop per-request memo state once a request has finished."""
+        self._rid_hash.pop(request_id, None)
+
+    def close(self) -> None:
+        self._rid_hash.clear()

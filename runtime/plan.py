@@ -1,0 +1,106 @@
+"""The data passed between the three calls of an engine iteration.
+
+    plan   = scheduler.schedule()            # SchedulerOutput
+    result = executor.execute(plan)          # StepResult
+    events = scheduler.update(plan, result)
+
+Data only: the scheduler builds plans, executors read them and return results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.request import Request
+
+
+def causal_pairs(num_new: int, num_prior: int) -> int:
+    """Query–key pairs when `num_new` tokens attend causally on top of `num_prior`:
+    `c·h + c(c+1)/2` (DESIGN.md)."""
+    return num_new * num_prior + num_new * (num_new + 1) // 2
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """One request's share of an iteration: `num_new_tokens` tokens from position `start`."""
+
+    request: Request
+    num_new_tokens: int
+    start: int
+    """Position of the first new token; tokens before it are already in the KV cache."""
+    block_table: list[int]
+    """The request's block table as the KV manager holds it; executors must not modify it."""
+    sample: bool
+    """True when the chunk reaches the request's last known token, so a token is sampled."""
+    is_decode: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_pairs(self) -> int:
+        return causal_pairs(self.num_new_tokens, self.start)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One iteration's plan."""
+
+    step: int
+    time: float
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    cow_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(src, dst) block copies to perform before the forward pass."""
+    preempted: list[str] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    """(device block, host block) moves, for swap preemption with a host tier."""
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    token_budget: int = 0
+    max_num_seqs: int = 0
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks if c.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks if not c.is_decode)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def num_pairs(self) -> int:
+        return sum(c.num_pairs for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """What a step did and how long it took (modelled for `sim`, measured otherwise)."""
+
+    seconds: float
+    measured: bool
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_pairs: int
+    bytes_read: int = 0
+    """Weight and KV bytes the step read (modelled), for roofline comparisons."""
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What an executor returns for one plan."""
+
+    sampled: dict[str, int]
+    """Request id -> sampled token, for every chunk with `sample` set."""
+    timing: StepTiming
+    errors: dict[str, str] = field(default_factory=dict)
+    """Request id -> error message for requests the executor could not run."""

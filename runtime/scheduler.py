@@ -1,0 +1,302 @@
+"""One iteration's plan: who runs, how many tokens each, who waits, who is preempted.
+
+Continuous batching under two budgets, tokens per iteration and sequences per iteration:
+
+1. running requests in the decode phase get one token each, first;
+2. running requests still prefilling (a chunked prompt, or recomputation after preemption)
+   get chunks of at most `chunk_size` tokens from what budget is left;
+3. waiting requests are admitted in queue-policy order while both budgets, the KV pool and
+   (with admission control) their deadlines allow. Admission stops at the first request that
+   does not fit, so a large request is not starved by smaller ones behind it.
+
+In `static` mode a group is admitted only when nothing runs, and runs until every member
+has finished.
+
+Preemption (`recompute`): when a running request cannot get the blocks it needs, the
+victim is the running request, not yet scheduled this iteration, that was admitted last
+(under the `priority` policy: the lowest-priority one, latest admitted among equals) — the
+request that has received the least service, as in vLLM. Its blocks are freed and it returns
+to the head of the queue; its prompt and generated tokens are recomputed when it is
+readmitted (reusing whatever the prefix cache still holds). If the request needing blocks is
+itself the only candidate, it is the one preempted. No admissions happen in an iteration
+that preempted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+
+from runtime.config import EngineConfig, Knobs
+from runtime.kv.manager import BlockManager
+from runtime.plan import ScheduledChunk, SchedulerOutput, StepResult, causal_pairs
+from runtime.request import Request, RequestStatus
+
+Estimator = Callable[[int, int, int], float]
+"""(new tokens, causal pairs, context tokens) -> predicted step seconds."""
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch; plans and applies iterations."""
+
+    def __init__(self, config: EngineConfig, kv: BlockManager, estimate: Estimator,
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
+        self.config = config
+        self.knobs = config.knobs
+        self.kv = kv
+        self.estimate = estimate
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        """Requests that reached a final state since the engine last collected them."""
+        self.num_preemptions = 0
+
+    # -- knobs ------------------------------------------------------------------------------
+
+    def apply_knobs(self, knobs: Knobs) -> None:
+        """Take new knob values (already validated) at an iteration boundary."""
+        self.knobs = knobs
+        self.kv.configure_cache(knobs.enable_prefix_caching, knobs.prefix_cache_capacity,
+                                knobs.eviction_policy)
+
+    # -- intake -----------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        """Queue a validated request (see `Engine.add_request` for validation)."""
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def abort(self, request_id: str, now: float,
+              reason: str = "aborted by client") -> Request | None:
+        """Stop planning a request; its blocks are released (after any in-flight step)."""
+        for queue in (self.running, self.waiting):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self._finish(req, RequestStatus.ABORTED, reason, now)
+                    return req
+        return None
+
+    def reject(self, req: Request, reason: str, now: float) -> None:
+        self._finish(req, RequestStatus.REJECTED, reason, now)
+
+    def _finish(self, req: Request, status: RequestStatus, reason: str | None,
+                now: float) -> None:
+        req.status = status
+        req.reason = reason
+        req.finish_time = now
+        if req.request_id in self.kv.tables:
+            self.kv.release(req)
+        self.finished.append(req)
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def schedule(self, step: int, now: float) -> SchedulerOutput:
+        k = self.knobs
+        plan = SchedulerOutput(step=step, time=now, token_budget=k.max_num_batched_tokens,
+                               max_num_seqs=k.max_num_seqs)
+        budget = k.max_num_batched_tokens
+        scheduled: set[str] = set()
+        # Decodes first, then running prefills, each in admission order.
+        ordered = [r for r in self.running if r.is_decoding] + \
+                  [r for r in self.running if not r.is_decoding]
+        for req in ordered:
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget <= 0 or len(scheduled) >= k.max_num_seqs:
+                break
+            n = 1 if req.is_decoding else min(req.num_pending_tokens, k.chunk_size, budget)
+            if not self._make_room(req, n, scheduled, plan):
+                continue
+            plan.cow_copies.extend(self.kv.allocate(req, n))
+            self._add_chunk(plan, req, n)
+            scheduled.add(req.request_id)
+            budget -= n
+        if not plan.preempted:
+            self._admit(plan, budget, scheduled, now)
+        return plan
+
+    def _add_chunk(self, plan: SchedulerOutput, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        plan.chunks.append(ScheduledChunk(
+            request=req, num_new_tokens=n, start=start,
+            block_table=self.kv.tables[req.request_id],
+            sample=start + n == req.num_tokens, is_decode=req.is_decoding,
+        ))
+
+    def _make_room(self, req: Request, n: int, scheduled: set[str],
+                   plan: SchedulerOutput) -> bool:
+        """Preempt until `req` can grow by `n` tokens; False if `req` itself was preempted."""
+        while not self.kv.can_allocate(req, n):
+            victim = self._pick_victim(scheduled)
+            self._preempt(victim, plan)
+            if victim is req:
+                return False
+        return True
+
+    def _pick_victim(self, scheduled: set[str]) -> Request:
+        # `running` is in admission order, so a larger index means admitted later.
+        candidates = [(i, r) for i, r in enumerate(self.running)
+                      if r.request_id not in scheduled]
+        if self.knobs.queue_policy == "priority":
+            return max(candidates, key=lambda ir: (ir[1].priority, ir[0]))[1]
+        return candidates[-1][1]
+
+    def _preempt(self, req: Request, plan: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.release(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        plan.preempted.append(req.request_id)
+
+    def _queue_order(self, now: float) -> list[Request]:
+        policy = self.knobs.queue_policy
+        if policy == "fcfs":
+            # Preempted requests were put at the head. Only the front of a long queue can be
+            # admitted this iteration, so copy no more than that.
+            return list(itertools.islice(self.waiting, self.knobs.max_num_seqs + 256))
+        resumed = [r for r in self.waiting if r.status is RequestStatus.PREEMPTED]
+        fresh = [r for r in self.waiting if r.status is not RequestStatus.PREEMPTED]
+        if policy == "priority":
+            fresh.sort(key=lambda r: (r.priority, r.arrival_time))
+        elif policy == "edf":
+            fresh.sort(key=lambda r: (r.deadline if r.deadline is not None else math.inf,
+                                      r.arrival_time))
+        else:  # sjf with aging: requests past the wait limit go first, oldest first
+            limit = self.knobs.sjf_max_wait_s
+            fresh.sort(key=lambda r: (0, r.arrival_time, 0) if now - r.arrival_time >= limit
+                       else (1, r.num_prompt_tokens, r.arrival_time))
+        return resumed + fresh
+
+    def _admit(self, plan: SchedulerOutput, budget: int, scheduled: set[str],
+               now: float) -> None:
+        k = self.knobs
+        if k.scheduling == "static" and self.running:
+            return  # a static group runs to completion before the next is admitted
+        full = k.reservation == "full"
+        for req in self._queue_order(now):
+            if budget <= 0 or len(scheduled) >= k.max_num_seqs:
+                break
+            never = self._never_fits(req, full)
+            if never:
+                self.waiting.remove(req)
+                self.reject(req, never, now)
+                plan.rejected.append(req.request_id)
+                continue
+            hit = self.kv.peek_prefix(req)
+            n = min(req.num_tokens - hit, k.chunk_size, budget)
+            if k.admission_control and req.deadline is not None:
+                finish = now + self._estimate_service(req, hit)
+                if finish > req.deadline:
+                    if k.on_deadline_miss == "wait":
+                        continue
+                    self.waiting.remove(req)
+                    self.reject(req, f"cannot meet its deadline: estimated finish "
+                                     f"{finish - req.arrival_time:.2f} s after arrival, deadline "
+                                     f"{req.deadline - req.arrival_time:.2f} s", now)
+                    plan.rejected.append(req.request_id)
+                    continue
+            if not self.kv.can_admit(req, n, full):
+                break  # head-of-line: wait for blocks rather than let smaller ones pass
+            self.waiting.remove(req)
+            plan.cow_copies.extend(self.kv.admit(req, n, full))
+            req.status = RequestStatus.RUNNING
+            if req.admitted_time is None:
+                req.admitted_time = now
+            self.running.append(req)
+            self._add_chunk(plan, req, n)
+            plan.admitted.append(req.request_id)
+            scheduled.add(req.request_id)
+            budget -= n
+
+    def _never_fits(self, req: Request, full: bool) -> str | None:
+        """A reason the request can never be admitted with this pool, or None."""
+        tokens = req.max_total_tokens if full else req.num_tokens
+        need = self.kv.blocks_needed(tokens)
+        if need > self.kv.num_blocks:
+            what = "prompt + max_tokens − 1" if full else "its prompt"
+            return (f"needs {need:,} KV blocks for {what} ({tokens:,} tokens) but the pool has "
+                    f"{self.kv.num_blocks:,} blocks of {self.kv.block_size} tokens")
+        return None
+
+    def _estimate_service(self, req: Request, hit: int) -> float:
+        """Predicted seconds from now to completion if admitted now: its prefill in chunks
+        alongside the current batch, then its remaining decode steps."""
+        k = self.knobs
+        batch = len(self.running) + 1
+        context = sum(r.num_tokens for r in self.running)
+        seconds = 0.0
+        pos = hit
+        while pos < req.num_tokens:
+            c = min(k.chunk_size, k.max_num_batched_tokens, req.num_tokens - pos)
+            seconds += self.estimate(c + batch - 1, causal_pairs(c, pos), context + pos + c)
+            pos += c
+        remaining = req.sampling.max_tokens - req.num_output_tokens - 1
+        if remaining > 0:
+            mean_ctx = req.num_tokens + remaining // 2
+            step = self.estimate(batch, batch * causal_pairs(1, mean_ctx),
+                                 context + mean_ctx)
+            seconds += remaining * step
+        return seconds
+
+    # -- applying results -------------------------------------------------------------------
+
+    def update(self, plan: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
+        """Apply a step's results: advance computed tokens, append sampled tokens, finish
+        requests that stopped, cache newly full blocks. Returns requests finished now."""
+        done: list[Request] = []
+        for chunk in plan.chunks:
+            req = chunk.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran: its blocks are already released
+            rid = req.request_id
+            if rid in result.errors:
+                self.running.remove(req)
+                req.error = result.errors[rid]
+                self._finish(req, RequestStatus.ABORTED, f"executor error: {req.error}", now)
+                done.append(req)
+                continue
+            req.num_computed_tokens += chunk.num_new_tokens
+            status = None
+            if chunk.sample:
+                token = result.sampled[rid]
+                req.output_token_ids.append(token)
+                req.token_times.append(now)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                status = self._stop_status(req, token)
+            self.kv.cache_computed(req)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status, status.value, now)
+                done.append(req)
+        return done
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        s = req.sampling
+        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= s.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- views ------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def take_finished(self) -> list[Request]:
+        done, self.finished = self.finished, []
+        return done

@@ -1,0 +1,90 @@
+"""`kvdeck run-trace` and `kvdeck compare` as a user runs them, on the public traces."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.recording import read_iterations
+from tests.paths import AZURE_CONV, MOONCAKE
+
+
+def kvdeck(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_mooncake_with_16_gib_reports_prefix_hits(tmp_path: Path) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("kv_memory_bytes = 17179869184  # 16 GiB\n"
+                   "max_num_batched_tokens = 8192\nchunk_size = 2048\n")
+    r = kvdeck("run-trace", str(MOONCAKE), "--config", str(cfg), "--limit", "300", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    s = result["summary"]
+    assert s["num_requests"] == 300 == len(result["requests"])
+    # 16 GiB at 144 KiB per token: 116,508 tokens, 7,281 blocks of 16.
+    assert s["num_blocks"] == 7_281
+    assert s["prefix_hit_rate"] > 0.1 and s["cached_prompt_tokens"] > 0
+    assert sum(s["statuses"].values()) == 300  # every request accounted for
+    rejected = [q for q in result["requests"] if q["status"] == "rejected"]
+    for q in rejected:  # prompts over Qwen3-8B's 40,960-token context
+        assert q["reason"].startswith("The prompt has") and q["prompt_tokens"] > 40_959
+    ll = s["littles_law"]
+    assert ll["measured_mean_resident"] == pytest.approx(ll["predicted_mean_resident"])
+
+
+def test_azure_conv_runs_and_records(tmp_path: Path) -> None:
+    out_a = tmp_path / "a.json"
+    r = kvdeck("run-trace", str(AZURE_CONV), "--limit", "120", "--time-scale", "4",
+               "--record", str(tmp_path / "run"), "-o", str(out_a))
+    assert r.returncode == 0, r.stderr
+    assert "completion throughput" in r.stdout and "TTFT p99" in r.stdout
+    header, records = read_iterations(tmp_path / "run")
+    assert header["num_blocks"] > 0 and records
+    assert len((tmp_path / "run" / "arrivals.jsonl").read_text().splitlines()) == 120
+    per_req = json.loads(out_a.read_text())["requests"]
+    first = per_req[0]
+    for key in ("arrival", "admitted", "first_token", "finish", "itls", "status"):
+        assert key in first
+    # Re-run the recorded arrivals under another configuration, then compare.
+    cfg = tmp_path / "b.toml"
+    cfg.write_text('kv_memory_bytes = 8589934592\nqueue_policy = "sjf"\n')
+    out_b = tmp_path / "b.json"
+    r = kvdeck("run-trace", str(tmp_path / "run" / "arrivals.jsonl"), "--config", str(cfg),
+               "-o", str(out_b))
+    assert r.returncode == 0, r.stderr
+    b = json.loads(out_b.read_text())["requests"]
+    assert [q["prompt_tokens"] for q in b] == [q["prompt_tokens"] for q in per_req]
+    r = kvdeck("compare", str(out_a), str(out_b))
+    assert r.returncode == 0, r.stderr
+    assert "Δ = B − A" in r.stdout and "goodput" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run-trace", "/nonexistent.jsonl"], "Trace file /nonexistent.jsonl does not exist."),
+    (["run-trace", str(AZURE_CONV), "--executor", "vllm"],
+     "Unknown executor 'vllm'; available executors: sim."),
+    (["compare", "/nope-a.json", "/nope-b.json"], "Result file /nope-a.json does not exist."),
+])
+def test_bad_arguments(args: list[str], message: str) -> None:
+    r = kvdeck(*args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_config_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("block_size = 0\n")
+    r = kvdeck("run-trace", str(AZURE_CONV), "--config", str(cfg), "--limit", "3")
+    assert r.returncode == 2 and "block_size must be an integer from 1 to 256, got 0." in r.stderr
+    cfg.write_text("warp_drive = 9\n")
+    r = kvdeck("run-trace", str(AZURE_CONV), "--config", str(cfg), "--limit", "3")
+    assert r.returncode == 2 and "Unknown setting 'warp_drive'; allowed settings are" in r.stderr
+    cfg.write_text("block_size = [\n")
+    r = kvdeck("run-trace", str(AZURE_CONV), "--config", str(cfg), "--limit", "3")
+    assert r.returncode == 2 and "is not valid TOML" in r.stderr

@@ -1,0 +1,69 @@
+"""Request timing formulas, percentiles, goodput under SLOs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.metrics import SLO, Distribution, RunStats, percentile, request_metrics, summarize
+from runtime.request import Request, RequestStatus, SamplingParams
+
+
+def finished(rid: str, arrival: float, times: list[float], deadline: float | None = None,
+             status: RequestStatus = RequestStatus.FINISHED_LENGTH) -> Request:
+    r = Request(rid, [1, 2, 3], SamplingParams(max_tokens=len(times)), arrival_time=arrival,
+                deadline=deadline)
+    r.admitted_time = arrival + 0.5
+    r.output_token_ids = [7] * len(times)
+    r.token_times = list(times)
+    r.first_token_time = times[0] if times else None
+    r.finish_time = times[-1] if times else arrival
+    r.status = status
+    return r
+
+
+def test_request_formulas() -> None:
+    m = request_metrics(finished("a", 1.0, [2.0, 2.5, 3.5, 4.0], deadline=5.0))
+    assert m.ttft == 1.0 and m.queue_time == 0.5
+    assert m.itls == (0.5, 1.0, 0.5)
+    assert m.e2e == 3.0 == m.ttft + sum(m.itls)
+    assert m.tpot == pytest.approx((3.0 - 1.0) / 3)
+    assert m.met_deadline is True
+    single = request_metrics(finished("b", 0.0, [1.0]))
+    assert single.tpot is None and single.itls == () and single.e2e == 1.0
+    late = request_metrics(finished("c", 0.0, [1.0, 9.0], deadline=5.0))
+    assert late.met_deadline is False
+
+
+def test_percentiles_match_numpy() -> None:
+    rng = np.random.default_rng(0)
+    xs = sorted(rng.exponential(size=101).tolist())
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(np.percentile(xs, q))
+    d = Distribution.of([3.0, 1.0, 2.0])
+    assert (d.count, d.mean, d.p50) == (3, 2.0, 2.0)
+    assert Distribution.of([]).mean is None
+
+
+def test_goodput_counts_only_requests_meeting_slos_and_correct() -> None:
+    reqs = [
+        finished("fast", 0.0, [0.1, 0.2, 0.3]),
+        finished("slow-ttft", 0.0, [2.0, 2.1]),
+        finished("late", 0.0, [0.1, 6.0], deadline=5.0),
+        finished("wrong", 0.0, [0.1, 0.2]),
+        finished("aborted", 0.0, [0.1], status=RequestStatus.ABORTED),
+    ]
+    ms = [request_metrics(r) for r in reqs]
+    s = summarize(ms, RunStats(busy_seconds=3.0), SLO(ttft_s=1.0),
+                  correct=lambda rid: rid != "wrong")
+    assert s["num_good"] == 1
+    assert s["makespan_s"] == 6.0
+    assert s["goodput_rps"] == pytest.approx(1 / 6.0)
+    assert s["completion_throughput_rps"] == pytest.approx(4 / 6.0)
+    assert s["accelerator_s_per_good_result"] == 3.0
+    assert s["statuses"] == {"finished_length": 4, "aborted": 1}
+
+
+def test_bad_slo_is_refused() -> None:
+    with pytest.raises(Exception, match="ttft_s must be a number from 0 to 1e\\+09"):
+        SLO(ttft_s=-1.0)
