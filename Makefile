@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # CUDA users: make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ lint: $(VENV)/.dev
 test: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# Benchmarks print ratios measured side by side in one run and write bench-results/.
+bench: $(VENV)/.dev
+	$(PY) -m benchmarks
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

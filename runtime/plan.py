@@ -60,18 +60,13 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     token_budget: int = 0
     max_num_seqs: int = 0
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks if c.is_decode)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks if not c.is_decode)
+    num_decode_tokens: int = 0
+    """Kept by the scheduler as it adds chunks (summing per step would cost a pass each)."""
+    num_prefill_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
+        return self.num_decode_tokens + self.num_prefill_tokens
 
     @property
     def num_pairs(self) -> int:

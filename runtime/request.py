@@ -138,4 +138,6 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         """True once the prompt (and any recomputation) is done and one token at a time remains."""
-        return bool(self.output_token_ids) and self.num_pending_tokens == 1
+        out = self.output_token_ids
+        return bool(out) and \
+            len(self.prompt_token_ids) + len(out) - self.num_computed_tokens == 1

@@ -102,41 +102,87 @@ class Scheduler:
         budget = k.max_num_batched_tokens
         scheduled: set[str] = set()
         # Decodes first, then running prefills, each in admission order.
-        ordered = [r for r in self.running if r.is_decoding] + \
-                  [r for r in self.running if not r.is_decoding]
-        for req in ordered:
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:  # Request.is_decoding, inlined: this runs for every request
+            out = r.output_token_ids
+            if out and len(r.prompt_token_ids) + len(out) - r.num_computed_tokens == 1:
+                decodes.append(r)
+            else:
+                prefills.append(r)
+        budget = self._schedule_decodes(decodes, plan, budget, scheduled)
+        for req in prefills:
             if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+                continue  # preempted earlier in this iteration
             if budget <= 0 or len(scheduled) >= k.max_num_seqs:
                 break
-            n = 1 if req.is_decoding else min(req.num_pending_tokens, k.chunk_size, budget)
-            if not self._make_room(req, n, scheduled, plan):
+            n = min(req.num_pending_tokens, k.chunk_size, budget)
+            cows = self._make_room(req, n, scheduled, plan)
+            if cows is None:
                 continue
-            plan.cow_copies.extend(self.kv.allocate(req, n))
-            self._add_chunk(plan, req, n)
+            plan.cow_copies.extend(cows)
+            self._add_chunk(plan, req, n, False)
             scheduled.add(req.request_id)
             budget -= n
         if not plan.preempted:
             self._admit(plan, budget, scheduled, now)
         return plan
 
-    def _add_chunk(self, plan: SchedulerOutput, req: Request, n: int) -> None:
+    def _schedule_decodes(self, decodes: list[Request], plan: SchedulerOutput, budget: int,
+                          scheduled: set[str]) -> int:
+        """One token for each decoding request, in order, while budgets last.
+
+        The hot path of every iteration: a decode whose next token lands in an unshared,
+        partly filled tail block needs no allocation and is planned inline.
+        """
+        tables = self.kv.tables
+        refcount = self.kv.pool.refcount
+        p = self.kv.block_size
+        max_seqs = self.knobs.max_num_seqs
+        chunks = plan.chunks
+        running = RequestStatus.RUNNING
+        for req in decodes:
+            if budget <= 0 or len(scheduled) >= max_seqs:
+                break
+            if req.status is not running:
+                continue  # preempted to make room for an earlier decode
+            rid = req.request_id
+            table = tables[rid]
+            c = req.num_computed_tokens
+            if c % p == 0 or refcount[table[c // p]] != 1:
+                cows = self._make_room(req, 1, scheduled, plan)
+                if cows is None:
+                    continue
+                plan.cow_copies.extend(cows)
+            chunks.append(ScheduledChunk(req, 1, c, table, True, True))
+            scheduled.add(rid)
+            budget -= 1
+        plan.num_decode_tokens += len(chunks)
+        return budget
+
+    def _add_chunk(self, plan: SchedulerOutput, req: Request, n: int, is_decode: bool) -> None:
         start = req.num_computed_tokens
         plan.chunks.append(ScheduledChunk(
-            request=req, num_new_tokens=n, start=start,
-            block_table=self.kv.tables[req.request_id],
-            sample=start + n == req.num_tokens, is_decode=req.is_decoding,
+            req, n, start, self.kv.tables[req.request_id],
+            start + n == len(req.prompt_token_ids) + len(req.output_token_ids), is_decode,
         ))
+        if is_decode:
+            plan.num_decode_tokens += n
+        else:
+            plan.num_prefill_tokens += n
 
     def _make_room(self, req: Request, n: int, scheduled: set[str],
-                   plan: SchedulerOutput) -> bool:
-        """Preempt until `req` can grow by `n` tokens; False if `req` itself was preempted."""
-        while not self.kv.can_allocate(req, n):
+                   plan: SchedulerOutput) -> list[tuple[int, int]] | None:
+        """Grow `req` by `n` tokens, preempting others as needed; returns the copy-on-write
+        pairs, or None if `req` itself had to be preempted."""
+        while True:
+            cows = self.kv.try_allocate(req, n)
+            if cows is not None:
+                return cows
             victim = self._pick_victim(scheduled)
             self._preempt(victim, plan)
             if victim is req:
-                return False
-        return True
+                return None
 
     def _pick_victim(self, scheduled: set[str]) -> Request:
         # `running` is in admission order, so a larger index means admitted later.
@@ -211,7 +257,7 @@ class Scheduler:
             if req.admitted_time is None:
                 req.admitted_time = now
             self.running.append(req)
-            self._add_chunk(plan, req, n)
+            self._add_chunk(plan, req, n, False)
             plan.admitted.append(req.request_id)
             scheduled.add(req.request_id)
             budget -= n
@@ -252,40 +298,45 @@ class Scheduler:
         """Apply a step's results: advance computed tokens, append sampled tokens, finish
         requests that stopped, cache newly full blocks. Returns requests finished now."""
         done: list[Request] = []
+        errors = result.errors
+        sampled = result.sampled
+        p = self.kv.block_size
+        running = RequestStatus.RUNNING
+        eos = self.eos_token_ids
+        max_len = self.max_model_len
         for chunk in plan.chunks:
             req = chunk.request
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # aborted while the step ran: its blocks are already released
-            rid = req.request_id
-            if rid in result.errors:
+            if errors and req.request_id in errors:
                 self.running.remove(req)
-                req.error = result.errors[rid]
+                req.error = errors[req.request_id]
                 self._finish(req, RequestStatus.ABORTED, f"executor error: {req.error}", now)
                 done.append(req)
                 continue
-            req.num_computed_tokens += chunk.num_new_tokens
+            start = chunk.start
+            end = start + chunk.num_new_tokens
+            req.num_computed_tokens = end
             status = None
             if chunk.sample:
-                token = result.sampled[rid]
-                req.output_token_ids.append(token)
+                token = sampled[req.request_id]
+                out = req.output_token_ids
+                out.append(token)
                 req.token_times.append(now)
                 if req.first_token_time is None:
                     req.first_token_time = now
-                status = self._stop_status(req, token)
-            self.kv.cache_computed(req)
+                sp = req.sampling  # the stop rules, inlined: this runs for every request
+                if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif len(out) >= sp.max_tokens or len(req.prompt_token_ids) + len(out) >= max_len:
+                    status = RequestStatus.FINISHED_LENGTH
+            if end // p != start // p:  # a block was completed: it may enter the cache
+                self.kv.cache_computed(req)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status, status.value, now)
                 done.append(req)
         return done
-
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        s = req.sampling
-        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids):
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= s.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     # -- views ------------------------------------------------------------------------------
 

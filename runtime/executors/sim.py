@@ -116,13 +116,14 @@ class SimExecutor:
     def execute(self, plan: SchedulerOutput) -> StepResult:
         num_new = num_pairs = context = 0
         sampled: dict[str, int] = {}
+        token = self._token
         for chunk in plan.chunks:
-            num_new += chunk.num_new_tokens
-            num_pairs += chunk.num_pairs
-            context += chunk.start + chunk.num_new_tokens
+            n, start = chunk.num_new_tokens, chunk.start
+            num_new += n
+            num_pairs += n * start + n * (n + 1) // 2  # causal_pairs, inlined: hot loop
+            context += start + n
             if chunk.sample:
-                sampled[chunk.request_id] = self._token(chunk.request_id,
-                                                        chunk.start + chunk.num_new_tokens)
+                sampled[chunk.request.request_id] = token(chunk.request.request_id, start + n)
         seconds = self.estimate_step_seconds(num_new, num_pairs, context) if plan.chunks else 0.0
         timing = StepTiming(
             seconds=seconds, measured=False,
@@ -137,12 +138,17 @@ class SimExecutor:
         h = self._rid_hash.get(request_id)
         if h is None:
             # crc32, not hash(): Python's string hash changes between processes.
-            h = self._rid_hash[request_id] = zlib.crc32(request_id.encode())
-        r = splitmix64((self.seed << 40) ^ (h << 20) ^ position)
+            h = self._rid_hash[request_id] = splitmix64(
+                (self.seed << 32) ^ zlib.crc32(request_id.encode()))
+        # One multiply-xorshift round of a per-request key (itself from splitmix64): cheap,
+        # and the shift folds the well-mixed high bits into the low ones used for EOS.
+        r = ((h + position) * 0x9E3779B97F4A7C15) & _MASK
+        r ^= r >> 29
         c = self.config
-        if c.eos_probability and (r >> 11) / float(1 << 53) < c.eos_probability:
+        # Low 32 bits decide end-of-sequence, high 32 bits pick the token.
+        if c.eos_probability and (r & 0xFFFFFFFF) < c.eos_probability * 4294967296.0:
             return c.eos_token_id
-        token = splitmix64(r) % c.vocab_size
+        token = (r >> 32) % c.vocab_size
         return token if token != c.eos_token_id else (token + 1) % c.vocab_size
 
     def forget(self, request_id: str) -> None:

@@ -150,6 +150,19 @@ class BlockManager:
             self.events.append(("reserve", rid, promise))
         return self.allocate(req, num_new_tokens)
 
+    def try_allocate(self, req: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """`allocate` if `can_allocate`, else None — one pass for the scheduler's hot loop.
+
+        The common decode case (room left in an unshared tail block) touches nothing.
+        """
+        table = self.tables[req.request_id]
+        end = req.num_computed_tokens + num_new_tokens
+        if end <= len(table) * self.block_size and not self._tail_is_shared(req):
+            return []
+        if not self.can_allocate(req, num_new_tokens):
+            return None
+        return self.allocate(req, num_new_tokens)
+
     def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Whether `req` can grow by `num_new_tokens` (counting its own reservation)."""
         need = self._new_blocks_needed(req, num_new_tokens)
@@ -231,8 +244,10 @@ class BlockManager:
             return
         rid = req.request_id
         chain = self._chains[rid]
-        table = self.tables[rid]
         p = self.block_size
+        if req.num_computed_tokens // p <= len(chain):
+            return  # no newly completed block (most decode steps)
+        table = self.tables[rid]
         full = min(req.num_computed_tokens // p, len(table))
         now = self.clock()
         while len(chain) < full:
