@@ -99,3 +99,5 @@ class StepResult:
     timing: StepTiming
     errors: dict[str, str] = field(default_factory=dict)
     """Request id -> error message for requests the executor could not run."""
+    logprobs: dict[str, object] = field(default_factory=dict)
+    """Request id -> `sampling.TokenLogprobs` for requests that asked for logprobs."""

@@ -92,6 +92,8 @@ class Request:
     """Why the request was rejected or aborted, or what stopped it."""
     num_preemptions: int = 0
     error: str | None = None
+    output_logprobs: list = field(default_factory=list)
+    """One `sampling.TokenLogprobs` per output token when `sampling.logprobs` is set."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

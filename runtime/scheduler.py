@@ -81,6 +81,21 @@ class Scheduler:
                     return req
         return None
 
+    def fork(self, parent: Request, child_id: str, sampling=None) -> Request:
+        """Branch a running request: the child shares every block of the parent (its first
+        write into the shared partial tail copies it) and continues from the same tokens."""
+        assert parent.status is RequestStatus.RUNNING, "only running requests can fork"
+        child = Request(child_id, list(parent.prompt_token_ids), sampling or parent.sampling,
+                        arrival_time=parent.arrival_time, deadline=parent.deadline,
+                        priority=parent.priority, status=RequestStatus.RUNNING,
+                        output_token_ids=list(parent.output_token_ids),
+                        admitted_time=parent.admitted_time,
+                        first_token_time=parent.first_token_time,
+                        token_times=list(parent.token_times))
+        self.kv.fork(parent, child)
+        self.running.append(child)
+        return child
+
     def reject(self, req: Request, reason: str, now: float) -> None:
         self._finish(req, RequestStatus.REJECTED, reason, now)
 
@@ -322,6 +337,10 @@ class Scheduler:
                 token = sampled[req.request_id]
                 out = req.output_token_ids
                 out.append(token)
+                if result.logprobs:
+                    lp = result.logprobs.get(req.request_id)
+                    if lp is not None:
+                        req.output_logprobs.append(lp)
                 req.token_times.append(now)
                 if req.first_token_time is None:
                     req.first_token_time = now

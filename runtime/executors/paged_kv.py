@@ -1,0 +1,173 @@
+"""Physical paged KV: per-layer K and V tensors `[num_blocks, block_size, kv_heads, head_dim]`
+addressed only through the block tables the engine's KV manager hands out, and attention
+over them for a mixed batch of decode rows and prefill chunks.
+
+Per step, `PagedBatch.build` turns a plan into index tensors once; every layer then
+(1) writes the new K/V into the slots the tables name, (2) runs one batched attention for all
+decode rows (keys gathered through a padded `[B, max_blocks]` block index, masked to each
+row's length) and (3) one attention per prefill chunk (causal within the chunk, full over
+its cached prefix). Sliding-window layers mask keys outside their window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from runtime.plan import SchedulerOutput
+
+KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class PagedKVCache:
+    """The block pool's bytes: one K and one V tensor per layer."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src's contents into block dst, in every layer."""
+        if not pairs:
+            return
+        dev = self.k[0].device
+        src = torch.tensor([s for s, _ in pairs], device=dev)
+        dst = torch.tensor([d for _, d in pairs], device=dev)
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        kf = self.k[layer].view(-1, *self.k[layer].shape[2:])
+        vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
+        kf.index_copy_(0, slots, k.to(kf.dtype))
+        vf.index_copy_(0, slots, v.to(vf.dtype))
+
+    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V for block indices `[..., nb]` as `[..., nb * block_size, kv_heads, d]`."""
+        k, v = self.k[layer][blocks], self.v[layer][blocks]
+        shape = (*blocks.shape[:-1], blocks.shape[-1] * self.block_size, *k.shape[-2:])
+        return k.reshape(shape), v.reshape(shape)
+
+
+def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, length: torch.Tensor,
+                 window: int | None) -> torch.Tensor:
+    """Allowed (query, key) pairs: causal, within length, and within the window if any."""
+    allowed = (key_pos <= query_pos) & (key_pos < length)
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    return allowed
+
+
+@dataclass
+class PrefillChunk:
+    row: int
+    num_new: int
+    start: int
+    blocks: torch.Tensor
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class PagedBatch:
+    """Index tensors for one step, built once and used by every layer."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    sample_rows: torch.Tensor
+    sample_ids: list[str]
+    decode_rows: torch.Tensor | None = None
+    decode_blocks: torch.Tensor | None = None
+    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    num_context_tokens: int = 0
+
+    @classmethod
+    def build(cls, plan: SchedulerOutput, block_size: int, windows: set[int | None],
+              device: torch.device) -> PagedBatch:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        dec_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_pos: list[int] = []
+        prefills: list[PrefillChunk] = []
+        context = 0
+        p = block_size
+        for c in plan.chunks:
+            row = len(tokens)
+            req, table, start, n = c.request, c.block_table, c.start, c.num_new_tokens
+            tokens.extend(req.token_slice(start, start + n))
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(table[pos // p] * p + pos % p)
+            context += start + n
+            if c.sample:
+                sample_rows.append(row + n - 1)
+                sample_ids.append(c.request_id)
+            nb = -(-(start + n) // p)
+            if n == 1:
+                dec_rows.append(row)
+                dec_tables.append(table[:nb])
+                dec_pos.append(start)
+            else:
+                prefills.append(PrefillChunk(row, n, start,
+                                             torch.tensor(table[:nb], device=device)))
+
+        def t(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        batch = cls(t(tokens), t(positions), t(slots), t(sample_rows), sample_ids,
+                    prefills=prefills, num_context_tokens=context)
+        if dec_rows:
+            width = max(len(tb) for tb in dec_tables)
+            padded = [tb + [tb[0]] * (width - len(tb)) for tb in dec_tables]
+            batch.decode_rows = t(dec_rows)
+            batch.decode_blocks = t(padded)
+            qpos = t(dec_pos)[:, None]
+            kpos = torch.arange(width * p, device=device)[None, :]
+            for w in windows:
+                batch.decode_masks[w] = _window_mask(qpos, kpos, qpos + 1, w)[:, None, None, :]
+        for ch in prefills:
+            qpos = torch.arange(ch.start, ch.start + ch.num_new, device=device)[:, None]
+            kpos = torch.arange(len(ch.blocks) * p, device=device)[None, :]
+            for w in windows:
+                ch.masks[w] = _window_mask(qpos, kpos, qpos.new_tensor(ch.start + ch.num_new),
+                                           w)
+        return batch
+
+
+def paged_attention(kv: PagedKVCache, batch: PagedBatch, layer: int, window: int | None,
+                    scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                    ) -> torch.Tensor:
+    """Write this step's K/V into their slots, then attend every row over its context."""
+    kv.write(layer, batch.slots, k, v)
+    out = torch.empty_like(q)
+    if batch.decode_rows is not None:
+        keys, values = kv.gather(layer, batch.decode_blocks)        # [B, L, KVH, d]
+        qd = q[batch.decode_rows].unsqueeze(2)                       # [B, H, 1, d]
+        o = F.scaled_dot_product_attention(
+            qd, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+            attn_mask=batch.decode_masks[window], scale=scale, enable_gqa=True)
+        out[batch.decode_rows] = o.squeeze(2)
+    for ch in batch.prefills:
+        keys, values = kv.gather(layer, ch.blocks)                   # [L, KVH, d]
+        qc = q[ch.row:ch.row + ch.num_new].transpose(0, 1)[None]      # [1, H, n, d]
+        o = F.scaled_dot_product_attention(
+            qc, keys.transpose(0, 1)[None].to(q.dtype), values.transpose(0, 1)[None].to(q.dtype),
+            attn_mask=ch.masks[window], scale=scale, enable_gqa=True)
+        out[ch.row:ch.row + ch.num_new] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,152 @@
+"""The decoder forward pass shared by every supported architecture.
+
+It works on a *packed* batch: the new tokens of every scheduled chunk concatenated into one
+`[T]` vector with their positions. Everything except attention is position-wise, so one
+matmul per weight serves decode rows and prefill chunks together. Attention is delegated to
+an `attend(layer, q, k, v)` callback: the paged executor writes K/V into blocks and reads
+them back through block tables; the test reference keeps them contiguous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runtime.models.arch import ModelConfig
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(layer, q [T, H, d], k [T, KVH, d], v [T, KVH, d]) -> attention output [T, H, d]."""
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    ffn_norm: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    bq: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+class Transformer:
+    """Weights plus the per-layer computations of one model."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        info = cfg.info
+        self.num_heads, self.num_kv_heads, self.head_dim = \
+            info.num_heads, info.num_kv_heads, info.head_dim
+        self.emb = tensors["token_embd.weight"]
+        self.head = tensors.get("output.weight", self.emb)  # tied when absent
+        self.out_norm = tensors["output_norm.weight"]
+        self.device, self.dtype = self.emb.device, self.emb.dtype
+        self.layers = [self._layer(tensors, i) for i in range(info.num_layers)]
+        rope_scale = tensors.get("rope_freqs.weight")
+        d = self.head_dim
+        self._inv_freq: dict[float, torch.Tensor] = {}
+        for base in {cfg.rope_base(i) for i in range(info.num_layers)}:
+            inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+            if rope_scale is not None:  # llama 3.x frequency factors
+                inv = inv / rope_scale.float().cpu()
+            self._inv_freq[base] = inv.to(self.device)
+        self.embed_scale = info.hidden_size ** 0.5 if cfg.arch.embed_scale else None
+
+    def _layer(self, t: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"blk.{i}."
+        return LayerWeights(
+            attn_norm=t[p + "attn_norm.weight"], wq=t[p + "attn_q.weight"],
+            wk=t[p + "attn_k.weight"], wv=t[p + "attn_v.weight"],
+            wo=t[p + "attn_output.weight"], ffn_norm=t[p + "ffn_norm.weight"],
+            w_gate=t[p + "ffn_gate.weight"], w_up=t[p + "ffn_up.weight"],
+            w_down=t[p + "ffn_down.weight"],
+            bq=t.get(p + "attn_q.bias"), bk=t.get(p + "attn_k.bias"), bv=t.get(p + "attn_v.bias"),
+            q_norm=t.get(p + "attn_q_norm.weight"), k_norm=t.get(p + "attn_k_norm.weight"),
+            post_attn_norm=t.get(p + "post_attention_norm.weight"),
+            post_ffn_norm=t.get(p + "post_ffw_norm.weight"),
+        )
+
+    # -- pieces -----------------------------------------------------------------------------
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+        """Rotate `x` [T, heads, d] by its positions; layout per the architecture."""
+        angles = positions.float()[:, None] * self._inv_freq[base][None, :]  # [T, d/2]
+        cos = angles.cos()[:, None, :].to(x.dtype)
+        sin = angles.sin()[:, None, :].to(x.dtype)
+        if self.cfg.arch.rope_style == "neox":
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+    def qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w, eps, t = self.layers[i], self.cfg.rms_eps, x.shape[0]
+        h = rms_norm(x, w.attn_norm, eps)
+        q = F.linear(h, w.wq, w.bq).view(t, self.num_heads, self.head_dim)
+        k = F.linear(h, w.wk, w.bk).view(t, self.num_kv_heads, self.head_dim)
+        v = F.linear(h, w.wv, w.bv).view(t, self.num_kv_heads, self.head_dim)
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, eps)
+            k = rms_norm(k, w.k_norm, eps)
+        base = self.cfg.rope_base(i)
+        return self.rope(q, positions, base), self.rope(k, positions, base), v
+
+    def finish_layer(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        w, eps = self.layers[i], self.cfg.rms_eps
+        o = F.linear(attn.reshape(x.shape[0], -1), w.wo)
+        if w.post_attn_norm is not None:
+            o = rms_norm(o, w.post_attn_norm, eps)
+        x = x + o
+        h = rms_norm(x, w.ffn_norm, eps)
+        gate = F.linear(h, w.w_gate)
+        gate = F.gelu(gate, approximate="tanh") if self.cfg.arch.activation == "gelu_tanh" \
+            else F.silu(gate)
+        f = F.linear(gate * F.linear(h, w.w_up), w.w_down)
+        if w.post_ffn_norm is not None:
+            f = rms_norm(f, w.post_ffn_norm, eps)
+        return x + f
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb[tokens]
+        return x * self.embed_scale if self.embed_scale is not None else x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for the given rows of final hidden states."""
+        return F.linear(rms_norm(hidden, self.out_norm, self.cfg.rms_eps), self.head).float()
+
+    # -- whole pass -------------------------------------------------------------------------
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend
+                ) -> torch.Tensor:
+        """Final hidden states [T, hidden] for a packed batch of tokens at `positions`."""
+        x = self.embed(tokens)
+        for i in range(len(self.layers)):
+            q, k, v = self.qkv(i, x, positions)
+            x = self.finish_layer(i, x, attend(i, q, k, v))
+        return x
+
+    @property
+    def matrix_weight_bytes(self) -> int:
+        """Bytes of matrices one step reads once (the embedding only when tied)."""
+        n = self.head.numel() + sum(
+            m.numel() for w in self.layers
+            for m in (w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down))
+        return n * self.head.element_size()
