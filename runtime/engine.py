@@ -29,6 +29,7 @@ from runtime.plan import SchedulerOutput, StepResult, StepTiming, causal_pairs
 from runtime.request import Request, RequestStatus, SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.snapshot import BatchView, EngineSnapshot, KVView, RequestView
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class VirtualClock:
@@ -67,9 +68,11 @@ class Engine:
     """Scheduler + KV manager + executor, stepped by one thread."""
 
     def __init__(self, config: EngineConfig, executor: Executor,
-                 completed_history: int = 10_000):
+                 completed_history: int = 10_000, tokenizer: Tokenizer | None = None):
         self.config = config
         self.executor = executor
+        self.tokenizer = tokenizer
+        """Detokenizes outputs and matches stop strings; None for the sim executor."""
         self.kv_bytes_per_token = executor.kv_bytes_per_token(config.kv_format)
         num_blocks = config.blocks_for_budget(self.kv_bytes_per_token)
         executor.bind_kv(num_blocks, config.block_size, config.kv_format)
@@ -120,6 +123,9 @@ class Engine:
         """
         sampling = sampling or SamplingParams()
         n = len(prompt_token_ids)
+        if sampling.stop and self.tokenizer is None:
+            raise RequestError("Stop strings need a tokenizer, and this engine has none; "
+                               "use stop token ids instead.")
         if n == 0:
             raise RequestError("The prompt is empty; a prompt needs at least one token.")
         if n > self.max_model_len - 1:
@@ -140,6 +146,9 @@ class Engine:
         req = Request(rid, list(prompt_token_ids), sampling, arrival_time=arrival,
                       deadline=arrival + deadline_s if deadline_s is not None else None,
                       priority=priority)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                     sampling.stop)
         self._post(("add", req))
         return req
 

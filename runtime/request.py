@@ -92,6 +92,8 @@ class Request:
     """Why the request was rejected or aborted, or what stopped it."""
     num_preemptions: int = 0
     error: str | None = None
+    detokenizer: object | None = None
+    """A `tokenizer.IncrementalDetokenizer` when the engine has a tokenizer."""
     output_logprobs: list = field(default_factory=list)
     """One `sampling.TokenLogprobs` per output token when `sampling.logprobs` is set."""
 
@@ -99,6 +101,11 @@ class Request:
         if not self.prompt_token_ids:
             raise ConfigError(f"Request {self.request_id!r} has an empty prompt; "
                               "a prompt needs at least one token.")
+
+    @property
+    def output_text(self) -> str | None:
+        """Decoded output (cut at a matched stop string), when the engine has a tokenizer."""
+        return self.detokenizer.text if self.detokenizer is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

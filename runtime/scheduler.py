@@ -349,6 +349,11 @@ class Scheduler:
                     status = RequestStatus.FINISHED_STOPPED
                 elif len(out) >= sp.max_tokens or len(req.prompt_token_ids) + len(out) >= max_len:
                     status = RequestStatus.FINISHED_LENGTH
+                det = req.detokenizer
+                if det is not None:
+                    det.push(token)
+                    if det.stopped_by is not None:
+                        status = RequestStatus.FINISHED_STOPPED
             if end // p != start // p:  # a block was completed: it may enter the cache
                 self.kv.cache_computed(req)
             if status is not None:

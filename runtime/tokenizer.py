@@ -1,0 +1,130 @@
+"""Tokenization exactly as llama.cpp does it, streaming detokenization, stop strings, and
+chat templates.
+
+`Tokenizer` loads a GGUF vocabulary-only through llama-cpp-python, the tokenizer the
+llama.cpp executor uses too. `IncrementalDetokenizer` turns tokens into text as they arrive:
+bytes of a character split across tokens are held until complete, and text that could be the
+start of a stop string is held until it is known not to be one, so a stop string spanning
+token boundaries is honoured and never streamed. Chat templates from the GGUF are rendered
+in a sandboxed Jinja environment (a GGUF is untrusted input).
+"""
+
+from __future__ import annotations
+
+import codecs
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from runtime.errors import RequestError
+
+# Used when a Gemma GGUF carries no template (the embedded 270M file does not).
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
+    "{% if m['role'] == 'system' %}{{ '<start_of_turn>user\\n' + m['content'] + '\\n\\n' }}"
+    "{% else %}{% if not (loop.index0 == 1 and messages[0]['role'] == 'system') %}"
+    "{{ '<start_of_turn>' + role + '\\n' }}{% endif %}"
+    "{{ m['content'] | trim }}{{ '<end_of_turn>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+
+class Tokenizer:
+    """A GGUF model's tokenizer (vocabulary only: no weights are loaded)."""
+
+    def __init__(self, model_path: str | Path):
+        from llama_cpp import Llama  # imported here: loading the library takes a moment
+
+        self.path = Path(model_path)
+        self._llm = Llama(str(self.path), vocab_only=True, verbose=False)
+        meta = self._llm.metadata
+        self.architecture = meta.get("general.architecture", "")
+        self.bos_token_id = self._llm.token_bos()
+        self.eos_token_id = self._llm.token_eos()
+        self.vocab_size = self._llm.n_vocab()
+        self.add_bos = meta.get("tokenizer.ggml.add_bos_token", "true") == "true"
+        template = meta.get("tokenizer.chat_template")
+        if template is None and self.architecture.startswith("gemma"):
+            template = GEMMA_TEMPLATE
+        self.chat_template = template
+
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of `text`; special-token text (e.g. '<start_of_turn>') maps to its id."""
+        bos = self.add_bos if add_bos is None else add_bos
+        return self._llm.tokenize(text.encode("utf-8"), add_bos=bos, special=special)
+
+    def token_bytes(self, token: int, prev: list[int] | None = None) -> bytes:
+        """The bytes one token adds after `prev` (llama.cpp handles leading-space rules)."""
+        return self._llm.detokenize([token], prev_tokens=prev)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self._llm.detokenize(tokens).decode("utf-8", errors="replace")
+
+    def token_text(self, token: int) -> str:
+        return self._llm.detokenize([token], special=True).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for chat `messages` per the model's template."""
+        if self.chat_template is None:
+            raise RequestError(f"Model {self.path.name} has no chat template; "
+                               "use the completions endpoint with a plain prompt.")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.token_text(self.bos_token_id),
+                eos_token=self.token_text(self.eos_token_id),
+            )
+        except TemplateError as e:
+            raise RequestError(f"The chat template rejected the messages: {e}.") from None
+
+
+class IncrementalDetokenizer:
+    """Text of one request's output, produced token by token."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_tokens: list[int],
+                 stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self._prev = list(prompt_tokens[-8:])  # enough context for leading-space rules
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+        """Decoded output so far (cut at a matched stop string)."""
+        self.emitted = 0
+        """Characters of `text` already handed out by `push`."""
+        self.stopped_by: str | None = None
+
+    def push(self, token: int) -> str:
+        """Add a token; returns newly safe-to-stream text. Sets `stopped_by` on a stop match,
+        after which further tokens add nothing."""
+        if self.stopped_by is not None:
+            return ""
+        piece = self._utf8.decode(self.tokenizer.token_bytes(token, self._prev))
+        self._prev = (self._prev + [token])[-8:]
+        start = max(len(self.text) - self.hold, 0)
+        self.text += piece
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i >= 0:  # later strings only ever cut earlier: the first match wins
+                self.text = self.text[:i]
+                self.stopped_by = s
+        if self.stopped_by is not None:
+            return self.flush()
+        safe = len(self.text) - self.hold
+        out = self.text[self.emitted:safe] if safe > self.emitted else ""
+        self.emitted += len(out)
+        return out
+
+    def flush(self) -> str:
+        """Everything not yet emitted (at the end of the request)."""
+        out = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return out
