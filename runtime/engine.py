@@ -282,7 +282,7 @@ class Engine:
         if result is not None:
             tm = result.timing
             record.update({
-                "dt": tm.seconds, "measured": tm.measured,
+                "dt": tm.seconds, "measured": tm.measured, "bytes": tm.bytes_read,
                 "plan": [[c.request_id, c.start, c.num_new_tokens, int(c.sample)]
                          for c in plan.chunks],
                 "tokens": [[rid, tok] for rid, tok in result.sampled.items()],

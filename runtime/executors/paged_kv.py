@@ -55,9 +55,13 @@ class PagedKVCache:
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V for block indices `[..., nb]` as `[..., nb * block_size, kv_heads, d]`."""
-        k, v = self.k[layer][blocks], self.v[layer][blocks]
-        shape = (*blocks.shape[:-1], blocks.shape[-1] * self.block_size, *k.shape[-2:])
-        return k.reshape(shape), v.reshape(shape)
+        # index_select on a 2-D view: several times cheaper than advanced indexing here.
+        flat = blocks.reshape(-1)
+        kl, vl = self.k[layer], self.v[layer]
+        shape = (*blocks.shape[:-1], blocks.shape[-1] * self.block_size, *kl.shape[-2:])
+        k = kl.view(kl.shape[0], -1).index_select(0, flat).view(shape)
+        v = vl.view(vl.shape[0], -1).index_select(0, flat).view(shape)
+        return k, v
 
 
 def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, length: torch.Tensor,

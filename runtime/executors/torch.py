@@ -24,7 +24,10 @@ from runtime.plan import SchedulerOutput, StepResult, StepTiming
 from runtime.profiles import StepFit
 from runtime.sampling import sample
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "int8": torch.float32, "int8-head": torch.float32}
+"""Compute dtypes. `int8` keeps fp32 activations with int8 matrices (CPU, FBGEMM);
+`int8-head` does so for the output head only."""
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -59,6 +62,9 @@ class TorchExecutor:
         dtype = dtype or default_dtype(self.device)
         if dtype not in DTYPES:
             raise ConfigError(f"Unknown dtype {dtype!r}; dtypes are {', '.join(DTYPES)}.")
+        if dtype.startswith("int8") and self.device.type != "cpu":
+            raise ConfigError("dtype int8 (FBGEMM dynamic quantization) runs on the CPU only; "
+                              "use bf16 on GPUs.")
         if threads is not None:
             if threads < 1:
                 raise ConfigError(f"threads must be at least 1, got {threads}.")
@@ -74,7 +80,8 @@ class TorchExecutor:
         try:
             self.cfg: ModelConfig = model_config(g)
             t0 = time.perf_counter()
-            self.model = Transformer(self.cfg, load_tensors(g, DTYPES[dtype], self.device))
+            self.model = Transformer(self.cfg, load_tensors(g, DTYPES[dtype], self.device),
+                                     int8=dtype == "int8", int8_head=dtype == "int8-head")
             self.load_seconds = time.perf_counter() - t0
         finally:
             g.close()
@@ -87,7 +94,7 @@ class TorchExecutor:
         self._windows = {self.cfg.window(i) for i in range(info.num_layers)}
         # Until `kvdeck calibrate` supplies a fit: weights read once at ~12 GB/s plus a
         # compute term at ~50 GFLOP/s — rough, used only for admission estimates.
-        flops_per_token = 2.0 * self.model.matrix_weight_bytes / self.model.head.element_size()
+        flops_per_token = 2.0 * self.model.matrix_params
         pair_flops = 4.0 * info.num_heads * info.head_dim * info.num_layers
         self.fit = StepFit(self.model.matrix_weight_bytes / 12e9, flops_per_token / 50e9,
                            pair_flops / 50e9)

@@ -16,25 +16,26 @@ import torch
 import torch.nn.functional as F
 
 from runtime.models.arch import ModelConfig
+from runtime.models.linear import Int8Linear, Linear, make_linear
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(layer, q [T, H, d], k [T, KVH, d], v [T, KVH, d]) -> attention output [T, H, d]."""
 
 
+Matmul = Linear | Int8Linear
+
+
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    wo: torch.Tensor
+    wq: Matmul
+    wk: Matmul
+    wv: Matmul
+    wo: Matmul
     ffn_norm: torch.Tensor
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down: torch.Tensor
-    bq: torch.Tensor | None = None
-    bk: torch.Tensor | None = None
-    bv: torch.Tensor | None = None
+    w_gate: Matmul
+    w_up: Matmul
+    w_down: Matmul
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None
@@ -49,13 +50,19 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 class Transformer:
     """Weights plus the per-layer computations of one model."""
 
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], int8: bool = False,
+                 int8_head: bool = False):
+        """`int8` stores every matrix (not the embedding table used for lookups) as int8
+        for FBGEMM's dynamic-quantization GEMM; `int8_head` only the output head. See
+        `linear.py`."""
         self.cfg = cfg
+        self.int8 = int8
         info = cfg.info
         self.num_heads, self.num_kv_heads, self.head_dim = \
             info.num_heads, info.num_kv_heads, info.head_dim
         self.emb = tensors["token_embd.weight"]
-        self.head = tensors.get("output.weight", self.emb)  # tied when absent
+        self.head = make_linear(tensors.get("output.weight", self.emb), None,
+                                int8 or int8_head)  # tied to the embeddings when absent
         self.out_norm = tensors["output_norm.weight"]
         self.device, self.dtype = self.emb.device, self.emb.dtype
         self.layers = [self._layer(tensors, i) for i in range(info.num_layers)]
@@ -71,13 +78,16 @@ class Transformer:
 
     def _layer(self, t: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"blk.{i}."
+
+        def lin(name: str, bias: str | None = None) -> Matmul:
+            return make_linear(t[p + name], t.get(p + bias) if bias else None, self.int8)
+
         return LayerWeights(
-            attn_norm=t[p + "attn_norm.weight"], wq=t[p + "attn_q.weight"],
-            wk=t[p + "attn_k.weight"], wv=t[p + "attn_v.weight"],
-            wo=t[p + "attn_output.weight"], ffn_norm=t[p + "ffn_norm.weight"],
-            w_gate=t[p + "ffn_gate.weight"], w_up=t[p + "ffn_up.weight"],
-            w_down=t[p + "ffn_down.weight"],
-            bq=t.get(p + "attn_q.bias"), bk=t.get(p + "attn_k.bias"), bv=t.get(p + "attn_v.bias"),
+            attn_norm=t[p + "attn_norm.weight"], wq=lin("attn_q.weight", "attn_q.bias"),
+            wk=lin("attn_k.weight", "attn_k.bias"), wv=lin("attn_v.weight", "attn_v.bias"),
+            wo=lin("attn_output.weight"), ffn_norm=t[p + "ffn_norm.weight"],
+            w_gate=lin("ffn_gate.weight"), w_up=lin("ffn_up.weight"),
+            w_down=lin("ffn_down.weight"),
             q_norm=t.get(p + "attn_q_norm.weight"), k_norm=t.get(p + "attn_k_norm.weight"),
             post_attn_norm=t.get(p + "post_attention_norm.weight"),
             post_ffn_norm=t.get(p + "post_ffw_norm.weight"),
@@ -100,9 +110,9 @@ class Transformer:
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         w, eps, t = self.layers[i], self.cfg.rms_eps, x.shape[0]
         h = rms_norm(x, w.attn_norm, eps)
-        q = F.linear(h, w.wq, w.bq).view(t, self.num_heads, self.head_dim)
-        k = F.linear(h, w.wk, w.bk).view(t, self.num_kv_heads, self.head_dim)
-        v = F.linear(h, w.wv, w.bv).view(t, self.num_kv_heads, self.head_dim)
+        q = w.wq(h).view(t, self.num_heads, self.head_dim)
+        k = w.wk(h).view(t, self.num_kv_heads, self.head_dim)
+        v = w.wv(h).view(t, self.num_kv_heads, self.head_dim)
         if w.q_norm is not None:
             q = rms_norm(q, w.q_norm, eps)
             k = rms_norm(k, w.k_norm, eps)
@@ -111,15 +121,15 @@ class Transformer:
 
     def finish_layer(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         w, eps = self.layers[i], self.cfg.rms_eps
-        o = F.linear(attn.reshape(x.shape[0], -1), w.wo)
+        o = w.wo(attn.reshape(x.shape[0], -1))
         if w.post_attn_norm is not None:
             o = rms_norm(o, w.post_attn_norm, eps)
         x = x + o
         h = rms_norm(x, w.ffn_norm, eps)
-        gate = F.linear(h, w.w_gate)
+        gate = w.w_gate(h)
         gate = F.gelu(gate, approximate="tanh") if self.cfg.arch.activation == "gelu_tanh" \
             else F.silu(gate)
-        f = F.linear(gate * F.linear(h, w.w_up), w.w_down)
+        f = w.w_down(gate * w.w_up(h))
         if w.post_ffn_norm is not None:
             f = rms_norm(f, w.post_ffn_norm, eps)
         return x + f
@@ -130,7 +140,7 @@ class Transformer:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of final hidden states."""
-        return F.linear(rms_norm(hidden, self.out_norm, self.cfg.rms_eps), self.head).float()
+        return self.head(rms_norm(hidden, self.out_norm, self.cfg.rms_eps)).float()
 
     # -- whole pass -------------------------------------------------------------------------
 
@@ -143,10 +153,15 @@ class Transformer:
             x = self.finish_layer(i, x, attend(i, q, k, v))
         return x
 
+    def matrices(self) -> list[Matmul]:
+        return [self.head] + [m for w in self.layers
+                              for m in (w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down)]
+
+    @property
+    def matrix_params(self) -> int:
+        return sum(m.num_params for m in self.matrices())
+
     @property
     def matrix_weight_bytes(self) -> int:
         """Bytes of matrices one step reads once (the embedding only when tied)."""
-        n = self.head.numel() + sum(
-            m.numel() for w in self.layers
-            for m in (w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down))
-        return n * self.head.element_size()
+        return sum(m.num_bytes for m in self.matrices())

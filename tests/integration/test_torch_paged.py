@@ -128,7 +128,7 @@ def test_stop_token_and_logprobs(tiny_models) -> None:
 
 
 def test_bad_arguments_are_refused(tiny_models, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="Unknown dtype 'fp8'; dtypes are fp32, bf16, fp16."):
+    with pytest.raises(ConfigError, match="dtypes are fp32, bf16, fp16, int8"):
         TorchExecutor(tiny_models["llama"], dtype="fp8")
     with pytest.raises(ConfigError, match="Unknown device 'tpu'"):
         TorchExecutor(tiny_models["llama"], device="tpu")
