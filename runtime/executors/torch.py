@@ -18,6 +18,7 @@ from runtime.errors import ConfigError
 from runtime.executors.paged_kv import KV_DTYPES, PagedBatch, PagedKVCache, paged_attention
 from runtime.models.arch import ModelConfig, model_config
 from runtime.models.gguf import read_gguf
+from runtime.models.linear import Int8Linear, Linear
 from runtime.models.transformer import Transformer
 from runtime.models.weights import load_tensors
 from runtime.plan import SchedulerOutput, StepResult, StepTiming
@@ -57,7 +58,8 @@ class TorchExecutor:
     virtual_time = False
 
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str | None = None,
-                 threads: int | None = None, seed: int = 0, record_logits: bool = False):
+                 threads: int | None = None, seed: int = 0, record_logits: bool = False,
+                 greedy_shortlist: bool = True):
         self.device = pick_device(device)
         dtype = dtype or default_dtype(self.device)
         if dtype not in DTYPES:
@@ -82,6 +84,9 @@ class TorchExecutor:
             t0 = time.perf_counter()
             self.model = Transformer(self.cfg, load_tensors(g, DTYPES[dtype], self.device),
                                      int8=dtype == "int8", int8_head=dtype == "int8-head")
+            if greedy_shortlist and self.device.type == "cpu" and dtype == "fp32" \
+                    and self.model.head.weight.shape[0] >= Linear.WIDE:
+                self.model.shortlist_head = Int8Linear(self.model.head.weight)
             self.load_seconds = time.perf_counter() - t0
         finally:
             g.close()
@@ -133,15 +138,22 @@ class TorchExecutor:
         sampled: dict[str, int] = {}
         logprobs: dict = {}
         if batch.sample_ids:
-            logits = self.model.logits(hidden[batch.sample_rows])
             reqs = [c.request for c in plan.chunks if c.sample]
-            if self.record_logits:
-                for rid, req, row in zip(batch.sample_ids, reqs, logits, strict=True):
-                    self.logits_log.append((rid, req.num_tokens, row.cpu().clone()))
-            tokens, lps = sample(logits, reqs, self.seed)
-            sampled = dict(zip(batch.sample_ids, tokens, strict=True))
-            logprobs = {rid: lp for rid, lp in zip(batch.sample_ids, lps, strict=True)
-                        if lp is not None}
+            rows = hidden[batch.sample_rows]
+            plain_greedy = not self.record_logits and all(
+                r.sampling.temperature == 0.0 and r.sampling.logprobs is None for r in reqs)
+            tokens = self.model.greedy_tokens(rows) if plain_greedy else None
+            if tokens is not None:
+                sampled = dict(zip(batch.sample_ids, tokens, strict=True))
+            else:
+                logits = self.model.logits(rows)
+                if self.record_logits:
+                    for rid, req, row in zip(batch.sample_ids, reqs, logits, strict=True):
+                        self.logits_log.append((rid, req.num_tokens, row.cpu().clone()))
+                tokens, lps = sample(logits, reqs, self.seed)
+                sampled = dict(zip(batch.sample_ids, tokens, strict=True))
+                logprobs = {rid: lp for rid, lp in zip(batch.sample_ids, lps, strict=True)
+                            if lp is not None}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0

@@ -61,8 +61,10 @@ class Transformer:
         self.num_heads, self.num_kv_heads, self.head_dim = \
             info.num_heads, info.num_kv_heads, info.head_dim
         self.emb = tensors["token_embd.weight"]
-        self.head = make_linear(tensors.get("output.weight", self.emb), None,
-                                int8 or int8_head)  # tied to the embeddings when absent
+        head = tensors.get("output.weight", self.emb)  # tied to the embeddings when absent
+        self.head = make_linear(head, None, int8 or int8_head)
+        self.shortlist_head: Int8Linear | None = None
+        """An int8 copy of a wide float head, used to shortlist greedy candidates."""
         self.out_norm = tensors["output_norm.weight"]
         self.device, self.dtype = self.emb.device, self.emb.dtype
         self.layers = [self._layer(tensors, i) for i in range(info.num_layers)]
@@ -141,6 +143,24 @@ class Transformer:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of final hidden states."""
         return self.head(rms_norm(hidden, self.out_norm, self.cfg.rms_eps)).float()
+
+    SHORTLIST = 64
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """Argmax tokens via an int8 shortlist rescored exactly in float, or None when the
+        model has no int8 shortlist head.
+
+        The int8 head's logits err by ~0.3 on average; the exact float logits of its top 64
+        candidates decide. The result equals the full-precision argmax unless that error
+        pushed the true best token below 64 others — far outside the error measured here.
+        """
+        if self.shortlist_head is None:
+            return None
+        h = rms_norm(hidden, self.out_norm, self.cfg.rms_eps)
+        candidates = self.shortlist_head(h).topk(self.SHORTLIST, dim=-1).indices   # [S, k]
+        weights = self.head.weight[candidates]                                       # [S, k, d]
+        exact = torch.einsum("sd,skd->sk", h.to(weights.dtype), weights)
+        return candidates.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1).tolist()
 
     # -- whole pass -------------------------------------------------------------------------
 

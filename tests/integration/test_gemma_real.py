@@ -42,7 +42,7 @@ NEAR_TIE = 0.35  # logits: llama.cpp's own top-2 margin below this is within its
 
 @pytest.fixture(scope="module")
 def executor(gemma_path) -> TorchExecutor:
-    return TorchExecutor(gemma_path, device="cpu", record_logits=True)
+    return TorchExecutor(gemma_path, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +197,18 @@ def test_chat_template_is_rendered(tokenizer) -> None:
 
 def test_weights_use_fp32_on_cpu(executor) -> None:
     assert executor.model.dtype is torch.float32 and executor.load_seconds < 60
+
+
+def test_greedy_shortlist_equals_full_head(gemma_path, executor, tokenizer) -> None:
+    """The int8 shortlist + exact rescoring picks the same tokens as the full fp32 head."""
+    full = TorchExecutor(gemma_path, device="cpu", greedy_shortlist=False)
+    assert executor.model.shortlist_head is not None and full.model.shortlist_head is None
+    outs = []
+    for ex in (executor, full):
+        e = engine(ex)
+        reqs = [e.add_request(tokenizer.encode(TEXT[60 * i: 60 * i + 90]),
+                              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+                for i in range(6)]
+        e.run_until_idle()
+        outs.append([r.output_token_ids for r in reqs])
+    assert outs[0] == outs[1]
