@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.calibrate import measure_machine
 from runtime.config import EngineConfig, Knobs
 from runtime.engine import Engine
 from runtime.executors.torch import TorchExecutor
@@ -34,18 +35,6 @@ def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
     ids = tok.encode(TEXT, add_bos=False)
     step = (len(ids) - PROMPT_TOKENS) // n
     return [[tok.bos_token_id] + ids[i * step:i * step + PROMPT_TOKENS - 1] for i in range(n)]
-
-
-def read_bandwidth() -> float:
-    """Bytes/s of a 512 MiB fp32 matrix–vector product (memory-bound), best of 5."""
-    m = torch.randn(8192, 16384)
-    v = torch.randn(16384)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        m @ v
-        best = min(best, time.perf_counter() - t)
-    return m.numel() * 4 / best
 
 
 def run_llama(path: Path, reqs: list[list[int]], threads: int) -> list[float]:
@@ -90,7 +79,7 @@ def main(out_dir: Path = Path("bench-results")) -> dict:
     threads = torch.get_num_threads()
     tok = Tokenizer(path)
     reqs = prompts(tok, 32)
-    bw = read_bandwidth()
+    bw, _ = measure_machine()
     print(f"model {path.name}; {len(reqs)} requests of {PROMPT_TOKENS} prompt + {OUTPUT_TOKENS} "
           f"output tokens, greedy; {threads} threads; read bandwidth {bw / 1e9:.1f} GB/s")
     llama_times = run_llama(path, reqs, threads)

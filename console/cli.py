@@ -95,7 +95,12 @@ def models(
 def run_trace(
     trace: str = typer.Argument(..., help="Arrival trace: kvdeck/Mooncake JSONL or Azure CSV."),
     config: str = typer.Option(None, "--config", help="TOML file of engine settings."),
-    executor: str = typer.Option("sim", "--executor", help="Executor to run on: sim."),
+    executor: str = typer.Option("sim", "--executor", help="Executor: sim or torch."),
+    model: str = typer.Option(None, "--model", help="Model name or GGUF path (torch)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option(None, "--dtype",
+                              help="fp32, bf16, fp16, int8, int8-head (default per device)."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for torch."),
     record: str = typer.Option(None, "--record", help="Write a run directory here."),
     as_json: bool = typer.Option(False, "--json", help="Print summary and every request."),
     output: str = typer.Option(None, "--output", "-o", help="Also write the JSON here."),
@@ -113,15 +118,13 @@ def run_trace(
     from console.run_views import render_summary
     from runtime.config import read_toml
     from runtime.engine import Engine
-    from runtime.executors.sim import SimExecutor
+    from runtime.executors.factory import make_executor
     from runtime.metrics import SLO
     from runtime.recording import Recorder
     from runtime.runner import configs_from_settings, run_arrivals
     from runtime.trace import load_arrivals
 
     def go() -> dict:
-        if executor != "sim":
-            raise ConfigError(f"Unknown executor {executor!r}; available executors: sim.")
         check_int("--hash-block-tokens", hash_block_tokens, 1, 1 << 20)
         if limit is not None:
             check_int("--limit", limit, 1, 1 << 30)
@@ -129,10 +132,13 @@ def run_trace(
         engine_cfg, sim_cfg = configs_from_settings(settings)
         slo = SLO(slo_ttft, slo_tpot, slo_e2e)
         arrivals = load_arrivals(trace, fmt, limit=limit, time_scale=time_scale)
-        engine = Engine(engine_cfg, SimExecutor(sim_cfg, seed=engine_cfg.seed))
+        ex = make_executor(executor, model=model, device=device, dtype=dtype, threads=threads,
+                           seed=engine_cfg.seed, sim_config=sim_cfg)
+        vocab = sim_cfg.vocab_size if executor == "sim" else ex.cfg.info.vocab_size
+        engine = Engine(engine_cfg, ex)
         recorder = Recorder(record, engine) if record else None
         try:
-            result = run_arrivals(engine, arrivals, vocab_size=sim_cfg.vocab_size,
+            result = run_arrivals(engine, arrivals, vocab_size=vocab,
                                   hash_block_tokens=hash_block_tokens, slo=slo,
                                   on_arrival=recorder.arrival if recorder else None)
         finally:
@@ -151,6 +157,59 @@ def run_trace(
         render_summary(out, f"{trace} on {result['summary']['model']}", result["summary"])
         if record:
             out.print(f"run recorded in {record}")
+
+
+@app.command()
+def calibrate(
+    model: str = typer.Argument(..., help="Model name or GGUF path."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option(None, "--dtype", help="Compute dtype (default per device)."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads."),
+    quick: bool = typer.Option(False, "--quick", help="A small sweep (seconds, not minutes)."),
+    name: str = typer.Option(None, "--name", help="Profile name (default: the model name)."),
+    as_json: bool = typer.Option(False, "--json", help="Print points and fit as JSON."),
+) -> None:
+    """Time a sweep of steps on a real model, fit the sim executor's step model, save it."""
+    from rich.table import Table
+
+    from runtime.calibrate import (
+        fit_step_model,
+        hardware_name,
+        measure_machine,
+        sweep,
+        write_profiles,
+    )
+    from runtime.executors.factory import make_executor
+
+    ex = guarded(lambda: make_executor("torch", model=model, device=device, dtype=dtype,
+                                       threads=threads))
+    say = (lambda msg: None) if as_json else out.print
+    say(f"calibrating {ex.model_name} on {ex.device} ({ex.dtype_name})")
+    points = sweep(ex, quick=quick, progress=say)
+    fit = fit_step_model(points)
+    bandwidth, flops = measure_machine()
+    profile = name or Path(str(ex.model_path)).stem
+    hw = hardware_name(ex)
+    model_file, hw_file = write_profiles(ex, fit, profile, hw, bandwidth, flops)
+    rows = [{"point": p.label, "measured_ms": p.seconds * 1e3,
+             "fit_ms": fit.seconds(p.new_tokens, p.pairs) * 1e3} for p in points]
+    for r in rows:
+        r["error_pct"] = 100 * (r["fit_ms"] - r["measured_ms"]) / r["measured_ms"]
+    if as_json:
+        print_json({"fit": {"fixed_ms": fit.fixed_s * 1e3, "per_token_us": fit.per_token_s * 1e6,
+                            "per_pair_ns": fit.per_pair_s * 1e9}, "points": rows,
+                    "model_profile": str(model_file), "hardware_profile": str(hw_file)})
+        return
+    table = Table(title=f"step = {fit.fixed_s * 1e3:.3f} ms + {fit.per_token_s * 1e6:.2f} µs × "
+                        f"tokens + {fit.per_pair_s * 1e9:.4f} ns × pairs")
+    for col in ("point", "measured ms", "fit ms", "error"):
+        table.add_column(col, justify="left" if col == "point" else "right")
+    for r in rows:
+        table.add_row(r["point"], f"{r['measured_ms']:.2f}", f"{r['fit_ms']:.2f}",
+                      f"{r['error_pct']:+.1f}%")
+    out.print(table)
+    out.print(f"wrote {model_file} and {hw_file}; use them with the sim executor: "
+              f'model_profile = "{profile}", hardware = "{hw}"')
 
 
 @app.command()

@@ -3,17 +3,32 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from runtime.config import tomllib
 from runtime.errors import ConfigError
 from runtime.kv.formats import KV_FORMATS, kv_bytes_per_token
+from runtime.models.registry import cache_dir
 from runtime.resources import profile_names, profiles_dir
 
 
+def user_profiles_dir() -> Path:
+    """Profiles written by `kvdeck calibrate`; searched before the shipped ones."""
+    return cache_dir() / "profiles"
+
+
+def available_profiles(kind: str) -> list[str]:
+    user = user_profiles_dir() / kind
+    mine = [p.stem for p in user.glob("*.toml")] if user.is_dir() else []
+    return sorted(set(mine) | set(profile_names(kind)))
+
+
 def _load(kind: str, name: str) -> dict:
-    path = profiles_dir().joinpath(kind, f"{name}.toml")
+    path = user_profiles_dir() / kind / f"{name}.toml"
     if not path.is_file():
-        names = ", ".join(profile_names(kind)) or "none"
+        path = profiles_dir().joinpath(kind, f"{name}.toml")
+    if not path.is_file():
+        names = ", ".join(available_profiles(kind)) or "none"
         raise ConfigError(f"Unknown {kind} profile {name!r}; available: {names}.")
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))

@@ -69,7 +69,7 @@ def test_azure_conv_runs_and_records(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, message", [
     (["run-trace", "/nonexistent.jsonl"], "Trace file /nonexistent.jsonl does not exist."),
     (["run-trace", str(AZURE_CONV), "--executor", "vllm"],
-     "Unknown executor 'vllm'; available executors: sim."),
+     "Unknown executor 'vllm'; available executors: sim, torch."),
     (["compare", "/nope-a.json", "/nope-b.json"], "Result file /nope-a.json does not exist."),
 ])
 def test_bad_arguments(args: list[str], message: str) -> None:

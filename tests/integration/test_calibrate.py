@@ -1,0 +1,71 @@
+"""`kvdeck calibrate` on a tiny model, and the sim executor using what it wrote; the torch
+executor driven by `kvdeck run-trace`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.calibrate import Point, fit_step_model
+from runtime.plan import causal_pairs
+
+
+def kvdeck(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **env})
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    truth = (0.02, 3e-5, 2e-9)
+    pts = [Point("x", n, causal_pairs(n, h), "", truth[0] + truth[1] * n
+                 + truth[2] * causal_pairs(n, h)) for n in (1, 16, 256) for h in (0, 512, 4096)]
+    fit = fit_step_model(pts)
+    assert fit.fixed_s == pytest.approx(truth[0]) and fit.per_token_s == pytest.approx(truth[1])
+    assert fit.per_pair_s == pytest.approx(truth[2])
+    # A negative least-squares term is dropped rather than kept.
+    flat = [Point("x", n, p, "", 0.01) for n, p in ((1, 10), (2, 5), (4, 100))]
+    assert min(vars(fit_step_model(flat)).values()) >= 0
+
+
+def test_calibrate_writes_profiles_the_sim_can_use(tiny_llama: Path, tmp_path: Path) -> None:
+    env = {"KVDECK_CACHE": str(tmp_path)}
+    r = kvdeck("calibrate", str(tiny_llama), "--quick", "--device", "cpu", "--name", "tiny",
+               "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert len(data["points"]) == 8 and all(p["measured_ms"] > 0 for p in data["points"])
+    assert min(data["fit"].values()) >= 0
+    hw = Path(data["hardware_profile"]).stem
+    code = (
+        "from runtime.executors.sim import SimConfig, SimExecutor\n"
+        f"s = SimExecutor(SimConfig(model_profile='tiny', hardware='{hw}'))\n"
+        "print(s.fit.fixed_s * 1e3, s.model.num_layers, s.kv_bytes_per_token('fp32'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    fixed_ms, layers, kv = out.stdout.split()
+    assert float(fixed_ms) == pytest.approx(data["fit"]["fixed_ms"], rel=1e-5)
+    assert int(layers) == 2 and int(kv) == 2 * 2 * 2 * 16 * 4
+
+
+def test_run_trace_on_the_torch_executor(tiny_llama: Path, tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(
+        json.dumps({"arrival_s": 0.01 * i, "prompt_len": 40 + 3 * i, "output_len": 5,
+                    "prefix_group": "s", "prefix_len": 32}) + "\n" for i in range(6)))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('kv_format = "fp32"\nkv_memory_bytes = 4194304\n')
+    r = kvdeck("run-trace", str(trace), "--executor", "torch", "--model", str(tiny_llama),
+               "--device", "cpu", "--config", str(cfg), "--json", env={})
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    s = result["summary"]
+    assert s["executor"] == "torch" and s["statuses"] == {"finished_length": 6}
+    assert s["prefix_hit_tokens"] > 0
+    assert all(len(q["itls"]) == 4 for q in result["requests"])
