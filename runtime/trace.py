@@ -176,9 +176,12 @@ def _int(obj: dict, key: str, where: str, lo: int = 0, default: int | None = Non
     return v
 
 
-def _num(obj: dict, key: str, where: str, default: float | None = None) -> float | None:
+def _num(obj: dict, key: str, where: str, default: float | None = None,
+         required: bool = False) -> float | None:
     v = obj.get(key, default)
     if v is None:
+        if required:
+            raise TraceError(f"{where} lacks {key!r}.")
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
         raise TraceError(f"{where} has {key}={v!r}; it must be a number ≥ 0.")
@@ -188,9 +191,7 @@ def _num(obj: dict, key: str, where: str, default: float | None = None) -> float
 def _read_kvdeck(path: Path) -> Iterator[Arrival]:
     for lineno, o in _json_lines(path):
         where = f"{path} line {lineno}"
-        arrival = _num(o, "arrival_s", where)
-        if arrival is None:
-            raise TraceError(f"{where} lacks 'arrival_s'.")
+        arrival = _num(o, "arrival_s", where, required=True)
         tokens = o.get("prompt_tokens")
         if tokens is not None:
             if not isinstance(tokens, list) or not tokens or not all(
@@ -202,7 +203,7 @@ def _read_kvdeck(path: Path) -> Iterator[Arrival]:
             n = _int(o, "prompt_len", where, lo=1)
         group = o.get("prefix_group")
         yield Arrival(
-            arrival_s=arrival, prompt_len=n, output_len=_int(o, "output_len", where, 1, 16),
+            arrival_s=float(arrival), prompt_len=n, output_len=_int(o, "output_len", where, 1, 16),
             prompt_tokens=tuple(tokens) if tokens is not None else None,
             hash_ids=tuple(o["hash_ids"]) if isinstance(o.get("hash_ids"), list) else None,
             prefix_group=str(group) if group is not None else None,
@@ -216,14 +217,12 @@ def _read_kvdeck(path: Path) -> Iterator[Arrival]:
 def _read_mooncake(path: Path) -> Iterator[Arrival]:
     for lineno, o in _json_lines(path):
         where = f"{path} line {lineno}"
-        ts = _num(o, "timestamp", where)
-        if ts is None:
-            raise TraceError(f"{where} lacks 'timestamp'.")
+        ts = _num(o, "timestamp", where, required=True)
         n = _int(o, "input_length", where, 1)
         hashes = o.get("hash_ids")
         if not isinstance(hashes, list) or not all(isinstance(h, int) for h in hashes):
             raise TraceError(f"{where} has hash_ids that are not a list of integers.")
-        yield Arrival(ts / 1000.0, n, _int(o, "output_length", where, 1),
+        yield Arrival(float(ts) / 1000.0, n, _int(o, "output_length", where, 1),
                       hash_ids=tuple(hashes))
 
 
