@@ -137,6 +137,7 @@ class TorchExecutor:
         hidden = self.model.forward(batch.tokens, batch.positions, attend)
         sampled: dict[str, int] = {}
         logprobs: dict = {}
+        shortlisted = False
         if batch.sample_ids:
             reqs = [c.request for c in plan.chunks if c.sample]
             rows = hidden[batch.sample_rows]
@@ -145,6 +146,7 @@ class TorchExecutor:
             tokens = self.model.greedy_tokens(rows) if plain_greedy else None
             if tokens is not None:
                 sampled = dict(zip(batch.sample_ids, tokens, strict=True))
+                shortlisted = True
             else:
                 logits = self.model.logits(rows)
                 if self.record_logits:
@@ -158,8 +160,11 @@ class TorchExecutor:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
         kv_read = batch.num_context_tokens * self.cfg.info.kv_bytes_per_token(self.kv_format)
+        weights = self.model.matrix_weight_bytes
+        if shortlisted:  # the int8 copy of the head was read instead of the float one
+            weights += self.model.shortlist_head.num_bytes - self.model.head.num_bytes
         timing = StepTiming(seconds, True, plan.num_prefill_tokens, plan.num_decode_tokens,
-                            plan.num_pairs, self.model.matrix_weight_bytes + kv_read)
+                            plan.num_pairs, weights + kv_read)
         return StepResult(sampled, timing, logprobs=logprobs)
 
     def close(self) -> None:
