@@ -28,7 +28,7 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.models
 	@touch $@
 
 demo: $(VENV)/.models
-	$(VENV)/bin/kvdeck models --default
+	$(VENV)/bin/kvdeck
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .

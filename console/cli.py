@@ -22,7 +22,6 @@ from runtime.errors import ConfigError, KvdeckError
 app = typer.Typer(
     name="kvdeck",
     help="A terminal operator console hosting a local LLM inference runtime.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
@@ -47,9 +46,61 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
-@app.callback()
-def root() -> None:
-    """kvdeck: watch and tune a local LLM inference runtime, replay its runs, serve its API."""
+@app.callback(invoke_without_command=True)
+def root(ctx: typer.Context) -> None:
+    """kvdeck: watch and tune a local LLM inference runtime, replay its runs, serve its API.
+
+    Without a command, opens the console on the embedded default model with traffic flowing.
+    """
+    if ctx.invoked_subcommand is None:
+        console()
+
+
+@app.command()
+def console(
+    executor: str = typer.Option("torch", "--executor", help="torch (a real model) or sim."),
+    model: str = typer.Option(None, "--model", help="Model name or GGUF path (torch)."),
+    hardware: str = typer.Option("rtx-pro-6000", "--hardware", help="Hardware profile (sim)."),
+    model_profile: str = typer.Option("qwen3-8b", "--model-profile",
+                                      help="Model profile (sim)."),
+    kv_memory_gib: float = typer.Option(None, "--kv-memory-gib",
+                                        help="KV pool budget (default: 0.5 torch, 16 sim)."),
+    rate: float = typer.Option(None, "--rate", help="Arrivals per second (traffic)."),
+    pace: float = typer.Option(1.0, "--pace", help="Sim: virtual seconds per wall second."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option(None, "--dtype", help="Compute dtype (torch)."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads (torch)."),
+    seed: int = typer.Option(0, "--seed", help="Seed for traffic and sampling."),
+) -> None:
+    """Open the operator console on a live engine with built-in traffic."""
+    from console.app import KvdeckApp
+    from runtime.config import EngineConfig, Knobs
+    from runtime.engine import Engine
+    from runtime.executors.factory import make_executor
+    from runtime.executors.sim import SimConfig
+    from runtime.traffic import TrafficGenerator, TrafficMix
+
+    def build():
+        sim = SimConfig(model_profile=model_profile, hardware=hardware)
+        ex = make_executor(executor, model=model, device=device, dtype=dtype, threads=threads,
+                           seed=seed, sim_config=sim)
+        gib = kv_memory_gib if kv_memory_gib is not None else (16 if executor == "sim" else 0.5)
+        knobs = Knobs(max_num_batched_tokens=8192 if executor == "sim" else 512,
+                      chunk_size=2048 if executor == "sim" else 256)
+        cfg = EngineConfig(kv_memory_bytes=int(gib * 2**30), seed=seed, knobs=knobs,
+                           kv_format="bf16" if executor == "sim" else "fp16")
+        engine = Engine(cfg, ex)
+        vocab = sim.vocab_size if executor == "sim" else ex.cfg.info.vocab_size
+        default_rate = 3.0 if executor == "sim" else 0.5
+        mix = TrafficMix.for_context(min(engine.max_model_len, 32768),
+                                     rate if rate is not None else default_rate)
+        if executor != "sim":  # a laptop CPU: keep requests short enough to watch
+            mix = TrafficMix(rate_per_s=mix.rate_per_s, short_prompt=48, short_output=24,
+                             long_prompt=192, shared_prefix=160, long_output=24)
+        return engine, TrafficGenerator(engine, mix, vocab, seed=seed)
+
+    engine, traffic = guarded(build)
+    KvdeckApp(engine, traffic, pace=pace if executor == "sim" else None).run()
 
 
 @app.command()

@@ -210,6 +210,9 @@ class Engine:
             # Time spent between the scheduled arrival and this step counts as resident.
             self.stats.on_interval(1, now - req.arrival_time)
             self.scheduler.add(req)
+            on_request = getattr(self.recorder, "on_request", None)
+            if on_request is not None:
+                on_request(req)
             arrived.append([req.request_id, req.arrival_time, req.num_prompt_tokens,
                             req.sampling.max_tokens, req.deadline, req.priority])
         if not arrived:

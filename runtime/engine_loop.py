@@ -22,8 +22,11 @@ class EngineLoop:
     """A thread that owns `engine.step()`; pause, resume and step-once are thread-safe."""
 
     def __init__(self, engine: Engine, *, on_snapshot: Callable[[EngineSnapshot], None]
-                 | None = None, snapshot_interval_s: float = 0.1, pace: float | None = None):
+                 | None = None, snapshot_interval_s: float = 0.1, pace: float | None = None,
+                 before_step: Callable[[Engine], None] | None = None):
         self.engine = engine
+        self.before_step = before_step
+        """Called on the engine thread before every iteration (e.g. a traffic generator)."""
         self.on_snapshot = on_snapshot
         self.snapshot_interval_s = snapshot_interval_s
         self.pace = pace
@@ -84,6 +87,8 @@ class EngineLoop:
                     wall0, virt0 = time.monotonic(), engine.clock.now()
                     continue
                 self._step_once.clear()
+                if self.before_step is not None:
+                    self.before_step(engine)
                 record = engine.step()
                 if record is None:
                     self._publish(force=True)

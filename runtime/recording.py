@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from pathlib import Path
 
 from runtime.engine import Engine
 from runtime.errors import ConfigError
+from runtime.request import Request
 from runtime.trace import Arrival
 
 TRACE_VERSION = 1
@@ -46,7 +48,10 @@ def engine_header(engine: Engine) -> dict:
 class Recorder:
     """Writes a run directory as the engine steps. Attach with `engine.recorder = rec`."""
 
-    def __init__(self, run_dir: str | Path, engine: Engine, max_bytes: int = 1 << 30):
+    def __init__(self, run_dir: str | Path, engine: Engine, max_bytes: int = 1 << 30,
+                 write_requests: bool = False):
+        """`write_requests`: log every request the engine admits to arrivals.jsonl with its
+        tokens (the console's traffic); trace runs log their compact arrivals instead."""
         self.run_dir = Path(run_dir)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -61,26 +66,42 @@ class Recorder:
         self._iter = (self.run_dir / "iterations.jsonl").open("w", encoding="utf-8")
         self._arr = (self.run_dir / "arrivals.jsonl").open("w", encoding="utf-8")
         self.engine = engine
+        self.write_requests = write_requests
+        # The engine thread writes; the console thread may close: one lock for both.
+        self._lock = threading.Lock()
         engine.recorder = self
 
     def __call__(self, record: dict) -> None:
-        if self.truncated:
-            return
-        line = dumps(record) + "\n"
-        if self.num_bytes + len(line) > self.max_bytes:
-            self.truncated = True
-            line = dumps({"step": record["step"], "truncated": True}) + "\n"
-        self._iter.write(line)
-        self.num_bytes += len(line)
+        with self._lock:
+            if self.truncated or self._iter.closed:
+                return
+            line = dumps(record) + "\n"
+            if self.num_bytes + len(line) > self.max_bytes:
+                self.truncated = True
+                line = dumps({"step": record["step"], "truncated": True}) + "\n"
+            self._iter.write(line)
+            self.num_bytes += len(line)
 
     def arrival(self, a: Arrival) -> None:
-        self._arr.write(dumps(a.to_json()) + "\n")
+        with self._lock:
+            if not self._arr.closed:
+                self._arr.write(dumps(a.to_json()) + "\n")
+
+    def on_request(self, req: Request) -> None:
+        """Called by the engine as a request arrives (when `write_requests` is set)."""
+        if self.write_requests:
+            self.arrival(Arrival(
+                req.arrival_time, req.num_prompt_tokens, req.sampling.max_tokens,
+                prompt_tokens=tuple(req.prompt_token_ids),
+                deadline_s=req.deadline - req.arrival_time if req.deadline is not None
+                else None, priority=req.priority, request_id=req.request_id))
 
     def close(self) -> None:
-        if self.engine.recorder is self:
-            self.engine.recorder = None
-        self._iter.close()
-        self._arr.close()
+        with self._lock:
+            if self.engine.recorder is self:
+                self.engine.recorder = None
+            self._iter.close()
+            self._arr.close()
 
 
 def read_iterations(run_dir: str | Path) -> tuple[dict, list[dict]]:

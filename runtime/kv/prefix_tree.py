@@ -54,15 +54,19 @@ class PrefixNode:
 
 @dataclass(frozen=True)
 class NodeSummary:
-    """What the snapshot shows of one node."""
+    """What the snapshot shows of the tree: one segment, a chain of blocks in which every
+    block but the last has exactly one child and all have the same users (radix-style)."""
 
     node_id: int
+    """Id of the segment's first node."""
     parent_id: int
+    """Id of the segment's parent's *last* node's segment (0: the root)."""
     block: int
     start_token: int
     end_token: int
+    num_blocks: int
     num_users: int
-    """Block-table references (requests using the block), not counting the cache's own."""
+    """Block-table references (requests using the blocks), not counting the cache's own."""
     hits: int
     last_access: float
     evictable: bool
@@ -238,22 +242,28 @@ class PrefixTree:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
     def summary(self, limit: int = 256) -> list[NodeSummary]:
-        """Up to `limit` nodes in breadth-first order (roots' children first)."""
+        """Up to `limit` segments, depth first, the most used and most hit siblings first."""
         out: list[NodeSummary] = []
-        frontier = [c for r in self.roots.values() for c in r.children.values()]
-        while frontier and len(out) < limit:
-            nxt: list[PrefixNode] = []
-            for n in frontier:
-                if len(out) >= limit:
+        pool = self.pool
+
+        def order(nodes):
+            return sorted(nodes, key=lambda n: (-pool.refcount[n.block], -n.hits, n.node_id))
+
+        stack = [(c, 0) for r in self.roots.values() for c in reversed(order(r.children.values()))]
+        while stack and len(out) < limit:
+            first, parent_id = stack.pop()
+            users = pool.refcount[first.block] - 1
+            last, n, hits, access = first, 1, first.hits, first.last_access
+            while len(last.children) == 1:
+                (child,) = last.children.values()
+                if pool.refcount[child.block] - 1 != users:
                     break
-                rc = self.pool.refcount[n.block]
-                out.append(NodeSummary(
-                    n.node_id, n.parent.node_id if n.parent else 0, n.block,
-                    n.depth_tokens - len(n.key), n.depth_tokens, rc - 1, n.hits,
-                    n.last_access, rc == 1,
-                ))
-                nxt.extend(n.children.values())
-            frontier = nxt
+                last, n = child, n + 1
+                hits, access = max(hits, child.hits), max(access, child.last_access)
+            out.append(NodeSummary(first.node_id, parent_id, first.block,
+                                   first.depth_tokens - len(first.key), last.depth_tokens, n,
+                                   users, hits, access, users == 0))
+            stack.extend((c, first.node_id) for c in reversed(order(last.children.values())))
         return out
 
     def check_integrity(self) -> None:

@@ -1,0 +1,252 @@
+"""The kvdeck operator console: a Textual app over a running engine.
+
+The engine runs in its own thread (`EngineLoop`). Snapshots arrive from that thread through
+`post_message`; while one is waiting to be rendered, newer ones replace it instead of
+queueing, so the UI never falls behind and the engine never waits for it. Knob changes go
+back through the engine's inbox and apply at the next iteration.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import DataTable, Footer, Header
+
+from console.screens.help import HelpScreen
+from console.themes import load_themes
+from console.widgets.hardware import HardwareStrip
+from console.widgets.knobs import TRAFFIC_KNOBS, KnobEditor, KnobsPanel, parse_knob
+from console.widgets.kv_map import KVMapPanel
+from console.widgets.metrics import MetricsPanel
+from console.widgets.prefix_tree import PrefixTreePanel
+from console.widgets.queue import QueuePanel
+from console.widgets.speculation import SpeculationPanel
+from console.widgets.transfers import TransfersPanel
+from runtime.engine import Engine
+from runtime.engine_loop import EngineLoop
+from runtime.errors import KvdeckError
+from runtime.recording import Recorder
+from runtime.resources import themes_dir
+from runtime.snapshot import EngineSnapshot
+from runtime.traffic import TrafficGenerator
+
+
+class SnapshotReady(Message):
+    """A new snapshot is waiting in `KvdeckApp.latest` (coalesced: at most one queued)."""
+
+
+class KvdeckApp(App):
+    """Live view of one engine, its knobs, and its recording."""
+
+    CSS_PATH = str(themes_dir().joinpath("kvdeck.tcss"))
+    TITLE = "kvdeck"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    BINDINGS = [
+        Binding("q", "quit", "Quit", id="app.quit"),
+        Binding("p", "toggle_pause", "Pause", id="engine.pause"),
+        Binding("s", "step_once", "Step", id="engine.step"),
+        Binding("plus,equals_sign", "rate(1.5)", "Rate+", id="traffic.faster"),
+        Binding("minus", "rate(0.6667)", "Rate-", id="traffic.slower"),
+        Binding("k", "focus_knobs", "Knobs", id="app.knobs"),
+        Binding("n", "select_next", "Select", id="kv.select"),
+        Binding("r", "toggle_record", "Record", id="run.record"),
+        Binding("t", "next_theme", "Theme", id="app.theme"),
+        Binding("f1", "help", "Help", id="app.help"),
+    ]
+
+    def __init__(self, engine: Engine, traffic: TrafficGenerator | None = None, *,
+                 autostart: bool = True, hardware: bool = True, pace: float | None = None,
+                 runs_dir: Path = Path("runs")):
+        super().__init__()
+        self.engine = engine
+        self.traffic = traffic
+        self.loop = EngineLoop(engine, on_snapshot=self._on_snapshot, pace=pace,
+                               before_step=traffic)
+        self.autostart = autostart
+        self.hardware = hardware
+        self.runs_dir = runs_dir
+        self.latest: EngineSnapshot | None = None
+        self._pending = threading.Event()
+        self.recorder: Recorder | None = None
+        self.sub_title = f"{engine.executor.model_name} · {engine.executor.name}"
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield HardwareStrip(enabled=self.hardware, id="hardware")
+        with Horizontal():
+            with Vertical(id="left"):
+                yield QueuePanel(id="queue")
+                yield KnobsPanel(id="knobs")
+            with Vertical(id="middle"):
+                yield KVMapPanel(id="kvmap")
+                yield PrefixTreePanel(id="prefix")
+            with Vertical(id="right"):
+                yield MetricsPanel(id="metrics")
+                yield TransfersPanel(id="transfers")
+                yield SpeculationPanel(id="speculation")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        for theme in load_themes():
+            self.register_theme(theme)
+        self.theme = "kvdeck-dark"
+        self.query_one(HardwareStrip).refresh_readings()
+        if self.hardware:
+            self.set_interval(1.0, self.query_one(HardwareStrip).refresh_readings)
+        self.render_snapshot(self.engine.snapshot())
+        if self.autostart:
+            self.loop.start()
+
+    def on_unmount(self) -> None:
+        if self.loop.is_alive:
+            self.loop.stop()
+        if self.recorder is not None:
+            self.recorder.close()
+
+    # -- snapshots --------------------------------------------------------------------------
+
+    def _on_snapshot(self, snap: EngineSnapshot) -> None:
+        """Engine thread: keep only the newest snapshot; post one message at a time."""
+        self.latest = snap
+        if not self._pending.is_set():
+            self._pending.set()
+            self.post_message(SnapshotReady())
+
+    def on_snapshot_ready(self, _: SnapshotReady) -> None:
+        self._pending.clear()
+        if self.latest is not None:
+            self.render_snapshot(self.latest)
+
+    def render_snapshot(self, snap: EngineSnapshot) -> None:
+        """Show `snap` in every panel (also used by tests and replay)."""
+        self.latest = snap
+        for panel in (QueuePanel, KVMapPanel, PrefixTreePanel, MetricsPanel, TransfersPanel,
+                      SpeculationPanel):
+            self.query_one(panel).show(snap)
+        self.query_one(KnobsPanel).show_values(snap.knobs, self.traffic_values())
+        state = "paused" if self.loop.paused else "running"
+        rec = " · recording" if self.recorder is not None else ""
+        self.sub_title = f"{snap.model_name} · {snap.executor} · {state}{rec}"
+
+    def traffic_values(self) -> dict[str, float]:
+        if self.traffic is None:
+            return {}
+        mix = self.traffic.mix
+        return {"traffic_rate_per_s": round(mix.rate_per_s, 3),
+                "traffic_long_fraction": mix.long_fraction}
+
+    # -- knobs ------------------------------------------------------------------------------
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        current = self.query_one(KnobsPanel).current()
+        if current is None:
+            return
+        name, value = current
+        self.push_screen(KnobEditor(name, value),
+                         lambda text: self.apply_knob(name, text) if text is not None else None)
+
+    def apply_knob(self, name: str, text: str) -> bool:
+        """Validate and submit one knob change; notify either way. True when accepted."""
+        try:
+            value = parse_knob(name, text)
+            if name in TRAFFIC_KNOBS:
+                if self.traffic is None:
+                    raise KvdeckError("There is no built-in traffic to tune in this session.")
+                if name == "traffic_rate_per_s":
+                    self.traffic.set_rate(value)  # type: ignore[arg-type]
+                else:
+                    self.traffic.set_long_fraction(value)  # type: ignore[arg-type]
+            else:
+                self.engine.set_knobs(**{name: value})
+        except KvdeckError as e:
+            self.notify(str(e), title="Invalid knob", severity="error")
+            return False
+        self.query_one(MetricsPanel).mark_knob_change()
+        self.notify(f"{name} = {value!r} from the next iteration", title="Knob")
+        return True
+
+    # -- actions ----------------------------------------------------------------------------
+
+    def action_toggle_pause(self) -> None:
+        if self.loop.paused:
+            self.loop.resume()
+            self.notify("engine resumed")
+        else:
+            self.loop.pause()
+            self.notify("engine paused (s steps once)")
+
+    def action_step_once(self) -> None:
+        if not self.loop.is_alive:
+            if self.traffic is not None:
+                self.traffic(self.engine)
+            self.engine.step()
+            self.render_snapshot(self.engine.snapshot())
+        elif self.loop.paused:
+            self.loop.step_once()
+        else:
+            self.notify("pause first (p) to step one iteration at a time")
+
+    def action_rate(self, factor: float) -> None:
+        if self.traffic is not None:
+            self.apply_knob("traffic_rate_per_s", f"{self.traffic.mix.rate_per_s * factor:.3f}")
+
+    def action_focus_knobs(self) -> None:
+        self.query_one(KnobsPanel).focus()
+
+    def action_select_next(self) -> None:
+        """Highlight the next running request's blocks in the KV map."""
+        snap = self.latest
+        kv = self.query_one(KVMapPanel)
+        ids = [v.request_id for v in snap.running] if snap is not None else []
+        if not ids:
+            kv.selected = None
+            return
+        i = ids.index(kv.selected) + 1 if kv.selected in ids else 0
+        kv.selected = ids[i % len(ids)]
+        if snap is not None:
+            kv.show(snap)
+
+    def action_toggle_record(self) -> None:
+        if self.recorder is None:
+            run_dir = self.runs_dir / time.strftime("%Y%m%d-%H%M%S")
+            try:
+                self.recorder = Recorder(run_dir, self.engine, write_requests=True)
+            except KvdeckError as e:
+                self.notify(str(e), title="Recording", severity="error")
+                return
+            self.notify(f"recording to {run_dir}", title="Recording")
+        else:
+            run_dir = self.recorder.run_dir
+            self.recorder.close()
+            self.recorder = None
+            self.notify(f"saved {run_dir}; replay it with: kvdeck replay {run_dir}",
+                        title="Recording")
+
+    def action_next_theme(self) -> None:
+        names = [t.name for t in load_themes()]
+        i = names.index(self.theme) + 1 if self.theme in names else 0
+        self.theme = names[i % len(names)]
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def get_system_commands(self, screen):  # the command palette (ctrl+p)
+        yield from super().get_system_commands(screen)
+        for title, help_text, action in (
+            ("Pause / resume engine", "Stop or restart iterations", self.action_toggle_pause),
+            ("Step one iteration", "While paused", self.action_step_once),
+            ("Start / stop recording", "Write runs/<time>/", self.action_toggle_record),
+            ("Faster traffic", "Arrival rate × 1.5", lambda: self.action_rate(1.5)),
+            ("Slower traffic", "Arrival rate ÷ 1.5", lambda: self.action_rate(0.6667)),
+            ("Next theme", "Dark, light, high contrast", self.action_next_theme),
+            ("Edit knobs", "Focus the knob table", self.action_focus_knobs),
+            ("Highlight next request", "Its blocks in the KV map", self.action_select_next),
+            ("Help", "Keys and panels", self.action_help),
+        ):
+            yield SystemCommand(title, help_text, action)

@@ -1,0 +1,1 @@
+"""Console panels, one per file; each renders only from an `EngineSnapshot`."""

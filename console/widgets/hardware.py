@@ -1,0 +1,39 @@
+"""Hardware strip: CPU and memory from psutil, GPU utilization, memory and power from NVML;
+each reader that is missing says so instead of failing."""
+
+from __future__ import annotations
+
+import psutil
+from textual.widgets import Static
+
+
+def _nvml_line() -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        util = pynvml.nvmlDeviceGetUtilizationRates(h).gpu
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        power = pynvml.nvmlDeviceGetPowerUsage(h) / 1000
+        return f"GPU {util}% · {mem.used / 2**30:.1f}/{mem.total / 2**30:.0f} GiB · {power:.0f} W"
+    except Exception:  # noqa: BLE001 - no driver, no GPU, no library: all mean "no reading"
+        return "GPU: no NVML reading"
+
+
+class HardwareStrip(Static):
+    """One line of machine readings, refreshed by the app (or off, for snapshots)."""
+
+    DEFAULT_CSS = "HardwareStrip { height: 1; padding: 0 1; background: $panel; }"
+
+    def __init__(self, enabled: bool = True, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.enabled = enabled
+
+    def refresh_readings(self) -> None:
+        if not self.enabled:
+            self.update("hardware readings off")
+            return
+        mem = psutil.virtual_memory()
+        self.update(f"CPU {psutil.cpu_percent():.0f}% · RAM {mem.used / 2**30:.1f}/"
+                    f"{mem.total / 2**30:.0f} GiB · {_nvml_line()}")

@@ -1,0 +1,68 @@
+"""KV block map: every physical block as a cell coloured by its state; a selected request's
+block table highlighted; totals and usage."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.text import Text
+
+from console.widgets.base import SnapshotPanel
+from runtime.snapshot import CACHED, CACHED_ACTIVE, FREE, PRIVATE, SHARED, EngineSnapshot
+
+STYLES = {FREE: ("·", "dim"), PRIVATE: ("█", "green"), SHARED: ("█", "magenta"),
+          CACHED: ("▒", "blue"), CACHED_ACTIVE: ("█", "cyan")}
+# When several blocks share a cell, the cell shows the "busiest" state among them.
+RANK = {FREE: 0, CACHED: 1, PRIVATE: 2, CACHED_ACTIVE: 3, SHARED: 4}
+
+
+class KVMapPanel(SnapshotPanel):
+    """The paged KV pool, block by block (or group by group when it does not fit)."""
+
+    DEFAULT_CSS = "KVMapPanel { height: 1fr; border: round $primary; padding: 0 1; }"
+    BORDER_TITLE = "KV blocks"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.selected: str | None = None
+        """Request id whose blocks are highlighted."""
+        self.grid = Text()
+        """The last drawn cells (one character per block or group of blocks)."""
+
+    def draw(self, snap: EngineSnapshot) -> None:
+        kv = snap.kv
+        width = max(self.size.width - 4, 8)
+        rows = max(self.size.height - 5, 1)
+        cells = width * rows
+        per_cell = max(-(-kv.num_blocks // cells), 1)
+        highlight: set[int] = set()
+        for v in snap.running:
+            if v.request_id == self.selected:
+                highlight = set(v.block_table)
+        grid = Text()
+        states = kv.states
+        for start in range(0, kv.num_blocks, per_cell):
+            group = states[start:start + per_cell]
+            state = max(group, key=lambda s: RANK[s])
+            char, style = STYLES[state]
+            if highlight and any(b in highlight for b in range(start, start + len(group))):
+                char, style = "◆", "bold yellow"
+            grid.append(char, style=style)
+            if (start // per_cell + 1) % width == 0:
+                grid.append("\n")
+        counts = [0] * 5
+        for s in states:
+            counts[s] += 1
+        legend = Text()
+        short = width < 60  # the compact legend fits one line on an 80-column terminal
+        for state, name, abbrev in ((PRIVATE, "private", "prv"), (SHARED, "shared", "shr"),
+                                    (CACHED_ACTIVE, "cached+used", "c+u"),
+                                    (CACHED, "cached", "cch"), (FREE, "free", "free")):
+            char, style = STYLES[state]
+            legend.append(f"{char}{abbrev if short else ' ' + name} {counts[state]} ",
+                          style=style)
+        self.border_subtitle = (f"{kv.num_blocks} × {kv.block_size} tok · {kv.kv_format} · "
+                                f"{kv.usage:.0%} used · {kv.num_reserved} reserved")
+        scale = f"1 cell = {per_cell} blocks" if per_cell > 1 else "1 cell = 1 block"
+        sel = f" · highlighted: {self.selected}" if highlight else ""
+        self.grid = grid
+        self.update(Group(legend, Text(scale + sel, style="dim"), grid))

@@ -1,0 +1,69 @@
+"""Queue panel: the last iteration's batch against its budgets, then running and waiting
+requests with their progress, wait, deadline slack and priority."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+
+from console.widgets.base import SnapshotPanel
+from runtime.snapshot import EngineSnapshot, RequestView
+
+
+def budget_bar(decode: int, prefill: int, budget: int, width: int = 24) -> Text:
+    """Decode tokens, prefill tokens and unused budget as one bar."""
+    budget = max(budget, 1)
+    d = round(width * decode / budget)
+    p = min(round(width * prefill / budget), width - d)
+    bar = Text()
+    bar.append("█" * d, style="bold cyan")
+    bar.append("█" * p, style="bold magenta")
+    bar.append("·" * (width - d - p), style="dim")
+    return bar
+
+
+class QueuePanel(SnapshotPanel):
+    """Waiting / running / preempted requests and the batch composition."""
+
+    DEFAULT_CSS = "QueuePanel { height: 1fr; border: round $primary; padding: 0 1; }"
+    BORDER_TITLE = "Queue"
+
+    def draw(self, snap: EngineSnapshot) -> None:
+        b = snap.batch
+        head = Text()
+        if b is not None:
+            head.append(f"step {b.step} ")
+            head.append_text(budget_bar(b.num_decode_tokens, b.num_prefill_tokens,
+                                        b.token_budget, width=12))
+            head.append(f" {b.num_decode_tokens}+{b.num_prefill_tokens}/{b.token_budget} tok "
+                        f"{b.num_seqs}/{b.max_num_seqs} seqs {b.seconds * 1e3:.1f} ms")
+        else:
+            head.append("no iteration yet")
+        table = Table(box=None, expand=True, pad_edge=False, show_edge=False)
+        narrow = self.size.width < 50  # 80 columns: id, state and progress only
+        columns = (("id", "left"), ("state", "left"), ("prompt", "right"), ("out", "right"),
+                   ("wait s", "right"), ("slack s", "right"), ("prio", "right"))
+        for col, just in columns[:4] if narrow else columns:
+            table.add_column(col, justify=just, no_wrap=True)
+        rows = max(self.size.height - 4, 3)
+        views = list(snap.running) + list(snap.waiting)
+        for v in views[:rows]:
+            table.add_row(*self._row(v, snap.time)[:4 if narrow else 7])
+        more = len(views) - rows
+        foot = Text(f"{len(snap.running)} running, {len(snap.waiting)} waiting"
+                    + (f" (+{more} not shown)" if more > 0 else ""), style="dim")
+        self.border_subtitle = f"{snap.num_finished} done · {snap.num_rejected} rejected · " \
+                               f"{snap.num_preemptions} preemptions"
+        from rich.console import Group
+
+        self.update(Group(head, table, foot))
+
+    @staticmethod
+    def _row(v: RequestView, now: float) -> tuple[str, ...]:
+        state = {"running": "[green]run[/]", "waiting": "[yellow]wait[/]",
+                 "preempted": "[red]preempt[/]"}.get(v.status, v.status)
+        progress = f"{min(v.computed_tokens, v.prompt_tokens)}/{v.prompt_tokens}"
+        waited = (v.admitted_time if v.admitted_time is not None else now) - v.arrival_time
+        slack = f"{v.deadline - now:.1f}" if v.deadline is not None else "—"
+        return (v.request_id[-12:], state, progress, f"{v.output_tokens}/{v.max_tokens}",
+                f"{waited:.1f}", slack, str(v.priority))
