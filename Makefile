@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # CUDA users: make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench screenshots clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ test: $(VENV)/.dev
 # Benchmarks print ratios measured side by side in one run and write bench-results/.
 bench: $(VENV)/.dev
 	$(PY) -m benchmarks
+
+# SVGs of every console screen from seeded sim runs, for the README.
+screenshots: $(VENV)/.dev
+	$(PY) -m console.screenshots
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -53,7 +53,7 @@ def root(ctx: typer.Context) -> None:
     Without a command, opens the console on the embedded default model with traffic flowing.
     """
     if ctx.invoked_subcommand is None:
-        console()
+        open_console()
 
 
 @app.command()
@@ -73,6 +73,17 @@ def console(
     seed: int = typer.Option(0, "--seed", help="Seed for traffic and sampling."),
 ) -> None:
     """Open the operator console on a live engine with built-in traffic."""
+    open_console(executor, model, hardware, model_profile, kv_memory_gib, rate, pace, device,
+                 dtype, threads, seed)
+
+
+def open_console(executor: str = "torch", model: str | None = None,
+                 hardware: str = "rtx-pro-6000", model_profile: str = "qwen3-8b",
+                 kv_memory_gib: float | None = None, rate: float | None = None,
+                 pace: float = 1.0, device: str = "auto", dtype: str | None = None,
+                 threads: int | None = None, seed: int = 0) -> None:
+    """Build an engine with built-in traffic and run the console (plain defaults, so the
+    bare `kvdeck` can call it)."""
     from console.app import KvdeckApp
     from runtime.config import EngineConfig, Knobs
     from runtime.engine import Engine

@@ -7,9 +7,10 @@ import asyncio
 from textual.widgets import Input
 
 from console.app import KvdeckApp
+from console.screenshots import advance
+from console.screenshots import make_demo_app as make_app
 from console.widgets.kv_map import KVMapPanel
 from runtime.recording import read_iterations
-from tests.ui.conftest import advance, make_app
 
 
 async def edit_knob(pilot, app: KvdeckApp, name: str, text: str) -> None:
@@ -78,7 +79,7 @@ async def test_highlight_a_requests_blocks(app: KvdeckApp) -> None:
 
 
 async def test_recording_writes_a_replayable_run(tmp_path) -> None:
-    app = make_app(tmp_path)
+    app = make_app(tmp_path / "runs")
     async with app.run_test(size=(160, 48)) as pilot:
         await pilot.press("r")
         advance(app, 30)
@@ -92,7 +93,7 @@ async def test_recording_writes_a_replayable_run(tmp_path) -> None:
 
 
 async def test_live_loop_streams_snapshots_and_quits_cleanly(tmp_path) -> None:
-    app = make_app(tmp_path, autostart=True)
+    app = make_app(tmp_path / "runs", autostart=True)
     async with app.run_test(size=(120, 40)) as pilot:
         for _ in range(200):
             await asyncio.sleep(0.05)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ui.conftest import advance, make_app
+from console.screenshots import advance
+from console.screenshots import make_demo_app as make_app
 
 SIZES = [(80, 24), (160, 48)]
 
