@@ -14,20 +14,16 @@ from pathlib import Path
 
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import DataTable, Footer, Header
 
+from console.layout import SNAPSHOT_PANELS, compose_panels
 from console.screens.help import HelpScreen
 from console.themes import load_themes
 from console.widgets.hardware import HardwareStrip
 from console.widgets.knobs import TRAFFIC_KNOBS, KnobEditor, KnobsPanel, parse_knob
 from console.widgets.kv_map import KVMapPanel
 from console.widgets.metrics import MetricsPanel
-from console.widgets.prefix_tree import PrefixTreePanel
-from console.widgets.queue import QueuePanel
-from console.widgets.speculation import SpeculationPanel
-from console.widgets.transfers import TransfersPanel
 from runtime.engine import Engine
 from runtime.engine_loop import EngineLoop
 from runtime.errors import KvdeckError
@@ -79,17 +75,7 @@ class KvdeckApp(App):
     def compose(self) -> ComposeResult:
         yield Header()
         yield HardwareStrip(enabled=self.hardware, id="hardware")
-        with Horizontal():
-            with Vertical(id="left"):
-                yield QueuePanel(id="queue")
-                yield KnobsPanel(id="knobs")
-            with Vertical(id="middle"):
-                yield KVMapPanel(id="kvmap")
-                yield PrefixTreePanel(id="prefix")
-            with Vertical(id="right"):
-                yield MetricsPanel(id="metrics")
-                yield TransfersPanel(id="transfers")
-                yield SpeculationPanel(id="speculation")
+        yield from compose_panels()
         yield Footer()
 
     def on_mount(self) -> None:
@@ -126,8 +112,7 @@ class KvdeckApp(App):
     def render_snapshot(self, snap: EngineSnapshot) -> None:
         """Show `snap` in every panel (also used by tests and replay)."""
         self.latest = snap
-        for panel in (QueuePanel, KVMapPanel, PrefixTreePanel, MetricsPanel, TransfersPanel,
-                      SpeculationPanel):
+        for panel in SNAPSHOT_PANELS:
             self.query_one(panel).show(snap)
         self.query_one(KnobsPanel).show_values(snap.knobs, self.traffic_values())
         state = "paused" if self.loop.paused else "running"

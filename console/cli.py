@@ -275,6 +275,14 @@ def calibrate(
 
 
 @app.command()
+def replay(run: str = typer.Argument(..., help="A run directory written by recording.")) -> None:
+    """Open a recorded run in the console's panels, with play/pause, speed and a scrubber."""
+    from console.screens.replay import ReplayApp
+
+    guarded(lambda: ReplayApp(run)).run()
+
+
+@app.command()
 def compare(
     a: str = typer.Argument(..., help="Result JSON of run-trace --json (A)."),
     b: str = typer.Argument(..., help="Result JSON of run-trace --json (B)."),

@@ -13,6 +13,7 @@ from console.app import KvdeckApp
 from runtime.config import EngineConfig, Knobs
 from runtime.engine import Engine
 from runtime.executors.sim import SimConfig, SimExecutor
+from runtime.recording import Recorder
 from runtime.traffic import TrafficGenerator, TrafficMix
 
 
@@ -47,7 +48,19 @@ async def _shoot(out: Path, size: tuple[int, int], steps: int, keys: list[str], 
         app.save_screenshot(filename=name, path=str(out))
 
 
+async def _shoot_replay(out: Path, run_dir: Path, name: str) -> None:
+    from console.screens.replay import ReplayApp
+
+    app = ReplayApp(run_dir)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.press("pagedown")
+        await pilot.pause()
+        app.save_screenshot(filename=name, path=str(out))
+
+
 def main(out: Path = Path("screenshots")) -> None:
+    import tempfile
+
     out.mkdir(exist_ok=True)
     shots = [((160, 48), 60, [], "live-160x48.svg"), ((80, 24), 60, [], "live-80x24.svg"),
              ((160, 48), 60, ["n"], "live-highlight-160x48.svg"),
@@ -55,6 +68,15 @@ def main(out: Path = Path("screenshots")) -> None:
     for size, steps, keys, name in shots:
         asyncio.run(_shoot(out, size, steps, keys, name))
         print(f"wrote {out / name}")
+    with tempfile.TemporaryDirectory() as tmp:  # record a seeded run, then replay it
+        app = make_demo_app(Path(tmp))
+        recorder = Recorder(Path(tmp) / "run", app.engine)
+        for _ in range(120):
+            app.traffic(app.engine)
+            app.engine.step()
+        recorder.close()
+        asyncio.run(_shoot_replay(out, Path(tmp) / "run", "replay-160x48.svg"))
+    print(f"wrote {out / 'replay-160x48.svg'}")
 
 
 if __name__ == "__main__":

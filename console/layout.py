@@ -1,0 +1,31 @@
+"""The panel layout shared by the live console and replay."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+
+from console.widgets.knobs import KnobsPanel
+from console.widgets.kv_map import KVMapPanel
+from console.widgets.metrics import MetricsPanel
+from console.widgets.prefix_tree import PrefixTreePanel
+from console.widgets.queue import QueuePanel
+from console.widgets.speculation import SpeculationPanel
+from console.widgets.transfers import TransfersPanel
+
+SNAPSHOT_PANELS = (QueuePanel, KVMapPanel, PrefixTreePanel, MetricsPanel, TransfersPanel,
+                   SpeculationPanel)
+
+
+def compose_panels() -> ComposeResult:
+    with Horizontal():
+        with Vertical(id="left"):
+            yield QueuePanel(id="queue")
+            yield KnobsPanel(id="knobs")
+        with Vertical(id="middle"):
+            yield KVMapPanel(id="kvmap")
+            yield PrefixTreePanel(id="prefix")
+        with Vertical(id="right"):
+            yield MetricsPanel(id="metrics")
+            yield TransfersPanel(id="transfers")
+            yield SpeculationPanel(id="speculation")

@@ -1,0 +1,162 @@
+"""`kvdeck replay RUN`: the console's panels fed from a recorded iteration trace — no model,
+no engine — with play/pause, speed and a scrubber.
+
+Moving forward applies records to a `TraceState`; moving back restores the nearest
+checkpoint (one every `CHECKPOINT` records, taken on the way forward) and re-applies from
+there, so scrubbing a long run stays quick.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.widgets import Footer, Header
+
+from console.layout import SNAPSHOT_PANELS, compose_panels
+from console.screens.help import HelpScreen
+from console.themes import load_themes
+from console.widgets.knobs import KnobsPanel
+from console.widgets.kv_map import KVMapPanel
+from console.widgets.scrubber import Scrubber
+from runtime.errors import ConfigError
+from runtime.recording import read_iterations
+from runtime.replay import TraceState
+from runtime.resources import themes_dir
+from runtime.snapshot import EngineSnapshot
+
+CHECKPOINT = 200
+SPEEDS = (0.25, 0.5, 1, 2, 4, 8, 16, 32)
+
+
+class ReplayApp(App):
+    """Playback of a run directory."""
+
+    CSS_PATH = str(themes_dir().joinpath("kvdeck.tcss"))
+    TITLE = "kvdeck replay"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    BINDINGS = [
+        Binding("q", "quit", "Quit", id="replay.quit"),
+        Binding("space", "toggle_play", "Play", id="replay.play", priority=True),
+        Binding("right", "move(1)", "+1", id="replay.next", priority=True),
+        Binding("left", "move(-1)", "-1", id="replay.prev", priority=True),
+        Binding("pagedown", "move(50)", "+50", id="replay.next50", show=False, priority=True),
+        Binding("pageup", "move(-50)", "-50", id="replay.prev50", show=False, priority=True),
+        Binding("home", "seek_start", "Start", id="replay.start", show=False, priority=True),
+        Binding("end", "seek_end", "End", id="replay.end", show=False, priority=True),
+        Binding("right_square_bracket", "speed(1)", "Faster", id="replay.faster"),
+        Binding("left_square_bracket", "speed(-1)", "Slower", id="replay.slower"),
+        Binding("n", "select_next", "Select", id="replay.select"),
+        Binding("t", "next_theme", "Theme", id="replay.theme"),
+        Binding("f1", "help", "Help", id="replay.help"),
+    ]
+
+    def __init__(self, run_dir: str | Path):
+        super().__init__()
+        self.run_dir = Path(run_dir)
+        self.header, records = read_iterations(self.run_dir)
+        self.records = [r for r in records if not r.get("truncated")]
+        if not self.records:
+            raise ConfigError(f"{self.run_dir} holds no iterations to replay.")
+        self.marks = {i for i, r in enumerate(self.records) if "knobs" in r}
+        self.state = TraceState.from_header(self.header)
+        self.applied = 0
+        """Records applied to `state` (the shown one is `applied - 1`)."""
+        self.checkpoints: dict[int, TraceState] = {0: copy.deepcopy(self.state)}
+        self.playing = False
+        self.speed_index = SPEEDS.index(1)
+        self.snapshot: EngineSnapshot | None = None
+        self.sub_title = f"{self.run_dir.name} · {self.header.get('model', '?')}"
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Scrubber(len(self.records), self.marks, id="scrubber")
+        yield from compose_panels()
+        yield Footer()
+
+    def on_mount(self) -> None:
+        for theme in load_themes():
+            self.register_theme(theme)
+        self.theme = "kvdeck-dark"
+        self.seek(0)
+        self.set_interval(0.1, self._tick)
+
+    # -- position ---------------------------------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        return self.applied - 1
+
+    def seek(self, position: int) -> None:
+        """Show the state after record `position` (clamped to the run)."""
+        position = max(0, min(position, len(self.records) - 1))
+        target = position + 1
+        if target < self.applied:
+            base = max(k for k in self.checkpoints if k <= target)
+            self.state = copy.deepcopy(self.checkpoints[base])
+            self.applied = base
+        while self.applied < target:
+            self.state.apply(self.records[self.applied])
+            self.applied += 1
+            if self.applied % CHECKPOINT == 0 and self.applied not in self.checkpoints:
+                self.checkpoints[self.applied] = copy.deepcopy(self.state)
+        self.show()
+
+    def show(self) -> None:
+        snap = self.state.snapshot(self.header)
+        self.snapshot = snap
+        for panel in SNAPSHOT_PANELS:
+            self.query_one(panel).show(snap)
+        self.query_one(KnobsPanel).show_values(snap.knobs, {})
+        self.query_one(Scrubber).draw(self.position, self.state.step, self.state.time,
+                                      SPEEDS[self.speed_index], self.playing)
+
+    def _tick(self) -> None:
+        if not self.playing:
+            return
+        # Speed 1 plays 10 records a second; fractions advance every few ticks.
+        self._carry = getattr(self, "_carry", 0.0) + SPEEDS[self.speed_index]
+        step, self._carry = int(self._carry), self._carry - int(self._carry)
+        if step:
+            if self.position + step >= len(self.records) - 1:
+                self.playing = False
+            self.seek(self.position + step)
+
+    # -- actions ----------------------------------------------------------------------------
+
+    def on_scrubber_seek(self, event: Scrubber.Seek) -> None:
+        self.seek(event.position)
+
+    def action_toggle_play(self) -> None:
+        self.playing = not self.playing
+        self.show()
+
+    def action_move(self, delta: int) -> None:
+        self.seek(self.position + delta)
+
+    def action_seek_start(self) -> None:
+        self.seek(0)
+
+    def action_seek_end(self) -> None:
+        self.seek(len(self.records) - 1)
+
+    def action_speed(self, direction: int) -> None:
+        self.speed_index = max(0, min(self.speed_index + direction, len(SPEEDS) - 1))
+        self.show()
+
+    def action_select_next(self) -> None:
+        kv = self.query_one(KVMapPanel)
+        ids = [v.request_id for v in self.snapshot.running] if self.snapshot else []
+        kv.selected = ids[(ids.index(kv.selected) + 1) % len(ids) if kv.selected in ids
+                          else 0] if ids else None
+        self.show()
+
+    def action_next_theme(self) -> None:
+        names = [t.name for t in load_themes()]
+        self.theme = names[(names.index(self.theme) + 1) % len(names)
+                           if self.theme in names else 0]
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
