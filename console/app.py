@@ -15,7 +15,7 @@ from pathlib import Path
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.message import Message
-from textual.widgets import DataTable, Footer, Header
+from textual.widgets import DataTable, Footer, Header, Input
 
 from console.layout import SNAPSHOT_PANELS, compose_panels
 from console.screens.help import HelpScreen
@@ -24,10 +24,13 @@ from console.widgets.hardware import HardwareStrip
 from console.widgets.knobs import TRAFFIC_KNOBS, KnobEditor, KnobsPanel, parse_knob
 from console.widgets.kv_map import KVMapPanel
 from console.widgets.metrics import MetricsPanel
+from console.widgets.prefix_tree import PrefixTreePanel
+from console.widgets.prompt import PromptPanel
 from runtime.engine import Engine
 from runtime.engine_loop import EngineLoop
 from runtime.errors import KvdeckError
 from runtime.recording import Recorder
+from runtime.request import Request, SamplingParams
 from runtime.resources import themes_dir
 from runtime.snapshot import EngineSnapshot
 from runtime.traffic import TrafficGenerator
@@ -50,6 +53,7 @@ class KvdeckApp(App):
         Binding("plus,equals_sign", "rate(1.5)", "Rate+", id="traffic.faster"),
         Binding("minus", "rate(0.6667)", "Rate-", id="traffic.slower"),
         Binding("k", "focus_knobs", "Knobs", id="app.knobs"),
+        Binding("slash", "focus_prompt", "Prompt", id="app.prompt"),
         Binding("n", "select_next", "Select", id="kv.select"),
         Binding("r", "toggle_record", "Record", id="run.record"),
         Binding("t", "next_theme", "Theme", id="app.theme"),
@@ -70,12 +74,15 @@ class KvdeckApp(App):
         self.latest: EngineSnapshot | None = None
         self._pending = threading.Event()
         self.recorder: Recorder | None = None
+        self.prompt_request: Request | None = None
+        self._prompts = 0
         self.sub_title = f"{engine.executor.model_name} · {engine.executor.name}"
 
     def compose(self) -> ComposeResult:
         yield Header()
         yield HardwareStrip(enabled=self.hardware, id="hardware")
         yield from compose_panels()
+        yield PromptPanel(id="prompt")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -115,6 +122,7 @@ class KvdeckApp(App):
         for panel in SNAPSHOT_PANELS:
             self.query_one(panel).show(snap)
         self.query_one(KnobsPanel).show_values(snap.knobs, self.traffic_values())
+        self.query_one(PromptPanel).show_request(self.prompt_request)
         state = "paused" if self.loop.paused else "running"
         rec = " · recording" if self.recorder is not None else ""
         self.sub_title = f"{snap.model_name} · {snap.executor} · {state}{rec}"
@@ -155,6 +163,37 @@ class KvdeckApp(App):
         self.query_one(MetricsPanel).mark_knob_change()
         self.notify(f"{name} = {value!r} from the next iteration", title="Knob")
         return True
+
+    # -- interactive prompt -----------------------------------------------------------------
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "prompt-input":
+            self.submit_prompt(event.value)
+            event.input.value = ""
+
+    def submit_prompt(self, text: str) -> Request | None:
+        """Send `text` to the engine as a greedy request and follow it in the panels."""
+        if not text.strip():
+            self.notify("Type a prompt first.", severity="warning")
+            return None
+        tok = self.engine.tokenizer
+        # Without a tokenizer (the sim executor) bytes stand in for tokens.
+        ids = tok.encode(text) if tok is not None else [3 + b for b in text.encode()]
+        self._prompts += 1
+        try:
+            req = self.engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=48),
+                                          request_id=f"prompt-{self._prompts}")
+        except KvdeckError as e:
+            self.notify(str(e), title="Prompt", severity="error")
+            return None
+        self.prompt_request = req
+        self.query_one(KVMapPanel).selected = req.request_id
+        self.query_one(PrefixTreePanel).selected = req.request_id
+        self.query_one(PromptPanel).show_request(req)
+        return req
+
+    def action_focus_prompt(self) -> None:
+        self.query_one("#prompt-input", Input).focus()
 
     # -- actions ----------------------------------------------------------------------------
 
@@ -232,6 +271,7 @@ class KvdeckApp(App):
             ("Next theme", "Dark, light, high contrast", self.action_next_theme),
             ("Edit knobs", "Focus the knob table", self.action_focus_knobs),
             ("Highlight next request", "Its blocks in the KV map", self.action_select_next),
+            ("Type a prompt", "Send a prompt and watch it stream", self.action_focus_prompt),
             ("Help", "Keys and panels", self.action_help),
         ):
             yield SystemCommand(title, help_text, action)

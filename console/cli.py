@@ -100,7 +100,12 @@ def open_console(executor: str = "torch", model: str | None = None,
                       chunk_size=2048 if executor == "sim" else 256)
         cfg = EngineConfig(kv_memory_bytes=int(gib * 2**30), seed=seed, knobs=knobs,
                            kv_format="bf16" if executor == "sim" else "fp16")
-        engine = Engine(cfg, ex)
+        tokenizer = None
+        if executor != "sim":
+            from runtime.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer(ex.model_path)
+        engine = Engine(cfg, ex, tokenizer=tokenizer)
         vocab = sim.vocab_size if executor == "sim" else ex.cfg.info.vocab_size
         default_rate = 3.0 if executor == "sim" else 0.5
         mix = TrafficMix.for_context(min(engine.max_model_len, 32768),

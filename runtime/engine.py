@@ -315,13 +315,25 @@ class Engine:
     # -- views ------------------------------------------------------------------------------
 
     def rolling_metrics(self) -> dict:
-        """Latency distributions over the most recently finished requests."""
+        """Latency distributions over the most recently finished requests, the fraction of
+        them that were good (finished, and within their deadline when they had one), and
+        the Little's-law check over the whole run: measured mean resident requests vs
+        completion rate × mean residence."""
         recent = list(self.recent)
+        done = [m for m in recent if m.status.startswith("finished")]
+        good = [m for m in done if m.met_deadline is not False]
+        now = max(self.clock.now(), 1e-9)
+        residence = [m.finish - m.arrival for m in recent if m.finish is not None]
+        finished = sum(self.num_by_status.values())
         return {
             "ttft": Distribution.of(m.ttft for m in recent if m.ttft is not None),
             "tpot": Distribution.of(m.tpot for m in recent if m.tpot is not None),
             "itl": Distribution.of(x for m in recent for x in m.itls),
             "e2e": Distribution.of(m.e2e for m in recent if m.e2e is not None),
+            "good_fraction": len(good) / len(done) if done else None,
+            "mean_resident": self.stats.resident_seconds / now,
+            "littles_prediction": finished / now * (sum(residence) / len(residence))
+            if residence else None,
         }
 
     def snapshot(self, max_prefix_nodes: int = 256) -> EngineSnapshot:

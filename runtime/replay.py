@@ -219,5 +219,7 @@ class TraceState:
             num_aborted=self.counts.get("aborted", 0),
             num_preemptions=self.num_preemptions,
             recent={"ttft": Distribution.of(ttft), "itl": Distribution.of(itl),
-                    "tpot": Distribution.of(tpot), "e2e": Distribution.of(e2e)},
+                    "tpot": Distribution.of(tpot), "e2e": Distribution.of(e2e),
+                    "good_fraction": None, "mean_resident": None,
+                    "littles_prediction": None},
         )

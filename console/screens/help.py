@@ -13,6 +13,7 @@ HELP = """
 
 **Keys** — `p` pause/resume · `s` step one iteration (paused) · `+`/`-` traffic rate ·
 `k` knobs (Enter edits, applied at the next iteration) · `n` highlight a request's blocks ·
+`/` type a prompt (its tokens stream below; its blocks and prefix path are highlighted) ·
 `r` start/stop recording to `runs/<time>/` · `t` next theme · `ctrl+p` command palette ·
 `F1` this help · `q` quit.
 

@@ -75,8 +75,15 @@ class MetricsPanel(SnapshotPanel):
         marks = {m - offset for m in self.marks}
         lines = [
             table,
-            Text(f"throughput {self.throughput:.2f} req/s · t = {snap.time:,.1f} s · "
-                 f"{len(snap.running) + len(snap.waiting)} resident"),
+            Text(f"throughput {self.throughput:.2f} req/s · goodput "
+                 f"{self.throughput * (r.get('good_fraction') or 0):.2f} req/s"
+                 + (f" ({r['good_fraction']:.0%} met deadlines)"
+                    if r.get("good_fraction") is not None else "")),
+            Text(f"resident {len(snap.running) + len(snap.waiting)} now · mean "
+                 + (f"{r['mean_resident']:.1f}" if r.get("mean_resident") is not None
+                    else "—") + " vs λ·T "
+                 + (f"{r['littles_prediction']:.1f}" if r.get("littles_prediction")
+                    is not None else "—") + f" · t = {snap.time:,.1f} s"),
             Text("KV used  ").append_text(sparkline(list(self.usage), marks, width))
             .append(f" {snap.kv.usage:.0%}"),
             Text("hit rate ").append_text(sparkline(list(self.hits), marks, width))

@@ -16,6 +16,9 @@ class PrefixTreePanel(SnapshotPanel):
     DEFAULT_CSS = "PrefixTreePanel { height: 1fr; border: round $primary; padding: 0 1; }"
     BORDER_TITLE = "Prefix cache"
 
+    selected: str | None = None
+    """Request whose path through the tree is highlighted."""
+
     def draw(self, snap: EngineSnapshot) -> None:
         kv = snap.kv
         self.border_subtitle = (f"{kv.num_cached_blocks} cached blocks · "
@@ -28,13 +31,19 @@ class PrefixTreePanel(SnapshotPanel):
             return
         root = Tree(Text(f"{len(nodes)} segments shown (chains folded)", style="dim"))
         branches: dict[int, Tree] = {0: root}
+        path = next((set(v.block_table) for v in snap.running
+                     if v.request_id == self.selected), set())
         for n in nodes[: max(self.size.height - 3, 4)]:
-            label = Text(f"[{n.start_token}:{n.end_token})", style="bold")
+            on_path = n.block in path
+            label = Text(f"[{n.start_token}:{n.end_token})",
+                         style="bold yellow" if on_path else "bold")
             if n.num_blocks > 1:
                 label.append(f" {n.num_blocks} blocks", style="dim")
             label.append(f" users {n.num_users} hits {n.hits} @{n.last_access:.1f}s")
             if n.evictable:
                 label.append(" evictable", style="blue")
+            if on_path:
+                label.append(f" ◀ {self.selected}", style="bold yellow")
             parent = branches.get(n.parent_id, root)
             branches[n.node_id] = parent.add(label)
         self.update(root)

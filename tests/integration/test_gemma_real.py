@@ -212,3 +212,20 @@ def test_greedy_shortlist_equals_full_head(gemma_path, executor, tokenizer) -> N
         e.run_until_idle()
         outs.append([r.output_token_ids for r in reqs])
     assert outs[0] == outs[1]
+
+
+async def test_console_prompt_streams_decoded_text(executor, tokenizer) -> None:
+    from console.app import KvdeckApp
+
+    e = Engine(EngineConfig(kv_memory_bytes=128 << 20), executor, tokenizer=tokenizer)
+    app = KvdeckApp(e, autostart=False, hardware=False)
+    async with app.run_test(size=(160, 48)):
+        req = app.submit_prompt("The capital of France is")
+        texts = []
+        while not req.status.is_finished:
+            e.step()
+            texts.append(req.output_text)
+        app.render_snapshot(e.snapshot())
+        assert len(set(texts)) > 5 and texts[-1].startswith(texts[3])  # grew token by token
+        assert "France" in req.output_text
+        assert "France" in str(app.query_one("#prompt-output").render())

@@ -105,3 +105,81 @@ async def test_live_loop_streams_snapshots_and_quits_cleanly(tmp_path) -> None:
         await pilot.press("q")
     assert not app.loop.is_alive and app.loop.error is None
     app.engine.check_integrity()
+
+
+KNOB_VALUES = {
+    "max_num_batched_tokens": ("1024", 1024), "max_num_seqs": ("8", 8),
+    "chunk_size": ("64", 64), "scheduling": ("static", "static"),
+    "queue_policy": ("sjf", "sjf"), "sjf_max_wait_s": ("5", 5.0),
+    "reservation": ("full", "full"), "preemption": ("recompute", "recompute"),
+    "enable_prefix_caching": ("false", False), "prefix_cache_capacity": ("100", 100),
+    "eviction_policy": ("value", "value"), "admission_control": ("true", True),
+    "on_deadline_miss": ("wait", "wait"),
+}
+
+
+def test_every_engine_knob_is_listed() -> None:
+    import dataclasses
+
+    from runtime.config import Knobs
+
+    assert set(KNOB_VALUES) == {f.name for f in dataclasses.fields(Knobs)}
+
+
+async def test_every_knob_applies_at_the_next_iteration(app: KvdeckApp) -> None:
+    async with app.run_test(size=(160, 48)):
+        advance(app, 3)
+        for name, (text, value) in KNOB_VALUES.items():
+            assert app.apply_knob(name, text), name
+            advance(app, 1)
+            assert getattr(app.engine.scheduler.knobs, name) == value, name
+        assert app.apply_knob("traffic_long_fraction", "0.9")
+        assert app.traffic.mix.long_fraction == 0.9
+
+
+async def test_prompt_streams_tokens_and_highlights_its_blocks(app: KvdeckApp) -> None:
+    async with app.run_test(size=(160, 48)) as pilot:
+        advance(app, 5)
+        await pilot.press("slash")
+        app.query_one("#prompt-input", Input).value = "What is paged attention?" * 4
+        await pilot.press("enter")
+        req = app.prompt_request
+        assert req is not None and app.query_one(KVMapPanel).selected == req.request_id
+        seen = []
+        for _ in range(100):
+            advance(app, 1)
+            seen.append(req.num_output_tokens)
+            if req.status.is_finished:
+                break
+        assert seen[-1] == 48 and len(set(seen)) > 10  # tokens arrived step by step
+        out = str(app.query_one("#prompt-output").render())
+        assert "48 tokens" in out or req.status.is_finished
+        app.query_one("#prompt-input", Input).value = "   "
+        await pilot.press("enter")  # an empty prompt is refused with a notice
+        assert any("Type a prompt first." == n.message for n in app._notifications)
+
+
+async def test_keys_respond_with_1000_running_requests(tmp_path) -> None:
+    from runtime.config import EngineConfig, Knobs
+    from runtime.engine import Engine
+    from runtime.executors.sim import SimExecutor
+    from runtime.request import SamplingParams
+
+    engine = Engine(EngineConfig(num_blocks=80_000, knobs=Knobs(
+        max_num_seqs=1024, max_num_batched_tokens=16384)), SimExecutor())
+    for i in range(1000):
+        engine.add_request([3 + i % 1000] * 40, SamplingParams(max_tokens=5000,
+                                                               ignore_eos=True))
+    app = KvdeckApp(engine, autostart=True, hardware=False, runs_dir=tmp_path)
+    async with app.run_test(size=(160, 48)) as pilot:
+        for _ in range(400):
+            await asyncio.sleep(0.05)
+            if app.latest is not None and len(app.latest.running) == 1000:
+                break
+        assert len(app.latest.running) == 1000
+        await pilot.press("p")
+        assert app.loop.paused
+        await pilot.press("n")
+        assert app.query_one(KVMapPanel).selected is not None
+        await pilot.press("p", "q")
+    assert app.loop.error is None
