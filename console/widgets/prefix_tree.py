@@ -1,39 +1,61 @@
-"""Prefix tree panel: the shared-prefix structure with token spans, users, hits, last access
-and evictability; the snapshot already folds single-child chains into segments."""
+"""Prefix tree panel: the shared-prefix structure as a collapsible tree of token spans with
+users, hits, last access and evictability. The snapshot already folds single-child chains
+into segments. The tree is rebuilt from each snapshot, keeping the segments the operator
+collapsed and the cursor's segment."""
 
 from __future__ import annotations
 
 from rich.text import Text
-from rich.tree import Tree
+from textual import events
+from textual.widgets import Tree
 
-from console.widgets.base import SnapshotPanel
 from runtime.snapshot import EngineSnapshot
 
 
-class PrefixTreePanel(SnapshotPanel):
-    """Cached full blocks as a tree of token spans."""
+class PrefixTreePanel(Tree[int]):
+    """Cached full blocks as a collapsible tree; node data is the segment's first node id."""
 
-    DEFAULT_CSS = "PrefixTreePanel { height: 1fr; border: round $primary; padding: 0 1; }"
+    DEFAULT_CSS = "PrefixTreePanel { height: 1fr; border: round $primary; }"
     BORDER_TITLE = "Prefix cache"
 
-    selected: str | None = None
-    """Request whose path through the tree is highlighted."""
+    def __init__(self, **kwargs) -> None:
+        super().__init__("prefix cache", **kwargs)
+        self.show_root = False
+        self.collapsed_ids: set[int] = set()
+        self.selected: str | None = None
+        """Request whose path through the tree is highlighted."""
+        self._snapshot: EngineSnapshot | None = None
 
-    def draw(self, snap: EngineSnapshot) -> None:
+    def on_tree_node_collapsed(self, event: Tree.NodeCollapsed) -> None:
+        if event.node.data is not None:
+            self.collapsed_ids.add(event.node.data)
+
+    def on_tree_node_expanded(self, event: Tree.NodeExpanded) -> None:
+        self.collapsed_ids.discard(event.node.data)
+
+    def on_resize(self, _: events.Resize) -> None:
+        if self._snapshot is not None:
+            self.show(self._snapshot)
+
+    def show(self, snap: EngineSnapshot) -> None:
+        self._snapshot = snap
         kv = snap.kv
         self.border_subtitle = (f"{kv.num_cached_blocks} cached blocks · "
                                 f"hit rate {kv.hit_rate:.0%} · {kv.num_evictions} evicted")
+        cursor = self.cursor_node.data if self.cursor_node is not None else None
+        self.clear()
         nodes = snap.prefix_nodes
+        self.show_root = not nodes
         if not nodes:
-            self.update(Text("empty: no full block has been computed yet"
-                             if snap.knobs.enable_prefix_caching else
-                             "prefix caching is off (knob enable_prefix_caching)", style="dim"))
+            self.root.set_label(Text(
+                "empty: no full block has been computed yet" if snap.knobs.enable_prefix_caching
+                else "prefix caching is off (knob enable_prefix_caching)", style="dim"))
             return
-        root = Tree(Text(f"{len(nodes)} segments shown (chains folded)", style="dim"))
-        branches: dict[int, Tree] = {0: root}
         path = next((set(v.block_table) for v in snap.running
                      if v.request_id == self.selected), set())
-        for n in nodes[: max(self.size.height - 3, 4)]:
+        branches = {0: self.root}
+        parents = {n.parent_id for n in nodes}
+        for n in nodes:
             on_path = n.block in path
             label = Text(f"[{n.start_token}:{n.end_token})",
                          style="bold yellow" if on_path else "bold")
@@ -44,6 +66,12 @@ class PrefixTreePanel(SnapshotPanel):
                 label.append(" evictable", style="blue")
             if on_path:
                 label.append(f" ◀ {self.selected}", style="bold yellow")
-            parent = branches.get(n.parent_id, root)
-            branches[n.node_id] = parent.add(label)
-        self.update(root)
+            parent = branches.get(n.parent_id, self.root)
+            if n.node_id in parents:
+                node = parent.add(label, data=n.node_id,
+                                  expand=n.node_id not in self.collapsed_ids)
+            else:
+                node = parent.add_leaf(label, data=n.node_id)
+            branches[n.node_id] = node
+            if n.node_id == cursor:
+                self.move_cursor(node)

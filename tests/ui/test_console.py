@@ -183,3 +183,18 @@ async def test_keys_respond_with_1000_running_requests(tmp_path) -> None:
         assert app.query_one(KVMapPanel).selected is not None
         await pilot.press("p", "q")
     assert app.loop.error is None
+
+
+async def test_prefix_tree_collapse_survives_new_snapshots(app: KvdeckApp) -> None:
+    from console.widgets.prefix_tree import PrefixTreePanel
+
+    async with app.run_test(size=(160, 48)) as pilot:
+        advance(app, 40)
+        tree = app.query_one(PrefixTreePanel)
+        shared = next(n for n in tree.root.children if n.children)  # the system prompt
+        shared.collapse()
+        await pilot.pause()
+        assert shared.data in tree.collapsed_ids
+        advance(app, 5)
+        again = next(n for n in tree.root.children if n.data == shared.data)
+        assert not again.is_expanded and again.children
