@@ -12,14 +12,13 @@ import threading
 import time
 from pathlib import Path
 
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import DataTable, Footer, Header, Input
 
+from console.base_app import ConsoleApp
 from console.layout import SNAPSHOT_PANELS, compose_panels
-from console.screens.help import HelpScreen
-from console.themes import load_themes
 from console.widgets.hardware import HardwareStrip
 from console.widgets.knobs import TRAFFIC_KNOBS, KnobEditor, KnobsPanel, parse_knob
 from console.widgets.kv_map import KVMapPanel
@@ -31,7 +30,6 @@ from runtime.engine_loop import EngineLoop
 from runtime.errors import KvdeckError
 from runtime.recording import Recorder
 from runtime.request import Request, SamplingParams
-from runtime.resources import themes_dir
 from runtime.snapshot import EngineSnapshot
 from runtime.traffic import TrafficGenerator
 
@@ -40,12 +38,10 @@ class SnapshotReady(Message):
     """A new snapshot is waiting in `KvdeckApp.latest` (coalesced: at most one queued)."""
 
 
-class KvdeckApp(App):
+class KvdeckApp(ConsoleApp):
     """Live view of one engine, its knobs, and its recording."""
 
-    CSS_PATH = str(themes_dir().joinpath("kvdeck.tcss"))
     TITLE = "kvdeck"
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
     BINDINGS = [
         Binding("q", "quit", "Quit", id="app.quit"),
         Binding("p", "toggle_pause", "Pause", id="engine.pause"),
@@ -86,9 +82,7 @@ class KvdeckApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        for theme in load_themes():
-            self.register_theme(theme)
-        self.theme = "kvdeck-dark"
+        self.setup_themes()
         self.query_one(HardwareStrip).refresh_readings()
         if self.hardware:
             self.set_interval(1.0, self.query_one(HardwareStrip).refresh_readings)
@@ -223,19 +217,6 @@ class KvdeckApp(App):
     def action_focus_knobs(self) -> None:
         self.query_one(KnobsPanel).focus()
 
-    def action_select_next(self) -> None:
-        """Highlight the next running request's blocks in the KV map."""
-        snap = self.latest
-        kv = self.query_one(KVMapPanel)
-        ids = [v.request_id for v in snap.running] if snap is not None else []
-        if not ids:
-            kv.selected = None
-            return
-        i = ids.index(kv.selected) + 1 if kv.selected in ids else 0
-        kv.selected = ids[i % len(ids)]
-        if snap is not None:
-            kv.show(snap)
-
     def action_toggle_record(self) -> None:
         if self.recorder is None:
             run_dir = self.runs_dir / time.strftime("%Y%m%d-%H%M%S")
@@ -251,14 +232,6 @@ class KvdeckApp(App):
             self.recorder = None
             self.notify(f"saved {run_dir}; replay it with: kvdeck replay {run_dir}",
                         title="Recording")
-
-    def action_next_theme(self) -> None:
-        names = [t.name for t in load_themes()]
-        i = names.index(self.theme) + 1 if self.theme in names else 0
-        self.theme = names[i % len(names)]
-
-    def action_help(self) -> None:
-        self.push_screen(HelpScreen())
 
     def get_system_commands(self, screen):  # the command palette (ctrl+p)
         yield from super().get_system_commands(screen)

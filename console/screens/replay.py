@@ -11,32 +11,27 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from textual.app import App, ComposeResult
+from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Footer, Header
 
+from console.base_app import ConsoleApp
 from console.layout import SNAPSHOT_PANELS, compose_panels
-from console.screens.help import HelpScreen
-from console.themes import load_themes
 from console.widgets.knobs import KnobsPanel
-from console.widgets.kv_map import KVMapPanel
 from console.widgets.scrubber import Scrubber
 from runtime.errors import ConfigError
 from runtime.recording import read_iterations
 from runtime.replay import TraceState
-from runtime.resources import themes_dir
 from runtime.snapshot import EngineSnapshot
 
 CHECKPOINT = 200
 SPEEDS = (0.25, 0.5, 1, 2, 4, 8, 16, 32)
 
 
-class ReplayApp(App):
+class ReplayApp(ConsoleApp):
     """Playback of a run directory."""
 
-    CSS_PATH = str(themes_dir().joinpath("kvdeck.tcss"))
     TITLE = "kvdeck replay"
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
     BINDINGS = [
         Binding("q", "quit", "Quit", id="replay.quit"),
         Binding("space", "toggle_play", "Play", id="replay.play", priority=True),
@@ -77,9 +72,7 @@ class ReplayApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        for theme in load_themes():
-            self.register_theme(theme)
-        self.theme = "kvdeck-dark"
+        self.setup_themes()
         self.seek(0)
         self.set_interval(0.1, self._tick)
 
@@ -106,7 +99,7 @@ class ReplayApp(App):
 
     def show(self) -> None:
         snap = self.state.snapshot(self.header)
-        self.snapshot = snap
+        self.snapshot = self.latest = snap
         for panel in SNAPSHOT_PANELS:
             self.query_one(panel).show(snap)
         self.query_one(KnobsPanel).show_values(snap.knobs, {})
@@ -145,18 +138,3 @@ class ReplayApp(App):
     def action_speed(self, direction: int) -> None:
         self.speed_index = max(0, min(self.speed_index + direction, len(SPEEDS) - 1))
         self.show()
-
-    def action_select_next(self) -> None:
-        kv = self.query_one(KVMapPanel)
-        ids = [v.request_id for v in self.snapshot.running] if self.snapshot else []
-        kv.selected = ids[(ids.index(kv.selected) + 1) % len(ids) if kv.selected in ids
-                          else 0] if ids else None
-        self.show()
-
-    def action_next_theme(self) -> None:
-        names = [t.name for t in load_themes()]
-        self.theme = names[(names.index(self.theme) + 1) % len(names)
-                           if self.theme in names else 0]
-
-    def action_help(self) -> None:
-        self.push_screen(HelpScreen())

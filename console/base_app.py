@@ -1,0 +1,45 @@
+"""What the live console and replay share: stylesheet, breakpoints, themes, help, and
+cycling the highlighted request."""
+
+from __future__ import annotations
+
+from textual.app import App
+
+from console.screens.help import HelpScreen
+from console.themes import load_themes
+from console.widgets.kv_map import KVMapPanel
+from console.widgets.prefix_tree import PrefixTreePanel
+from runtime.resources import themes_dir
+from runtime.snapshot import EngineSnapshot
+
+
+class ConsoleApp(App):
+    """Base of `KvdeckApp` and `ReplayApp`; subclasses keep `latest` current."""
+
+    CSS_PATH = str(themes_dir().joinpath("kvdeck.tcss"))
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    latest: EngineSnapshot | None = None
+
+    def setup_themes(self) -> None:
+        for theme in load_themes():
+            self.register_theme(theme)
+        self.theme = "kvdeck-dark"
+
+    def action_next_theme(self) -> None:
+        names = [t.name for t in load_themes()]
+        self.theme = names[(names.index(self.theme) + 1) % len(names)
+                           if self.theme in names else 0]
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_select_next(self) -> None:
+        """Highlight the next running request's blocks and prefix path."""
+        kv = self.query_one(KVMapPanel)
+        ids = [v.request_id for v in self.latest.running] if self.latest is not None else []
+        kv.selected = ids[(ids.index(kv.selected) + 1) % len(ids) if kv.selected in ids
+                          else 0] if ids else None
+        self.query_one(PrefixTreePanel).selected = kv.selected
+        if self.latest is not None:
+            kv.show(self.latest)
+            self.query_one(PrefixTreePanel).show(self.latest)
