@@ -36,7 +36,8 @@ class QueuePanel(SnapshotPanel):
             head.append_text(budget_bar(b.num_decode_tokens, b.num_prefill_tokens,
                                         b.token_budget, width=12))
             head.append(f" {b.num_decode_tokens}+{b.num_prefill_tokens}/{b.token_budget} tok "
-                        f"{b.num_seqs}/{b.max_num_seqs} seqs {b.seconds * 1e3:.1f} ms")
+                        f"({b.unused_budget} unused) {b.num_seqs}/{b.max_num_seqs} seqs "
+                        f"{b.seconds * 1e3:.1f} ms")
         else:
             head.append("no iteration yet")
         table = Table(box=None, expand=True, pad_edge=False, show_edge=False)
