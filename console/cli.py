@@ -280,6 +280,41 @@ def calibrate(
 
 
 @app.command()
+def serve(
+    model: str = typer.Option(None, "--model", help="Model name or GGUF path."),
+    host: str = typer.Option("127.0.0.1", "--host",
+                             help="Bind address; anything but loopback is an explicit choice."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    api_key: str = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY'."),
+    kv_memory_gib: float = typer.Option(0.5, "--kv-memory-gib", help="KV pool budget."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option(None, "--dtype", help="Compute dtype."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads."),
+    max_waiting: int = typer.Option(256, "--max-waiting",
+                                    help="Waiting-queue bound; beyond it requests get 429."),
+) -> None:
+    """Serve the model through an OpenAI-compatible API (completions, chat, streaming)."""
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.executors.factory import make_executor
+    from runtime.server.serve import ApiServer
+    from runtime.tokenizer import Tokenizer
+
+    def build() -> ApiServer:
+        check_int("--port", port, 1, 65535)
+        ex = make_executor("torch", model=model, device=device, dtype=dtype, threads=threads)
+        tok = Tokenizer(ex.model_path)
+        engine = Engine(EngineConfig(kv_memory_bytes=int(kv_memory_gib * 2**30),
+                                     max_waiting=max_waiting), ex, tokenizer=tok)
+        name = model or Path(str(ex.model_path)).stem
+        return ApiServer(engine, tok, name, host=host, port=port, api_key=api_key)
+
+    server = guarded(build)
+    out.print(f"serving {server.engine.executor.model_name} on http://{host}:{port}/v1")
+    server.run()
+
+
+@app.command()
 def replay(run: str = typer.Argument(..., help="A run directory written by recording.")) -> None:
     """Open a recorded run in the console's panels, with play/pause, speed and a scrubber."""
     from console.screens.replay import ReplayApp

@@ -104,6 +104,8 @@ class Engine:
         self.completed: deque[Request] = deque(maxlen=completed_history)
         """The most recently finished requests (bounded: a server runs for days)."""
         self.on_finish: list[Callable[[Request], None]] = []
+        self.after_step: list[Callable[[Engine], None]] = []
+        """Called on the engine thread after every iteration that did something."""
         """Called on the engine thread with each request that reaches a final state."""
         self.recent: deque = deque(maxlen=256)
         self.recorder: Callable[[dict], None] | None = None
@@ -234,6 +236,8 @@ class Engine:
             self._collect(record)
             if len(record) > 1:  # knobs, arrivals or rejections happened: still a record
                 self._emit(record, plan, None, t0)
+                for callback in self.after_step:
+                    callback(self)
                 return record
             return None
         self.kv.begin_step()
@@ -257,6 +261,8 @@ class Engine:
         self._collect(record)
         self._emit(record, plan, result, t0)
         self.step_count += 1
+        for callback in self.after_step:
+            callback(self)
         return record
 
     def _collect(self, record: dict) -> None:

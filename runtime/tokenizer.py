@@ -50,6 +50,17 @@ class Tokenizer:
             template = GEMMA_TEMPLATE
         self.chat_template = template
 
+    @property
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """Ids of the chat templates' end-of-turn markers this vocabulary has as single
+        tokens (Gemma's <end_of_turn>, ChatML's <|im_end|>, Llama 3's <|eot_id|>)."""
+        ids = []
+        for marker in ("<end_of_turn>", "<|im_end|>", "<|eot_id|>"):
+            t = self.encode(marker, add_bos=False)
+            if len(t) == 1:
+                ids.append(t[0])
+        return tuple(ids)
+
     def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
         """Token ids of `text`; special-token text (e.g. '<start_of_turn>') maps to its id."""
         bos = self.add_bos if add_bos is None else add_bos

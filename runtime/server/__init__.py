@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API and Prometheus metrics over an engine."""

@@ -1,0 +1,58 @@
+"""Running the API: the engine loop in its thread, uvicorn in the foreground (or in a
+background thread, for tests and the console)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+
+from runtime.engine import Engine
+from runtime.engine_loop import EngineLoop
+from runtime.server.app import create_app
+from runtime.tokenizer import Tokenizer
+
+
+class ApiServer:
+    """An engine loop plus a uvicorn server on `host:port` (127.0.0.1 unless asked)."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_id: str,
+                 host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None):
+        self.engine = engine
+        self.loop = EngineLoop(engine)
+        self.app = create_app(engine, tokenizer, model_id, api_key)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
+                                                    log_level="warning"))
+        self._thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        """Serve in the foreground until interrupted."""
+        self.loop.start()
+        try:
+            self.server.run()
+        finally:
+            self.loop.stop()
+
+    def start(self) -> ApiServer:
+        """Serve from a background thread; returns once the socket is listening."""
+        self.loop.start()
+        self._thread = threading.Thread(target=self.server.run, name="kvdeck-http",
+                                        daemon=True)
+        self._thread.start()
+        for _ in range(600):
+            if self.server.started:
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("the HTTP server did not start within 30 s")
+
+    @property
+    def port(self) -> int:
+        sockets = self.server.servers[0].sockets if self.server.servers else []
+        return sockets[0].getsockname()[1] if sockets else self.server.config.port
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+        self.loop.stop()

@@ -1,0 +1,78 @@
+"""Per-request output channels: the engine thread publishes new text and the finish; an
+asyncio consumer (an HTTP handler) awaits them.
+
+After every engine iteration `OutputHub.publish` compares each watched request with what it
+has already sent and posts the difference to the request's asyncio queue through
+`call_soon_threadsafe`, so the engine never blocks on a slow client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+from runtime.engine import Engine
+from runtime.request import Request
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output since the last delta; `finished` is set on the last one."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool = False
+
+
+class RequestStream:
+    def __init__(self, req: Request, loop: asyncio.AbstractEventLoop):
+        self.request = req
+        self.loop = loop
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.sent_tokens = 0
+        self.sent_chars = 0
+
+    async def get(self) -> Delta:
+        return await self.queue.get()
+
+
+class OutputHub:
+    """Watches requests for HTTP handlers; `publish` runs on the engine thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        engine.after_step.append(self.publish)
+
+    def watch(self, req: Request) -> RequestStream:
+        stream = RequestStream(req, asyncio.get_running_loop())
+        with self._lock:
+            self._streams[req.request_id] = stream
+        return stream
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def publish(self, _engine: Engine) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+        for s in streams:
+            req = s.request
+            done = req.status.is_finished
+            det = req.detokenizer
+            text = ""
+            if det is not None:
+                # Hold back what could still become a stop string until the request ends.
+                end = len(det.text) if done else max(len(det.text) - det.hold, 0)
+                if end > s.sent_chars:
+                    text = det.text[s.sent_chars:end]
+                    s.sent_chars = end
+            tokens = tuple(req.output_token_ids[s.sent_tokens:])
+            s.sent_tokens += len(tokens)
+            if text or tokens or done:
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, Delta(text, tokens, done))
+            if done:
+                self.forget(req.request_id)
