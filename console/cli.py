@@ -315,6 +315,87 @@ def serve(
 
 
 @app.command()
+def bench(
+    trace: str = typer.Argument(None, help="Arrival trace (JSONL/CSV); omit for synthetic."),
+    url: str = typer.Option("http://127.0.0.1:8000/v1", "--url",
+                            help="OpenAI-compatible base URL."),
+    model: str = typer.Option("gemma3-270m", "--model", help="Model id the server serves."),
+    api_key: str = typer.Option(None, "--api-key", help="Bearer key, if the server needs one."),
+    in_process: bool = typer.Option(False, "--in-process",
+                                    help="Run against an engine in this process, no HTTP."),
+    limit: int = typer.Option(None, "--limit", help="Send only the first N requests."),
+    time_scale: float = typer.Option(1.0, "--time-scale", help="Multiply inter-arrival times."),
+    rate: float = typer.Option(2.0, "--rate", help="Synthetic: requests per second."),
+    burstiness: float = typer.Option(1.0, "--burstiness",
+                                     help="Synthetic: gamma shape (1 = Poisson, <1 bursty)."),
+    num_requests: int = typer.Option(32, "--num-requests", help="Synthetic: how many."),
+    prompt_len: int = typer.Option(256, "--prompt-len", help="Synthetic: mean prompt tokens."),
+    output_len: int = typer.Option(64, "--output-len", help="Synthetic: mean output tokens."),
+    max_prompt_len: int = typer.Option(None, "--max-prompt-len", help="Cap traced prompts."),
+    max_output_len: int = typer.Option(None, "--max-output-len", help="Cap traced outputs."),
+    vocab_size: int = typer.Option(32_000, "--vocab-size",
+                                   help="Token ids for synthetic prompts stay below this."),
+    as_json: bool = typer.Option(False, "--json", help="Print summary and every request."),
+    output: str = typer.Option(None, "--output", "-o", help="Also write the JSON here."),
+    slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
+    slo_tpot: float = typer.Option(None, "--slo-tpot", help="TPOT SLO in seconds."),
+    slo_e2e: float = typer.Option(None, "--slo-e2e", help="E2E SLO in seconds."),
+) -> None:
+    """Send a trace (or synthetic Poisson/gamma load) to a server and report TTFT, TPOT, ITL,
+    E2E, throughput and goodput with vLLM's serving-benchmark definitions."""
+    import asyncio
+    import dataclasses
+
+    from rich.progress import Progress
+
+    from console.run_views import render_summary
+    from runtime.loadgen import run_bench
+    from runtime.metrics import SLO
+    from runtime.trace import load_arrivals, synthetic_arrivals
+
+    def arrivals():
+        if trace is None:
+            return synthetic_arrivals(num_requests, rate, burstiness=burstiness,
+                                      prompt_len=prompt_len, output_len=output_len)
+        got = load_arrivals(trace, limit=limit, time_scale=time_scale)
+        return [dataclasses.replace(
+            a, prompt_len=min(a.prompt_len, max_prompt_len or a.prompt_len),
+            output_len=min(a.output_len, max_output_len or a.output_len),
+            hash_ids=a.hash_ids[: -(-(max_prompt_len or a.prompt_len) // 512)]
+            if a.hash_ids else None,
+            prompt_tokens=a.prompt_tokens[:max_prompt_len] if a.prompt_tokens and
+            max_prompt_len else a.prompt_tokens) for a in got]
+
+    items = guarded(arrivals)
+    slo = guarded(lambda: SLO(slo_ttft, slo_tpot, slo_e2e))
+    if in_process:
+        from runtime.config import EngineConfig
+        from runtime.engine import Engine
+        from runtime.executors.factory import make_executor
+        from runtime.runner import run_arrivals
+
+        def local() -> dict:
+            ex = make_executor("torch", model=model)
+            return run_arrivals(Engine(EngineConfig(kv_memory_bytes=512 << 20), ex), items,
+                                vocab_size=min(vocab_size, ex.cfg.info.vocab_size), slo=slo)
+
+        result = guarded(local)
+    else:
+        with Progress(console=err, transient=True) as progress:
+            task = progress.add_task(f"{len(items)} requests → {url}", total=len(items))
+            result = asyncio.run(run_bench(url, model, items, vocab_size=vocab_size,
+                                           api_key=api_key, slo=slo,
+                                           on_done=lambda _: progress.advance(task)))
+    if output:
+        Path(output).write_text(json.dumps(result, indent=1))
+    if as_json:
+        print_json(result)
+    else:
+        render_summary(out, f"kvdeck bench → {'in-process' if in_process else url}",
+                       result["summary"])
+
+
+@app.command()
 def replay(run: str = typer.Argument(..., help="A run directory written by recording.")) -> None:
     """Open a recorded run in the console's panels, with play/pause, speed and a scrubber."""
     from console.screens.replay import ReplayApp

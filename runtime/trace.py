@@ -259,3 +259,23 @@ def _read_azure(path: Path) -> Iterator[Arrival]:
                                  "context must be ≥ 1 and generated ≥ 0.")
             # A request that generated nothing still asks for one token.
             yield Arrival(_parse_azure_time(row[0], where), ctx, max(gen, 1))
+
+
+def synthetic_arrivals(n: int, rate_per_s: float, *, burstiness: float = 1.0,
+                       prompt_len: int = 512, output_len: int = 128, spread: float = 0.5,
+                       seed: int = 0) -> list[Arrival]:
+    """`n` arrivals with gamma inter-arrival times (shape `burstiness`; 1 is Poisson, below 1
+    burstier) at `rate_per_s`, lengths uniform within ±`spread` of the means."""
+    if n < 1 or rate_per_s <= 0 or burstiness <= 0 or not 0 <= spread < 1:
+        raise TraceError("Synthetic arrivals need n ≥ 1, rate > 0, burstiness > 0 and "
+                         "0 ≤ spread < 1.")
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(burstiness, 1.0 / (rate_per_s * burstiness), n)
+    times = np.cumsum(gaps) - gaps[0]
+
+    def lengths(mean: int) -> np.ndarray:
+        lo, hi = max(int(mean * (1 - spread)), 1), max(int(mean * (1 + spread)), 1)
+        return rng.integers(lo, hi + 1, n)
+
+    return [Arrival(float(t), int(p), int(o))
+            for t, p, o in zip(times, lengths(prompt_len), lengths(output_len), strict=True)]

@@ -46,6 +46,9 @@ class _Common(BaseModel):
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    """vLLM's extension: keep generating past end-of-sequence (benchmarks need exact
+    output lengths)."""
 
 
 class CompletionBody(_Common):
@@ -135,7 +138,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_id: str,
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                 max_tokens=body.max_tokens if body.max_tokens is not None
                 else max(min(16 if not chat else room, room), 1),
-                stop=stop, seed=body.seed,
+                stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
                 stop_token_ids=tokenizer.end_of_turn_ids if chat else ())
             req = engine.add_request(prompt, sampling,
                                      request_id=f"{'chat' if chat else 'cmpl'}-"

@@ -213,3 +213,38 @@ def test_metrics_use_vllm_names_and_agree_with_requests(server, client) -> None:
     assert after[ttft] - before.get(ttft, 0) == 3  # aborted streams count TTFT but no E2E
     assert after["vllm:inter_token_latency_seconds_count"] - \
         before.get("vllm:inter_token_latency_seconds_count", 0) == 9  # 3 requests × 3 gaps
+
+
+def test_bench_against_the_server_agrees_with_its_metrics(server) -> None:
+    """kvdeck bench with the Azure conversation trace (time-scaled, capped) against the
+    server: request counts equal, TTFT means within 10 %."""
+    import json
+    import subprocess
+    import sys
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.paths import AZURE_CONV
+
+    def scrape() -> dict:
+        text = httpx.get(f"http://127.0.0.1:{server.port}/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if not s.labels.get("le")}
+
+    idle(server)
+    before = scrape()
+    r = subprocess.run(
+        [sys.executable, "-m", "console.cli", "bench", str(AZURE_CONV), "--url",
+         f"http://127.0.0.1:{server.port}/v1", "--model", MODEL, "--limit", "10",
+         "--time-scale", "0.05", "--max-prompt-len", "256", "--max-output-len", "8",
+         "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["summary"]
+    after = scrape()
+    n = after["vllm:e2e_request_latency_seconds_count"] - \
+        before.get("vllm:e2e_request_latency_seconds_count", 0)
+    assert s["statuses"] == {"finished_length": 10} and n == 10
+    server_ttft = (after["vllm:time_to_first_token_seconds_sum"]
+                   - before.get("vllm:time_to_first_token_seconds_sum", 0)) / n
+    assert s["ttft_s"]["mean"] == pytest.approx(server_ttft, rel=0.10)
+    assert s["tpot_s"]["count"] == 10 and s["itl_s"]["count"] == 70

@@ -1,0 +1,88 @@
+"""`kvdeck bench`: send an arrival trace to any OpenAI-compatible server and measure it.
+
+Requests go out at their trace times (scaled), streaming, as token-id prompts of the traced
+lengths with `max_tokens` set to the traced output and `ignore_eos` (vLLM's extension) so
+lengths are exact. Timings follow vLLM's serving benchmark: TTFT is the time to the first
+streamed chunk with content, ITL the gaps between content chunks, E2E the time to the last
+byte, TPOT = (E2E − TTFT) / (output tokens − 1), output tokens from the final usage chunk.
+Summaries (percentiles, throughput, goodput under SLOs) use the same code as `run-trace`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+
+import httpx
+
+from runtime.metrics import SLO, RequestMetrics, RunStats, summarize
+from runtime.trace import Arrival, synthesize_tokens
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, a: Arrival, index: int,
+               vocab: int, start: float, headers: dict) -> RequestMetrics:
+    rid = a.request_id or f"r{index}"
+    arrival = start + a.arrival_s
+    await asyncio.sleep(max(arrival - time.perf_counter(), 0))
+    body = {"model": model, "prompt": synthesize_tokens(a, index, vocab),
+            "max_tokens": a.output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    times: list[float] = []
+    output_tokens = 0
+    status, reason = "finished_length", None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                detail = (await r.aread()).decode(errors="replace")
+                status, reason = "rejected", f"HTTP {r.status_code}: {detail[:200]}"
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        status, reason = "rejected", chunk["error"].get("message")
+                        break
+                    if chunk.get("usage"):
+                        output_tokens = chunk["usage"]["completion_tokens"]
+                    if any(c.get("text") or (c.get("delta") or {}).get("content")
+                           for c in chunk.get("choices", [])):
+                        times.append(time.perf_counter())
+    except httpx.HTTPError as e:
+        status, reason = "aborted", f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    ok = status == "finished_length"
+    ttft = times[0] - arrival if times else None
+    e2e = end - arrival if ok else None
+    tpot = (e2e - ttft) / (output_tokens - 1) if ok and ttft is not None and output_tokens > 1 \
+        else None
+    rel = [t - start for t in times]
+    return RequestMetrics(
+        rid, status, reason, a.arrival_s, None, rel[0] if rel else None,
+        end - start if ok else None, a.prompt_len, output_tokens, 0, 0, ttft, tpot, e2e, None,
+        tuple(b - a_ for a_, b in zip(times, times[1:], strict=False)), None, None)
+
+
+async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *, vocab_size: int,
+                    api_key: str | None = None, concurrency_limit: int = 256,
+                    slo: SLO = SLO(), on_done: Callable[[RequestMetrics], None] | None = None
+                    ) -> dict:
+    """Send every arrival at its time; returns `{"summary": ..., "requests": [...]}`."""
+    endpoint = url.rstrip("/") + "/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency_limit)
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
+        async def tracked(i: int, a: Arrival) -> RequestMetrics:
+            m = await _one(client, endpoint, model, a, i, vocab_size, start, headers)
+            if on_done is not None:
+                on_done(m)
+            return m
+
+        results = await asyncio.gather(*(tracked(i, a) for i, a in enumerate(arrivals)))
+    summary = summarize(results, RunStats(), slo)
+    summary["endpoint"] = endpoint
+    return {"summary": summary, "requests": [m.to_dict() for m in results]}
