@@ -292,6 +292,8 @@ def serve(
     threads: int = typer.Option(None, "--threads", help="CPU threads."),
     max_waiting: int = typer.Option(256, "--max-waiting",
                                     help="Waiting-queue bound; beyond it requests get 429."),
+    with_console: bool = typer.Option(False, "--console",
+                                      help="Open the console on the serving engine."),
 ) -> None:
     """Serve the model through an OpenAI-compatible API (completions, chat, streaming)."""
     from runtime.config import EngineConfig
@@ -300,16 +302,28 @@ def serve(
     from runtime.server.serve import ApiServer
     from runtime.tokenizer import Tokenizer
 
-    def build() -> ApiServer:
+    def build() -> tuple[Engine, Tokenizer, str]:
         check_int("--port", port, 1, 65535)
         ex = make_executor("torch", model=model, device=device, dtype=dtype, threads=threads)
         tok = Tokenizer(ex.model_path)
         engine = Engine(EngineConfig(kv_memory_bytes=int(kv_memory_gib * 2**30),
                                      max_waiting=max_waiting), ex, tokenizer=tok)
-        name = model or Path(str(ex.model_path)).stem
-        return ApiServer(engine, tok, name, host=host, port=port, api_key=api_key)
+        return engine, tok, model or Path(str(ex.model_path)).stem
 
-    server = guarded(build)
+    engine, tok, name = guarded(build)
+    if with_console:
+        from console.app import KvdeckApp
+
+        # The console owns the engine loop; the HTTP server runs beside it in a thread.
+        console_app = KvdeckApp(engine)
+        server = ApiServer(engine, tok, name, host=host, port=port, api_key=api_key,
+                           loop=console_app.loop).start()
+        try:
+            console_app.run()
+        finally:
+            server.stop()
+        return
+    server = ApiServer(engine, tok, name, host=host, port=port, api_key=api_key)
     out.print(f"serving {server.engine.executor.model_name} on http://{host}:{port}/v1")
     server.run()
 

@@ -18,9 +18,13 @@ class ApiServer:
     """An engine loop plus a uvicorn server on `host:port` (127.0.0.1 unless asked)."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_id: str,
-                 host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None):
+                 host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 loop: EngineLoop | None = None):
+        """`loop`: an engine loop someone else runs (the console's); by default the server
+        runs its own."""
         self.engine = engine
-        self.loop = EngineLoop(engine)
+        self.owns_loop = loop is None
+        self.loop = loop or EngineLoop(engine)
         self.app = create_app(engine, tokenizer, model_id, api_key)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
                                                     log_level="warning"))
@@ -36,7 +40,8 @@ class ApiServer:
 
     def start(self) -> ApiServer:
         """Serve from a background thread; returns once the socket is listening."""
-        self.loop.start()
+        if self.owns_loop:
+            self.loop.start()
         self._thread = threading.Thread(target=self.server.run, name="kvdeck-http",
                                         daemon=True)
         self._thread.start()
@@ -55,4 +60,5 @@ class ApiServer:
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(10)
-        self.loop.stop()
+        if self.owns_loop:
+            self.loop.stop()

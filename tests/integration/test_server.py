@@ -248,3 +248,30 @@ def test_bench_against_the_server_agrees_with_its_metrics(server) -> None:
                    - before.get("vllm:time_to_first_token_seconds_sum", 0)) / n
     assert s["ttft_s"]["mean"] == pytest.approx(server_ttft, rel=0.10)
     assert s["tpot_s"]["count"] == 10 and s["itl_s"]["count"] == 70
+
+
+async def test_serve_with_console_shows_api_traffic(gemma_path) -> None:
+    """`kvdeck serve --console`: the console runs the engine loop, the API feeds it."""
+    import asyncio
+
+    from console.app import KvdeckApp
+
+    ex = TorchExecutor(gemma_path, device="cpu")
+    tok = Tokenizer(gemma_path)
+    engine = Engine(EngineConfig(kv_memory_bytes=128 << 20), ex, tokenizer=tok)
+    app = KvdeckApp(engine, hardware=False)
+    async with app.run_test(size=(160, 48)):
+        srv = ApiServer(engine, tok, MODEL, port=0, loop=app.loop).start()
+        try:
+            async with httpx.AsyncClient(timeout=120) as client:
+                r = await client.post(f"http://127.0.0.1:{srv.port}/v1/completions",
+                                      json={"model": MODEL, "prompt": "Hello", "max_tokens": 6})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if app.latest is not None and app.latest.num_finished >= 1:
+                    break
+            assert app.latest.num_finished >= 1  # the console saw the API request finish
+        finally:
+            srv.stop()
+    assert not app.loop.is_alive
