@@ -410,6 +410,17 @@ def bench(
 
 
 @app.command()
+def attach(url: str = typer.Argument(..., help="Base URL of a kvdeck, vLLM, SGLang or "
+                                                "llama.cpp server, e.g. http://127.0.0.1:8000"),
+           interval: float = typer.Option(1.0, "--interval", help="Seconds between scrapes.")
+           ) -> None:
+    """Watch a running server through its /metrics: queue, KV usage, prefix hits, latency."""
+    from console.screens.attach import AttachApp
+
+    AttachApp(url, interval_s=interval).run()
+
+
+@app.command()
 def replay(run: str = typer.Argument(..., help="A run directory written by recording.")) -> None:
     """Open a recorded run in the console's panels, with play/pause, speed and a scrubber."""
     from console.screens.replay import ReplayApp

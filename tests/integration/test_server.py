@@ -275,3 +275,46 @@ async def test_serve_with_console_shows_api_traffic(gemma_path) -> None:
         finally:
             srv.stop()
     assert not app.loop.is_alive
+
+
+async def test_attach_shows_live_queue_and_kv_usage(server, client) -> None:
+    import asyncio
+
+    from console.screens.attach import AttachApp
+
+    app = AttachApp(f"http://127.0.0.1:{server.port}", interval_s=0.2)
+    async with app.run_test(size=(160, 48)):
+        done = threading.Event()
+
+        def load() -> None:
+            for i in range(3):
+                client.completions.create(model=MODEL, prompt=f"Tell {i}", max_tokens=30)
+            done.set()
+
+        threading.Thread(target=load).start()
+        peak_running = 0.0
+        for _ in range(300):
+            await asyncio.sleep(0.1)
+            if app.status is not None and app.status.running is not None:
+                peak_running = max(peak_running, app.status.running)
+            if done.is_set() and app.scrapes > 5:
+                break
+        st = app.status
+        assert st.engine == "kvdeck" and peak_running >= 1 and st.kv_usage is not None
+        assert st.kv_blocks and st.ttft is not None and st.ttft.count >= 3
+        assert "KV cache usage" not in st.missing()
+        assert "usage" in str(app.query_one("#kv").render())
+
+
+async def test_attach_reports_an_unreachable_server() -> None:
+    import asyncio
+
+    from console.screens.attach import AttachApp
+
+    app = AttachApp("http://127.0.0.1:9", interval_s=0.1)  # nothing listens on port 9
+    async with app.run_test(size=(120, 40)):
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if app.error:
+                break
+        assert app.error and app.error.startswith("ConnectError")

@@ -1,0 +1,130 @@
+"""`kvdeck attach URL`: the console over a remote engine's Prometheus metrics (kvdeck, vLLM,
+SGLang, llama.cpp). Panels whose data the remote exposes are live; the others say what that
+server does not expose. Polling runs in a worker thread; a failed scrape is shown and retried.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import httpx
+from rich.console import Group
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid
+from textual.widgets import Footer, Header, Static
+from textual.worker import get_current_worker
+
+from console.base_app import ConsoleApp
+from console.widgets.metrics import sparkline
+from runtime.attach import RemoteStatus, parse_metrics
+from runtime.errors import KvdeckError
+
+
+def fmt_ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:,.0f}"
+
+
+class AttachApp(ConsoleApp):
+    TITLE = "kvdeck attach"
+    CSS = """
+    Grid { grid-size: 3 2; }
+    Grid > Static { border: round $primary; padding: 0 1; height: 1fr; }
+    """
+    BINDINGS = [Binding("q", "quit", "Quit", id="attach.quit"),
+                Binding("t", "next_theme", "Theme", id="attach.theme"),
+                Binding("f1", "help", "Help", id="attach.help")]
+
+    def __init__(self, url: str, interval_s: float = 1.0):
+        super().__init__()
+        self.metrics_url = url.rstrip("/").removesuffix("/v1") + "/metrics"
+        self.interval_s = interval_s
+        self.status: RemoteStatus | None = None
+        self.error: str | None = None
+        self.scrapes = 0
+        self.history: dict[str, deque[float]] = {k: deque(maxlen=120)
+                                                 for k in ("running", "waiting", "kv_usage")}
+        self.sub_title = self.metrics_url
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Grid():
+            for name, title in (("queue", "Queue"), ("kv", "KV cache"), ("prefix", "Prefix cache"),
+                                ("latency", "Latency"), ("spec", "Speculation"),
+                                ("status", "Remote")):
+                panel = Static(id=name)
+                panel.border_title = title
+                yield panel
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.setup_themes()
+        self.run_worker(self._poll, thread=True, exclusive=True)
+
+    def _poll(self) -> None:
+        """Worker thread: scrape until the app cancels the worker on exit."""
+        worker = get_current_worker()
+        with httpx.Client(timeout=5.0) as client:
+            while not worker.is_cancelled:
+                try:
+                    r = client.get(self.metrics_url)
+                    r.raise_for_status()
+                    status, error = parse_metrics(r.text), None
+                except (httpx.HTTPError, KvdeckError) as e:
+                    status, error = None, f"{type(e).__name__}: {e}"
+                if worker.is_cancelled:
+                    break
+                self.call_from_thread(self.show, status, error)
+                time.sleep(self.interval_s)
+
+    def show(self, status: RemoteStatus | None, error: str | None) -> None:
+        self.scrapes += 1
+        self.error = error
+        if status is not None:
+            self.status = status
+            for key in self.history:
+                value = getattr(status, key)
+                if value is not None:
+                    self.history[key].append(value)
+        st = self.status
+        self.query_one("#status", Static).update(Text(
+            (f"{st.engine} at {self.metrics_url}\n" if st else "") +
+            (f"last scrape failed: {error}" if error else f"scrape #{self.scrapes} ok") +
+            ("\nnot exposed: " + ", ".join(st.missing()) if st and st.missing() else ""),
+            style="red" if error else ""))
+        if st is None:
+            return
+        peak = max(list(self.history["running"]) + list(self.history["waiting"]) + [1.0])
+        self.query_one("#queue", Static).update(Group(
+            Text(f"running {self._num(st.running)} · waiting {self._num(st.waiting)}"),
+            Text("running ").append_text(sparkline(list(self.history["running"]), set(), 40,
+                                                   peak)),
+            Text("waiting ").append_text(sparkline(list(self.history["waiting"]), set(), 40,
+                                                   peak))))
+        kv = Text(f"usage {st.kv_usage:.0%}\n" if st.kv_usage is not None
+                  else f"{st.engine} does not expose KV usage\n")
+        kv.append_text(sparkline(list(self.history["kv_usage"]), set(), 40))
+        if st.kv_blocks:
+            kv.append("\n" + " · ".join(f"{k} {int(v)}" for k, v in st.kv_blocks.items()))
+        self.query_one("#kv", Static).update(kv)
+        self.query_one("#prefix", Static).update(
+            f"hit rate {st.hit_rate:.1%}" if st.hit_rate is not None
+            else f"{st.engine} does not expose prefix-cache hits")
+        lines = []
+        for name, h in (("TTFT", st.ttft), ("ITL", st.itl), ("E2E", st.e2e)):
+            lines.append(f"{name:5} p50 {fmt_ms(h.quantile(0.5))} ms · p99 "
+                         f"{fmt_ms(h.quantile(0.99))} ms · n {int(h.count)}" if h is not None
+                         else f"{name:5} not exposed by {st.engine}")
+        if st.generated_tokens_per_s is not None:
+            lines.append(f"generation {st.generated_tokens_per_s:,.1f} tokens/s")
+        self.query_one("#latency", Static).update("\n".join(lines))
+        self.query_one("#spec", Static).update(
+            f"acceptance {st.spec_acceptance:.2f} tokens per draft"
+            if st.spec_acceptance is not None
+            else f"{st.engine} reports no speculative decoding")
+
+    @staticmethod
+    def _num(x: float | None) -> str:
+        return "—" if x is None else f"{x:.0f}"

@@ -1,0 +1,169 @@
+"""Reading remote engines' Prometheus metrics: kvdeck, vLLM, SGLang and llama.cpp's server.
+
+`parse_metrics(text)` recognizes the engine by its metric names and returns a
+`RemoteStatus` with what that engine exposes; fields it does not expose stay None, and
+`missing()` names them so the console can say so instead of drawing zeros. Latency
+percentiles are estimated from cumulative histogram buckets (linear within a bucket), the
+way Prometheus' `histogram_quantile` does. Metrics text is parsed as data only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from runtime.errors import KvdeckError
+
+# Per engine: our field -> the metric that carries it.
+NAMES = {
+    "vllm": {
+        "running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+        "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        "prefix_queries": "vllm:prefix_cache_queries_total",
+        "prefix_hits": "vllm:prefix_cache_hits_total",
+        "preemptions": "vllm:num_preemptions_total",
+        "spec_drafts": "vllm:spec_decode_num_drafts_total",
+        "spec_accepted": "vllm:spec_decode_num_accepted_tokens_total",
+        "ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds",
+        "e2e": "vllm:e2e_request_latency_seconds",
+    },
+    "sglang": {
+        "running": "sglang:num_running_reqs", "waiting": "sglang:num_queue_reqs",
+        "kv_usage": "sglang:token_usage", "hit_rate": "sglang:cache_hit_rate",
+        "spec_accept_length": "sglang:spec_accept_length",
+        "ttft": "sglang:time_to_first_token_seconds",
+        "itl": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
+        "e2e": "sglang:e2e_request_latency_seconds",
+    },
+    "llama.cpp": {
+        "running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred",
+        "kv_usage": "llamacpp:kv_cache_usage_ratio",
+        "prompt_tokens_per_s": "llamacpp:prompt_tokens_seconds",
+        "generated_tokens_per_s": "llamacpp:predicted_tokens_seconds",
+    },
+}
+LABELS = {"running": "running requests", "waiting": "waiting requests",
+          "kv_usage": "KV cache usage", "hit_rate": "prefix-cache hit rate",
+          "preemptions": "preemptions", "spec_acceptance": "speculative acceptance",
+          "ttft": "TTFT histogram", "itl": "inter-token latency histogram",
+          "e2e": "end-to-end latency histogram", "kv_blocks": "KV block states"}
+
+
+@dataclass
+class Histogram:
+    """Cumulative buckets (upper bound -> count), sum and count."""
+
+    buckets: list[tuple[float, float]] = field(default_factory=list)
+    total: float = 0.0
+    count: float = 0.0
+
+    def quantile(self, q: float) -> float | None:
+        if not self.count or not self.buckets:
+            return None
+        rank = q * self.count
+        prev_bound, prev_count = 0.0, 0.0
+        for bound, cum in sorted(self.buckets):
+            if cum >= rank:
+                if math.isinf(bound):
+                    return prev_bound
+                inside = cum - prev_count
+                frac = (rank - prev_count) / inside if inside else 0.0
+                return prev_bound + (bound - prev_bound) * frac
+            prev_bound, prev_count = bound, cum
+        return prev_bound
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+@dataclass
+class RemoteStatus:
+    """What one scrape of a remote engine says (None: not exposed by that engine)."""
+
+    engine: str
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    hit_rate: float | None = None
+    preemptions: float | None = None
+    spec_acceptance: float | None = None
+    """Accepted draft tokens per draft (vLLM) or mean accepted length (SGLang)."""
+    ttft: Histogram | None = None
+    itl: Histogram | None = None
+    e2e: Histogram | None = None
+    kv_blocks: dict[str, float] | None = None
+    generated_tokens_per_s: float | None = None
+
+    def missing(self) -> list[str]:
+        return [LABELS[f.name] for f in fields(self)
+                if f.name in LABELS and getattr(self, f.name) is None]
+
+
+def _collect(text: str) -> tuple[dict[str, float], dict[str, Histogram],
+                                 dict[tuple[str, str], float]]:
+    scalars: dict[str, float] = {}
+    hists: dict[str, Histogram] = {}
+    labelled: dict[tuple[str, str], float] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError as e:
+        raise KvdeckError(f"The metrics endpoint did not return Prometheus text ({e}).") \
+            from None
+    for fam in families:
+        for s in fam.samples:
+            if fam.type == "histogram":
+                h = hists.setdefault(fam.name, Histogram())
+                if s.name.endswith("_bucket"):
+                    h.buckets.append((float(s.labels["le"]), s.value))
+                elif s.name.endswith("_sum"):
+                    h.total += s.value
+                elif s.name.endswith("_count"):
+                    h.count += s.value
+            else:
+                scalars[s.name] = scalars.get(s.name, 0.0) + s.value
+                if "state" in s.labels:
+                    labelled[(s.name, s.labels["state"])] = s.value
+    return scalars, hists, labelled
+
+
+def parse_metrics(text: str) -> RemoteStatus:
+    """Recognize the engine and read its figures; raises KvdeckError for unknown text."""
+    scalars, hists, labelled = _collect(text)
+    names = set(scalars) | set(hists)
+    if any(n.startswith("vllm:") for n in names):
+        engine = "kvdeck" if any(n.startswith("kvdeck:") for n in names) else "vllm"
+        table = NAMES["vllm"]
+    elif any(n.startswith("sglang:") for n in names):
+        engine, table = "sglang", NAMES["sglang"]
+    elif any(n.startswith("llamacpp:") for n in names):
+        engine, table = "llama.cpp", NAMES["llama.cpp"]
+    else:
+        raise KvdeckError("The metrics come from no engine kvdeck knows (expected vllm:, "
+                          "sglang: or llamacpp: names; llama.cpp needs --metrics).")
+
+    def pick(key: str, source: dict):
+        want = table.get(key)
+        for name in (want,) if isinstance(want, str) else (want or ()):
+            if name in source:
+                return source[name]
+        return None
+
+    st = RemoteStatus(engine)
+    st.running, st.waiting = pick("running", scalars), pick("waiting", scalars)
+    st.kv_usage, st.preemptions = pick("kv_usage", scalars), pick("preemptions", scalars)
+    st.ttft, st.itl, st.e2e = pick("ttft", hists), pick("itl", hists), pick("e2e", hists)
+    st.generated_tokens_per_s = pick("generated_tokens_per_s", scalars)
+    queries, hits = pick("prefix_queries", scalars), pick("prefix_hits", scalars)
+    st.hit_rate = pick("hit_rate", scalars)
+    if st.hit_rate is None and queries:
+        st.hit_rate = (hits or 0.0) / queries
+    drafts, accepted = pick("spec_drafts", scalars), pick("spec_accepted", scalars)
+    if drafts:
+        st.spec_acceptance = (accepted or 0.0) / drafts
+    st.spec_acceptance = st.spec_acceptance or pick("spec_accept_length", scalars)
+    blocks = {state: v for (name, state), v in labelled.items() if name == "kvdeck:kv_blocks"}
+    st.kv_blocks = blocks or None
+    return st
