@@ -297,8 +297,9 @@ async def test_attach_shows_live_queue_and_kv_usage(server, client) -> None:
             await asyncio.sleep(0.1)
             if app.status is not None and app.status.running is not None:
                 peak_running = max(peak_running, app.status.running)
-            if done.is_set() and app.scrapes > 5:
-                break
+            st = app.status
+            if done.is_set() and st is not None and st.ttft is not None and st.ttft.count >= 3:
+                break  # a scrape after all three finished
         st = app.status
         assert st.engine == "kvdeck" and peak_running >= 1 and st.kv_usage is not None
         assert st.kv_blocks and st.ttft is not None and st.ttft.count >= 3
