@@ -319,3 +319,17 @@ async def test_attach_reports_an_unreachable_server() -> None:
             if app.error:
                 break
         assert app.error and app.error.startswith("ConnectError")
+
+
+def test_admission_rejection_is_503_with_the_reason(server) -> None:
+    # 256 MiB of fp16 KV is 910 blocks of 16 tokens: a 20,000-token prompt never fits.
+    body = {"model": MODEL, "prompt": [5] * 20_000, "max_tokens": 4}
+    r = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 503
+    msg = r.json()["error"]["message"]
+    assert msg == ("The request was rejected: needs 1,250 KV blocks for its prompt (20,000 "
+                   "tokens) but the pool has 910 blocks of 16 tokens.")
+    r = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions",
+                   json={**body, "stream": True}, timeout=120)
+    assert "needs 1,250 KV blocks" in r.text  # streamed as an error event
+    server.engine.check_integrity()
