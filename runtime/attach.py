@@ -96,6 +96,9 @@ class RemoteStatus:
     e2e: Histogram | None = None
     kv_blocks: dict[str, float] | None = None
     generated_tokens_per_s: float | None = None
+    slots_busy: int | None = None
+    """llama.cpp: slots processing a request, from /slots."""
+    slots_total: int | None = None
 
     def missing(self) -> list[str]:
         return [LABELS[f.name] for f in fields(self)
@@ -167,3 +170,10 @@ def parse_metrics(text: str) -> RemoteStatus:
     blocks = {state: v for (name, state), v in labelled.items() if name == "kvdeck:kv_blocks"}
     st.kv_blocks = blocks or None
     return st
+
+
+def parse_slots(data: object) -> tuple[int, int]:
+    """(busy, total) from llama.cpp's `/slots` JSON: a list of slots with `is_processing`."""
+    if not isinstance(data, list) or not all(isinstance(x, dict) for x in data):
+        raise KvdeckError("The /slots endpoint did not return a list of slots.")
+    return sum(1 for x in data if x.get("is_processing")), len(data)

@@ -19,7 +19,7 @@ from textual.worker import get_current_worker
 
 from console.base_app import ConsoleApp
 from console.widgets.metrics import sparkline
-from runtime.attach import RemoteStatus, parse_metrics
+from runtime.attach import RemoteStatus, parse_metrics, parse_slots
 from runtime.errors import KvdeckError
 
 
@@ -72,7 +72,11 @@ class AttachApp(ConsoleApp):
                     r = client.get(self.metrics_url)
                     r.raise_for_status()
                     status, error = parse_metrics(r.text), None
-                except (httpx.HTTPError, KvdeckError) as e:
+                    if status.engine == "llama.cpp":
+                        slots = client.get(self.metrics_url.removesuffix("/metrics") + "/slots")
+                        if slots.status_code == 200:  # absent when started with --no-slots
+                            status.slots_busy, status.slots_total = parse_slots(slots.json())
+                except (httpx.HTTPError, KvdeckError, ValueError) as e:
                     status, error = None, f"{type(e).__name__}: {e}"
                 if worker.is_cancelled:
                     break
@@ -97,8 +101,10 @@ class AttachApp(ConsoleApp):
         if st is None:
             return
         peak = max(list(self.history["running"]) + list(self.history["waiting"]) + [1.0])
+        slots = f" · slots {st.slots_busy}/{st.slots_total} busy" \
+            if st.slots_total is not None else ""
         self.query_one("#queue", Static).update(Group(
-            Text(f"running {self._num(st.running)} · waiting {self._num(st.waiting)}"),
+            Text(f"running {self._num(st.running)} · waiting {self._num(st.waiting)}{slots}"),
             Text("running ").append_text(sparkline(list(self.history["running"]), set(), 40,
                                                    peak)),
             Text("waiting ").append_text(sparkline(list(self.history["waiting"]), set(), 40,

@@ -48,3 +48,13 @@ def test_histogram_quantile_edges() -> None:
     assert Histogram().quantile(0.5) is None
     h = Histogram([(1.0, 0.0), (float("inf"), 4.0)], 40.0, 4.0)
     assert h.quantile(0.5) == 1.0  # everything above the last finite bound
+
+
+def test_llamacpp_slots() -> None:
+    import json
+
+    from runtime.attach import parse_slots
+
+    assert parse_slots(json.loads((DATA / "llamacpp_slots.json").read_text())) == (2, 3)
+    with pytest.raises(KvdeckError, match="did not return a list of slots"):
+        parse_slots({"error": "slots disabled"})
