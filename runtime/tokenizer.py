@@ -12,12 +12,14 @@ in a sandboxed Jinja environment (a GGUF is untrusted input).
 from __future__ import annotations
 
 import codecs
+import subprocess
+import sys
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from runtime.errors import RequestError
+from runtime.errors import ModelFileError, RequestError
 
 # Used when a Gemma GGUF carries no template (the embedded 270M file does not).
 GEMMA_TEMPLATE = (
@@ -38,6 +40,7 @@ class Tokenizer:
         from llama_cpp import Llama  # imported here: loading the library takes a moment
 
         self.path = Path(model_path)
+        _probe_vocab(self.path)
         self._llm = Llama(str(self.path), vocab_only=True, verbose=False)
         meta = self._llm.metadata
         self.architecture = meta.get("general.architecture", "")
@@ -95,6 +98,24 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise RequestError(f"The chat template rejected the messages: {e}.") from None
+
+
+def _probe_vocab(path: Path) -> None:
+    """Load the vocabulary and round-trip a sample text in a child process first: llama.cpp
+    aborts the whole process (an uncaught C++ exception) on some malformed vocabularies, and
+    a user's bad file must end in a sentence, not a crash."""
+    code = ("import sys\nfrom llama_cpp import Llama\n"
+            "t = Llama(sys.argv[1], vocab_only=True, verbose=False)\n"
+            "t.detokenize(t.tokenize('Hello, wörld 123 😀'.encode(), add_bos=True))\n")
+    try:
+        r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                           timeout=120)
+    except subprocess.TimeoutExpired:
+        raise ModelFileError(f"Loading the vocabulary of {path} took over 2 minutes.") from None
+    if r.returncode != 0:
+        raise ModelFileError(f"llama.cpp cannot load the vocabulary of {path} (it exited with "
+                             f"status {r.returncode}); the file's tokenizer data is malformed "
+                             "or unsupported.")
 
 
 class IncrementalDetokenizer:

@@ -229,3 +229,11 @@ async def test_console_prompt_streams_decoded_text(executor, tokenizer) -> None:
         assert len(set(texts)) > 5 and texts[-1].startswith(texts[3])  # grew token by token
         assert "France" in req.output_text
         assert "France" in str(app.query_one("#prompt-output").render())
+
+
+def test_a_vocabulary_llama_cpp_cannot_load_is_one_sentence(tiny_llama) -> None:
+    from runtime.errors import ModelFileError
+
+    with pytest.raises(ModelFileError, match="llama.cpp cannot load the vocabulary of .*"
+                                             "malformed or unsupported"):
+        Tokenizer(tiny_llama)
