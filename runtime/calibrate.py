@@ -70,7 +70,7 @@ def _time_prefill(ex: TorchExecutor, c: int, h: int, repeats: int) -> float:
             e.add_request(_prompt(c, r, vocab), SamplingParams(max_tokens=1), request_id="x")
             rec = e.step()
         assert rec is not None
-        times.append(e.stats.step_seconds[-1])
+        times.append(e.stats.last_step_seconds)
         e.run_until_idle()
     return statistics.median(times)
 
@@ -84,10 +84,11 @@ def _time_decode(ex: TorchExecutor, b: int, ctx: int, steps: int) -> float:
     while any(not r.is_decoding for r in e.scheduler.running) or e.scheduler.waiting \
             or not e.scheduler.running:
         e.step()
-    before = len(e.stats.step_seconds)
+    times = []
     for _ in range(steps):
         e.step()
-    seconds = statistics.median(e.stats.step_seconds[before:])
+        times.append(e.stats.last_step_seconds)
+    seconds = statistics.median(times)
     e.run_until_idle()
     return seconds
 

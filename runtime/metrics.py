@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from runtime.config import check_float
 from runtime.request import Request, RequestStatus
@@ -136,9 +136,10 @@ class RunStats:
     """Sum of step times: accelerator-busy time."""
     resident_seconds: float = 0.0
     """∫ (waiting + running requests) dt over the run, for the Little's-law check."""
-    batch_sizes: list[int] = field(default_factory=list)
-    batch_tokens: list[int] = field(default_factory=list)
-    step_seconds: list[float] = field(default_factory=list)
+    # Running sums, not per-step lists: a server steps for days.
+    sum_batch_size: int = 0
+    sum_batch_tokens: int = 0
+    last_step_seconds: float = 0.0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -146,9 +147,9 @@ class RunStats:
                 seconds: float) -> None:
         self.num_steps += 1
         self.busy_seconds += seconds
-        self.batch_sizes.append(batch_size)
-        self.batch_tokens.append(tokens)
-        self.step_seconds.append(seconds)
+        self.sum_batch_size += batch_size
+        self.sum_batch_tokens += tokens
+        self.last_step_seconds = seconds
         self.num_prefill_tokens += prefill
         self.num_decode_tokens += decode
 
@@ -202,8 +203,8 @@ def summarize(ms: Sequence[RequestMetrics], stats: RunStats, slo: SLO = SLO(),
         "steps": {
             "count": steps,
             "busy_s": stats.busy_seconds,
-            "mean_batch_size": sum(stats.batch_sizes) / steps if steps else 0.0,
-            "mean_batch_tokens": sum(stats.batch_tokens) / steps if steps else 0.0,
+            "mean_batch_size": stats.sum_batch_size / steps if steps else 0.0,
+            "mean_batch_tokens": stats.sum_batch_tokens / steps if steps else 0.0,
             "mean_step_s": stats.busy_seconds / steps if steps else 0.0,
             "prefill_tokens": stats.num_prefill_tokens,
             "decode_tokens": stats.num_decode_tokens,

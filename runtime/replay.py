@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from runtime.config import Knobs
 from runtime.kv.prefix_tree import NodeSummary
 from runtime.metrics import Distribution
-from runtime.snapshot import BatchView, EngineSnapshot, KVView, RequestView, block_states
+from runtime.snapshot import (
+    CACHED,
+    FREE,
+    BatchView,
+    EngineSnapshot,
+    KVView,
+    RequestView,
+    block_states,
+)
 
 
 @dataclass
@@ -190,9 +198,8 @@ class TraceState:
     def snapshot(self, header: dict) -> EngineSnapshot:
         """The console's view of the engine after the last applied record."""
         states = self.block_states()
-        free = states.count(0)
-        cached_only = sum(1 for b in range(self.num_blocks)
-                          if self.cached[b] and self.refcount[b] == 1)
+        free = states.count(FREE)
+        cached_only = states.count(CACHED)
         kv = KVView(self.num_blocks, self.block_size, header.get("kv_format", "?"),
                     header.get("bytes_per_block", 0), states, free, cached_only,
                     self.num_reserved, 1 - free / self.num_blocks, sum(self.cached),

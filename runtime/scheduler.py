@@ -251,7 +251,8 @@ class Scheduler:
                 self.reject(req, never, now)
                 plan.rejected.append(req.request_id)
                 continue
-            hit = self.kv.peek_prefix(req)
+            chain = self.kv.prefix_chain(req)
+            hit = len(chain) * self.kv.block_size
             n = min(req.num_tokens - hit, k.chunk_size, budget)
             if k.admission_control and req.deadline is not None:
                 finish = now + self._estimate_service(req, hit)
@@ -264,7 +265,7 @@ class Scheduler:
                                      f"{req.deadline - req.arrival_time:.2f} s", now)
                     plan.rejected.append(req.request_id)
                     continue
-            if not self.kv.can_admit(req, n, full):
+            if not self.kv.can_admit(req, n, full, chain):
                 break  # head-of-line: wait for blocks rather than let smaller ones pass
             self.waiting.remove(req)
             plan.cow_copies.extend(self.kv.admit(req, n, full))

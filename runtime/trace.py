@@ -26,7 +26,7 @@ import csv
 import json
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -143,14 +143,9 @@ def load_arrivals(path: str | Path, fmt: str = "auto", *, limit: int | None = No
     if not out:
         raise TraceError(f"{p} holds no requests.")
     t0 = min(a.arrival_s for a in out)
-    out = [_shift(a, (a.arrival_s - t0) * time_scale) for a in out]
+    out = [replace(a, arrival_s=(a.arrival_s - t0) * time_scale) for a in out]
     out.sort(key=lambda a: a.arrival_s)
     return out
-
-
-def _shift(a: Arrival, t: float) -> Arrival:
-    return Arrival(t, a.prompt_len, a.output_len, a.prompt_tokens, a.hash_ids, a.prefix_group,
-                   a.prefix_len, a.deadline_s, a.priority, a.request_id)
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:

@@ -49,9 +49,7 @@ class KVMapPanel(SnapshotPanel):
             grid.append(char, style=style)
             if (start // per_cell + 1) % width == 0:
                 grid.append("\n")
-        counts = [0] * 5
-        for s in states:
-            counts[s] += 1
+        counts = [states.count(code) for code in range(5)]  # bytes.count: C speed
         legend = Text()
         short = width < 60  # the compact legend fits one line on an 80-column terminal
         for state, name, abbrev in ((PRIVATE, "private", "prv"), (SHARED, "shared", "shr"),

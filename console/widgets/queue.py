@@ -3,6 +3,7 @@ requests with their progress, wait, deadline slack and priority."""
 
 from __future__ import annotations
 
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
@@ -55,8 +56,6 @@ class QueuePanel(SnapshotPanel):
                     + (f" (+{more} not shown)" if more > 0 else ""), style="dim")
         self.border_subtitle = f"{snap.num_finished} done · {snap.num_rejected} rejected · " \
                                f"{snap.num_preemptions} preemptions"
-        from rich.console import Group
-
         self.update(Group(head, table, foot))
 
     @staticmethod

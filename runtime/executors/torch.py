@@ -8,7 +8,6 @@ weights once plus each row's KV context, for comparison with the machine's bandw
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -172,7 +171,3 @@ class TorchExecutor:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-
-def cpu_threads() -> int:
-    """Threads torch uses by default here: the cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -96,29 +96,30 @@ class BlockManager:
         tokens count too)."""
         return req.token_slice(0, req.num_tokens - 1)
 
+    def prefix_chain(self, req: Request) -> list[PrefixNode]:
+        """The cached nodes an admission of `req` would reuse now (no side effects)."""
+        if not self.enable_caching:
+            return []
+        return self.tree.match(self.namespace, self._reusable(req), 0.0, record=False)
+
     def peek_prefix(self, req: Request) -> int:
         """Cached tokens an admission of `req` would reuse now (no side effects)."""
-        if not self.enable_caching:
-            return 0
-        chain = self.tree.match(self.namespace, self._reusable(req), 0.0, record=False)
-        return len(chain) * self.block_size
+        return len(self.prefix_chain(req)) * self.block_size
 
     # -- admission and growth ---------------------------------------------------------------
 
-    def can_admit(self, req: Request, num_new_tokens: int, reserve_full: bool) -> bool:
-        """Whether `admit` would succeed without preempting anyone."""
-        hit = self.peek_prefix(req)
-        hit_blocks = hit // self.block_size
+    def can_admit(self, req: Request, num_new_tokens: int, reserve_full: bool,
+                  chain: list[PrefixNode] | None = None) -> bool:
+        """Whether `admit` would succeed without preempting anyone. `chain`: the result of
+        `prefix_chain(req)` when the caller already has it."""
+        if chain is None:
+            chain = self.prefix_chain(req)
+        hit = len(chain) * self.block_size
         target = req.max_total_tokens if reserve_full else hit + num_new_tokens
-        need = self.blocks_needed(target) - hit_blocks
+        need = self.blocks_needed(target) - len(chain)
         # Reused blocks that are currently evictable stop being available once referenced.
-        return need <= self.num_available_blocks() - self._evictable_in_prefix(req, hit_blocks)
-
-    def _evictable_in_prefix(self, req: Request, hit_blocks: int) -> int:
-        if not hit_blocks:
-            return 0
-        chain = self.tree.match(self.namespace, self._reusable(req), 0.0, record=False)
-        return sum(1 for n in chain if self.pool.refcount[n.block] == 1)
+        evictable = sum(1 for n in chain if self.pool.refcount[n.block] == 1)
+        return need <= self.num_available_blocks() - evictable
 
     def admit(self, req: Request, num_new_tokens: int, reserve_full: bool) -> list[tuple[int, int]]:
         """Start (or restart) `req`: reuse its cached prefix, allocate the first chunk, and

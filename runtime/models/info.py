@@ -50,9 +50,6 @@ class ModelInfo:
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
                                   KV_FORMATS[kv_format])
 
-    def blocks_per_tokens(self, num_tokens: int, block_size: int) -> int:
-        return blocks_for_tokens(num_tokens, block_size)
-
 
 def _sliding_layers(g: GGUFFile, arch: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
     window = g.get(f"{arch}.attention.sliding_window")
