@@ -235,9 +235,7 @@ class Engine:
         if plan.is_empty:
             self._collect(record)
             if len(record) > 1:  # knobs, arrivals or rejections happened: still a record
-                self._emit(record, plan, None, t0)
-                for callback in self.after_step:
-                    callback(self)
+                self._finish_step(record, plan, None, t0)
                 return record
             return None
         self.kv.begin_step()
@@ -259,11 +257,16 @@ class Engine:
                                     len(plan.chunks), plan.token_budget, plan.max_num_seqs,
                                     result.timing.seconds, len(plan.preempted))
         self._collect(record)
-        self._emit(record, plan, result, t0)
         self.step_count += 1
+        self._finish_step(record, plan, result, t0)
+        return record
+
+    def _finish_step(self, record: dict, plan: SchedulerOutput, result: StepResult | None,
+                     t0: float) -> None:
+        """Write the iteration record, then tell `after_step` listeners (output streams)."""
+        self._emit(record, plan, result, t0)
         for callback in self.after_step:
             callback(self)
-        return record
 
     def _collect(self, record: dict) -> None:
         done = self.scheduler.take_finished()
