@@ -25,6 +25,7 @@ from console.widgets.kv_map import KVMapPanel
 from console.widgets.metrics import MetricsPanel
 from console.widgets.prefix_tree import PrefixTreePanel
 from console.widgets.prompt import PromptPanel
+from console.widgets.queue import QueuePanel
 from runtime.engine import Engine
 from runtime.engine_loop import EngineLoop
 from runtime.errors import KvdeckError
@@ -107,7 +108,8 @@ class KvdeckApp(ConsoleApp):
 
     def on_snapshot_ready(self, _: SnapshotReady) -> None:
         self._pending.clear()
-        if self.latest is not None:
+        # A snapshot posted just before exit can arrive after the panels are removed.
+        if self.latest is not None and self.query(QueuePanel):
             self.render_snapshot(self.latest)
 
     def render_snapshot(self, snap: EngineSnapshot) -> None:
