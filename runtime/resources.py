@@ -1,6 +1,7 @@
-"""Locating the data that ships inside the wheel: `profiles/` (TOML) and `themes/` (TCSS).
+"""Locating the data that ships inside the wheel: `profiles/` (TOML), `themes/` (TCSS) and
+`traces/` (sample arrival traces).
 
-Both are import packages holding data files, so `importlib.resources` finds them the same
+Each is an import package holding data files, so `importlib.resources` finds them the same
 way from an editable install (the repository's folders) and from a built wheel
 (site-packages).
 """
@@ -8,7 +9,18 @@ way from an editable install (the repository's folders) and from a built wheel
 from __future__ import annotations
 
 from importlib.resources import files
-from importlib.resources.abc import Traversable
+
+try:
+    from importlib.resources.abc import Traversable
+except ImportError:  # Python 3.10: the class lives in importlib.abc
+    from importlib.abc import Traversable
+
+SAMPLE_TRACES = {
+    "azure-conv": "azure-conv.csv",
+    "azure-code": "azure-code.csv",
+    "mooncake-conversation": "mooncake-conversation.jsonl",
+}
+"""Sample traces by name (traces/README.md gives each one's source and license)."""
 
 
 def profiles_dir() -> Traversable:
@@ -19,6 +31,12 @@ def profiles_dir() -> Traversable:
 def themes_dir() -> Traversable:
     """The `themes/` folder: the console's stylesheets and theme definitions."""
     return files("themes")
+
+
+def sample_trace(name: str) -> Traversable | None:
+    """The shipped sample trace called `name`, or None when there is no such sample."""
+    file = SAMPLE_TRACES.get(name)
+    return files("traces").joinpath(file) if file is not None else None
 
 
 def profile_names(kind: str) -> list[str]:

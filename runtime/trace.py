@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.errors import TraceError
+from runtime.resources import SAMPLE_TRACES, sample_trace
 
 FORMATS = ("auto", "kvdeck", "mooncake", "azure")
 
@@ -121,15 +122,25 @@ def detect_format(path: Path) -> str:
     raise TraceError(f"{path} is empty; a trace needs at least one request.")
 
 
+def resolve_trace(path: str | Path) -> Path:
+    """A trace file's path: `path` itself, or the shipped sample of that name."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    sample = sample_trace(str(path))
+    if sample is not None:
+        return Path(str(sample))
+    raise TraceError(f"Trace file {p} does not exist; sample traces are "
+                     f"{', '.join(SAMPLE_TRACES)}.")
+
+
 def load_arrivals(path: str | Path, fmt: str = "auto", *, limit: int | None = None,
                   time_scale: float = 1.0) -> list[Arrival]:
     """Read an arrival trace. `time_scale` multiplies inter-arrival times (0.5: twice as fast);
     `limit` keeps the first N requests."""
-    p = Path(path)
+    p = resolve_trace(path)
     if fmt not in FORMATS:
         raise TraceError(f"Unknown trace format {fmt!r}; formats are {', '.join(FORMATS)}.")
-    if not p.is_file():
-        raise TraceError(f"Trace file {p} does not exist.")
     if time_scale <= 0:
         raise TraceError(f"time_scale must be greater than 0, got {time_scale}.")
     if fmt == "auto":

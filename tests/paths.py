@@ -1,10 +1,10 @@
-"""Where the shared public traces live: `../shared/traces` beside the checkout (CI lays a copy
-of shared/ beside its clone the same way)."""
+"""The sample traces the tests read: excerpts of public traces shipped in `traces/` (see its
+README.md for their sources and licenses). Nothing outside the repository is read."""
 
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TRACES = REPO.parent / "shared" / "traces"
-AZURE_CONV = TRACES / "azure-llm-2023" / "conv.csv"
-AZURE_CODE = TRACES / "azure-llm-2023" / "code.csv"
-MOONCAKE = TRACES / "mooncake-fast25" / "conversation_trace.jsonl"
+TRACES = REPO / "traces"
+AZURE_CONV = TRACES / "azure-conv.csv"
+AZURE_CODE = TRACES / "azure-code.csv"
+MOONCAKE = TRACES / "mooncake-conversation.jsonl"

@@ -67,7 +67,9 @@ def test_azure_conv_runs_and_records(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["run-trace", "/nonexistent.jsonl"], "Trace file /nonexistent.jsonl does not exist."),
+    (["run-trace", "/nonexistent.jsonl"],
+     "Trace file /nonexistent.jsonl does not exist; sample traces are azure-conv, azure-code, "
+     "mooncake-conversation."),
     (["run-trace", str(AZURE_CONV), "--executor", "vllm"],
      "Unknown executor 'vllm'; available executors: sim, torch."),
     (["compare", "/nope-a.json", "/nope-b.json"], "Result file /nope-a.json does not exist."),

@@ -1,4 +1,5 @@
-"""profiles/ and themes/ ship inside the wheel and are found from it, not from the checkout."""
+"""profiles/, themes/ and the sample traces ship inside the wheel and are found from it, not
+from the checkout."""
 
 import subprocess
 import sys
@@ -60,3 +61,8 @@ def test_resources_found_from_built_wheel(tmp_path: Path, tiny_llama: Path) -> N
                        capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert r.returncode == 0, r.stderr
     assert '"num_kv_heads": 2' in r.stdout
+    # The sample traces ship too: run-trace names one and reads it from the wheel.
+    r = subprocess.run([py, "-m", "console.cli", "run-trace", "azure-conv", "--limit", "5",
+                        "--json"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert '"num_requests": 5' in r.stdout
