@@ -23,6 +23,7 @@ from runtime.config import EngineConfig, Knobs
 from runtime.engine import Engine
 from runtime.executors.torch import TorchExecutor
 from runtime.models.registry import DEFAULT_MODEL, resolve_model
+from runtime.records import StepRecord
 from runtime.request import SamplingParams
 from runtime.tokenizer import Tokenizer
 
@@ -59,7 +60,7 @@ def run_torch(ex: TorchExecutor, reqs: list[list[int]], concurrency: int) -> dic
         enable_prefix_caching=False))
     e = Engine(cfg, ex)
     sp = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
-    records: list[dict] = []
+    records: list[StepRecord] = []
     e.recorder = records.append
     t = time.perf_counter()
     handles = [e.add_request(r, sp) for r in reqs]
@@ -67,8 +68,8 @@ def run_torch(ex: TorchExecutor, reqs: list[list[int]], concurrency: int) -> dic
     seconds = time.perf_counter() - t
     e.check_integrity()
     assert all(h.num_output_tokens == OUTPUT_TOKENS for h in handles)
-    decode_steps = [(r["dt"], r["bytes"]) for r in records
-                    if r.get("plan") and all(c[2] == 1 for c in r["plan"])]
+    decode_steps = [(r.dt, r.bytes_read) for r in records
+                    if r.plan and all(c.num_new_tokens == 1 for c in r.plan)]
     return {"seconds": seconds, "tokens": len(reqs) * OUTPUT_TOKENS,
             "decode_steps": decode_steps}
 

@@ -2,8 +2,10 @@
 
 The engine runs in its own thread (`EngineLoop`). Snapshots arrive from that thread through
 `post_message`; while one is waiting to be rendered, newer ones replace it instead of
-queueing, so the UI never falls behind and the engine never waits for it. Knob changes go
-back through the engine's inbox and apply at the next iteration.
+queueing, so the UI never falls behind and the engine never waits for it. Panels read only
+snapshots. Knob changes, pause, single steps, and starting or stopping a recording go back
+through the engine's inbox and apply at the next iteration; the UI thread never steps the
+engine.
 """
 
 from __future__ import annotations
@@ -19,18 +21,18 @@ from textual.widgets import DataTable, Footer, Header, Input
 
 from console.base_app import ConsoleApp
 from console.layout import SNAPSHOT_PANELS, compose_panels
+from console.widgets.banner import Banner
 from console.widgets.hardware import HardwareStrip
 from console.widgets.knobs import TRAFFIC_KNOBS, KnobEditor, KnobsPanel, parse_knob
 from console.widgets.kv_map import KVMapPanel
-from console.widgets.metrics import MetricsPanel
 from console.widgets.prefix_tree import PrefixTreePanel
 from console.widgets.prompt import PromptPanel
 from console.widgets.queue import QueuePanel
 from runtime.engine import Engine
 from runtime.engine_loop import EngineLoop
 from runtime.errors import KvdeckError
-from runtime.recording import Recorder
-from runtime.request import Request, SamplingParams
+from runtime.recording import Recorder, record_live, stop_live
+from runtime.request import SamplingParams
 from runtime.snapshot import EngineSnapshot
 from runtime.traffic import TrafficGenerator
 
@@ -58,25 +60,28 @@ class KvdeckApp(ConsoleApp):
     ]
 
     def __init__(self, engine: Engine, traffic: TrafficGenerator | None = None, *,
-                 autostart: bool = True, hardware: bool = True, pace: float | None = None,
+                 autostart: bool = True, hardware: bool = True,
                  runs_dir: Path = Path("runs")):
         super().__init__()
         self.engine = engine
         self.traffic = traffic
-        self.loop = EngineLoop(engine, on_snapshot=self._on_snapshot, pace=pace,
-                               before_step=traffic)
+        self.loop = EngineLoop(engine, on_snapshot=self._on_snapshot, before_step=traffic)
         self.autostart = autostart
         self.hardware = hardware
         self.runs_dir = runs_dir
         self.latest: EngineSnapshot | None = None
         self._pending = threading.Event()
         self.recorder: Recorder | None = None
-        self.prompt_request: Request | None = None
+        self.prompt_id: str | None = None
+        """The request the prompt panel follows (its text comes in every snapshot)."""
+        self.want_paused = False
+        """What the operator last asked for; snapshots say when the engine has done it."""
         self._prompts = 0
         self.sub_title = f"{engine.executor.model_name} · {engine.executor.name}"
 
     def compose(self) -> ComposeResult:
         yield Header()
+        yield Banner(id="banner")
         yield HardwareStrip(enabled=self.hardware, id="hardware")
         yield from compose_panels()
         yield PromptPanel(id="prompt")
@@ -94,8 +99,12 @@ class KvdeckApp(ConsoleApp):
     def on_unmount(self) -> None:
         if self.loop.is_alive:
             self.loop.stop()
-        if self.recorder is not None:
-            self.recorder.close()
+        # The engine thread has stopped: close any recorder it still holds (a stop asked
+        # for in its last moments may not have been applied).
+        for rec in (self.recorder, self.engine.recorder):
+            if isinstance(rec, Recorder):
+                rec.close()
+        self.engine.close()
 
     # -- snapshots --------------------------------------------------------------------------
 
@@ -113,13 +122,15 @@ class KvdeckApp(ConsoleApp):
             self.render_snapshot(self.latest)
 
     def render_snapshot(self, snap: EngineSnapshot) -> None:
-        """Show `snap` in every panel (also used by tests and replay)."""
+        """Show `snap` in every panel (also used by tests)."""
         self.latest = snap
         for panel in SNAPSHOT_PANELS:
             self.query_one(panel).show(snap)
         self.query_one(KnobsPanel).show_values(snap.knobs, self.traffic_values())
-        self.query_one(PromptPanel).show_request(self.prompt_request)
-        state = "paused" if self.loop.paused else "running"
+        self.query_one(PromptPanel).show_tracked(
+            next((t for t in snap.tracked if t.request_id == self.prompt_id), None))
+        self.query_one(Banner).show(snap)
+        state = "failed" if snap.failure else "paused" if snap.paused else "running"
         rec = " · recording" if self.recorder is not None else ""
         self.sub_title = f"{snap.model_name} · {snap.executor} · {state}{rec}"
 
@@ -156,7 +167,6 @@ class KvdeckApp(ConsoleApp):
         except KvdeckError as e:
             self.notify(str(e), title="Invalid knob", severity="error")
             return False
-        self.query_one(MetricsPanel).mark_knob_change()
         self.notify(f"{name} = {value!r} from the next iteration", title="Knob")
         return True
 
@@ -167,26 +177,26 @@ class KvdeckApp(ConsoleApp):
             self.submit_prompt(event.value)
             event.input.value = ""
 
-    def submit_prompt(self, text: str) -> Request | None:
-        """Send `text` to the engine as a greedy request and follow it in the panels."""
+    def submit_prompt(self, text: str) -> str | None:
+        """Send `text` to the engine as a greedy request and follow it in the panels;
+        returns its request id."""
         if not text.strip():
             self.notify("Type a prompt first.", severity="warning")
             return None
         tok = self.engine.tokenizer
-        # Without a tokenizer (the sim executor) bytes stand in for tokens.
+        # Without a tokenizer, bytes stand in for tokens.
         ids = tok.encode(text) if tok is not None else [3 + b for b in text.encode()]
         self._prompts += 1
         try:
             req = self.engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=48),
-                                          request_id=f"prompt-{self._prompts}")
+                                          request_id=f"prompt-{self._prompts}", track=True)
         except KvdeckError as e:
             self.notify(str(e), title="Prompt", severity="error")
             return None
-        self.prompt_request = req
+        self.prompt_id = req.request_id
         self.query_one(KVMapPanel).selected = req.request_id
         self.query_one(PrefixTreePanel).selected = req.request_id
-        self.query_one(PromptPanel).show_request(req)
-        return req
+        return req.request_id
 
     def action_focus_prompt(self) -> None:
         self.query_one("#prompt-input", Input).focus()
@@ -194,20 +204,16 @@ class KvdeckApp(ConsoleApp):
     # -- actions ----------------------------------------------------------------------------
 
     def action_toggle_pause(self) -> None:
-        if self.loop.paused:
-            self.loop.resume()
-            self.notify("engine resumed")
-        else:
+        self.want_paused = not self.want_paused
+        if self.want_paused:
             self.loop.pause()
             self.notify("engine paused (s steps once)")
+        else:
+            self.loop.resume()
+            self.notify("engine resumed")
 
     def action_step_once(self) -> None:
-        if not self.loop.is_alive:
-            if self.traffic is not None:
-                self.traffic(self.engine)
-            self.engine.step()
-            self.render_snapshot(self.engine.snapshot())
-        elif self.loop.paused:
+        if self.want_paused:
             self.loop.step_once()
         else:
             self.notify("pause first (p) to step one iteration at a time")
@@ -220,17 +226,19 @@ class KvdeckApp(ConsoleApp):
         self.query_one(KnobsPanel).focus()
 
     def action_toggle_record(self) -> None:
+        """Start recording (from the next iteration, with a checkpoint of the state then)
+        or stop it."""
         if self.recorder is None:
             run_dir = self.runs_dir / time.strftime("%Y%m%d-%H%M%S")
             try:
-                self.recorder = Recorder(run_dir, self.engine, write_requests=True)
+                self.recorder = record_live(self.engine, run_dir, write_requests=True)
             except KvdeckError as e:
                 self.notify(str(e), title="Recording", severity="error")
                 return
             self.notify(f"recording to {run_dir}", title="Recording")
         else:
             run_dir = self.recorder.run_dir
-            self.recorder.close()
+            stop_live(self.engine)
             self.recorder = None
             self.notify(f"saved {run_dir}; replay it with: kvdeck replay {run_dir}",
                         title="Recording")

@@ -1,8 +1,9 @@
 """The `kvdeck` command line.
 
-Each command is a thin shell over `runtime/`: it parses options, calls the runtime, and
-prints. Errors a user can cause arrive as `KvdeckError` and are printed as one sentence with
-exit code 2, never as a traceback.
+Each command is a thin shell over `runtime/`: it parses options, asks `runtime.session` for
+an engine built from the layered settings (executor defaults, `--config`, flags), runs it,
+and prints. Errors a user can cause arrive as `KvdeckError` and are printed as one sentence
+with exit code 2, never as a traceback.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from console.options import SettingsRequest, with_log_level, with_settings
 from runtime.config import check_int
-from runtime.errors import ConfigError, KvdeckError
+from runtime.errors import ConfigError, EngineFailedError, KvdeckError
+from runtime.logs import setup_logging
 
 app = typer.Typer(
     name="kvdeck",
@@ -46,6 +49,18 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
+def settings_line(session) -> str:
+    """The settings a command runs with, in one line (printed at start-up)."""
+    snap = session.engine.snapshot()
+    k = snap.knobs
+    return (f"{snap.model_name} on {snap.executor}: {snap.kv.num_blocks:,} KV blocks of "
+            f"{snap.kv.block_size} tokens ({snap.kv.kv_format}), context "
+            f"{session.engine.max_model_len:,}, "
+            f"max_num_seqs {k.max_num_seqs}, max_num_batched_tokens "
+            f"{k.max_num_batched_tokens}, chunk_size {k.chunk_size}, prefix caching "
+            f"{'on' if k.enable_prefix_caching else 'off'}")
+
+
 @app.callback(invoke_without_command=True)
 def root(ctx: typer.Context) -> None:
     """kvdeck: watch and tune a local LLM inference runtime, replay its runs, serve its API.
@@ -53,73 +68,39 @@ def root(ctx: typer.Context) -> None:
     Without a command, opens the console on the embedded default model with traffic flowing.
     """
     if ctx.invoked_subcommand is None:
-        open_console()
+        run_console(SettingsRequest(), None, "warning")
 
 
 @app.command()
+@with_settings
 def console(
-    executor: str = typer.Option("torch", "--executor", help="torch (a real model) or sim."),
-    model: str = typer.Option(None, "--model", help="Model name or GGUF path (torch)."),
-    hardware: str = typer.Option("rtx-pro-6000", "--hardware", help="Hardware profile (sim)."),
-    model_profile: str = typer.Option("qwen3-8b", "--model-profile",
-                                      help="Model profile (sim)."),
-    kv_memory_gib: float = typer.Option(None, "--kv-memory-gib",
-                                        help="KV pool budget (default: 0.5 torch, 16 sim)."),
-    rate: float = typer.Option(None, "--rate", help="Arrivals per second (traffic)."),
-    pace: float = typer.Option(1.0, "--pace", help="Sim: virtual seconds per wall second."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option(None, "--dtype", help="Compute dtype (torch)."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads (torch)."),
-    seed: int = typer.Option(0, "--seed", help="Seed for traffic and sampling."),
+    rate: float = typer.Option(None, "--rate", help="Built-in traffic: arrivals per second "
+                               "(default 0.5 on a real model, 3 simulated).",
+                               rich_help_panel="Traffic"),
+    settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
     """Open the operator console on a live engine with built-in traffic."""
-    open_console(executor, model, hardware, model_profile, kv_memory_gib, rate, pace, device,
-                 dtype, threads, seed)
+    run_console(settings, rate, log_level)
 
 
-def open_console(executor: str = "torch", model: str | None = None,
-                 hardware: str = "rtx-pro-6000", model_profile: str = "qwen3-8b",
-                 kv_memory_gib: float | None = None, rate: float | None = None,
-                 pace: float = 1.0, device: str = "auto", dtype: str | None = None,
-                 threads: int | None = None, seed: int = 0) -> None:
-    """Build an engine with built-in traffic and run the console (plain defaults, so the
-    bare `kvdeck` can call it)."""
+def run_console(request: SettingsRequest, rate: float | None, log_level: str) -> None:
+    """Build an engine with built-in traffic and run the console on it."""
     from console.app import KvdeckApp
-    from runtime.config import EngineConfig, Knobs
-    from runtime.engine import Engine
-    from runtime.executors.factory import make_executor
-    from runtime.executors.sim import SimConfig
-    from runtime.traffic import TrafficGenerator, TrafficMix
+    from runtime.session import build_session
+    from runtime.traffic import TrafficGenerator
+
+    guarded(lambda: setup_logging(log_level, to_stderr=False))
 
     def build():
-        sim = SimConfig(model_profile=model_profile, hardware=hardware)
-        ex = make_executor(executor, model=model, device=device, dtype=dtype, threads=threads,
-                           seed=seed, sim_config=sim)
-        gib = kv_memory_gib if kv_memory_gib is not None else (16 if executor == "sim" else 0.5)
-        knobs = Knobs(max_num_batched_tokens=8192 if executor == "sim" else 512,
-                      chunk_size=2048 if executor == "sim" else 256)
-        cfg = EngineConfig(kv_memory_bytes=int(gib * 2**30), seed=seed, knobs=knobs,
-                           kv_format="bf16" if executor == "sim" else "fp16")
-        tokenizer = None
-        if executor != "sim":
-            from runtime.tokenizer import Tokenizer
+        session = build_session(request.resolve("torch"), live=True)
+        return session, TrafficGenerator.for_engine(session.engine, rate)
 
-            tokenizer = Tokenizer(ex.model_path)
-        engine = Engine(cfg, ex, tokenizer=tokenizer)
-        vocab = sim.vocab_size if executor == "sim" else ex.cfg.info.vocab_size
-        default_rate = 3.0 if executor == "sim" else 0.5
-        mix = TrafficMix.for_context(min(engine.max_model_len, 32768),
-                                     rate if rate is not None else default_rate)
-        if executor != "sim":  # a laptop CPU: keep requests short enough to watch
-            mix = TrafficMix(rate_per_s=mix.rate_per_s, short_prompt=48, short_output=24,
-                             long_prompt=192, shared_prefix=160, long_output=24)
-        return engine, TrafficGenerator(engine, mix, vocab, seed=seed)
-
-    engine, traffic = guarded(build)
-    KvdeckApp(engine, traffic, pace=pace if executor == "sim" else None).run()
+    session, traffic = guarded(build)
+    KvdeckApp(session.engine, traffic).run()
 
 
 @app.command()
+@with_log_level
 def models(
     target: str = typer.Argument(
         None, metavar="[PATH|NAME]", help="A model name from the list, or a path to a .gguf file."
@@ -129,12 +110,14 @@ def models(
     block_size: int = typer.Option(
         16, "--block-size", help="KV block size in tokens (1-256), for block counts."
     ),
+    log_level: str = "warning",
 ) -> None:
     """List runnable models, or report one model's architecture and KV cost."""
     from console.model_report import render_model_list, render_model_report
     from runtime.models.info import model_report, read_model_info
     from runtime.models.registry import DEFAULT_MODEL, list_models, resolve_model
 
+    guarded(lambda: setup_logging(log_level))
     guarded(lambda: check_int("--block-size", block_size, 1, 256))
     if default:
         target = DEFAULT_MODEL
@@ -159,15 +142,11 @@ def models(
 
 
 @app.command("run-trace")
+@with_settings
 def run_trace(
-    trace: str = typer.Argument(..., help="Arrival trace: kvdeck/Mooncake JSONL or Azure CSV."),
-    config: str = typer.Option(None, "--config", help="TOML file of engine settings."),
-    executor: str = typer.Option("sim", "--executor", help="Executor: sim or torch."),
-    model: str = typer.Option(None, "--model", help="Model name or GGUF path (torch)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option(None, "--dtype",
-                              help="fp32, bf16, fp16, int8, int8-head (default per device)."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads for torch."),
+    trace: str = typer.Argument(..., help="Arrival trace: a kvdeck/Mooncake JSONL or Azure CSV "
+                                "file, or a sample's name (azure-conv, azure-code, "
+                                "mooncake-conversation)."),
     record: str = typer.Option(None, "--record", help="Write a run directory here."),
     as_json: bool = typer.Option(False, "--json", help="Print summary and every request."),
     output: str = typer.Option(None, "--output", "-o", help="Also write the JSON here."),
@@ -180,39 +159,44 @@ def run_trace(
     slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
     slo_tpot: float = typer.Option(None, "--slo-tpot", help="TPOT SLO in seconds."),
     slo_e2e: float = typer.Option(None, "--slo-e2e", help="E2E SLO in seconds."),
+    settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
-    """Run an arrival trace through the engine headless and summarize it."""
+    """Run an arrival trace through the engine headless (sim executor by default) and
+    summarize it."""
     from console.run_views import render_summary
-    from runtime.config import read_toml
-    from runtime.engine import Engine
-    from runtime.executors.factory import make_executor
     from runtime.metrics import SLO
-    from runtime.recording import Recorder
-    from runtime.runner import configs_from_settings, run_arrivals
+    from runtime.recording import record_headless
+    from runtime.runner import run_arrivals
+    from runtime.session import build_session
     from runtime.trace import load_arrivals
 
     def go() -> dict:
+        setup_logging(log_level)
         check_int("--hash-block-tokens", hash_block_tokens, 1, 1 << 20)
         if limit is not None:
             check_int("--limit", limit, 1, 1 << 30)
-        settings = read_toml(config) if config else {}
-        engine_cfg, sim_cfg = configs_from_settings(settings)
+        resolved = settings.resolve("sim")
         slo = SLO(slo_ttft, slo_tpot, slo_e2e)
         arrivals = load_arrivals(trace, fmt, limit=limit, time_scale=time_scale)
-        ex = make_executor(executor, model=model, device=device, dtype=dtype, threads=threads,
-                           seed=engine_cfg.seed, sim_config=sim_cfg)
-        vocab = sim_cfg.vocab_size if executor == "sim" else ex.cfg.info.vocab_size
-        engine = Engine(engine_cfg, ex)
-        recorder = Recorder(record, engine) if record else None
+        session = build_session(resolved, with_tokenizer=False)
+        engine = session.engine
+        recorder = record_headless(engine, record) if record else None
         try:
-            result = run_arrivals(engine, arrivals, vocab_size=vocab,
+            result = run_arrivals(engine, arrivals, vocab_size=session.vocab_size,
                                   hash_block_tokens=hash_block_tokens, slo=slo,
                                   on_arrival=recorder.arrival if recorder else None)
+        except KvdeckError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an engine failure: one sentence and a log
+            failure = engine.fail(e)
+            raise EngineFailedError(f"The run stopped: {failure.message}; the traceback is in "
+                                    f"{failure.log_path}.") from None
         finally:
             if recorder:
                 recorder.close()
+            session.close()
         result["trace"] = str(trace)
-        result["settings"] = settings
+        result["config"] = config_report(session)
         return result
 
     result = guarded(go)
@@ -222,11 +206,22 @@ def run_trace(
         print_json(result)
     else:
         render_summary(out, f"{trace} on {result['summary']['model']}", result["summary"])
+        if result["summary"]["statuses"].get("rejected"):
+            out.print("some requests were rejected; --json lists each one's reason")
         if record:
             out.print(f"run recorded in {record}")
 
 
+def config_report(session) -> dict:
+    """The resolved settings and the engine's config, as JSON (run-trace --json, and
+    `GET /kvdeck/config` on a server)."""
+    from runtime.server.app import config_json
+
+    return config_json(session.settings, session.engine)
+
+
 @app.command()
+@with_log_level
 def calibrate(
     model: str = typer.Argument(..., help="Model name or GGUF path."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
@@ -235,6 +230,7 @@ def calibrate(
     quick: bool = typer.Option(False, "--quick", help="A small sweep (seconds, not minutes)."),
     name: str = typer.Option(None, "--name", help="Profile name (default: the model name)."),
     as_json: bool = typer.Option(False, "--json", help="Print points and fit as JSON."),
+    log_level: str = "warning",
 ) -> None:
     """Time a sweep of steps on a real model, fit the sim executor's step model, save it."""
     from rich.table import Table
@@ -246,10 +242,15 @@ def calibrate(
         sweep,
         write_profiles,
     )
-    from runtime.executors.factory import make_executor
+    from runtime.session import build_executor
+    from runtime.settings import resolve
 
-    ex = guarded(lambda: make_executor("torch", model=model, device=device, dtype=dtype,
-                                       threads=threads))
+    def build():
+        setup_logging(log_level)
+        return build_executor(resolve({"executor": "torch", "model": model, "device": device,
+                                       "dtype": dtype, "threads": threads}))
+
+    ex = guarded(build)
     say = (lambda msg: None) if as_json else out.print
     say(f"calibrating {ex.model_name} on {ex.device} ({ex.dtype_name})")
     points = sweep(ex, quick=quick, progress=say)
@@ -279,64 +280,59 @@ def calibrate(
               f'model_profile = "{profile}", hardware = "{hw}"')
 
 
-@app.command()
+@app.command(help="Serve a model through an OpenAI-compatible API (completions, chat, "
+             "streaming).\n\nWith --executor sim the API answers with a simulated card's "
+             "timing, paced to the wall clock, for testing clients, load generators and "
+             "dashboards without the card.")
+@with_settings
 def serve(
-    model: str = typer.Option(None, "--model", help="Model name or GGUF path."),
     host: str = typer.Option("127.0.0.1", "--host",
                              help="Bind address; anything but loopback is an explicit choice."),
-    port: int = typer.Option(8000, "--port", help="TCP port."),
+    port: int = typer.Option(8000, "--port", help="TCP port (0: any free port)."),
     api_key: str = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY'."),
-    kv_memory_gib: float = typer.Option(0.5, "--kv-memory-gib", help="KV pool budget."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option(None, "--dtype", help="Compute dtype."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads."),
-    max_waiting: int = typer.Option(256, "--max-waiting",
-                                    help="Waiting-queue bound; beyond it requests get 429."),
     with_console: bool = typer.Option(False, "--console",
                                       help="Open the console on the serving engine."),
+    settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
-    """Serve the model through an OpenAI-compatible API (completions, chat, streaming)."""
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
-    from runtime.executors.factory import make_executor
+    """Serve a model through an OpenAI-compatible API."""
     from runtime.server.serve import ApiServer
-    from runtime.tokenizer import Tokenizer
+    from runtime.session import build_session
 
-    def build() -> tuple[Engine, Tokenizer, str]:
-        check_int("--port", port, 1, 65535)
-        ex = make_executor("torch", model=model, device=device, dtype=dtype, threads=threads)
-        tok = Tokenizer(ex.model_path)
-        engine = Engine(EngineConfig(kv_memory_bytes=int(kv_memory_gib * 2**30),
-                                     max_waiting=max_waiting), ex, tokenizer=tok)
-        return engine, tok, model or Path(str(ex.model_path)).stem
+    def build():
+        setup_logging(log_level, to_stderr=not with_console)
+        check_int("--port", port, 0, 65535)
+        return build_session(settings.resolve("torch"), live=True)
 
-    engine, tok, name = guarded(build)
+    session = guarded(build)
     if with_console:
         from console.app import KvdeckApp
 
         # The console owns the engine loop; the HTTP server runs beside it in a thread.
-        console_app = KvdeckApp(engine)
-        server = ApiServer(engine, tok, name, host=host, port=port, api_key=api_key,
+        console_app = KvdeckApp(session.engine)
+        server = ApiServer(session, host=host, port=port, api_key=api_key,
                            loop=console_app.loop).start()
         try:
             console_app.run()
         finally:
             server.stop()
         return
-    server = ApiServer(engine, tok, name, host=host, port=port, api_key=api_key)
-    out.print(f"serving {server.engine.executor.model_name} on http://{host}:{port}/v1")
-    server.run()
+    server = ApiServer(session, host=host, port=port, api_key=api_key)
+    out.print(settings_line(session), highlight=False)
+    server.run(on_listening=lambda p: out.print(
+        f"serving {session.model_id} on http://{host}:{p}/v1", highlight=False))
 
 
 @app.command()
+@with_settings
 def bench(
-    trace: str = typer.Argument(None, help="Arrival trace (JSONL/CSV); omit for synthetic."),
+    trace: str = typer.Argument(None, help="Arrival trace (JSONL/CSV) or a sample's name; "
+                                "omit for synthetic arrivals."),
     url: str = typer.Option("http://127.0.0.1:8000/v1", "--url",
                             help="OpenAI-compatible base URL."),
-    model: str = typer.Option("gemma3-270m", "--model", help="Model id the server serves."),
     api_key: str = typer.Option(None, "--api-key", help="Bearer key, if the server needs one."),
     in_process: bool = typer.Option(False, "--in-process",
-                                    help="Run against an engine in this process, no HTTP."),
+                                    help="Run against an engine in this process, no HTTP "
+                                         "(the engine flags apply)."),
     limit: int = typer.Option(None, "--limit", help="Send only the first N requests."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="Multiply inter-arrival times."),
     rate: float = typer.Option(2.0, "--rate", help="Synthetic: requests per second."),
@@ -349,56 +345,58 @@ def bench(
     max_output_len: int = typer.Option(None, "--max-output-len", help="Cap traced outputs."),
     vocab_size: int = typer.Option(32_000, "--vocab-size",
                                    help="Token ids for synthetic prompts stay below this."),
+    hash_block_tokens: int = typer.Option(512, "--hash-block-tokens",
+                                          help="Tokens per Mooncake hash id."),
     as_json: bool = typer.Option(False, "--json", help="Print summary and every request."),
     output: str = typer.Option(None, "--output", "-o", help="Also write the JSON here."),
     slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
     slo_tpot: float = typer.Option(None, "--slo-tpot", help="TPOT SLO in seconds."),
     slo_e2e: float = typer.Option(None, "--slo-e2e", help="E2E SLO in seconds."),
+    settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
     """Send a trace (or synthetic Poisson/gamma load) to a server and report TTFT, TPOT, ITL,
-    E2E, throughput and goodput with vLLM's serving-benchmark definitions."""
+    E2E, throughput and goodput with vLLM's serving-benchmark definitions. --model names the
+    model the server serves (default gemma3-270m)."""
     import asyncio
-    import dataclasses
 
     from rich.progress import Progress
 
     from console.run_views import render_summary
-    from runtime.loadgen import run_bench
+    from runtime.loadgen import cap_arrivals, run_bench
     from runtime.metrics import SLO
     from runtime.trace import load_arrivals, synthetic_arrivals
 
     def arrivals():
+        setup_logging(log_level)
         if trace is None:
             return synthetic_arrivals(num_requests, rate, burstiness=burstiness,
                                       prompt_len=prompt_len, output_len=output_len)
         got = load_arrivals(trace, limit=limit, time_scale=time_scale)
-        return [dataclasses.replace(
-            a, prompt_len=min(a.prompt_len, max_prompt_len or a.prompt_len),
-            output_len=min(a.output_len, max_output_len or a.output_len),
-            hash_ids=a.hash_ids[: -(-(max_prompt_len or a.prompt_len) // 512)]
-            if a.hash_ids else None,
-            prompt_tokens=a.prompt_tokens[:max_prompt_len] if a.prompt_tokens and
-            max_prompt_len else a.prompt_tokens) for a in got]
+        return cap_arrivals(got, max_prompt_len, max_output_len, hash_block_tokens)
 
     items = guarded(arrivals)
     slo = guarded(lambda: SLO(slo_ttft, slo_tpot, slo_e2e))
     if in_process:
-        from runtime.config import EngineConfig
-        from runtime.engine import Engine
-        from runtime.executors.factory import make_executor
         from runtime.runner import run_arrivals
+        from runtime.session import build_session
 
         def local() -> dict:
-            ex = make_executor("torch", model=model)
-            return run_arrivals(Engine(EngineConfig(kv_memory_bytes=512 << 20), ex), items,
-                                vocab_size=min(vocab_size, ex.cfg.info.vocab_size), slo=slo)
+            session = build_session(settings.resolve("torch"), with_tokenizer=False)
+            try:
+                return run_arrivals(session.engine, items,
+                                    vocab_size=min(vocab_size, session.vocab_size), slo=slo,
+                                    hash_block_tokens=hash_block_tokens)
+            finally:
+                session.close()
 
         result = guarded(local)
     else:
+        model = (settings.flags or {}).get("model", "gemma3-270m")
         with Progress(console=err, transient=True) as progress:
             task = progress.add_task(f"{len(items)} requests → {url}", total=len(items))
             result = asyncio.run(run_bench(url, model, items, vocab_size=vocab_size,
                                            api_key=api_key, slo=slo,
+                                           hash_block_tokens=hash_block_tokens,
                                            on_done=lambda _: progress.advance(task)))
     if output:
         Path(output).write_text(json.dumps(result, indent=1))
@@ -410,28 +408,35 @@ def bench(
 
 
 @app.command()
+@with_log_level
 def attach(url: str = typer.Argument(..., help="Base URL of a kvdeck, vLLM, SGLang or "
                                                 "llama.cpp server, e.g. http://127.0.0.1:8000"),
-           interval: float = typer.Option(1.0, "--interval", help="Seconds between scrapes.")
-           ) -> None:
+           interval: float = typer.Option(1.0, "--interval", help="Seconds between scrapes."),
+           log_level: str = "warning") -> None:
     """Watch a running server through its /metrics: queue, KV usage, prefix hits, latency."""
     from console.screens.attach import AttachApp
 
+    guarded(lambda: setup_logging(log_level, to_stderr=False))
     AttachApp(url, interval_s=interval).run()
 
 
 @app.command()
-def replay(run: str = typer.Argument(..., help="A run directory written by recording.")) -> None:
+@with_log_level
+def replay(run: str = typer.Argument(..., help="A run directory written by recording."),
+           log_level: str = "warning") -> None:
     """Open a recorded run in the console's panels, with play/pause, speed and a scrubber."""
     from console.screens.replay import ReplayApp
 
+    guarded(lambda: setup_logging(log_level, to_stderr=False))
     guarded(lambda: ReplayApp(run)).run()
 
 
 @app.command()
+@with_log_level
 def compare(
     a: str = typer.Argument(..., help="Result JSON of run-trace --json (A)."),
     b: str = typer.Argument(..., help="Result JSON of run-trace --json (B)."),
+    log_level: str = "warning",
 ) -> None:
     """Print two run-trace results side by side with deltas."""
     from console.run_views import render_compare
@@ -449,6 +454,7 @@ def compare(
                               "kvdeck run-trace --json or --output.")
         return data["summary"]
 
+    guarded(lambda: setup_logging(log_level))
     sa, sb = guarded(lambda: load(a)), guarded(lambda: load(b))
     render_compare(out, a, sa, b, sb)
 

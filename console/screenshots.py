@@ -10,22 +10,22 @@ import asyncio
 from pathlib import Path
 
 from console.app import KvdeckApp
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.sim import SimConfig, SimExecutor
-from runtime.recording import Recorder
-from runtime.traffic import TrafficGenerator, TrafficMix
+from runtime.recording import record_headless
+from runtime.session import build_session
+from runtime.settings import resolve
+from runtime.traffic import TrafficGenerator
 
 
 def make_demo_app(runs_dir: Path | None = None, autostart: bool = False) -> KvdeckApp:
-    """Qwen3-8B on the simulated RTX PRO 6000, seed 3, 4 GiB of KV, 6 requests/s."""
-    engine = Engine(EngineConfig(kv_memory_bytes=4 << 30, seed=3,
-                                 knobs=Knobs(max_num_batched_tokens=4096, chunk_size=1024)),
-                    SimExecutor(SimConfig(), seed=3))
-    traffic = TrafficGenerator(engine, TrafficMix.for_context(32768, rate_per_s=6.0),
-                               vocab_size=32_000, seed=3)
+    """Qwen3-8B on the simulated RTX PRO 6000, seed 3, 4 GiB of KV, 6 requests/s, stand-in
+    tokenizer. With `autostart` the engine loop runs paced to the wall clock, as in
+    `kvdeck console --executor sim`; without, the caller steps it (`advance`)."""
+    settings = resolve({"executor": "sim", "kv_memory_bytes": 4 << 30, "seed": 3,
+                        "max_num_batched_tokens": 4096, "chunk_size": 1024})
+    session = build_session(settings, live=autostart)
+    traffic = TrafficGenerator.for_engine(session.engine, 6.0)
     kwargs = {"runs_dir": runs_dir} if runs_dir is not None else {}
-    return KvdeckApp(engine, traffic, autostart=autostart, hardware=False, **kwargs)
+    return KvdeckApp(session.engine, traffic, autostart=autostart, hardware=False, **kwargs)
 
 
 def advance(app: KvdeckApp, steps: int) -> None:
@@ -70,7 +70,7 @@ def main(out: Path = Path("screenshots")) -> None:
         print(f"wrote {out / name}")
     with tempfile.TemporaryDirectory() as tmp:  # record a seeded run, then replay it
         app = make_demo_app(Path(tmp))
-        recorder = Recorder(Path(tmp) / "run", app.engine)
+        recorder = record_headless(app.engine, Path(tmp) / "run")
         for _ in range(120):
             app.traffic(app.engine)
             app.engine.step()

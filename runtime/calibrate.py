@@ -69,8 +69,8 @@ def _time_prefill(ex: TorchExecutor, c: int, h: int, repeats: int) -> float:
         else:
             e.add_request(_prompt(c, r, vocab), SamplingParams(max_tokens=1), request_id="x")
             rec = e.step()
-        assert rec is not None
-        times.append(e.stats.last_step_seconds)
+        assert rec is not None and rec.dt is not None
+        times.append(rec.dt)
         e.run_until_idle()
     return statistics.median(times)
 
@@ -86,8 +86,9 @@ def _time_decode(ex: TorchExecutor, b: int, ctx: int, steps: int) -> float:
         e.step()
     times = []
     for _ in range(steps):
-        e.step()
-        times.append(e.stats.last_step_seconds)
+        rec = e.step()
+        assert rec is not None and rec.dt is not None
+        times.append(rec.dt)
     seconds = statistics.median(times)
     e.run_until_idle()
     return seconds

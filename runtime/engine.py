@@ -1,84 +1,99 @@
-"""The engine: the three-call iteration, a thread-safe inbox, clocks and snapshots.
+"""The engine: the three-call iteration, a thread-safe inbox, clocks, failure and snapshots.
 
     plan   = scheduler.schedule()
     result = executor.execute(plan)
     events = scheduler.update(plan, result)
 
-Everything from outside — new requests, aborts, knob changes — goes through `inbox` and is
+Everything from outside — new requests, aborts, knob changes, pause, resume, single steps,
+starting and stopping a recording — is a typed message (`records.py`) put in `inbox` and
 applied at the start of an iteration, so engine state is touched only by the thread that
 calls `step()`. Knob changes are validated when submitted (an invalid value raises and
 changes nothing) and recorded in the iteration trace when applied.
+
+Failure contract: an executor's `StepError` fails that step's requests and the engine goes
+on; any other exception stops the engine (`fail`): every pending request is aborted with the
+reason, listeners are told (so output streams end with an error), the traceback goes to a
+log file, and new requests are refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
+import logging
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 
+from runtime.clock import PacedClock, VirtualClock, WallClock
 from runtime.config import EngineConfig, Knobs
-from runtime.errors import QueueFullError, RequestError
+from runtime.errors import EngineFailedError, QueueFullError, RequestError, StepError
 from runtime.executors.base import Executor
+from runtime.figures import RunFigures, step_figures
 from runtime.kv.manager import BlockManager
-from runtime.metrics import Distribution, RunStats, request_metrics
+from runtime.logs import write_failure
+from runtime.metrics import request_metrics
 from runtime.plan import SchedulerOutput, StepResult, StepTiming, causal_pairs
+from runtime.records import (
+    Abort,
+    AddRequest,
+    Arrived,
+    Checkpoint,
+    Finished,
+    Forked,
+    InboxMessage,
+    Pause,
+    PlanEntry,
+    RequestState,
+    Resume,
+    SetKnobs,
+    StartRecording,
+    StepOnce,
+    StepRecord,
+    StopRecording,
+)
 from runtime.request import Request, RequestStatus, SamplingParams
 from runtime.scheduler import Scheduler
-from runtime.snapshot import BatchView, EngineSnapshot, KVView, RequestView
+from runtime.snapshot import (
+    BatchView,
+    EngineFailure,
+    EngineSnapshot,
+    SnapshotBuilder,
+    TrackedOutput,
+)
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
-
-class VirtualClock:
-    """Modelled time: advances only by step durations and jumps to the next arrival."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-
-    def advance_to(self, t: float) -> None:
-        self.t = max(self.t, t)
-
-
-class WallClock:
-    """Measured time in seconds since the engine started."""
-
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def advance(self, seconds: float) -> None:
-        """Wall time advances by itself."""
-
-    def advance_to(self, t: float) -> None:
-        """Wall time cannot jump; the loop waits instead."""
+log = logging.getLogger("kvdeck.engine")
+MAX_TRACKED = 8
 
 
 class Engine:
     """Scheduler + KV manager + executor, stepped by one thread."""
 
-    def __init__(self, config: EngineConfig, executor: Executor,
-                 completed_history: int = 10_000, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: EngineConfig, executor: Executor, *,
+                 tokenizer: Tokenizer | None = None, pace: float | None = None,
+                 completed_history: int = 10_000):
+        """`pace`: for a virtual-time executor, virtual seconds per wall second (the console
+        and the simulated server); None runs virtual time as fast as it goes."""
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
-        """Detokenizes outputs and matches stop strings; None for the sim executor."""
+        """Detokenizes outputs and matches stop strings (None: token ids only)."""
         self.kv_bytes_per_token = executor.kv_bytes_per_token(config.kv_format)
         num_blocks = config.blocks_for_budget(self.kv_bytes_per_token)
         executor.bind_kv(num_blocks, config.block_size, config.kv_format)
         self.max_model_len = min(config.max_model_len or executor.max_model_len,
                                  executor.max_model_len)
-        self.clock = VirtualClock() if executor.virtual_time else WallClock()
+        if not executor.virtual_time:
+            self.clock: WallClock = WallClock()
+        else:
+            self.clock = PacedClock(pace) if pace else VirtualClock()
+        self.step_count = 0
+        self.num_changes = 0
+        """Bumped by every inbox message and every step: a loop publishes a snapshot when
+        it moved."""
         k = config.knobs
         self.kv = BlockManager(
             num_blocks, config.block_size, enable_caching=k.enable_prefix_caching,
@@ -87,42 +102,57 @@ class Engine:
             bytes_per_block=self.kv_bytes_per_token * config.block_size,
             recompute_cost=lambda h, c: executor.estimate_step_seconds(
                 c, causal_pairs(c, h), h + c),
-            clock=self.clock.now,
+            clock=lambda: self.step_count,
         )
         self.scheduler = Scheduler(config, self.kv, executor.estimate_step_seconds,
                                    self.max_model_len, executor.eos_token_ids)
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self.wake = threading.Event()
         """Set whenever something is put in the inbox, so an idle loop wakes up."""
-        self._submitted_knobs = k
+        self.stop_event = threading.Event()
+        """Set to cut a paced step's sleep short (shutdown)."""
+        self.submitted_knobs = k
+        """The knobs that will apply (validated on submission; applied between steps)."""
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._future: list[tuple[float, int, Request]] = []
+        self._cancelled: list[Request] = []
+        self._forks: list[Forked] = []
         self._num_queued = 0
-        self.step_count = 0
-        self.stats = RunStats()
+        self.figures = RunFigures()
         self.completed: deque[Request] = deque(maxlen=completed_history)
         """The most recently finished requests (bounded: a server runs for days)."""
         self.on_finish: list[Callable[[Request], None]] = []
+        """Called on the engine thread with each request that reaches a final state."""
         self.after_step: list[Callable[[Engine], None]] = []
         """Called on the engine thread after every iteration that did something."""
-        """Called on the engine thread with each request that reaches a final state."""
-        self.recent: deque = deque(maxlen=256)
-        self.recorder: Callable[[dict], None] | None = None
-        """Receives one iteration record per step (see runtime/recording.py)."""
+        self.recorder: Callable[..., None] | None = None
+        """Receives each step's `StepRecord` (see runtime/recording.py)."""
+        self._recorder_actions: list[object | None] = []
+        """Recorders to attach (a Recorder) or a detach (None), in the order asked."""
         self.last_batch: BatchView | None = None
-        self.num_by_status: dict[RequestStatus, int] = dict.fromkeys(RequestStatus, 0)
+        self.paused = False
+        self._step_credit = 0
+        self.failure: EngineFailure | None = None
+        self.tracked: dict[str, Request] = {}
+        self._snapshots = SnapshotBuilder(self)
 
     # -- thread-safe submission -------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
                     *, request_id: str | None = None, arrival_time: float | None = None,
-                    deadline_s: float | None = None, priority: int = 0) -> Request:
+                    deadline_s: float | None = None, priority: int = 0,
+                    track: bool = False) -> Request:
         """Validate and queue a request; returns it at once (it runs on the engine thread).
 
         `arrival_time` in the future (engine clock) schedules the arrival, as trace replay
-        does; `deadline_s` is relative to arrival. Raises RequestError or QueueFullError.
+        does; `deadline_s` is relative to arrival; `track` puts the request's text in every
+        snapshot (the console's prompt). Raises RequestError, QueueFullError or
+        EngineFailedError.
         """
+        if self.failure is not None:
+            raise EngineFailedError(f"The engine has stopped ({self.failure.message}); it "
+                                    "takes no new requests.")
         sampling = sampling or SamplingParams()
         n = len(prompt_token_ids)
         if sampling.stop and self.tokenizer is None:
@@ -144,50 +174,81 @@ class Engine:
                                      "requests); retry later.")
             self._num_queued += 1
             rid = request_id or f"req-{next(self._ids)}"
-        arrival = self.clock.now() if arrival_time is None else arrival_time
+        arrival = self.clock.arrival_time() if arrival_time is None else arrival_time
         req = Request(rid, list(prompt_token_ids), sampling, arrival_time=arrival,
                       deadline=arrival + deadline_s if deadline_s is not None else None,
                       priority=priority)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                      sampling.stop)
-        self._post(("add", req))
+        req.tracked = track
+        self.post(AddRequest(req))
         return req
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         """Abort a request; returns at once. Its blocks come back after the in-flight step."""
-        self._post(("abort", request_id, reason))
+        self.post(Abort(request_id, reason))
 
     def set_knobs(self, **changes) -> Knobs:
         """Validate knob changes now (raising ConfigError, changing nothing, if invalid) and
         apply them at the next iteration boundary. Returns the knobs that will apply."""
         with self._lock:
-            new = self._submitted_knobs.with_changes(**changes)
-            self._submitted_knobs = new
-        self._post(("knobs", new, changes))
+            new = self.submitted_knobs.with_changes(**changes)
+            self.submitted_knobs = new
+        self.post(SetKnobs(new, changes))
         return new
 
-    def _post(self, item: tuple) -> None:
-        self.inbox.put(item)
+    def fork(self, parent: Request, child_id: str,
+             sampling: SamplingParams | None = None) -> Request:
+        """Branch a running request (engine thread only): the child shares every block of
+        the parent and continues from the same tokens; the next record says so."""
+        child = self.scheduler.fork(parent, child_id, sampling)
+        with self._lock:
+            self._num_queued += 1
+        self._forks.append(Forked(child_id, parent.request_id, child.sampling.max_tokens))
+        return child
+
+    def post(self, message: InboxMessage) -> None:
+        """Put a message in the inbox (any thread) and wake the engine."""
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("inbox %s", message.to_json())
+        self.inbox.put(message)
         self.wake.set()
 
     # -- the iteration ----------------------------------------------------------------------
 
-    def _drain_inbox(self, record: dict) -> None:
+    def _drain_inbox(self, record: StepRecord) -> None:
         while True:
             try:
-                item = self.inbox.get_nowait()
+                msg = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            kind = item[0]
-            if kind == "add":
-                req = item[1]
+            self.num_changes += 1
+            if isinstance(msg, AddRequest):
+                req = msg.request
                 heapq.heappush(self._future, (req.arrival_time, next(self._ids), req))
-            elif kind == "abort":
-                self._abort(item[1], item[2])
-            elif kind == "knobs":
-                self.scheduler.apply_knobs(item[1])
-                record.setdefault("knobs", {}).update(item[2])
+                if req.tracked:
+                    self.tracked[req.request_id] = req
+                    while len(self.tracked) > MAX_TRACKED:
+                        del self.tracked[next(iter(self.tracked))]
+            elif isinstance(msg, Abort):
+                self._abort(msg.request_id, msg.reason)
+            elif isinstance(msg, SetKnobs):
+                self.scheduler.apply_knobs(msg.knobs)
+                record.knobs.update(msg.changes)
+            elif isinstance(msg, Pause):
+                self.paused = True
+                self.clock.freeze()
+            elif isinstance(msg, Resume):
+                if self.paused:
+                    self.paused = False
+                    self.clock.resume()
+            elif isinstance(msg, StepOnce):
+                self._step_credit += msg.count
+            elif isinstance(msg, StartRecording):
+                self._recorder_actions.append(msg.recorder)
+            elif isinstance(msg, StopRecording):
+                self._recorder_actions.append(None)
 
     def _abort(self, rid: str, reason: str) -> None:
         req = self.scheduler.abort(rid, self.clock.now(), reason)
@@ -198,119 +259,154 @@ class Engine:
                     heapq.heapify(self._future)
                     r.status, r.reason = RequestStatus.ABORTED, reason
                     r.finish_time = r.arrival_time
-                    self.scheduler.finished.append(r)
+                    self._cancelled.append(r)
                     break
 
-    def _release_arrivals(self, record: dict) -> None:
-        now = self.clock.now()
-        if not self.scheduler.running and not self.scheduler.waiting and self._future:
-            self.clock.advance_to(self._future[0][0])  # idle: jump (virtual) or no-op (wall)
-            now = self.clock.now()
-        arrived = record.setdefault("arrived", [])
+    def _release_arrivals(self, record: StepRecord) -> float:
+        """Move requests whose arrival time has come into the scheduler; returns now."""
+        clock = self.clock
+        # Idle on virtual time: jump to the next arrival (a paced clock jumps only for a
+        # single step asked for while paused).
+        jumps = clock.jumps or (self.paused and self.executor.virtual_time)
+        if jumps and not self.scheduler.running and not self.scheduler.waiting and self._future:
+            clock.advance_to(self._future[0][0])
+        now = clock.now()
         while self._future and self._future[0][0] <= now:
             _, _, req = heapq.heappop(self._future)
             # Time spent between the scheduled arrival and this step counts as resident.
-            self.stats.on_interval(1, now - req.arrival_time)
+            self.figures.on_arrival(now - req.arrival_time)
             self.scheduler.add(req)
-            on_request = getattr(self.recorder, "on_request", None)
-            if on_request is not None:
-                on_request(req)
-            arrived.append([req.request_id, req.arrival_time, req.num_prompt_tokens,
-                            req.sampling.max_tokens, req.deadline, req.priority])
-        if not arrived:
-            del record["arrived"]
+            if self.recorder is not None:
+                on_request = getattr(self.recorder, "on_request", None)
+                if on_request is not None:
+                    on_request(req)
+            record.arrived.append(Arrived(req.request_id, req.arrival_time,
+                                          req.num_prompt_tokens, req.sampling.max_tokens,
+                                          req.deadline, req.priority))
+        return now
 
     @property
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting or self._future
                     or not self.inbox.empty())
 
-    def step(self) -> dict | None:
-        """Run one iteration; returns its trace record, or None when there was nothing to do."""
-        record: dict = {"step": self.step_count}
+    def next_arrival_in(self) -> float | None:
+        """Wall seconds until the next scheduled arrival, or None when none is scheduled."""
+        return self.clock.seconds_until(self._future[0][0]) if self._future else None
+
+    def step(self) -> StepRecord | None:
+        """Run one iteration; returns its record, or None when nothing happened."""
+        record = StepRecord(self.step_count, t0=self.clock.now())
+        record.forked, self._forks = self._forks, []
         self._drain_inbox(record)
-        self._release_arrivals(record)
-        t0 = self.clock.now()
+        if self.paused:
+            if not self._step_credit:
+                return self._idle(record)
+            self._step_credit -= 1
+        self.clock.pin()
+        record.t0 = t0 = self._release_arrivals(record)
         plan = self.scheduler.schedule(self.step_count, t0)
         if plan.is_empty:
-            self._collect(record)
-            if len(record) > 1:  # knobs, arrivals or rejections happened: still a record
-                self._finish_step(record, plan, None, t0)
-                return record
-            return None
+            self.clock.float()  # nothing ran: a paced clock follows the wall until work comes
+            return self._idle(record, plan)
+        self.num_changes += 1
         self.kv.begin_step()
         try:
             result = self.executor.execute(plan)
-        except Exception as e:  # noqa: BLE001 - failure contract: fail the step's requests
+        except StepError as e:  # failure contract: fail the step's requests, keep serving
+            log.warning("step %d failed: %s", self.step_count, e)
             result = StepResult({}, StepTiming(0.0, True, 0, 0, 0),
-                                {c.request_id: f"{type(e).__name__}: {e}" for c in plan.chunks})
+                                {c.request_id: str(e) for c in plan.chunks})
         finally:
             self.kv.end_step()
         resident = self.scheduler.num_waiting + self.scheduler.num_running
-        self.clock.advance(result.timing.seconds)
+        dt = result.timing.seconds
+        self.clock.advance(dt)
+        self.clock.wait_until_due(self.stop_event)  # a paced sim step takes its time
         t1 = self.clock.now()
-        self.stats.on_interval(resident, t1 - t0)
         self.scheduler.update(plan, result, t1)
-        self.stats.on_step(len(plan.chunks), plan.num_batched_tokens, plan.num_prefill_tokens,
-                           plan.num_decode_tokens, result.timing.seconds)
         self.last_batch = BatchView(plan.step, plan.num_decode_tokens, plan.num_prefill_tokens,
                                     len(plan.chunks), plan.token_budget, plan.max_num_seqs,
-                                    result.timing.seconds, len(plan.preempted))
+                                    dt, len(plan.preempted))
+        record.dt, record.measured = dt, result.timing.measured
+        record.bytes_read = result.timing.bytes_read
         self._collect(record)
         self.step_count += 1
-        self._finish_step(record, plan, result, t0)
+        record.resident = resident
+        self._finish_step(record, plan, result)
         return record
 
-    def _finish_step(self, record: dict, plan: SchedulerOutput, result: StepResult | None,
-                     t0: float) -> None:
-        """Write the iteration record, then tell `after_step` listeners (output streams)."""
-        self._emit(record, plan, result, t0)
+    def _idle(self, record: StepRecord, plan: SchedulerOutput | None = None) -> \
+            StepRecord | None:
+        """End a step that ran nothing: still a record if knobs, arrivals, rejections or
+        aborts happened."""
+        self._collect(record)
+        if plan is not None:
+            record.rejected = list(plan.rejected)
+        record.kv = self.kv.take_events()
+        if record.is_empty:
+            self._switch_recorder()
+            return None
+        self._finish_step(record, plan, None)
+        return record
+
+    def _finish_step(self, record: StepRecord, plan: SchedulerOutput | None,
+                     result: StepResult | None) -> None:
+        """Complete the record, update the figures, write the record, tell `after_step`
+        listeners (output streams), then attach or detach a recorder if asked."""
+        if plan is not None and result is not None:
+            record.plan = [PlanEntry(c.request_id, c.start, c.num_new_tokens, int(c.sample))
+                           for c in plan.chunks]
+            record.tokens = list(result.sampled.items())
+            record.errors = dict(result.errors)
+            record.admitted, record.preempted = list(plan.admitted), list(plan.preempted)
+            record.rejected = list(plan.rejected)
+            record.cow = list(plan.cow_copies)
+            record.num_decode = plan.num_decode_tokens
+            record.kv = self.kv.take_events()
+        sched = self.scheduler
+        record.queue = (sched.num_waiting, sched.num_running)
+        if record.dt is not None:
+            kv = self.kv
+            self.figures.on_step(step_figures(record, kv.usage,
+                                              kv.tree.num_evictable / kv.num_blocks,
+                                              kv.tree.hit_rate))
+        if self.recorder is not None:
+            self.recorder(record)
         for callback in self.after_step:
             callback(self)
+        self._switch_recorder()
 
-    def _collect(self, record: dict) -> None:
+    def _switch_recorder(self) -> None:
+        """Between steps: detach and close the current recorder, attach new ones (each
+        starting with a checkpoint of the state now), in the order they were asked for."""
+        actions, self._recorder_actions = self._recorder_actions, []
+        for rec in actions:
+            old, self.recorder = self.recorder, None
+            if old is not None and hasattr(old, "close"):
+                old.close()
+            if rec is not None:
+                rec.begin(self.checkpoint())
+                self.recorder = rec
+
+    def _collect(self, record: StepRecord) -> None:
+        """Hand finished requests to their listeners. Requests cancelled before they arrived
+        never entered the engine: their clients are told, the figures and trace are not."""
         done = self.scheduler.take_finished()
-        if not done:
+        cancelled, self._cancelled = self._cancelled, []
+        if not done and not cancelled:
             return
         with self._lock:
-            self._num_queued -= len(done)
+            self._num_queued -= len(done) + len(cancelled)
         for req in done:
             self.completed.append(req)
-            self.num_by_status[req.status] += 1
-            self.recent.append(request_metrics(req))
-            forget = getattr(self.executor, "forget", None)
-            if forget is not None:
-                forget(req.request_id)
+            self.figures.on_finish(request_metrics(req))
+            self.executor.forget(req.request_id)
+            record.finished.append(Finished(req.request_id, req.status.value, req.reason,
+                                            req.finish_time))
+        for req in done + cancelled:
             for callback in self.on_finish:
                 callback(req)
-        record["finished"] = [[r.request_id, r.status.value, r.reason] for r in done]
-
-    def _emit(self, record: dict, plan: SchedulerOutput, result: StepResult | None,
-              t0: float) -> None:
-        events = self.kv.take_events()
-        if self.recorder is None:
-            return
-        record["t0"] = t0
-        if result is not None:
-            tm = result.timing
-            record.update({
-                "dt": tm.seconds, "measured": tm.measured, "bytes": tm.bytes_read,
-                "plan": [[c.request_id, c.start, c.num_new_tokens, int(c.sample)]
-                         for c in plan.chunks],
-                "tokens": [[rid, tok] for rid, tok in result.sampled.items()],
-            })
-            if result.errors:
-                record["errors"] = result.errors
-        for key in ("admitted", "preempted", "rejected"):
-            values = getattr(plan, key)
-            if values:
-                record[key] = list(values)
-        if plan.cow_copies:
-            record["cow"] = [list(p) for p in plan.cow_copies]
-        if events:
-            record["kv"] = [list(e) for e in events]
-        record["queue"] = [self.scheduler.num_waiting, self.scheduler.num_running]
-        self.recorder(record)
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         """Step until nothing is queued, running or due to arrive; returns steps taken."""
@@ -321,50 +417,81 @@ class Engine:
             n += 1
         return n
 
+    # -- failure ----------------------------------------------------------------------------
+
+    def fail(self, exc: BaseException) -> EngineFailure:
+        """Stop for good after an unexpected exception: write the traceback to a log file,
+        abort every pending request with the reason (their streams end with an error) and
+        refuse new ones. Returns the failure the snapshot reports."""
+        message = f"{type(exc).__name__}: {exc}".strip()
+        path = write_failure(exc, f"engine failed at step {self.step_count}: {message}")
+        self.failure = EngineFailure(message, str(path) if path else None)
+        reason = f"engine failed: {message}"
+        now = self.clock.now()
+        admitted = list(self.scheduler.running) + list(self.scheduler.waiting)
+        future = [r for _, _, r in self._future]
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(msg, AddRequest):
+                future.append(msg.request)
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        self._future.clear()
+        self.kv.in_flight = False
+        for req in admitted + future:
+            req.status, req.reason, req.finish_time = RequestStatus.ABORTED, reason, now
+        for req in admitted:
+            try:
+                self.kv.release(req)
+            except Exception:  # noqa: BLE001 - state may be inconsistent after the failure
+                log.exception("could not release %s after the failure", req.request_id)
+        self.scheduler.finished.extend(admitted)
+        self._cancelled.extend(future)
+        record = StepRecord(self.step_count, t0=now)
+        self._collect(record)
+        for callback in self.after_step:
+            callback(self)
+        return self.failure
+
     # -- views ------------------------------------------------------------------------------
 
-    def rolling_metrics(self) -> dict:
-        """Latency distributions over the most recently finished requests, the fraction of
-        them that were good (finished, and within their deadline when they had one), and
-        the Little's-law check over the whole run: measured mean resident requests vs
-        completion rate × mean residence."""
-        recent = list(self.recent)
-        done = [m for m in recent if m.status.startswith("finished")]
-        good = [m for m in done if m.met_deadline is not False]
-        now = max(self.clock.now(), 1e-9)
-        residence = [m.finish - m.arrival for m in recent if m.finish is not None]
-        finished = sum(self.num_by_status.values())
-        return {
-            "ttft": Distribution.of(m.ttft for m in recent if m.ttft is not None),
-            "tpot": Distribution.of(m.tpot for m in recent if m.tpot is not None),
-            "itl": Distribution.of(x for m in recent for x in m.itls),
-            "e2e": Distribution.of(m.e2e for m in recent if m.e2e is not None),
-            "good_fraction": len(good) / len(done) if done else None,
-            "mean_resident": self.stats.resident_seconds / now,
-            "littles_prediction": finished / now * (sum(residence) / len(residence))
-            if residence else None,
-        }
+    def tracked_outputs(self) -> list[TrackedOutput]:
+        out = []
+        for req in self.tracked.values():
+            text = req.output_text
+            if text is None:
+                text = " ".join(map(str, req.output_token_ids))
+            out.append(TrackedOutput(req.request_id, req.status.value, req.num_prompt_tokens,
+                                     req.num_output_tokens, req.sampling.max_tokens, text,
+                                     req.reason))
+        return out
 
     def snapshot(self, max_prefix_nodes: int = 256) -> EngineSnapshot:
         """Build an immutable view; call from the engine thread (or when it is stopped)."""
-        tables = self.kv.tables
-        counts = self.num_by_status
-        return EngineSnapshot(
+        return self._snapshots.build(max_prefix_nodes)
+
+    def checkpoint(self) -> Checkpoint:
+        """The state a recording starting now begins from (engine thread, between steps)."""
+        sched, kv, tree = self.scheduler, self.kv, self.kv.tree
+        requests = []
+        for req in list(sched.running) + list(sched.waiting):
+            requests.append(RequestState(
+                req.request_id, req.arrival_time, req.num_prompt_tokens,
+                req.sampling.max_tokens, req.deadline, req.priority, req.status,
+                req.num_computed_tokens, req.num_output_tokens, req.num_cached_tokens,
+                req.admitted_time, req.first_token_time, list(req.token_times),
+                req.finish_time, req.reason, req.num_preemptions))
+        nodes, tree_counters = tree.export()
+        return Checkpoint(
             step=self.step_count, time=self.clock.now(),
-            model_name=self.executor.model_name, executor=self.executor.name,
-            knobs=self.scheduler.knobs,
-            waiting=tuple(RequestView.of(r, None) for r in self.scheduler.waiting),
-            running=tuple(RequestView.of(r, tables.get(r.request_id))
-                          for r in self.scheduler.running),
-            batch=self.last_batch, kv=KVView.of(self.kv, self.config.kv_format),
-            prefix_nodes=tuple(self.kv.tree.summary(max_prefix_nodes)),
-            num_finished=counts[RequestStatus.FINISHED_STOPPED]
-            + counts[RequestStatus.FINISHED_LENGTH],
-            num_rejected=counts[RequestStatus.REJECTED],
-            num_aborted=counts[RequestStatus.ABORTED],
-            num_preemptions=self.scheduler.num_preemptions,
-            recent=self.rolling_metrics(),
-        )
+            knobs=dataclasses.asdict(sched.knobs), requests=requests,
+            tables={rid: list(t) for rid, t in kv.tables.items()},
+            reserved=dict(kv.reserved), nodes=nodes, tree=tree_counters,
+            counters={"preemptions": sched.num_preemptions, "cow": kv.num_cow_copies},
+            figures=self.figures.to_json())
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
@@ -374,4 +501,5 @@ class Engine:
             assert req.request_id not in self.kv.tables
 
     def close(self) -> None:
+        self.stop_event.set()
         self.executor.close()

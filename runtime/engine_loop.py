@@ -1,11 +1,14 @@
-"""`EngineLoop`: runs an engine in its own thread.
+"""`EngineLoop`: runs an engine in its own thread and publishes its snapshots.
 
 The loop steps while there is work and sleeps on the engine's wake event when idle, so
-submissions from other threads (the console, HTTP handlers) are picked up at once. On a
-virtual clock it can be paced — `pace` virtual seconds per wall second — so a simulated
-datacenter run unfolds at a watchable speed; unpaced, it runs as fast as it can. Snapshots
-go to `on_snapshot` at most every `snapshot_interval_s` of wall time (and once more when the
-engine goes idle); the callback must not block.
+submissions from other threads (the console, HTTP handlers) are picked up at once. Pause,
+resume and single steps are inbox messages like every other command (`pause()` and friends
+only post them), so nothing but this thread ever steps the engine.
+
+Snapshots go to every subscriber at most every `snapshot_interval_s` of wall time, once
+when the engine goes idle and about once a second while it stays idle; subscribers must not
+block. If a step raises, the loop stops the engine for good (`Engine.fail`: requests
+aborted, traceback in a log file), publishes the snapshot that says so, and ends.
 """
 
 from __future__ import annotations
@@ -15,38 +18,50 @@ import time
 from collections.abc import Callable
 
 from runtime.engine import Engine
+from runtime.records import Pause, Resume, StepOnce
 from runtime.snapshot import EngineSnapshot
+
+IDLE_PUBLISH_S = 1.0
 
 
 class EngineLoop:
-    """A thread that owns `engine.step()`; pause, resume and step-once are thread-safe."""
+    """A thread that owns `engine.step()`."""
 
     def __init__(self, engine: Engine, *, on_snapshot: Callable[[EngineSnapshot], None]
-                 | None = None, snapshot_interval_s: float = 0.1, pace: float | None = None,
+                 | None = None, snapshot_interval_s: float = 0.1,
                  before_step: Callable[[Engine], None] | None = None):
         self.engine = engine
         self.before_step = before_step
         """Called on the engine thread before every iteration (e.g. a traffic generator)."""
-        self.on_snapshot = on_snapshot
+        self.subscribers: list[Callable[[EngineSnapshot], None]] = []
+        if on_snapshot is not None:
+            self.subscribers.append(on_snapshot)
         self.snapshot_interval_s = snapshot_interval_s
-        self.pace = pace
+        self.latest: EngineSnapshot | None = None
+        """The last published snapshot."""
         self.error: BaseException | None = None
-        """Set if the loop died on an unexpected exception (the engine is then unusable)."""
+        """The exception that stopped the engine, if one did."""
         self._stop = threading.Event()
-        self._paused = threading.Event()
-        self._step_once = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvdeck-engine", daemon=True)
         self._last_publish = 0.0
+        self._published_changes = -1
+
+    def subscribe(self, callback: Callable[[EngineSnapshot], None]) -> None:
+        """Also send snapshots to `callback` (call before `start`)."""
+        self.subscribers.append(callback)
 
     def start(self) -> EngineLoop:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop after the current iteration and wait for the thread to end."""
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop after the current iteration and wait for the thread; True when it ended."""
         self._stop.set()
+        self.engine.stop_event.set()
         self.engine.wake.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @property
     def is_alive(self) -> bool:
@@ -54,52 +69,46 @@ class EngineLoop:
 
     @property
     def paused(self) -> bool:
-        return self._paused.is_set()
+        return self.engine.paused
 
     def pause(self) -> None:
-        self._paused.set()
+        self.engine.post(Pause())
 
     def resume(self) -> None:
-        self._paused.clear()
-        self.engine.wake.set()
+        self.engine.post(Resume())
 
-    def step_once(self) -> None:
-        """While paused, run exactly one iteration."""
-        self._step_once.set()
-        self.engine.wake.set()
+    def step_once(self, count: int = 1) -> None:
+        """While paused, run `count` iterations."""
+        self.engine.post(StepOnce(count))
 
     def _publish(self, force: bool = False) -> None:
-        if self.on_snapshot is None:
-            return
         now = time.monotonic()
-        if force or now - self._last_publish >= self.snapshot_interval_s:
-            self._last_publish = now
-            self.on_snapshot(self.engine.snapshot())
+        if not force and now - self._last_publish < self.snapshot_interval_s:
+            return
+        self._last_publish = now
+        self._published_changes = self.engine.num_changes
+        snap = self.engine.snapshot()
+        self.latest = snap
+        for callback in self.subscribers:
+            callback(snap)
 
     def _run(self) -> None:
         engine = self.engine
-        wall0, virt0 = time.monotonic(), engine.clock.now()
         try:
             while not self._stop.is_set():
-                if self._paused.is_set() and not self._step_once.is_set():
-                    engine.wake.wait(0.05)
-                    engine.wake.clear()
-                    wall0, virt0 = time.monotonic(), engine.clock.now()
-                    continue
-                self._step_once.clear()
                 if self.before_step is not None:
                     self.before_step(engine)
-                record = engine.step()
-                if record is None:
-                    self._publish(force=True)
-                    engine.wake.wait(0.05)
-                    engine.wake.clear()
-                    wall0, virt0 = time.monotonic(), engine.clock.now()
+                if engine.step() is not None:
+                    self._publish()
                     continue
-                self._publish()
-                if self.pace and engine.executor.virtual_time:
-                    ahead = (engine.clock.now() - virt0) / self.pace - (time.monotonic() - wall0)
-                    if ahead > 0:
-                        self._stop.wait(min(ahead, 0.5))
-        except BaseException as e:  # noqa: BLE001 - recorded for the owner to report
+                # Idle: publish what changed (a pause, an abort), else about once a second.
+                if engine.num_changes != self._published_changes or \
+                        time.monotonic() - self._last_publish >= IDLE_PUBLISH_S:
+                    self._publish(force=True)
+                wait = engine.next_arrival_in()
+                engine.wake.wait(0.05 if wait is None else min(max(wait, 0.0), 0.05))
+                engine.wake.clear()
+        except BaseException as e:  # noqa: BLE001 - the engine reports it; the thread ends
             self.error = e
+            engine.fail(e)
+            self._publish(force=True)

@@ -35,3 +35,18 @@ class RequestError(KvdeckError):
 
 class QueueFullError(KvdeckError):
     """The waiting queue is at its configured bound; the request was not queued."""
+
+
+class RunFormatError(KvdeckError):
+    """A recorded run directory is malformed, of another format version, or holds a record
+    kind this version does not know."""
+
+
+class EngineFailedError(KvdeckError):
+    """The engine stopped on an unrecoverable error; it takes no new requests."""
+
+
+class StepError(Exception):
+    """An executor failure confined to one step (a device out of memory, say): the step's
+    requests fail with the message and the engine keeps serving the others. Any other
+    exception from an executor means the executor is unusable and stops the engine."""

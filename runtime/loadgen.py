@@ -11,22 +11,38 @@ Summaries (percentiles, throughput, goodput under SLOs) use the same code as `ru
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
 
 import httpx
 
-from runtime.metrics import SLO, RequestMetrics, RunStats, summarize
+from runtime.figures import summarize
+from runtime.metrics import SLO, RequestMetrics
 from runtime.trace import Arrival, synthesize_tokens
 
 
+def cap_arrivals(arrivals: Sequence[Arrival], max_prompt_len: int | None,
+                 max_output_len: int | None, hash_block_tokens: int = 512) -> list[Arrival]:
+    """Arrivals with prompts and outputs cut to the given lengths (None: no cap)."""
+    out = []
+    for a in arrivals:
+        prompt = min(a.prompt_len, max_prompt_len or a.prompt_len)
+        out.append(dataclasses.replace(
+            a, prompt_len=prompt, output_len=min(a.output_len, max_output_len or a.output_len),
+            hash_ids=a.hash_ids[:-(-prompt // hash_block_tokens)] if a.hash_ids else None,
+            prompt_tokens=a.prompt_tokens[:prompt] if a.prompt_tokens else None))
+    return out
+
+
 async def _one(client: httpx.AsyncClient, url: str, model: str, a: Arrival, index: int,
-               vocab: int, start: float, headers: dict) -> RequestMetrics:
+               vocab: int, start: float, headers: dict,
+               hash_block_tokens: int) -> RequestMetrics:
     rid = a.request_id or f"r{index}"
     arrival = start + a.arrival_s
     await asyncio.sleep(max(arrival - time.perf_counter(), 0))
-    body = {"model": model, "prompt": synthesize_tokens(a, index, vocab),
+    body = {"model": model, "prompt": synthesize_tokens(a, index, vocab, hash_block_tokens),
             "max_tokens": a.output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     times: list[float] = []
@@ -67,8 +83,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, a: Arrival, inde
 
 async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *, vocab_size: int,
                     api_key: str | None = None, concurrency_limit: int = 256,
-                    slo: SLO = SLO(), on_done: Callable[[RequestMetrics], None] | None = None
-                    ) -> dict:
+                    slo: SLO = SLO(), hash_block_tokens: int = 512,
+                    on_done: Callable[[RequestMetrics], None] | None = None) -> dict:
     """Send every arrival at its time; returns `{"summary": ..., "requests": [...]}`."""
     endpoint = url.rstrip("/") + "/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -77,12 +93,13 @@ async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *, vocab_
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
 
         async def tracked(i: int, a: Arrival) -> RequestMetrics:
-            m = await _one(client, endpoint, model, a, i, vocab_size, start, headers)
+            m = await _one(client, endpoint, model, a, i, vocab_size, start, headers,
+                           hash_block_tokens)
             if on_done is not None:
                 on_done(m)
             return m
 
         results = await asyncio.gather(*(tracked(i, a) for i, a in enumerate(arrivals)))
-    summary = summarize(results, RunStats(), slo)
+    summary = summarize(results, None, slo)
     summary["endpoint"] = endpoint
     return {"summary": summary, "requests": [m.to_dict() for m in results]}

@@ -1,4 +1,5 @@
-"""Per-request and per-run figures (DESIGN.md, "Request timing" and "Throughput vs goodput").
+"""Per-request and per-run figures (docs/architecture.md, "Request timing" and "Throughput
+vs goodput").
 
     TTFT  = t_first − t_arrival          ITL_j = t_{j+1} − t_j
     E2E   = TTFT + Σ ITL                 TPOT  = (E2E − TTFT) / (G − 1)
@@ -11,7 +12,7 @@ their deadline, per second of observed time.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from runtime.config import check_float
@@ -125,90 +126,3 @@ class SLO:
         if self.e2e_s is not None and (m.e2e is None or m.e2e > self.e2e_s):
             return False
         return not (self.require_deadline and m.met_deadline is False)
-
-
-@dataclass
-class RunStats:
-    """Per-step figures the engine accumulates while it runs."""
-
-    num_steps: int = 0
-    busy_seconds: float = 0.0
-    """Sum of step times: accelerator-busy time."""
-    resident_seconds: float = 0.0
-    """∫ (waiting + running requests) dt over the run, for the Little's-law check."""
-    # Running sums, not per-step lists: a server steps for days.
-    sum_batch_size: int = 0
-    sum_batch_tokens: int = 0
-    last_step_seconds: float = 0.0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-
-    def on_step(self, batch_size: int, tokens: int, prefill: int, decode: int,
-                seconds: float) -> None:
-        self.num_steps += 1
-        self.busy_seconds += seconds
-        self.sum_batch_size += batch_size
-        self.sum_batch_tokens += tokens
-        self.last_step_seconds = seconds
-        self.num_prefill_tokens += prefill
-        self.num_decode_tokens += decode
-
-    def on_interval(self, resident: int, seconds: float) -> None:
-        self.resident_seconds += resident * seconds
-
-
-def summarize(ms: Sequence[RequestMetrics], stats: RunStats, slo: SLO = SLO(),
-              correct: Callable[[str], bool] | None = None) -> dict:
-    """A run's figures as plain data: counts, latency distributions, throughput, goodput,
-    Little's law, per-step figures and accelerator-seconds per good result.
-
-    `correct(request_id)` is the per-request correctness flag; None counts all as correct.
-    """
-    start = min((m.arrival for m in ms), default=0.0)
-    end = max((m.finish for m in ms if m.finish is not None), default=start)
-    span = max(end - start, 1e-12)
-    finished = [m for m in ms if m.status in ("finished_stopped", "finished_length")]
-    good = [m for m in finished
-            if slo.met(m) and (correct is None or correct(m.request_id))]
-    residence = [m.finish - m.arrival for m in ms if m.finish is not None]
-    arrival_rate = len(residence) / span
-    steps = stats.num_steps
-    statuses: dict[str, int] = {}
-    for m in ms:
-        statuses[m.status] = statuses.get(m.status, 0) + 1
-    return {
-        "num_requests": len(ms),
-        "statuses": statuses,
-        "makespan_s": span if ms else 0.0,
-        "completion_throughput_rps": len(finished) / span,
-        "goodput_rps": len(good) / span,
-        "num_good": len(good),
-        "output_tokens_per_s": sum(m.output_tokens for m in finished) / span,
-        "prompt_tokens": sum(m.prompt_tokens for m in ms),
-        "cached_prompt_tokens": sum(m.cached_tokens for m in ms),
-        "num_preemptions": sum(m.num_preemptions for m in ms),
-        "ttft_s": asdict(Distribution.of(m.ttft for m in ms if m.ttft is not None)),
-        "tpot_s": asdict(Distribution.of(m.tpot for m in ms if m.tpot is not None)),
-        "itl_s": asdict(Distribution.of(x for m in ms for x in m.itls)),
-        "e2e_s": asdict(Distribution.of(m.e2e for m in ms if m.e2e is not None)),
-        "queue_s": asdict(Distribution.of(m.queue_time for m in ms
-                                          if m.queue_time is not None)),
-        "littles_law": {
-            "measured_mean_resident": stats.resident_seconds / span,
-            "arrival_rate_rps": arrival_rate,
-            "mean_residence_s": math.fsum(residence) / len(residence) if residence else 0.0,
-            "predicted_mean_resident": arrival_rate * (math.fsum(residence) / len(residence))
-            if residence else 0.0,
-        },
-        "steps": {
-            "count": steps,
-            "busy_s": stats.busy_seconds,
-            "mean_batch_size": stats.sum_batch_size / steps if steps else 0.0,
-            "mean_batch_tokens": stats.sum_batch_tokens / steps if steps else 0.0,
-            "mean_step_s": stats.busy_seconds / steps if steps else 0.0,
-            "prefill_tokens": stats.num_prefill_tokens,
-            "decode_tokens": stats.num_decode_tokens,
-        },
-        "accelerator_s_per_good_result": stats.busy_seconds / len(good) if good else None,
-        "slo": asdict(slo),
-    }

@@ -8,8 +8,7 @@ from pathlib import Path
 from runtime.config import tomllib
 from runtime.errors import ConfigError
 from runtime.kv.formats import KV_FORMATS, kv_bytes_per_token
-from runtime.models.registry import cache_dir
-from runtime.resources import profile_names, profiles_dir
+from runtime.resources import cache_dir, profile_names, profiles_dir
 
 
 def user_profiles_dir() -> Path:

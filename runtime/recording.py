@@ -1,14 +1,18 @@
-"""Iteration traces: one JSON record per engine step, written to a run directory.
+"""Run directories: what a recording writes and replay reads.
 
-A run directory holds `header.json` (engine config, knobs, pool geometry, executor),
-`iterations.jsonl` (one record per step) and `arrivals.jsonl` (every request as a kvdeck
-arrival record — its tokens, or the hash ids / prefix group that regenerate them — so the run
-can be re-run under another configuration).
+A run directory holds
 
-A step record holds the plan (`[request, start, new tokens, sampled?]`), the sampled tokens,
-timing, admissions, preemptions, rejections, finished requests, copy-on-write copies, knob
-changes, arrivals, and the KV events of `BlockManager` — enough to rebuild every block's
-state and every request's progress without a model (see `replay.TraceState`).
+- `header.json`: the run format version, engine config, knobs, pool geometry, executor;
+- `iterations.jsonl`: a `Checkpoint` record (the engine state when recording started — a
+  recording may start mid-run, with requests in flight and prefixes cached), then one
+  `StepRecord` per step, and a `Truncated` record if the size bound was reached
+  (`runtime/records.py` defines them all);
+- `arrivals.jsonl`: every request as a kvdeck arrival record — its tokens, or the hash ids /
+  prefix group that regenerate them — so the run can be re-run under another configuration.
+
+`record_headless` attaches a recorder to an engine no thread is stepping (run-trace);
+`record_live` asks a running engine to attach it at its next iteration boundary, where it
+takes the checkpoint on its own thread.
 """
 
 from __future__ import annotations
@@ -19,21 +23,25 @@ import threading
 from pathlib import Path
 
 from runtime.engine import Engine
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, RunFormatError
+from runtime.records import (
+    RUN_FORMAT,
+    Checkpoint,
+    Record,
+    StartRecording,
+    StepRecord,
+    StopRecording,
+    Truncated,
+    dumps,
+    parse_record,
+)
 from runtime.request import Request
 from runtime.trace import Arrival
-
-TRACE_VERSION = 1
-
-
-def dumps(record: dict) -> str:
-    """Compact, deterministic JSON (insertion-ordered keys, repr floats)."""
-    return json.dumps(record, separators=(",", ":"), allow_nan=False)
 
 
 def engine_header(engine: Engine) -> dict:
     return {
-        "kvdeck_trace": TRACE_VERSION,
+        "kvdeck_run": RUN_FORMAT,
         "executor": engine.executor.name,
         "model": engine.executor.model_name,
         "num_blocks": engine.kv.num_blocks,
@@ -46,7 +54,7 @@ def engine_header(engine: Engine) -> dict:
 
 
 class Recorder:
-    """Writes a run directory as the engine steps. Attach with `engine.recorder = rec`."""
+    """Writes a run directory as the engine steps (see `record_headless`, `record_live`)."""
 
     def __init__(self, run_dir: str | Path, engine: Engine, max_bytes: int = 1 << 30,
                  write_requests: bool = False):
@@ -55,32 +63,39 @@ class Recorder:
         self.run_dir = Path(run_dir)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "header.json").write_text(json.dumps(engine_header(engine),
+                                                                 indent=1))
+            self._iter = (self.run_dir / "iterations.jsonl").open("w", encoding="utf-8")
+            self._arr = (self.run_dir / "arrivals.jsonl").open("w", encoding="utf-8")
         except OSError as e:
-            raise ConfigError(f"Cannot create run directory {self.run_dir}: {e.strerror}.") \
+            raise ConfigError(f"Cannot write run directory {self.run_dir}: {e.strerror}.") \
                 from None
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self.truncated = False
         """Set when the size bound stopped recording; the last record says so."""
-        (self.run_dir / "header.json").write_text(json.dumps(engine_header(engine), indent=1))
-        self._iter = (self.run_dir / "iterations.jsonl").open("w", encoding="utf-8")
-        self._arr = (self.run_dir / "arrivals.jsonl").open("w", encoding="utf-8")
         self.engine = engine
         self.write_requests = write_requests
-        # The engine thread writes; the console thread may close: one lock for both.
+        # The engine thread writes; another thread may close: one lock for both.
         self._lock = threading.Lock()
-        engine.recorder = self
 
-    def __call__(self, record: dict) -> None:
+    def _write(self, data: dict, step: int) -> None:
         with self._lock:
             if self.truncated or self._iter.closed:
                 return
-            line = dumps(record) + "\n"
+            line = dumps(data) + "\n"
             if self.num_bytes + len(line) > self.max_bytes:
                 self.truncated = True
-                line = dumps({"step": record["step"], "truncated": True}) + "\n"
+                line = dumps(Truncated(step).to_json()) + "\n"
             self._iter.write(line)
             self.num_bytes += len(line)
+
+    def begin(self, checkpoint: Checkpoint) -> None:
+        """The first record: the engine's state as recording starts."""
+        self._write(checkpoint.to_json(), checkpoint.step)
+
+    def __call__(self, record: StepRecord) -> None:
+        self._write(record.to_json(), record.step)
 
     def arrival(self, a: Arrival) -> None:
         with self._lock:
@@ -104,21 +119,54 @@ class Recorder:
             self._arr.close()
 
 
-def read_iterations(run_dir: str | Path) -> tuple[dict, list[dict]]:
-    """(header, step records) of a run directory, with a one-sentence error if malformed."""
+def record_headless(engine: Engine, run_dir: str | Path, **kwargs) -> Recorder:
+    """Record an engine that no thread is stepping (the caller steps it): attach now."""
+    rec = Recorder(run_dir, engine, **kwargs)
+    rec.begin(engine.checkpoint())
+    engine.recorder = rec
+    return rec
+
+
+def record_live(engine: Engine, run_dir: str | Path, **kwargs) -> Recorder:
+    """Record an engine its loop is stepping: it attaches the recorder (and writes the
+    checkpoint) at its next iteration boundary. Stop with `stop_live`."""
+    rec = Recorder(run_dir, engine, **kwargs)
+    engine.post(StartRecording(rec))
+    return rec
+
+
+def stop_live(engine: Engine) -> None:
+    """Detach and close the live recorder after the current iteration."""
+    engine.post(StopRecording())
+
+
+def read_run(run_dir: str | Path) -> tuple[dict, list[Record]]:
+    """(header, typed records) of a run directory; one sentence if it is malformed, of
+    another format version, or holds a record kind this version does not know."""
     d = Path(run_dir)
     try:
         header = json.loads((d / "header.json").read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{d} is not a kvdeck run directory (no header.json).") from None
+        raise RunFormatError(f"{d} is not a kvdeck run directory (no header.json).") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{d}/header.json is not valid JSON ({e.msg}).") from None
-    records = []
-    with (d / "iterations.jsonl").open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{d}/iterations.jsonl line {lineno} is not valid JSON "
-                                  f"({e.msg}).") from None
+        raise RunFormatError(f"{d}/header.json is not valid JSON ({e.msg}).") from None
+    if not isinstance(header, dict):
+        raise RunFormatError(f"{d}/header.json is not a JSON object.")
+    version = header.get("kvdeck_run", header.get("kvdeck_trace"))
+    if version != RUN_FORMAT:
+        raise RunFormatError(
+            f"{d} was recorded in run format {version!r} and this kvdeck reads format "
+            f"{RUN_FORMAT}; re-run its arrivals to record it again (kvdeck run-trace "
+            f"{d}/arrivals.jsonl --record NEW_DIR).")
+    for key in ("num_blocks", "block_size"):
+        if not isinstance(header.get(key), int) or header[key] < 1:
+            raise RunFormatError(f"{d}/header.json lacks a positive integer {key!r}.")
+    records: list[Record] = []
+    try:
+        with (d / "iterations.jsonl").open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    records.append(parse_record(line, f"{d}/iterations.jsonl line {lineno}"))
+    except FileNotFoundError:
+        raise RunFormatError(f"{d} has no iterations.jsonl.") from None
     return header, records

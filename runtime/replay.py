@@ -1,232 +1,294 @@
 """Rebuild engine state from an iteration trace alone — no model, no engine.
 
-`TraceState.apply(record)` advances one step: block refcounts, cache flags and block tables
-from the KV events; request progress and states from the plan, admissions, preemptions and
-finishes; the prefix tree from cache and evict events. `block_states()` packs the same
-per-block codes as a live `EngineSnapshot`, and `snapshot(header)` builds a whole one, so
-the console's panels can show any recorded iteration.
+`TraceState.apply(record)` advances one step with the same pieces the live engine uses:
+KV events go into a `BlockStates` (refcounts, cache flags and the packed block map) and a
+`PrefixTree` (nodes restored by the trace's ids, hits and recency from the same events);
+request progress comes from the plan, admissions, preemptions and finishes into
+`RequestState`s, whose timings `metrics.request_metrics` reads exactly as it reads live
+requests; and the running figures are a `RunFigures` fed with the same step figures. So a
+replayed snapshot shows what the live console showed at that step.
+
+A run recorded mid-run starts with a `Checkpoint` record, from which the state is restored
+before the first step is applied.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+import dataclasses
 
 from runtime.config import Knobs
-from runtime.kv.prefix_tree import NodeSummary
-from runtime.metrics import Distribution
-from runtime.snapshot import (
-    CACHED,
-    FREE,
-    BatchView,
-    EngineSnapshot,
-    KVView,
-    RequestView,
-    block_states,
+from runtime.errors import RunFormatError
+from runtime.figures import RunFigures, step_figures
+from runtime.kv.block_pool import BlockStates
+from runtime.kv.prefix_tree import PrefixTree
+from runtime.metrics import request_metrics
+from runtime.records import (
+    Cache,
+    Checkpoint,
+    Cow,
+    Evict,
+    Hit,
+    Ref,
+    RequestState,
+    Reserve,
+    StepRecord,
+    Unref,
 )
+from runtime.request import RequestStatus
+from runtime.snapshot import BatchView, EngineSnapshot, KVView, RequestView
 
 
-@dataclass
-class ReplayRequest:
-    request_id: str
-    arrival_time: float
-    prompt_tokens: int
-    max_tokens: int
-    deadline: float | None
-    priority: int
-    status: str = "waiting"
-    computed_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    admitted_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    num_preemptions: int = 0
-
-
-@dataclass
 class TraceState:
-    """The state after the last applied step record."""
+    """The state after the last applied record."""
 
-    num_blocks: int
-    block_size: int
-    refcount: list[int] = field(default_factory=list)
-    cached: bytearray = field(default_factory=bytearray)
-    tables: dict[str, list[int]] = field(default_factory=dict)
-    requests: dict[str, ReplayRequest] = field(default_factory=dict)
-    num_reserved: int = 0
-    step: int = -1
-    time: float = 0.0
-    knob_changes: list[tuple[int, dict]] = field(default_factory=list)
-    knobs: dict = field(default_factory=dict)
-    cache_nodes: dict[int, tuple[int, int, int]] = field(default_factory=dict)
-    """node id -> (parent node id, block, end token) for every cached block."""
-    last_batch: BatchView | None = None
-    finished: deque = field(default_factory=lambda: deque(maxlen=256))
-    """The most recent finished requests, for rolling latency figures."""
-    counts: dict[str, int] = field(default_factory=dict)
-    num_preemptions: int = 0
-    num_evictions: int = 0
-    num_cow: int = 0
-    hit_tokens: int = 0
-    query_tokens: int = 0
+    def __init__(self, header: dict):
+        self.header = header
+        n, p = header["num_blocks"], header["block_size"]
+        self.num_blocks, self.block_size = n, p
+        self.pool = BlockStates(n, p)
+        self.tree = PrefixTree(self.pool)
+        self.tables: dict[str, list[int]] = {}
+        self.requests: dict[str, RequestState] = {}
+        self.reserved: dict[str, int] = {}
+        self.num_reserved = 0
+        self.step = -1
+        self.time = 0.0
+        self.knobs: dict = dict(header.get("config", {}).get("knobs", {}))
+        self.knob_changes: list[tuple[int, dict]] = []
+        self.last_batch: BatchView | None = None
+        self.figures = RunFigures()
+        self.num_preemptions = 0
+        self.num_cow = 0
 
-    @classmethod
-    def from_header(cls, header: dict) -> TraceState:
-        n = header["num_blocks"]
-        state = cls(n, header["block_size"], [0] * n, bytearray(n))
-        state.knobs = dict(header.get("config", {}).get("knobs", {}))
-        return state
+    # -- checkpoints --------------------------------------------------------------------------
 
-    def apply(self, rec: dict) -> None:
-        self.step = rec["step"]
-        self.time = rec.get("t0", self.time) + rec.get("dt", 0.0)
-        if "knobs" in rec:
-            self.knob_changes.append((self.step, rec["knobs"]))
-            self.knobs.update(rec["knobs"])
-        for rid, t, n, max_tokens, deadline, priority in rec.get("arrived", []):
-            self.requests[rid] = ReplayRequest(rid, t, n, max_tokens, deadline, priority)
-        for ev in rec.get("kv", []):
-            self._apply_kv(ev)
-        for rid in rec.get("admitted", []):
-            r = self.requests[rid]
-            r.status = "running"
+    def restore(self, cp: Checkpoint) -> None:
+        """Start from a mid-run checkpoint (before any step record is applied)."""
+        self.step, self.time = cp.step - 1, cp.time
+        self.knobs = dict(cp.knobs)
+        self.tree.load(cp.nodes, cp.tree)
+        for rid, table in cp.tables.items():
+            self.tables[rid] = list(table)
+            for block in table:
+                self.pool.incref(block)
+                self.tree.on_block_used(block)
+        self.reserved = dict(cp.reserved)
+        self.num_reserved = sum(cp.reserved.values())
+        self.num_preemptions = cp.counters["preemptions"]
+        self.num_cow = cp.counters["cow"]
+        self.requests = {r.request_id: r for r in cp.requests}
+        self.figures.load(cp.figures)
+
+    def checkpoint(self) -> Checkpoint:
+        """This state as a checkpoint (the replay console keeps some to scrub backwards)."""
+        nodes, tree_counters = self.tree.export()
+        return Checkpoint(
+            step=self.step + 1, time=self.time, knobs=dict(self.knobs),
+            requests=[dataclasses.replace(r, token_times=list(r.token_times))
+                      for r in self.requests.values()],
+            tables={rid: list(t) for rid, t in self.tables.items()},
+            reserved=dict(self.reserved), nodes=nodes, tree=tree_counters,
+            counters={"preemptions": self.num_preemptions, "cow": self.num_cow},
+            figures=self.figures.to_json())
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def apply(self, rec: StepRecord) -> None:
+        """Advance by one step record."""
+        self.step = rec.step
+        self.time = rec.t1
+        if rec.knobs:
+            self.knob_changes.append((self.step, rec.knobs))
+            self.knobs.update(rec.knobs)
+        for a in rec.arrived:
+            self.requests[a.request_id] = RequestState(
+                a.request_id, a.arrival_time, a.num_prompt_tokens, a.max_tokens, a.deadline,
+                a.priority)
+            self.figures.on_arrival(rec.t0 - a.arrival_time)
+        for f in rec.forked:
+            parent = self._request(f.parent_id, rec)
+            self.requests[f.request_id] = dataclasses.replace(
+                parent, request_id=f.request_id, max_tokens=f.max_tokens, num_cached_tokens=0,
+                num_preemptions=0, token_times=list(parent.token_times))
+        for rid in rec.admitted:
+            r = self._request(rid, rec)
+            r.status = RequestStatus.RUNNING
+            r.num_computed_tokens = r.num_cached_tokens = 0
             if r.admitted_time is None:
-                r.admitted_time = rec.get("t0", self.time)
-        plan = rec.get("plan", [])
-        decode = prefill = 0
-        for rid, start, n, sample in plan:
-            r = self.requests[rid]
-            is_decode = start >= r.prompt_tokens and n == 1
-            decode, prefill = decode + n * is_decode, prefill + n * (not is_decode)
-            r.computed_tokens = start + n
-            r.output_tokens += sample
-            if sample:
-                r.token_times.append(self.time)
-        for rid in rec.get("preempted", []):
-            r = self.requests[rid]
-            r.status, r.computed_tokens = "preempted", 0
+                r.admitted_time = rec.t0
+        for ev in rec.kv:
+            self._apply_kv(ev, rec)
+        t1 = rec.t1
+        for rid, start, n, sample in rec.plan:
+            r = self._request(rid, rec)
+            r.num_computed_tokens = start + n
+            if sample and rid not in rec.errors:
+                r.num_output_tokens += 1
+                r.token_times.append(t1)
+                if r.first_token_time is None:
+                    r.first_token_time = t1
+        for rid in rec.preempted:
+            r = self._request(rid, rec)
+            r.status, r.num_computed_tokens = RequestStatus.PREEMPTED, 0
             r.num_preemptions += 1
             self.num_preemptions += 1
-        self.num_cow += len(rec.get("cow", []))
-        if plan:
+        self.num_cow += len(rec.cow)
+        for f in rec.finished:
+            r = self.requests.pop(f.request_id, None)
+            if r is None:
+                raise RunFormatError(f"Step {rec.step} finishes request {f.request_id!r}, "
+                                     "which the run never introduced.")
+            r.status, r.reason, r.finish_time = RequestStatus(f.status), f.reason, f.time
+            self.figures.on_finish(request_metrics(r))
+        if rec.dt is not None:
             k = Knobs(**self.knobs) if self.knobs else Knobs()
-            self.last_batch = BatchView(self.step, decode, prefill, len(plan),
-                                        k.max_num_batched_tokens, k.max_num_seqs,
-                                        rec.get("dt", 0.0), len(rec.get("preempted", [])))
-        for rid, status, _reason in rec.get("finished", []):
-            self.counts[status] = self.counts.get(status, 0) + 1
-            r = self.requests.pop(rid, None)
-            if r is not None:
-                r.status = status
-                self.finished.append((r, self.time))
+            self.last_batch = BatchView(rec.step, rec.num_decode, rec.num_prefill,
+                                        len(rec.plan), k.max_num_batched_tokens,
+                                        k.max_num_seqs, rec.dt, len(rec.preempted))
+            self.figures.on_step(step_figures(rec, self.usage,
+                                              self.pool.num_cached_only / self.num_blocks,
+                                              self.tree.hit_rate))
 
-    def _apply_kv(self, ev: list) -> None:
-        kind = ev[0]
-        if kind == "ref":
-            _, rid, idx, block = ev
-            table = self.tables.setdefault(rid, [])
-            if idx == len(table):
-                table.append(block)
-            else:  # replacement (copy-on-write or dedupe): the old entry's reference goes
-                self.refcount[table[idx]] -= 1
-                table[idx] = block
-            self.refcount[block] += 1
-        elif kind == "unref":
-            _, rid, idx, block = ev
-            table = self.tables[rid]
-            assert table[idx] == block and idx == len(table) - 1
+    def _request(self, rid: str, rec: StepRecord) -> RequestState:
+        r = self.requests.get(rid)
+        if r is None:
+            raise RunFormatError(f"Step {rec.step} refers to request {rid!r}, which the run "
+                                 "never introduced; the recording is incomplete.")
+        return r
+
+    def _apply_kv(self, ev, rec: StepRecord) -> None:
+        pool, tree, step = self.pool, self.tree, rec.step
+        if isinstance(ev, Ref):
+            table = self.tables.setdefault(ev.request_id, [])
+            pool.incref(ev.block)
+            tree.on_block_used(ev.block)
+            if ev.index == len(table):
+                table.append(ev.block)
+            else:  # a replacement (copy-on-write, or a duplicate switched to the cached block)
+                old, table[ev.index] = table[ev.index], ev.block
+                node = tree.node_of_block.get(ev.block)
+                if node is not None:
+                    node.last_access = step  # the cache handed out an existing block
+                self._drop(old, step)
+        elif isinstance(ev, Unref):
+            table = self.tables.get(ev.request_id)
+            if not table or table[-1] != ev.block or ev.index != len(table) - 1:
+                raise RunFormatError(f"Step {rec.step} drops block {ev.block} from "
+                                     f"{ev.request_id!r}, which does not hold it last.")
             table.pop()
             if not table:
-                del self.tables[rid]
-            self.refcount[block] -= 1
-        elif kind == "cache":
-            _, node, parent, block, end = ev
-            self.refcount[block] += 1
-            self.cached[block] = 1
-            self.cache_nodes[node] = (parent, block, end)
-        elif kind == "evict":
-            _, node, block = ev
-            self.refcount[block] -= 1
-            self.cached[block] = 0
-            self.cache_nodes.pop(node, None)
-            self.num_evictions += 1
-        elif kind == "hit":
-            _, rid, n = ev
-            r = self.requests[rid]
-            r.cached_tokens = r.computed_tokens = n
-            self.hit_tokens += n
-            self.query_tokens += r.prompt_tokens + r.output_tokens - 1
-        elif kind == "reserve":
-            self.num_reserved += ev[2]
+                del self.tables[ev.request_id]
+            self._drop(ev.block, step)
+        elif isinstance(ev, Cache):
+            node = tree.restore(ev.node_id, ev.parent_id, ev.block, step, tree.num_lookups)
+            assert node.depth_tokens == ev.end_token
+        elif isinstance(ev, Evict):
+            tree.evict(tree.nodes[ev.node_id])
+        elif isinstance(ev, Hit):
+            r = self._request(ev.request_id, rec)
+            table = self.tables.get(ev.request_id, [])
+            chain = [tree.node_of_block[b] for b in table[:ev.num_tokens // self.block_size]]
+            tree.record_lookup(chain, r.num_tokens - 1, step)
+            r.num_cached_tokens = r.num_computed_tokens = ev.num_tokens
+        elif isinstance(ev, Reserve):
+            self.num_reserved += ev.delta
+            left = self.reserved.get(ev.request_id, 0) + ev.delta
+            if left:
+                self.reserved[ev.request_id] = left
+            else:
+                self.reserved.pop(ev.request_id, None)
+        elif isinstance(ev, Cow):
+            pass  # the Ref before it already moved the table entry; counted per step
+
+    def _drop(self, block: int, step: int) -> None:
+        self.pool.decref(block)
+        if self.pool.cached[block] and self.pool.refcount[block] == 1:
+            self.tree.on_block_released(block, step)
+
+    # -- views --------------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_held / self.num_blocks
 
     def block_states(self) -> bytes:
-        return block_states(self.refcount, self.cached)
+        return bytes(self.pool.states)
 
-    # -- snapshot -----------------------------------------------------------------------------
-
-    def prefix_segments(self, limit: int = 256) -> tuple[NodeSummary, ...]:
-        """Cached blocks as folded segments, as the live prefix-tree summary shows them
-        (hit counts are not in the trace and show as 0)."""
-        children: dict[int, list[int]] = {}
-        for node, (parent, _, _) in self.cache_nodes.items():
-            children.setdefault(parent, []).append(node)
-        out: list[NodeSummary] = []
-        stack = [(n, 0) for n in sorted(children.get(0, []), reverse=True)]
-        p = self.block_size
-        while stack and len(out) < limit:
-            first, parent_id = stack.pop()
-            _, block, end = self.cache_nodes[first]
-            users = self.refcount[block] - 1
-            last, count = first, 1
-            while len(children.get(last, [])) == 1:
-                (child,) = children[last]
-                if self.refcount[self.cache_nodes[child][1]] - 1 != users:
-                    break
-                last, count = child, count + 1
-            start = end - p
-            out.append(NodeSummary(first, parent_id, block, start, self.cache_nodes[last][2],
-                                   count, users, 0, self.time, users == 0))
-            stack.extend((c, first) for c in sorted(children.get(last, []), reverse=True))
-        return tuple(out)
-
-    def _view(self, r: ReplayRequest) -> RequestView:
-        return RequestView(r.request_id, r.status, r.prompt_tokens, r.computed_tokens,
-                           r.output_tokens, r.max_tokens, r.cached_tokens, r.arrival_time,
-                           r.admitted_time, r.deadline, r.priority, r.num_preemptions,
+    def _view(self, r: RequestState) -> RequestView:
+        return RequestView(r.request_id, r.status.value, r.num_prompt_tokens,
+                           r.num_computed_tokens, r.num_output_tokens, r.max_tokens,
+                           r.num_cached_tokens, r.arrival_time, r.admitted_time, r.deadline,
+                           r.priority, r.num_preemptions,
                            tuple(self.tables.get(r.request_id, ())))
 
-    def snapshot(self, header: dict) -> EngineSnapshot:
+    def snapshot(self) -> EngineSnapshot:
         """The console's view of the engine after the last applied record."""
-        states = self.block_states()
-        free = states.count(FREE)
-        cached_only = states.count(CACHED)
-        kv = KVView(self.num_blocks, self.block_size, header.get("kv_format", "?"),
-                    header.get("bytes_per_block", 0), states, free, cached_only,
-                    self.num_reserved, 1 - free / self.num_blocks, sum(self.cached),
-                    self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
-                    self.num_evictions, self.num_cow)
+        h, tree = self.header, self.tree
+        kv = KVView(self.num_blocks, self.block_size, h.get("kv_format", "?"),
+                    h.get("bytes_per_block", 0), self.block_states(), self.pool.num_free,
+                    self.pool.num_cached_only, self.num_reserved, self.usage, tree.num_nodes,
+                    tree.hit_rate, tree.num_evictions, self.num_cow, tree.num_query_tokens,
+                    tree.num_hit_tokens)
         live = [r for r in self.requests.values() if r.arrival_time <= self.time]
-        done = list(self.finished)
-        ttft = [r.token_times[0] - r.arrival_time for r, _ in done if r.token_times]
-        itl = [b - a for r, _ in done for a, b in zip(r.token_times, r.token_times[1:],
-                                                      strict=False)]
-        tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
-                for r, _ in done if len(r.token_times) > 1]
-        e2e = [t - r.arrival_time for r, t in done if r.status.startswith("finished")]
+        counts = self.figures.status_counts
         return EngineSnapshot(
-            step=self.step + 1, time=self.time, model_name=header.get("model", "?"),
-            executor=f"replay of {header.get('executor', '?')}",
+            step=self.step + 1, time=self.time, model_name=h.get("model", "?"),
+            executor=f"replay of {h.get('executor', '?')}",
             knobs=Knobs(**self.knobs) if self.knobs else Knobs(),
-            waiting=tuple(self._view(r) for r in live if r.status != "running"),
-            running=tuple(self._view(r) for r in live if r.status == "running"),
-            batch=self.last_batch, kv=kv, prefix_nodes=self.prefix_segments(),
-            num_finished=self.counts.get("finished_stopped", 0)
-            + self.counts.get("finished_length", 0),
-            num_rejected=self.counts.get("rejected", 0),
-            num_aborted=self.counts.get("aborted", 0),
+            waiting=tuple(self._view(r) for r in live if r.status is not RequestStatus.RUNNING),
+            running=tuple(self._view(r) for r in live if r.status is RequestStatus.RUNNING),
+            batch=self.last_batch, kv=kv, prefix_nodes=tuple(tree.summary()),
+            num_finished=counts.get("finished_stopped", 0) + counts.get("finished_length", 0),
+            num_rejected=counts.get("rejected", 0), num_aborted=counts.get("aborted", 0),
             num_preemptions=self.num_preemptions,
-            recent={"ttft": Distribution.of(ttft), "itl": Distribution.of(itl),
-                    "tpot": Distribution.of(tpot), "e2e": Distribution.of(e2e),
-                    "good_fraction": None, "mean_resident": None,
-                    "littles_prediction": None},
+            recent=self.figures.rolling(self.time), figures=self.figures.view(),
         )
+
+    def check_integrity(self) -> None:
+        """The rebuilt pool and tree agree with each other and with the block tables."""
+        self.pool.check_integrity()
+        self.tree.check_integrity()
+        counts = [0] * self.num_blocks
+        for table in self.tables.values():
+            for b in table:
+                counts[b] += 1
+        for b in range(self.num_blocks):
+            assert self.pool.refcount[b] == counts[b] + self.pool.cached[b], f"block {b}"
+
+
+class Replay:
+    """A run's records split into its starting checkpoint and its steps, ready to replay."""
+
+    def __init__(self, header: dict, records: list):
+        self.header = header
+        self.checkpoint: Checkpoint | None = None
+        self.steps: list[StepRecord] = []
+        self.truncated = False
+        for i, rec in enumerate(records):
+            if isinstance(rec, Checkpoint):
+                if i != 0:
+                    raise RunFormatError("A checkpoint record may only open a run; this run "
+                                         f"has one at record {i + 1}.")
+                self.checkpoint = rec
+            elif isinstance(rec, StepRecord):
+                self.steps.append(rec)
+            else:  # Truncated: the recorder hit its size bound
+                self.truncated = True
+
+    def initial_state(self) -> TraceState:
+        """The state before the first step record."""
+        state = TraceState(self.header)
+        if self.checkpoint is not None:
+            state.restore(self.checkpoint)
+        return state
+
+
+def load_replay(run_dir) -> Replay:
+    """Read a run directory for replay (one sentence if it cannot be replayed)."""
+    from runtime.recording import read_run  # recording imports the engine; replay need not
+
+    header, records = read_run(run_dir)
+    replay = Replay(header, records)
+    if not replay.steps:
+        raise RunFormatError(f"{run_dir} holds no iterations to replay.")
+    return replay

@@ -96,6 +96,8 @@ class Request:
     """A `tokenizer.IncrementalDetokenizer` when the engine has a tokenizer."""
     output_logprobs: list = field(default_factory=list)
     """One `sampling.TokenLogprobs` per output token when `sampling.logprobs` is set."""
+    tracked: bool = False
+    """Snapshots carry this request's text (the console's prompt follows it)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -124,11 +126,6 @@ class Request:
     def max_total_tokens(self) -> int:
         """The longest this request can get: prompt + max_tokens − 1 tokens of KV."""
         return len(self.prompt_token_ids) + self.sampling.max_tokens - 1
-
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n \
-            else self.output_token_ids[position - n]
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without building the whole sequence."""

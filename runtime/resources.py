@@ -1,5 +1,5 @@
-"""Locating the data that ships inside the wheel: `profiles/` (TOML), `themes/` (TCSS) and
-`traces/` (sample arrival traces).
+"""Locating the data that ships inside the wheel — `profiles/` (TOML), `themes/` (TCSS) and
+`traces/` (sample arrival traces) — and the user's cache directory.
 
 Each is an import package holding data files, so `importlib.resources` finds them the same
 way from an editable install (the repository's folders) and from a built wheel
@@ -8,7 +8,9 @@ way from an editable install (the repository's folders) and from a built wheel
 
 from __future__ import annotations
 
+import os
 from importlib.resources import files
+from pathlib import Path
 
 try:
     from importlib.resources.abc import Traversable
@@ -21,6 +23,12 @@ SAMPLE_TRACES = {
     "mooncake-conversation": "mooncake-conversation.jsonl",
 }
 """Sample traces by name (traces/README.md gives each one's source and license)."""
+
+
+def cache_dir() -> Path:
+    """Where kvdeck keeps assembled models, logs and other derived files: `$KVDECK_CACHE`,
+    or `~/.cache/kvdeck`."""
+    return Path(os.environ.get("KVDECK_CACHE") or Path.home() / ".cache" / "kvdeck")
 
 
 def profiles_dir() -> Traversable:

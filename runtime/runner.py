@@ -11,11 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from runtime.config import EngineConfig, Knobs, split_settings
 from runtime.engine import Engine
-from runtime.errors import ConfigError, KvdeckError
-from runtime.executors.sim import SimConfig
-from runtime.metrics import SLO, RequestMetrics, request_metrics, summarize
+from runtime.errors import KvdeckError
+from runtime.figures import summarize
+from runtime.metrics import SLO, RequestMetrics, request_metrics
 from runtime.request import RequestStatus, SamplingParams
 from runtime.trace import Arrival, synthesize_tokens
 
@@ -59,21 +58,9 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
             on_step(engine)
     order = {(a.request_id or f"r{j}"): j for j, a in enumerate(arrivals)}
     metrics.sort(key=lambda m: order.get(m.request_id, len(order)))
-    summary = summarize(metrics, engine.stats, slo)
+    summary = summarize(metrics, engine.figures, slo)
     summary.update(run_summary_extras(engine))
     return {"summary": summary, "requests": [m.to_dict() for m in metrics]}
-
-
-
-def configs_from_settings(values: dict) -> tuple[EngineConfig, SimConfig]:
-    """Build the engine and sim configs from a flat settings dict (a run config file):
-    keys are EngineConfig, Knobs and SimConfig field names."""
-    engine_part, knob_part, sim_part = split_settings(values, EngineConfig, Knobs, SimConfig)
-    try:
-        knobs = Knobs(**knob_part)
-        return EngineConfig(knobs=knobs, **engine_part), SimConfig(**sim_part)
-    except TypeError as e:  # wrong value type reaching a dataclass, e.g. a table for a number
-        raise ConfigError(f"Invalid setting: {e}.") from None
 
 
 def run_summary_extras(engine: Engine) -> dict:

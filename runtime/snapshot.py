@@ -1,44 +1,41 @@
-"""Immutable views of the engine after an iteration, for the console, exporters and tests.
+"""Immutable views of the engine after an iteration — the only thing the console, the
+`/metrics` exporter and other consumers read; they never reach into the scheduler or the KV
+manager.
 
-Consumers read snapshots only; they never reach into the scheduler or the KV manager.
-Block states are packed one byte per block:
-
-    FREE 0           no reference
-    PRIVATE 1        one request uses it, not in the prefix cache
-    SHARED 2         two or more requests use it
-    CACHED 3         only the prefix cache holds it: evictable
-    CACHED_ACTIVE 4  in the prefix cache and used by one request
+Block states are the pool's packed state bytes (see `kv.block_pool`: FREE, PRIVATE, SHARED,
+CACHED, CACHED_ACTIVE), copied, not recomputed. `SnapshotBuilder` builds snapshots
+incrementally: request views are reused while a request has not changed, the prefix-tree
+summary while the tree and its blocks' references have not, and latency percentiles while no
+request has finished — so the engine thread can publish several snapshots a second under
+load (`make bench` reports the cost).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from runtime.config import Knobs
-from runtime.kv.manager import BlockManager
+from runtime.figures import FiguresView
+from runtime.kv.block_pool import (
+    CACHED,
+    CACHED_ACTIVE,
+    FREE,
+    PRIVATE,
+    SHARED,
+    STATE_NAMES,
+)
 from runtime.kv.prefix_tree import NodeSummary
-from runtime.request import Request
 
-FREE, PRIVATE, SHARED, CACHED, CACHED_ACTIVE = range(5)
-STATE_NAMES = ("free", "private", "shared", "cached", "cached_active")
+if TYPE_CHECKING:
+    from runtime.engine import Engine
 
-
-def block_states(refcount: list[int], cached: bytearray) -> bytes:
-    """Pack per-block states from refcounts and cache flags (vectorized: ~1 ms per 40K)."""
-    rc = np.asarray(refcount, dtype=np.int32)
-    c = np.frombuffer(bytes(cached), dtype=np.uint8).astype(np.int32)
-    users = rc - c
-    out = np.full(rc.shape, PRIVATE, dtype=np.uint8)
-    out[users >= 2] = SHARED
-    out[(users == 1) & (c == 1)] = CACHED_ACTIVE
-    out[(users == 0) & (c == 1)] = CACHED
-    out[rc == 0] = FREE
-    return out.tobytes()
+__all__ = ["CACHED", "CACHED_ACTIVE", "FREE", "PRIVATE", "SHARED", "STATE_NAMES",
+           "BatchView", "EngineFailure", "EngineSnapshot", "KVView", "RequestView",
+           "SnapshotBuilder", "TrackedOutput"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RequestView:
     request_id: str
     status: str
@@ -53,13 +50,6 @@ class RequestView:
     priority: int
     num_preemptions: int
     block_table: tuple[int, ...]
-
-    @classmethod
-    def of(cls, req: Request, table: list[int] | None) -> RequestView:
-        return cls(req.request_id, req.status.value, req.num_prompt_tokens,
-                   req.num_computed_tokens, req.num_output_tokens, req.sampling.max_tokens,
-                   req.num_cached_tokens, req.arrival_time, req.admitted_time, req.deadline,
-                   req.priority, req.num_preemptions, tuple(table or ()))
 
 
 @dataclass(frozen=True)
@@ -91,17 +81,42 @@ class KVView:
     num_evictable: int
     num_reserved: int
     usage: float
+    """Blocks held by requests / pool (vLLM's `kv_cache_usage_perc`)."""
     num_cached_blocks: int
     hit_rate: float
     num_evictions: int
     num_cow_copies: int
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
 
-    @classmethod
-    def of(cls, kv: BlockManager, kv_format: str) -> KVView:
-        return cls(kv.num_blocks, kv.block_size, kv_format, kv.bytes_per_block,
-                   block_states(kv.pool.refcount, kv.pool.cached), kv.pool.num_free,
-                   kv.tree.num_evictable, kv.num_reserved, kv.usage, kv.tree.num_nodes,
-                   kv.tree.hit_rate, kv.tree.num_evictions, kv.num_cow_copies)
+    @property
+    def cached_fraction(self) -> float:
+        """Blocks only the prefix cache holds (free for allocation) / pool."""
+        return self.num_evictable / self.num_blocks if self.num_blocks else 0.0
+
+    def count(self, state: int) -> int:
+        return self.states.count(state)
+
+
+@dataclass(frozen=True)
+class TrackedOutput:
+    """A request someone follows (the console's prompt): its text so far."""
+
+    request_id: str
+    status: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    max_tokens: int
+    text: str
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """Why the engine stopped, in one sentence, and where the full traceback is."""
+
+    message: str
+    log_path: str | None
 
 
 @dataclass(frozen=True)
@@ -124,4 +139,82 @@ class EngineSnapshot:
     num_aborted: int
     num_preemptions: int
     recent: dict
-    """Rolling metrics over recently finished requests (see `Engine.rolling_metrics`)."""
+    """Rolling metrics over recently finished requests (see `RunFigures.rolling`)."""
+    figures: FiguresView | None = None
+    paused: bool = False
+    failure: EngineFailure | None = None
+    lag_s: float = 0.0
+    """Virtual seconds a paced sim is behind the wall clock (0 when keeping up)."""
+    pending_knobs: Knobs | None = None
+    """Knobs submitted but not applied yet (they apply at the next iteration)."""
+    tracked: tuple[TrackedOutput, ...] = ()
+
+
+class SnapshotBuilder:
+    """Builds an engine's snapshots, reusing what has not changed since the last one."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._views: dict[str, tuple[tuple, RequestView]] = {}
+        self._prefix: tuple[tuple[int, int, int], tuple[NodeSummary, ...]] | None = None
+
+    def _request_views(self, requests, tables: dict[str, list[int]],
+                       fresh: dict[str, tuple[tuple, RequestView]]) -> tuple[RequestView, ...]:
+        out = []
+        old = self._views
+        for r in requests:
+            rid = r.request_id
+            table = tables.get(rid)
+            key = (r.status, r.num_computed_tokens, len(r.output_token_ids), r.num_preemptions,
+                   r.num_cached_tokens, len(table) if table is not None else -1)
+            hit = old.get(rid)
+            if hit is None or hit[0] != key:
+                hit = (key, RequestView(
+                    rid, r.status.value, len(r.prompt_token_ids), r.num_computed_tokens,
+                    len(r.output_token_ids), r.sampling.max_tokens, r.num_cached_tokens,
+                    r.arrival_time, r.admitted_time, r.deadline, r.priority,
+                    r.num_preemptions, tuple(table) if table else ()))
+            fresh[rid] = hit
+            out.append(hit[1])
+        return tuple(out)
+
+    def _prefix_nodes(self, limit: int) -> tuple[NodeSummary, ...]:
+        kv = self.engine.kv
+        key = (kv.tree.version, kv.pool.cache_version, limit)
+        if self._prefix is None or self._prefix[0] != key:
+            self._prefix = (key, tuple(kv.tree.summary(limit)))
+        return self._prefix[1]
+
+    def kv_view(self) -> KVView:
+        e = self.engine
+        kv, tree = e.kv, e.kv.tree
+        return KVView(kv.num_blocks, kv.block_size, e.config.kv_format, kv.bytes_per_block,
+                      bytes(kv.pool.states), kv.pool.num_free, tree.num_evictable,
+                      kv.num_reserved, kv.usage, tree.num_nodes, tree.hit_rate,
+                      tree.num_evictions, kv.num_cow_copies, tree.num_query_tokens,
+                      tree.num_hit_tokens)
+
+    def build(self, max_prefix_nodes: int = 256) -> EngineSnapshot:
+        """Call from the engine thread (or while it is stopped)."""
+        e = self.engine
+        sched = e.scheduler
+        tables = e.kv.tables
+        fresh: dict[str, tuple[tuple, RequestView]] = {}
+        waiting = self._request_views(sched.waiting, tables, fresh)
+        running = self._request_views(sched.running, tables, fresh)
+        self._views = fresh
+        counts = e.figures.status_counts
+        pending = e.submitted_knobs if e.submitted_knobs != sched.knobs else None
+        return EngineSnapshot(
+            step=e.step_count, time=e.clock.now(),
+            model_name=e.executor.model_name, executor=e.executor.name,
+            knobs=sched.knobs, waiting=waiting, running=running,
+            batch=e.last_batch, kv=self.kv_view(),
+            prefix_nodes=self._prefix_nodes(max_prefix_nodes),
+            num_finished=counts.get("finished_stopped", 0) + counts.get("finished_length", 0),
+            num_rejected=counts.get("rejected", 0), num_aborted=counts.get("aborted", 0),
+            num_preemptions=sched.num_preemptions,
+            recent=e.figures.rolling(e.clock.now()), figures=e.figures.view(),
+            paused=e.paused, failure=e.failure, lag_s=e.clock.lag_s, pending_knobs=pending,
+            tracked=tuple(e.tracked_outputs()),
+        )

@@ -2,13 +2,13 @@
 no engine — with play/pause, speed and a scrubber.
 
 Moving forward applies records to a `TraceState`; moving back restores the nearest
-checkpoint (one every `CHECKPOINT` records, taken on the way forward) and re-applies from
-there, so scrubbing a long run stays quick.
+checkpoint (one every `CHECKPOINT` records, taken on the way forward, in the same form as the
+checkpoint a mid-run recording starts with) and re-applies from there, so scrubbing a long
+run stays quick.
 """
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 from textual.app import ComposeResult
@@ -19,10 +19,8 @@ from console.base_app import ConsoleApp
 from console.layout import SNAPSHOT_PANELS, compose_panels
 from console.widgets.knobs import KnobsPanel
 from console.widgets.scrubber import Scrubber
-from runtime.errors import ConfigError
-from runtime.recording import read_iterations
-from runtime.replay import TraceState
-from runtime.snapshot import EngineSnapshot
+from runtime.replay import TraceState, load_replay
+from runtime.snapshot import BatchView, EngineSnapshot
 
 CHECKPOINT = 200
 SPEEDS = (0.25, 0.5, 1, 2, 4, 8, 16, 32)
@@ -51,19 +49,28 @@ class ReplayApp(ConsoleApp):
     def __init__(self, run_dir: str | Path):
         super().__init__()
         self.run_dir = Path(run_dir)
-        self.header, records = read_iterations(self.run_dir)
-        self.records = [r for r in records if not r.get("truncated")]
-        if not self.records:
-            raise ConfigError(f"{self.run_dir} holds no iterations to replay.")
-        self.marks = {i for i, r in enumerate(self.records) if "knobs" in r}
-        self.state = TraceState.from_header(self.header)
+        self.replay = load_replay(self.run_dir)
+        self.header = self.replay.header
+        self.records = self.replay.steps
+        self.marks = {i for i, r in enumerate(self.records) if r.knobs}
+        self.state = self.replay.initial_state()
         self.applied = 0
         """Records applied to `state` (the shown one is `applied - 1`)."""
-        self.checkpoints: dict[int, TraceState] = {0: copy.deepcopy(self.state)}
+        self.checkpoints: dict[int, tuple] = {0: self._save()}
         self.playing = False
         self.speed_index = SPEEDS.index(1)
         self.snapshot: EngineSnapshot | None = None
         self.sub_title = f"{self.run_dir.name} · {self.header.get('model', '?')}"
+
+    def _save(self) -> tuple:
+        return self.state.checkpoint(), self.state.last_batch
+
+    def _load(self, saved: tuple[object, BatchView | None]) -> TraceState:
+        checkpoint, batch = saved
+        state = TraceState(self.header)
+        state.restore(checkpoint)
+        state.last_batch = batch
+        return state
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -88,17 +95,17 @@ class ReplayApp(ConsoleApp):
         target = position + 1
         if target < self.applied:
             base = max(k for k in self.checkpoints if k <= target)
-            self.state = copy.deepcopy(self.checkpoints[base])
+            self.state = self._load(self.checkpoints[base])
             self.applied = base
         while self.applied < target:
             self.state.apply(self.records[self.applied])
             self.applied += 1
             if self.applied % CHECKPOINT == 0 and self.applied not in self.checkpoints:
-                self.checkpoints[self.applied] = copy.deepcopy(self.state)
+                self.checkpoints[self.applied] = self._save()
         self.show()
 
     def show(self) -> None:
-        snap = self.state.snapshot(self.header)
+        snap = self.state.snapshot()
         self.snapshot = self.latest = snap
         for panel in SNAPSHOT_PANELS:
             self.query_one(panel).show(snap)

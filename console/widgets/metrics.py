@@ -1,9 +1,11 @@
 """Metrics panel: latency percentiles, throughput, KV usage and prefix hit rate over time
-(sparklines, with knob changes marked), and resident requests."""
+(sparklines, with knob changes marked), and resident requests.
+
+Every number and chart comes from the snapshot: the latency figures and the time-bucketed
+history are kept by the engine (`runtime/figures.py`), so the live console and replay of
+the same run draw the same charts."""
 
 from __future__ import annotations
-
-from collections import deque
 
 from rich.console import Group
 from rich.table import Table
@@ -13,6 +15,8 @@ from console.widgets.base import SnapshotPanel
 from runtime.snapshot import EngineSnapshot
 
 BARS = "▁▂▃▄▅▆▇█"
+RATE_WINDOW = 10
+"""History buckets (seconds of engine time) the throughput figure averages over."""
 
 
 def sparkline(values: list[float], marks: set[int], width: int, top: float = 1.0) -> Text:
@@ -36,31 +40,6 @@ class MetricsPanel(SnapshotPanel):
 
     DEFAULT_CSS = "MetricsPanel { height: 1fr; border: round $primary; padding: 0 1; }"
     BORDER_TITLE = "Metrics"
-    HISTORY = 240
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.usage: deque[float] = deque(maxlen=self.HISTORY)
-        self.hits: deque[float] = deque(maxlen=self.HISTORY)
-        self.marks: deque[int] = deque(maxlen=32)
-        self.samples = 0
-        self._finished: deque[tuple[float, int]] = deque(maxlen=self.HISTORY)
-        self.throughput = 0.0
-        """Finished requests per second of engine time over the recent snapshot window."""
-
-    def mark_knob_change(self) -> None:
-        self.marks.append(self.samples)
-
-    def show(self, snap: EngineSnapshot) -> None:
-        """Record the snapshot in the history, then draw."""
-        self.usage.append(snap.kv.usage)
-        self.hits.append(snap.kv.hit_rate)
-        self.samples += 1
-        self._finished.append((snap.time, snap.num_finished))
-        t0, n0 = self._finished[0]
-        if snap.time > t0:
-            self.throughput = (snap.num_finished - n0) / (snap.time - t0)
-        super().show(snap)
 
     def draw(self, snap: EngineSnapshot) -> None:
         r = snap.recent
@@ -70,23 +49,36 @@ class MetricsPanel(SnapshotPanel):
         for name in ("ttft", "itl", "tpot", "e2e"):
             d = r[name]
             table.add_row(name.upper(), ms(d.p50), ms(d.p99))
+        history = list(snap.figures.history) if snap.figures is not None else []
+        bucket_s = snap.figures.bucket_s if snap.figures is not None else 1.0
+        window = history[-RATE_WINDOW:]
+        span = len(window) * bucket_s
+        throughput = sum(b.finished for b in window) / span if span else 0.0
         width = max(self.size.width - 14, 10)
-        offset = self.samples - len(self.usage)
-        marks = {m - offset for m in self.marks}
+        marks = {i for i, b in enumerate(history) if b.knob_change}
+        good = r.get("good_fraction")
+        line = f"throughput {throughput:.2f} req/s"
+        if r.get("has_deadlines") and good is not None:
+            line += f" · goodput {throughput * good:.2f} req/s ({good:.0%} met deadlines)"
         lines = [
             table,
-            Text(f"throughput {self.throughput:.2f} req/s · goodput "
-                 f"{self.throughput * (r.get('good_fraction') or 0):.2f} req/s"
-                 + (f" ({r['good_fraction']:.0%} met deadlines)"
-                    if r.get("good_fraction") is not None else "")),
+            Text(line),
             Text(f"resident {len(snap.running) + len(snap.waiting)} now · mean "
                  + (f"{r['mean_resident']:.1f}" if r.get("mean_resident") is not None
                     else "—") + " vs λ·T "
                  + (f"{r['littles_prediction']:.1f}" if r.get("littles_prediction")
                     is not None else "—") + f" · t = {snap.time:,.1f} s"),
-            Text("KV used  ").append_text(sparkline(list(self.usage), marks, width))
+            Text("KV used  ").append_text(sparkline([b.kv_usage for b in history], marks,
+                                                    width))
             .append(f" {snap.kv.usage:.0%}"),
-            Text("hit rate ").append_text(sparkline(list(self.hits), marks, width))
+            Text("cached   ").append_text(sparkline([b.kv_cached for b in history], marks,
+                                                    width))
+            .append(f" {snap.kv.cached_fraction:.0%}"),
+            Text("hit rate ").append_text(sparkline([b.hit_rate for b in history], marks,
+                                                    width))
             .append(f" {snap.kv.hit_rate:.0%}"),
         ]
+        if snap.lag_s > 0.5:
+            lines.append(Text(f"the simulation is {snap.lag_s:,.1f} s behind its pace",
+                              style="bold yellow"))
         self.update(Group(*lines))

@@ -61,7 +61,7 @@ class PrefixTreePanel(Tree[int]):
                          style="bold yellow" if on_path else "bold")
             if n.num_blocks > 1:
                 label.append(f" {n.num_blocks} blocks", style="dim")
-            label.append(f" users {n.num_users} hits {n.hits} @{n.last_access:.1f}s")
+            label.append(f" users {n.num_users} hits {n.hits} last step {n.last_access}")
             if n.evictable:
                 label.append(" evictable", style="blue")
             if on_path:

@@ -8,7 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Input, Static
 
-from runtime.request import Request
+from runtime.snapshot import TrackedOutput
 
 
 class PromptPanel(Vertical):
@@ -23,14 +23,12 @@ class PromptPanel(Vertical):
                     id="prompt-input")
         yield Static("", id="prompt-output")
 
-    def show_request(self, req: Request | None) -> None:
+    def show_tracked(self, t: TrackedOutput | None) -> None:
+        """Show the followed request's text so far (from the latest snapshot)."""
         out = self.query_one("#prompt-output", Static)
-        if req is None:
+        if t is None:
             out.update("")
             return
-        text = req.output_text
-        body = text if text is not None else " ".join(map(str, req.output_token_ids))
-        line = Text(f"{req.request_id} [{req.status.value}, {req.num_output_tokens} tokens] ",
-                    style="bold")
-        line.append(body.replace("\n", " ⏎ ")[-400:])
+        line = Text(f"{t.request_id} [{t.status}, {t.num_output_tokens} tokens] ", style="bold")
+        line.append(t.text.replace("\n", " ⏎ ")[-400:])
         out.update(line)

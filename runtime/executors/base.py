@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from runtime.plan import SchedulerOutput, StepResult
@@ -9,12 +10,20 @@ from runtime.plan import SchedulerOutput, StepResult
 
 @runtime_checkable
 class Executor(Protocol):
-    """Runs plans. Implementations: `sim` (this package), `torch`, `llama_cpp`."""
+    """Runs plans. Implementations: `sim` (a timing model), `torch` (a GGUF model).
+
+    Errors: raise `errors.StepError` for a failure confined to one step (the step's
+    requests fail, the engine continues); any other exception stops the engine.
+    """
 
     name: str
-    """Registry name: 'sim', 'torch' or 'llama_cpp'."""
+    """Registry name: 'sim' or 'torch'."""
     model_name: str
     """Shown in the console and used in the prefix-cache namespace."""
+    model_path: Path | None
+    """The GGUF file the executor runs (its tokenizer comes from it); None for `sim`."""
+    vocab_size: int
+    """Token ids the executor produces and accepts are below this."""
     max_model_len: int
     """Context limit in tokens."""
     eos_token_ids: tuple[int, ...]
@@ -37,6 +46,10 @@ class Executor(Protocol):
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
                               num_context_tokens: int) -> float:
         """Predicted time of a step with these totals (admission control, eviction value)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """A request reached a final state: drop any per-request state kept for it."""
         ...
 
     def close(self) -> None:

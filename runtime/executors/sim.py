@@ -61,6 +61,7 @@ class SimExecutor:
 
     name = "sim"
     virtual_time = True
+    model_path = None
 
     def __init__(self, config: SimConfig = SimConfig(), seed: int = 0):
         self.config = config
@@ -70,6 +71,7 @@ class SimExecutor:
         self.model_name = f"sim:{self.model.name}@{self.hardware.name}"
         self.max_model_len = self.model.context_length
         self.eos_token_ids = (config.eos_token_id,)
+        self.vocab_size = config.vocab_size
         self.fit = self._resolve_fit()
         self._kv_bytes_per_token = self.model.kv_bytes_per_token()
         self._rid_hash: dict[str, int] = {}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, StepError
 from runtime.executors.paged_kv import KV_DTYPES, PagedBatch, PagedKVCache, paged_attention
 from runtime.models.arch import ModelConfig, model_config
 from runtime.models.gguf import read_gguf
@@ -93,6 +93,7 @@ class TorchExecutor:
         self.model_name = info.name
         self.max_model_len = info.context_length
         self.eos_token_ids = self.cfg.eos_token_ids
+        self.vocab_size = info.vocab_size
         self.kv: PagedKVCache | None = None
         self.kv_format = "fp16"
         self._windows = {self.cfg.window(i) for i in range(info.num_layers)}
@@ -122,8 +123,20 @@ class TorchExecutor:
                               num_context_tokens: int) -> float:
         return self.fit.seconds(num_new_tokens, num_pairs)
 
-    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
+        """Run the plan; running out of memory fails this step only (a `StepError`)."""
+        try:
+            return self._execute(plan)
+        except (torch.cuda.OutOfMemoryError, MemoryError) as e:
+            raise StepError(f"the step ran out of memory on {self.device} ({e})") from e
+        except RuntimeError as e:
+            # The CPU allocator reports exhaustion as a plain RuntimeError.
+            if "can't allocate memory" in str(e) or "out of memory" in str(e):
+                raise StepError(f"the step ran out of memory on {self.device} ({e})") from e
+            raise
+
+    @torch.inference_mode()
+    def _execute(self, plan: SchedulerOutput) -> StepResult:
         assert self.kv is not None, "bind_kv must run before execute"
         t0 = time.perf_counter()
         self.kv.copy_blocks(plan.cow_copies)
@@ -165,6 +178,10 @@ class TorchExecutor:
         timing = StepTiming(seconds, True, plan.num_prefill_tokens, plan.num_decode_tokens,
                             plan.num_pairs, weights + kv_read)
         return StepResult(sampled, timing, logprobs=logprobs)
+
+    def forget(self, request_id: str) -> None:
+        """Nothing is kept per request: KV lives in blocks the engine's tables own, and
+        samplers are seeded afresh from (seed, position) for every token."""
 
     def close(self) -> None:
         self.kv = None

@@ -1,18 +1,37 @@
-"""A fixed pool of KV blocks with reference counts.
+"""A fixed pool of KV blocks with reference counts and a packed per-block state array.
 
 A block's reference count is the number of block-table entries pointing at it plus one if
 the prefix cache holds it. A block with count 0 is free. The pool also knows which blocks the
 prefix cache holds, so it can count the cached blocks no request uses (evictable) without
 asking the tree.
+
+Every change also updates `states`, one byte per block, in place — the block map that
+snapshots copy (a copy of a bytearray, not a pass over the pool):
+
+    FREE 0           no reference
+    PRIVATE 1        one request uses it, not in the prefix cache
+    SHARED 2         two or more requests use it
+    CACHED 3         only the prefix cache holds it: evictable
+    CACHED_ACTIVE 4  in the prefix cache and used by one request
+
+`BlockStates` is the accounting alone (replay rebuilds it from KV events); `BlockPool` adds
+the free list that allocation takes blocks from.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+FREE, PRIVATE, SHARED, CACHED, CACHED_ACTIVE = range(5)
+STATE_NAMES = ("free", "private", "shared", "cached", "cached_active")
 
-class BlockPool:
-    """Physical KV blocks `0 .. num_blocks-1`, their refcounts and the free list."""
+# _CODE[cached][min(refcount, 3)]: the state of a block (a cached block's own reference is
+# the cache's, so its users are refcount − 1).
+_CODE = ((FREE, PRIVATE, SHARED, SHARED), (FREE, CACHED, CACHED_ACTIVE, SHARED))
+
+
+class BlockStates:
+    """Refcounts, cache flags and packed states of blocks `0 .. num_blocks-1`."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
@@ -20,54 +39,69 @@ class BlockPool:
         self.refcount: list[int] = [0] * num_blocks
         self.cached = bytearray(num_blocks)
         """1 where the prefix cache holds the block."""
-        self._free: deque[int] = deque(range(num_blocks))
+        self.states = bytearray(num_blocks)
+        """One state code per block (FREE … CACHED_ACTIVE), kept current in place."""
+        self.num_free = num_blocks
         self.num_cached_only = 0
         """Cached blocks whose only reference is the cache: evictable."""
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
+        self.cache_version = 0
+        """Bumped whenever a cached block's references change (snapshots reuse their
+        prefix-tree summary while it stands still)."""
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
-    def can_take(self) -> bool:
-        return bool(self._free)
-
-    def take(self) -> int:
-        """Remove a free block from the pool with refcount 1; the caller checks `can_take`."""
-        block = self._free.popleft()
-        self.refcount[block] = 1
-        return block
+    @property
+    def num_held(self) -> int:
+        """Blocks some request holds (vLLM's KV usage counts these): used minus evictable."""
+        return self.num_blocks - self.num_free - self.num_cached_only
 
     def incref(self, block: int) -> None:
-        rc = self.refcount[block]
-        if self.cached[block] and rc == 1:
-            self.num_cached_only -= 1
-        self.refcount[block] = rc + 1
+        rc = self.refcount[block] + 1
+        self.refcount[block] = rc
+        c = self.cached[block]
+        if rc == 1:
+            self.num_free -= 1
+        elif c:
+            self.cache_version += 1
+            if rc == 2:
+                self.num_cached_only -= 1
+        self.states[block] = _CODE[c][rc if rc < 3 else 3]
 
     def decref(self, block: int) -> bool:
-        """Drop one reference; True when that returned the block to the free list."""
+        """Drop one reference; True when that freed the block."""
         rc = self.refcount[block] - 1
         self.refcount[block] = rc
         if rc == 0:
             if self.cached[block]:
                 self.cached[block] = 0
                 self.num_cached_only -= 1
-            self._free.append(block)
+                self.cache_version += 1
+            self.num_free += 1
+            self.states[block] = FREE
+            self._freed(block)
             return True
-        if rc == 1 and self.cached[block]:
-            self.num_cached_only += 1
+        c = self.cached[block]
+        if c:
+            self.cache_version += 1
+            if rc == 1:
+                self.num_cached_only += 1
+        self.states[block] = _CODE[c][rc if rc < 3 else 3]
         return False
+
+    def _freed(self, block: int) -> None:
+        """Hook: `block` just became free."""
 
     def mark_cached(self, block: int) -> None:
         """The prefix cache takes a reference on `block`."""
+        self.cached[block] = 1
         rc = self.refcount[block] + 1
         self.refcount[block] = rc
-        self.cached[block] = 1
         if rc == 1:
+            self.num_free -= 1
             self.num_cached_only += 1
+        self.states[block] = _CODE[1][rc if rc < 3 else 3]
 
     def unmark_cached(self, block: int) -> bool:
         """The prefix cache drops its reference; True when the block became free."""
@@ -77,16 +111,43 @@ class BlockPool:
         return self.decref(block)
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless free list, refcounts and cache flags agree."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
+        """Raise AssertionError unless refcounts, cache flags, states and counts agree."""
+        rc, cached = self.refcount, self.cached
         for b in range(self.num_blocks):
-            rc = self.refcount[b]
-            assert rc >= 0, f"block {b} has negative refcount {rc}"
-            assert (rc == 0) == (b in free), f"block {b}: refcount {rc}, free={b in free}"
-            assert not (self.cached[b] and rc == 0), f"block {b} is cached but unreferenced"
-        cached_only = sum(1 for b in range(self.num_blocks)
-                          if self.cached[b] and self.refcount[b] == 1)
+            assert rc[b] >= 0, f"block {b} has negative refcount {rc[b]}"
+            assert not (cached[b] and rc[b] == 0), f"block {b} is cached but unreferenced"
+            assert self.states[b] == _CODE[cached[b]][min(rc[b], 3)], \
+                f"block {b}: state {self.states[b]} disagrees with refcount {rc[b]}"
+        assert self.num_free == rc.count(0), "free count disagrees with refcounts"
+        cached_only = sum(1 for b in range(self.num_blocks) if cached[b] and rc[b] == 1)
         assert cached_only == self.num_cached_only, \
             f"evictable count {self.num_cached_only} != actual {cached_only}"
-        assert self.num_free + self.num_used == self.num_blocks
+
+
+class BlockPool(BlockStates):
+    """`BlockStates` plus the free list allocation takes blocks from."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size)
+        self._free: deque[int] = deque(range(num_blocks))
+
+    def can_take(self) -> bool:
+        return bool(self._free)
+
+    def take(self) -> int:
+        """Remove a free block from the pool with refcount 1; the caller checks `can_take`."""
+        block = self._free.popleft()
+        self.refcount[block] = 1
+        self.num_free -= 1
+        self.states[block] = PRIVATE
+        return block
+
+    def _freed(self, block: int) -> None:
+        self._free.append(block)
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        assert len(free) == self.num_free, "free list disagrees with the free count"
+        assert all(self.refcount[b] == 0 for b in free), "a referenced block is on the free list"

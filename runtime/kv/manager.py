@@ -4,16 +4,9 @@
 executors block tables (read-only lists of physical block ids, one per `block_size` tokens)
 and copy-on-write instructions; executors never decide placement.
 
-Every change is also appended to `events` as a tuple, so an iteration trace can rebuild the
-block map without a model:
-
-    ("ref", rid, index, block)    table[rid][index] = block (a new entry, or a replacement)
-    ("unref", rid, index, block)  the entry at `index` (always the last) is dropped
-    ("cow", rid, src, dst)        block `src` was copied into `dst` (already in the table)
-    ("cache", node_id, parent_id, block, end_token)
-    ("evict", node_id, block)
-    ("hit", rid, num_tokens)
-    ("reserve", rid, delta)       change in blocks promised to rid (full reservation)
+Every change is also appended to `events` as a typed KV event (`runtime/records.py`: Ref,
+Unref, Cow, Cache, Evict, Hit, Reserve), so an iteration trace can rebuild the block map,
+the prefix tree and every block table without a model.
 
 Blocks referenced by a step that is still executing are not reused: a release while
 `in_flight` is set is deferred until `end_step()`.
@@ -26,9 +19,8 @@ from collections.abc import Callable
 from runtime.kv.block_pool import BlockPool
 from runtime.kv.formats import blocks_for_tokens
 from runtime.kv.prefix_tree import PrefixNode, PrefixTree, default_recompute_cost
+from runtime.records import Cache, Cow, Hit, KVEvent, Ref, Reserve, Unref
 from runtime.request import Request
-
-Event = tuple
 
 
 class BlockManager:
@@ -38,16 +30,17 @@ class BlockManager:
                  cache_capacity: int = 0, eviction_policy: str = "lru",
                  namespace: str = "default", bytes_per_block: int = 1,
                  recompute_cost: Callable[[int, int], float] = default_recompute_cost,
-                 clock: Callable[[], float] = lambda: 0.0):
+                 clock: Callable[[], int] = lambda: 0):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size)
-        self.events: list[Event] = []
+        self.events: list[KVEvent] = []
         self.tree = PrefixTree(self.pool, cache_capacity, eviction_policy, recompute_cost,
                                bytes_per_block, events=self.events)
         self.enable_caching = enable_caching
         self.namespace = namespace
         self.bytes_per_block = bytes_per_block
         self.clock = clock
+        """The engine's step number: the prefix tree's notion of recency."""
         self.tables: dict[str, list[int]] = {}
         self.reserved: dict[str, int] = {}
         self.num_reserved = 0
@@ -100,7 +93,7 @@ class BlockManager:
         """The cached nodes an admission of `req` would reuse now (no side effects)."""
         if not self.enable_caching:
             return []
-        return self.tree.match(self.namespace, self._reusable(req), 0.0, record=False)
+        return self.tree.match(self.namespace, self._reusable(req))
 
     def peek_prefix(self, req: Request) -> int:
         """Cached tokens an admission of `req` would reuse now (no side effects)."""
@@ -132,23 +125,25 @@ class BlockManager:
         self.tables[rid] = table = []
         chain: list[PrefixNode] = []
         if self.enable_caching:
-            chain = self.tree.match(self.namespace, self._reusable(req), self.clock())
+            reusable = self._reusable(req)
+            chain = self.tree.match(self.namespace, reusable)
+            self.tree.record_lookup(chain, len(reusable), self.clock())
         for node in chain:
             self.pool.incref(node.block)
             self.tree.on_block_used(node.block)
-            self.events.append(("ref", rid, len(table), node.block))
+            self.events.append(Ref(rid, len(table), node.block))
             table.append(node.block)
         self._chains[rid] = chain
         hit = len(chain) * self.block_size
         req.num_computed_tokens = hit
         req.num_cached_tokens = hit
         if self.enable_caching:
-            self.events.append(("hit", rid, hit))
+            self.events.append(Hit(rid, hit))
         if reserve_full:
             promise = self.blocks_needed(req.max_total_tokens) - len(table)
             self.reserved[rid] = promise
             self.num_reserved += promise
-            self.events.append(("reserve", rid, promise))
+            self.events.append(Reserve(rid, promise))
         return self.allocate(req, num_new_tokens)
 
     def try_allocate(self, req: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
@@ -198,15 +193,15 @@ class BlockManager:
             src = table[idx]
             dst = self._take_for(rid)
             table[idx] = dst
-            self.events.append(("ref", rid, idx, dst))
-            self.events.append(("cow", rid, src, dst))
+            self.events.append(Ref(rid, idx, dst))
+            self.events.append(Cow(rid, src, dst))
             self._drop(src)
             cows.append((src, dst))
             self.num_cow_copies += 1
         target = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
         while len(table) < target:
             block = self._take_for(rid)
-            self.events.append(("ref", rid, len(table), block))
+            self.events.append(Ref(rid, len(table), block))
             table.append(block)
         return cows
 
@@ -215,7 +210,7 @@ class BlockManager:
         if promised:
             self.reserved[rid] = promised - 1
             self.num_reserved -= 1
-            self.events.append(("reserve", rid, -1))
+            self.events.append(Reserve(rid, -1))
         return self._take()
 
     def _drop(self, block: int) -> None:
@@ -259,14 +254,14 @@ class BlockManager:
             if node is None:
                 return  # at capacity with nothing evictable: stays private
             if node.block == table[k]:
-                self.events.append(("cache", node.node_id, parent.node_id if parent else 0,
-                                    node.block, node.depth_tokens))
+                self.events.append(Cache(node.node_id, parent.node_id if parent else 0,
+                                         node.block, node.depth_tokens))
             else:
                 self.pool.incref(node.block)
                 self.tree.on_block_used(node.block)
                 old = table[k]
                 table[k] = node.block
-                self.events.append(("ref", rid, k, node.block))
+                self.events.append(Ref(rid, k, node.block))
                 self._drop(old)
             chain.append(node)
 
@@ -282,7 +277,7 @@ class BlockManager:
         for i, block in enumerate(src):
             self.pool.incref(block)
             self.tree.on_block_used(block)
-            self.events.append(("ref", cid, i, block))
+            self.events.append(Ref(cid, i, block))
         self._chains[cid] = list(self._chains.get(parent.request_id, []))
         child.num_computed_tokens = parent.num_computed_tokens
 
@@ -299,7 +294,7 @@ class BlockManager:
 
     def _unref_last(self, rid: str, table: list[int]) -> None:
         block = table.pop()
-        self.events.append(("unref", rid, len(table), block))
+        self.events.append(Unref(rid, len(table), block))
         self._drop(block)
 
     def release(self, req: Request) -> None:
@@ -318,7 +313,7 @@ class BlockManager:
         promised = self.reserved.pop(rid, 0)
         if promised:
             self.num_reserved -= promised
-            self.events.append(("reserve", rid, -promised))
+            self.events.append(Reserve(rid, -promised))
         self._chains.pop(rid, None)
 
     def begin_step(self) -> None:
@@ -336,7 +331,7 @@ class BlockManager:
         """Evict every cached block no request uses."""
         return self.tree.clear()
 
-    def take_events(self) -> list[Event]:
+    def take_events(self) -> list[KVEvent]:
         """The events since the last call (the list object stays shared with the tree)."""
         events = self.events[:]
         self.events.clear()
@@ -350,8 +345,9 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks not free (cached blocks count as used, as in vLLM)."""
-        return self.pool.num_used / self.pool.num_blocks
+        """Fraction of blocks held by requests, as vLLM's `kv_cache_usage_perc` counts them:
+        blocks only the prefix cache keeps are free for allocation and not counted."""
+        return self.pool.num_held / self.pool.num_blocks
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless refcounts equal table entries plus cache references,

@@ -9,23 +9,27 @@ request uses is *evictable*; only leaves are evicted, so an evicted parent never
 child. Because requests always reference a whole chain from the root, a node no request uses
 has no used descendants, and every evictable node becomes a leaf once its subtree is evicted.
 
+Times (`last_access`) are engine step numbers: what LRU needs is an order, and step numbers
+are in the iteration trace, so replay rebuilds exactly the tree the live engine had.
+
 Eviction policies:
 
 - `lru`: least recently used leaf first (a lazy heap keyed by last access).
-- `value`: lowest retention value first, `V_h = p_h·(T_r − T_f) − T_m` per byte (DESIGN.md),
-  with `p_h` estimated from the node's hits over the lookups since it was created, `T_r` the
-  executor's estimate to recompute the block on top of its prefix, and `T_f = T_m = 0` on the
-  device tier.
+- `value`: lowest retention value first, `V_h = p_h·(T_r − T_f) − T_m` per byte
+  (docs/architecture.md, "Prefix retention"), with `p_h` estimated from the node's hits over
+  the lookups since it was created, `T_r` the executor's estimate to recompute the block on
+  top of its prefix, and `T_f = T_m = 0` on the device tier.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from runtime.kv.block_pool import BlockPool
+from runtime.kv.block_pool import BlockStates
+from runtime.records import Evict
 
 RecomputeCost = Callable[[int, int], float]
 """(tokens before the block, tokens in the block) -> seconds to recompute it."""
@@ -43,11 +47,13 @@ class PrefixNode:
     node_id: int
     parent: PrefixNode | None
     key: tuple[int, ...]
+    """The block's tokens (replay, which has no tokens, keys nodes by their id instead)."""
     block: int
     depth_tokens: int
     """Tokens from the root through the end of this block."""
     created_lookup: int
-    last_access: float
+    last_access: int
+    """Engine step of the last use."""
     hits: int = 0
     children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
 
@@ -68,16 +74,17 @@ class NodeSummary:
     num_users: int
     """Block-table references (requests using the blocks), not counting the cache's own."""
     hits: int
-    last_access: float
+    last_access: int
+    """Engine step of the segment's most recent use."""
     evictable: bool
 
 
 class PrefixTree:
     """Index of cached full blocks with hit accounting and eviction."""
 
-    def __init__(self, pool: BlockPool, capacity: int = 0, policy: str = "lru",
+    def __init__(self, pool: BlockStates, capacity: int = 0, policy: str = "lru",
                  recompute_cost: RecomputeCost = default_recompute_cost,
-                 bytes_per_block: int = 1, events: list[tuple] | None = None):
+                 bytes_per_block: int = 1, events: list | None = None):
         self.pool = pool
         self.block_size = pool.block_size
         self.capacity = capacity
@@ -86,32 +93,32 @@ class PrefixTree:
         self.bytes_per_block = bytes_per_block
         self.roots: dict[str, PrefixNode] = {}
         self.node_of_block: dict[int, PrefixNode] = {}
+        self.nodes: dict[int, PrefixNode] = {}
         self._ids = itertools.count(1)
-        self._heap: list[tuple[float, int, PrefixNode]] = []
+        self._heap: list[tuple[int, int, PrefixNode]] = []
         self._leaves: set[PrefixNode] = set()
         """Evictable leaves: cache-only block, no children."""
         self.num_lookups = 0
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
         self.num_evictions = 0
+        self.version = 0
+        """Bumped on every change of structure or hits (see BlockStates.cache_version)."""
         self.events = events if events is not None else []
-        """Eviction events, ("evict", node_id, block), appended as they happen."""
+        """Eviction events (`records.Evict`), appended as they happen."""
 
     # -- lookup -----------------------------------------------------------------------------
 
     def root(self, namespace: str) -> PrefixNode:
         node = self.roots.get(namespace)
         if node is None:
-            node = PrefixNode(0, None, (), -1, 0, 0, 0.0)
+            node = PrefixNode(0, None, (), -1, 0, 0, 0)
             self.roots[namespace] = node
         return node
 
-    def match(self, namespace: str, tokens: list[int], now: float,
-              record: bool = True) -> list[PrefixNode]:
-        """The chain of cached nodes covering the longest full-block prefix of `tokens`.
-
-        With `record`, the lookup counts towards hit statistics and touches the nodes.
-        """
+    def match(self, namespace: str, tokens: list[int]) -> list[PrefixNode]:
+        """The chain of cached nodes covering the longest full-block prefix of `tokens`
+        (no side effects; `record_lookup` counts a lookup that is acted on)."""
         p = self.block_size
         node = self.root(namespace)
         chain: list[PrefixNode] = []
@@ -121,20 +128,24 @@ class PrefixTree:
                 break
             chain.append(child)
             node = child
-        if record:
-            self.num_lookups += 1
-            self.num_query_tokens += len(tokens)
-            self.num_hit_tokens += len(chain) * p
-            for n in chain:
-                n.hits += 1
-                n.last_access = now
-                self._leaves.discard(n)
         return chain
+
+    def record_lookup(self, chain: list[PrefixNode], num_query_tokens: int, now: int) -> None:
+        """Count a lookup of `num_query_tokens` tokens that reused `chain`: hit statistics,
+        and the nodes are touched (and, being used now, no longer evictable)."""
+        self.num_lookups += 1
+        self.num_query_tokens += num_query_tokens
+        self.num_hit_tokens += len(chain) * self.block_size
+        for n in chain:
+            n.hits += 1
+            n.last_access = now
+            self._leaves.discard(n)
+        self.version += 1
 
     # -- insertion --------------------------------------------------------------------------
 
     def insert(self, namespace: str, parent: PrefixNode | None, key: tuple[int, ...],
-               block: int, now: float) -> PrefixNode | None:
+               block: int, now: int) -> PrefixNode | None:
         """Cache `block` (holding `key`) under `parent` (None: the root).
 
         Returns the node for that prefix: an existing one when the content is already cached
@@ -145,18 +156,53 @@ class PrefixTree:
         existing = parent.children.get(key)
         if existing is not None:
             existing.last_access = now
+            self.version += 1
             return existing
         if self.capacity and len(self.node_of_block) >= self.capacity:
             if self.evict_one() is None:
                 return None
-        node = PrefixNode(next(self._ids), parent, key, block,
-                          parent.depth_tokens + len(key), self.num_lookups, now)
+        return self._add(next(self._ids), parent, key, block, now, self.num_lookups)
+
+    def _add(self, node_id: int, parent: PrefixNode, key: tuple[int, ...], block: int,
+             now: int, created_lookup: int) -> PrefixNode:
+        node = PrefixNode(node_id, parent, key, block, parent.depth_tokens + self.block_size,
+                          created_lookup, now)
         parent.children[key] = node
         self._leaves.discard(parent)
         self.node_of_block[block] = node
+        self.nodes[node_id] = node
         self.pool.mark_cached(block)
         self._note_if_evictable(node)
+        self.version += 1
         return node
+
+    def restore(self, node_id: int, parent_id: int, block: int, now: int,
+                created_lookup: int = 0) -> PrefixNode:
+        """Re-create a node with a known id under a known parent (replay, which has the
+        trace's ids but not the tokens: the node is keyed by its id)."""
+        parent = self.nodes[parent_id] if parent_id else self.root("replay")
+        node = self._add(node_id, parent, (node_id,), block, now, created_lookup)
+        self._ids = itertools.count(max(node_id + 1, next(self._ids)))
+        return node
+
+    def export(self) -> tuple[list[list[int]], dict[str, int]]:
+        """The tree as checkpoint data: [node id, parent id, block, end token, hits, last
+        access, created lookup] per node (parents first), and the lookup counters."""
+        nodes = [[n.node_id, n.parent.node_id if n.parent and n.parent.block >= 0 else 0,
+                  n.block, n.depth_tokens, n.hits, n.last_access, n.created_lookup]
+                 for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]
+        counters = {"lookups": self.num_lookups, "query_tokens": self.num_query_tokens,
+                    "hit_tokens": self.num_hit_tokens, "evictions": self.num_evictions}
+        return nodes, counters
+
+    def load(self, nodes: list[list[int]], counters: dict[str, int]) -> None:
+        """Rebuild from `export()` data into an empty tree (replay)."""
+        for node_id, parent_id, block, _end, hits, last_access, created in nodes:
+            self.restore(node_id, parent_id, block, last_access, created).hits = hits
+        self.num_lookups = counters["lookups"]
+        self.num_query_tokens = counters["query_tokens"]
+        self.num_hit_tokens = counters["hit_tokens"]
+        self.num_evictions = counters["evictions"]
 
     # -- eviction ---------------------------------------------------------------------------
 
@@ -167,7 +213,7 @@ class PrefixTree:
             self._leaves.add(node)
             heapq.heappush(self._heap, (node.last_access, node.node_id, node))
 
-    def on_block_released(self, block: int, now: float) -> None:
+    def on_block_released(self, block: int, now: int) -> None:
         """A request dropped its reference to `block`; note it if it became evictable."""
         node = self.node_of_block.get(block)
         if node is not None:
@@ -190,7 +236,7 @@ class PrefixTree:
         """`V_h` per byte for a device-resident block: hit probability × recompute time."""
         lookups = self.num_lookups - node.created_lookup
         p_hit = (node.hits + 1) / (lookups + 2)
-        t_recompute = self.recompute_cost(node.depth_tokens - len(node.key), len(node.key))
+        t_recompute = self.recompute_cost(node.depth_tokens - self.block_size, self.block_size)
         return p_hit * t_recompute / self.bytes_per_block
 
     def _pick_victim(self) -> PrefixNode | None:
@@ -212,17 +258,23 @@ class PrefixTree:
         node = self._pick_victim()
         if node is None:
             return None
+        self.evict(node)
+        return node.block
+
+    def evict(self, node: PrefixNode) -> None:
+        """Remove leaf `node` (its block only the cache holds) and free its block."""
         self._leaves.discard(node)
         parent = node.parent
-        assert parent is not None
+        assert parent is not None and not node.children
         del parent.children[node.key]
         del self.node_of_block[node.block]
+        del self.nodes[node.node_id]
         freed = self.pool.unmark_cached(node.block)
         assert freed, "an evictable block must have no other reference"
         self.num_evictions += 1
-        self.events.append(("evict", node.node_id, node.block))
+        self.version += 1
+        self.events.append(Evict(node.node_id, node.block))
         self._note_if_evictable(parent)
-        return node.block
 
     def clear(self) -> int:
         """Evict everything evictable; returns how many blocks were freed."""
@@ -244,24 +296,25 @@ class PrefixTree:
     def summary(self, limit: int = 256) -> list[NodeSummary]:
         """Up to `limit` segments, depth first, the most used and most hit siblings first."""
         out: list[NodeSummary] = []
-        pool = self.pool
+        rc = self.pool.refcount
+        p = self.block_size
 
-        def order(nodes):
-            return sorted(nodes, key=lambda n: (-pool.refcount[n.block], -n.hits, n.node_id))
+        def order(nodes: Iterable[PrefixNode]) -> list[PrefixNode]:
+            return sorted(nodes, key=lambda n: (-rc[n.block], -n.hits, n.node_id))
 
         stack = [(c, 0) for r in self.roots.values() for c in reversed(order(r.children.values()))]
         while stack and len(out) < limit:
             first, parent_id = stack.pop()
-            users = pool.refcount[first.block] - 1
+            users = rc[first.block] - 1
             last, n, hits, access = first, 1, first.hits, first.last_access
             while len(last.children) == 1:
                 (child,) = last.children.values()
-                if pool.refcount[child.block] - 1 != users:
+                if rc[child.block] - 1 != users:
                     break
                 last, n = child, n + 1
                 hits, access = max(hits, child.hits), max(access, child.last_access)
             out.append(NodeSummary(first.node_id, parent_id, first.block,
-                                   first.depth_tokens - len(first.key), last.depth_tokens, n,
+                                   first.depth_tokens - p, last.depth_tokens, n,
                                    users, hits, access, users == 0))
             stack.extend((c, first.node_id) for c in reversed(order(last.children.values())))
         return out
@@ -275,9 +328,9 @@ class PrefixTree:
             assert n.block not in seen, f"block {n.block} appears twice in the tree"
             seen.add(n.block)
             assert self.node_of_block.get(n.block) is n, f"node {n.node_id} not indexed"
+            assert self.nodes.get(n.node_id) is n, f"node {n.node_id} not indexed by id"
             assert self.pool.cached[n.block], f"block {n.block} in tree but not flagged cached"
             assert self.pool.refcount[n.block] >= 1
-            assert len(n.key) == self.block_size
             assert n.parent is not None and n.parent.children.get(n.key) is n
             assert n.depth_tokens == n.parent.depth_tokens + self.block_size
             rc = self.pool.refcount[n.block]
@@ -289,6 +342,7 @@ class PrefixTree:
             assert (n in self._leaves) == is_leaf, f"node {n.node_id} leaf-set mismatch"
             stack.extend(n.children.values())
         assert seen == set(self.node_of_block), "block index holds nodes not in the tree"
+        assert len(self.nodes) == len(seen), "id index holds nodes not in the tree"
         flagged = {b for b in range(self.pool.num_blocks) if self.pool.cached[b]}
         assert flagged == seen, "pool cache flags disagree with the tree"
         if self.capacity and len(seen) > self.capacity:

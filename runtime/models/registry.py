@@ -27,13 +27,9 @@ from pathlib import Path
 
 from runtime.errors import ModelFileError, ModelNotFoundError
 from runtime.models.gguf import GGUF_MAGIC, read_gguf
+from runtime.resources import cache_dir
 
 DEFAULT_MODEL = "gemma3-270m"
-
-
-def cache_dir() -> Path:
-    """Where kvdeck keeps assembled models and other derived files."""
-    return Path(os.environ.get("KVDECK_CACHE", Path.home() / ".cache" / "kvdeck"))
 
 
 def user_models_dir() -> Path:

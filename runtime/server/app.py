@@ -9,6 +9,7 @@ aborts its request; its blocks come back after the in-flight step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -22,10 +23,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 from runtime.engine import Engine
-from runtime.errors import ConfigError, QueueFullError, RequestError
+from runtime.engine_loop import EngineLoop
+from runtime.errors import ConfigError, EngineFailedError, QueueFullError, RequestError
 from runtime.request import RequestStatus, SamplingParams
 from runtime.server.metrics import ServerMetrics
 from runtime.server.streams import OutputHub
+from runtime.settings import Settings
 from runtime.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 4 << 20
@@ -70,12 +73,20 @@ def error(status: int, message: str, kind: str = "invalid_request_error",
         "message": message, "type": kind, "param": param, "code": status}})
 
 
-def create_app(engine: Engine, tokenizer: Tokenizer, model_id: str,
-               api_key: str | None = None) -> FastAPI:
-    """The API for one engine (whose loop the caller runs) serving one model."""
+def config_json(settings: Settings | None, engine: Engine) -> dict:
+    """The resolved settings and the engine's configuration as JSON."""
+    return {"settings": settings.flat() if settings is not None else None,
+            "engine": dataclasses.asdict(engine.config),
+            "num_blocks": engine.kv.num_blocks, "max_model_len": engine.max_model_len}
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer, model_id: str, loop: EngineLoop, *,
+               api_key: str | None = None, settings: Settings | None = None) -> FastAPI:
+    """The API for one engine serving one model; `loop` (which the caller runs) publishes
+    the snapshots /metrics and /health read."""
     app = FastAPI(title="kvdeck", docs_url=None, redoc_url=None)
     hub = OutputHub(engine)
-    metrics = ServerMetrics(engine, model_id)
+    metrics = ServerMetrics(loop, model_id)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -97,9 +108,33 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_id: str,
             return error(400, "The request body is not valid JSON.", param="body")
         return error(400, f"Invalid value for '{field}': {first['msg']}.", param=field)
 
+    def unavailable() -> JSONResponse | None:
+        """503 with the reason while the engine cannot serve (failed or paused), as the
+        latest snapshot says."""
+        snap = loop.latest
+        if snap is None:
+            return None
+        if snap.failure is not None:
+            where = f" (traceback in {snap.failure.log_path})" if snap.failure.log_path else ""
+            return error(503, f"The engine has stopped: {snap.failure.message}{where}.",
+                         "service_unavailable")
+        if snap.paused:
+            return error(503, "The engine is paused by its operator; retry when it resumes.",
+                         "service_unavailable")
+        return None
+
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        down = unavailable()
+        if down is not None:
+            status = "paused" if loop.latest.failure is None else "failed"
+            return JSONResponse(status_code=503, content={
+                "status": status, "reason": json.loads(down.body)["error"]["message"]})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/kvdeck/config")
+    async def kvdeck_config() -> dict:
+        return config_json(settings, engine)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -131,6 +166,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_id: str,
         if body.model != model_id:
             return error(404, f"The model '{body.model}' does not exist; this server serves "
                               f"'{model_id}'.", param="model")
+        down = unavailable()
+        if down is not None:
+            return down
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         room = engine.max_model_len - len(prompt)
         try:
@@ -147,6 +185,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_id: str,
             return error(400, str(e))
         except QueueFullError as e:
             return error(429, str(e), "rate_limit_error")
+        except EngineFailedError as e:
+            return error(503, str(e), "service_unavailable")
         stream = hub.watch(req)
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"

@@ -5,38 +5,49 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import uvicorn
 
-from runtime.engine import Engine
 from runtime.engine_loop import EngineLoop
 from runtime.server.app import create_app
-from runtime.tokenizer import Tokenizer
+from runtime.session import Session
 
 
 class ApiServer:
     """An engine loop plus a uvicorn server on `host:port` (127.0.0.1 unless asked)."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_id: str,
-                 host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                 loop: EngineLoop | None = None):
+    def __init__(self, session: Session, host: str = "127.0.0.1", port: int = 8000,
+                 api_key: str | None = None, loop: EngineLoop | None = None):
         """`loop`: an engine loop someone else runs (the console's); by default the server
         runs its own."""
-        self.engine = engine
+        self.session = session
+        self.engine = session.engine
         self.owns_loop = loop is None
-        self.loop = loop or EngineLoop(engine)
-        self.app = create_app(engine, tokenizer, model_id, api_key)
+        self.loop = loop or EngineLoop(session.engine)
+        self.app = create_app(session.engine, session.tokenizer, session.model_id, self.loop,
+                              api_key=api_key, settings=session.settings)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
                                                     log_level="warning"))
         self._thread: threading.Thread | None = None
 
-    def run(self) -> None:
-        """Serve in the foreground until interrupted."""
+    def run(self, on_listening: Callable[[int], None] | None = None) -> None:
+        """Serve in the foreground until interrupted; `on_listening(port)` once the socket
+        listens."""
         self.loop.start()
+        if on_listening is not None:
+            def announce() -> None:
+                while not self.server.started and not self.server.should_exit:
+                    time.sleep(0.02)
+                if self.server.started:
+                    on_listening(self.port)
+
+            threading.Thread(target=announce, daemon=True).start()
         try:
             self.server.run()
         finally:
             self.loop.stop()
+            self.session.close()
 
     def start(self) -> ApiServer:
         """Serve from a background thread; returns once the socket is listening."""

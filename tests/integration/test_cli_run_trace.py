@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.recording import read_iterations
+from runtime.recording import read_run
 from tests.paths import AZURE_CONV, MOONCAKE
 
 
@@ -45,7 +45,7 @@ def test_azure_conv_runs_and_records(tmp_path: Path) -> None:
                "--record", str(tmp_path / "run"), "-o", str(out_a))
     assert r.returncode == 0, r.stderr
     assert "completion throughput" in r.stdout and "TTFT p99" in r.stdout
-    header, records = read_iterations(tmp_path / "run")
+    header, records = read_run(tmp_path / "run")
     assert header["num_blocks"] > 0 and records
     assert len((tmp_path / "run" / "arrivals.jsonl").read_text().splitlines()) == 120
     per_req = json.loads(out_a.read_text())["requests"]
@@ -71,7 +71,7 @@ def test_azure_conv_runs_and_records(tmp_path: Path) -> None:
      "Trace file /nonexistent.jsonl does not exist; sample traces are azure-conv, azure-code, "
      "mooncake-conversation."),
     (["run-trace", str(AZURE_CONV), "--executor", "vllm"],
-     "Unknown executor 'vllm'; available executors: sim, torch."),
+     "executor must be one of sim, torch, got 'vllm'."),
     (["compare", "/nope-a.json", "/nope-b.json"], "Result file /nope-a.json does not exist."),
 ])
 def test_bad_arguments(args: list[str], message: str) -> None:

@@ -3,21 +3,30 @@ and the executor-failure contract."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from runtime.config import EngineConfig, Knobs
 from runtime.engine import Engine
-from runtime.errors import ConfigError, QueueFullError, RequestError
+from runtime.errors import (
+    ConfigError,
+    EngineFailedError,
+    QueueFullError,
+    RequestError,
+    RunFormatError,
+    StepError,
+)
 from runtime.executors.sim import SimConfig, SimExecutor
 from runtime.plan import SchedulerOutput, StepResult
-from runtime.recording import Recorder, read_iterations
-from runtime.replay import TraceState
+from runtime.recording import read_run, record_headless
+from runtime.records import StepRecord
+from runtime.replay import Replay
 from runtime.request import RequestStatus, SamplingParams
 from runtime.runner import run_arrivals
-from runtime.snapshot import CACHED, FREE, SHARED
-from runtime.trace import Arrival
+from runtime.snapshot import EngineSnapshot
+from runtime.trace import Arrival, synthesize_tokens
 
 KNOBS = Knobs(max_num_batched_tokens=512, chunk_size=128, max_num_seqs=16)
 
@@ -36,7 +45,7 @@ def workload(n: int = 40) -> list[Arrival]:
 
 def record_run(tmp: Path, seed: int = 7) -> bytes:
     e = small_engine(seed=seed)
-    rec = Recorder(tmp, e)
+    rec = record_headless(e, tmp)
     run_arrivals(e, workload(), vocab_size=32_000, on_arrival=rec.arrival)
     rec.close()
     e.check_integrity()
@@ -52,32 +61,116 @@ def test_same_seed_gives_byte_identical_traces(tmp_path: Path) -> None:
         (tmp_path / "b" / "arrivals.jsonl").read_bytes()
 
 
-def test_trace_rebuilds_every_snapshot(tmp_path: Path) -> None:
-    e = small_engine(num_blocks=60)  # small pool: evictions, preemptions and sharing happen
-    rec = Recorder(tmp_path, e)
-    live: dict[int, tuple[bytes, int]] = {}
+def view_of(snap: EngineSnapshot) -> dict:
+    """What must agree between a live snapshot and its replay: every block's state, the
+    prefix tree, each request's progress, and the figures computed from request timings."""
+    def requests(views):
+        return sorted((v.request_id, v.status, v.computed_tokens, v.output_tokens,
+                       v.cached_tokens, v.admitted_time, v.num_preemptions, v.block_table)
+                      for v in views)
+    f = snap.figures
+    return {"states": snap.kv.states, "prefix": snap.prefix_nodes,
+            "running": requests(snap.running), "waiting": requests(snap.waiting),
+            "recent": {k: v for k, v in snap.recent.items()},
+            "counts": (snap.num_finished, snap.num_rejected, snap.num_aborted,
+                       snap.num_preemptions, snap.kv.num_evictions, snap.kv.num_cow_copies,
+                       snap.kv.num_reserved, snap.kv.hit_rate),
+            "figures": (f.status_counts, f.histograms, f.num_good, f.prompt_tokens,
+                        f.generation_tokens, f.history)}
 
-    def capture(engine: Engine) -> None:
-        snap = engine.snapshot()
-        live[snap.step - 1] = (snap.kv.states, len(snap.running))
 
-    run_arrivals(e, workload(), vocab_size=32_000, on_step=capture)
+def drive(e: Engine, steps: int, live: list[dict], fork_at: int | None = None) -> None:
+    """Step `e` (the test is its engine thread), capturing a view after every step; at
+    step `fork_at`, branch a running request so copy-on-write happens."""
+    for _ in range(steps):
+        if fork_at is not None and e.step_count == fork_at:
+            parent = next(r for r in e.scheduler.running
+                          if r.num_computed_tokens % e.config.block_size)
+            e.fork(parent, parent.request_id + "-fork")
+        if e.step() is not None:
+            e.check_integrity()
+            live.append(view_of(e.snapshot()))
+        if not e.has_work:
+            break
+
+
+def every_event_kind(records) -> set[str]:
+    return {ev.kind for r in records if isinstance(r, StepRecord) for ev in r.kv}
+
+
+def test_replay_rebuilds_every_step_with_every_event_kind(tmp_path: Path) -> None:
+    # A small pool: evictions, preemptions and sharing happen; full reservation for a while
+    # (reserve events); a fork makes a copy-on-write; an abort and a rejection end requests.
+    e = small_engine(knobs=Knobs(max_num_batched_tokens=512, chunk_size=128, max_num_seqs=16,
+                                 reservation="full"), num_blocks=60)
+    rec = record_headless(e, tmp_path)
+    for i, a in enumerate(workload()):
+        e.add_request(synthesize_tokens(a, i, 32_000), SamplingParams(max_tokens=a.output_len),
+                      request_id=f"r{i}", arrival_time=a.arrival_s)
+    e.add_request([9] * 700, SamplingParams(max_tokens=10), request_id="too-big")
+    live: list[dict] = []
+    drive(e, 40, live, fork_at=12)
+    e.set_knobs(reservation="lazy", eviction_policy="value")
+    e.abort("r39", "client went away")
+    drive(e, 100_000, live)
     rec.close()
-    header, records = read_iterations(tmp_path)
-    state = TraceState.from_header(header)
-    checked = 0
-    seen_states: set[int] = set()
-    for r in records:
-        state.apply(r)
-        if r["step"] in live and "plan" in r:
-            states, num_running = live[r["step"]]
-            assert state.block_states() == states, f"block map differs at step {r['step']}"
-            running = [q for q in state.requests.values() if q.status == "running"]
-            assert len(running) == num_running
-            seen_states |= set(states)
-            checked += 1
-    assert checked > 50
-    assert {FREE, SHARED, CACHED} <= seen_states  # the run exercised sharing and caching
+    _, records = read_run(tmp_path)
+    assert every_event_kind(records) == {"ref", "unref", "cow", "cache", "evict", "hit",
+                                         "reserve"}
+    replay = Replay(*read_run(tmp_path))
+    state = replay.initial_state()
+    assert len(replay.steps) == len(live) > 50
+    for step, (record, expected) in enumerate(zip(replay.steps, live, strict=True)):
+        state.apply(record)
+        state.check_integrity()
+        got = view_of(state.snapshot())
+        for key in expected:
+            assert got[key] == expected[key], f"{key} differs after record {step}"
+    statuses = {r.request_id: r.status for r in e.completed}
+    assert statuses["too-big"] is RequestStatus.REJECTED
+    assert statuses["r39"] is RequestStatus.ABORTED
+    assert e.scheduler.num_preemptions > 0 and e.kv.tree.num_evictions > 0
+
+
+def test_recording_started_mid_run_replays_from_its_checkpoint(tmp_path: Path) -> None:
+    e = small_engine(num_blocks=60)
+    for i, a in enumerate(workload()):
+        e.add_request(synthesize_tokens(a, i, 32_000), SamplingParams(max_tokens=a.output_len),
+                      request_id=f"r{i}", arrival_time=a.arrival_s)
+    drive(e, 30, [])  # requests in flight, prefixes cached, figures accumulated
+    assert e.scheduler.running and e.kv.tree.num_nodes
+    rec = record_headless(e, tmp_path)
+    live: list[dict] = []
+    drive(e, 100_000, live)
+    rec.close()
+    replay = Replay(*read_run(tmp_path))
+    assert replay.checkpoint is not None and replay.checkpoint.requests
+    state = replay.initial_state()
+    state.check_integrity()
+    for step, (record, expected) in enumerate(zip(replay.steps, live, strict=True)):
+        state.apply(record)
+        assert view_of(state.snapshot()) == expected, f"differs after record {step}"
+
+
+def test_unknown_record_kind_and_old_format_are_refused(tmp_path: Path) -> None:
+    record_run(tmp_path / "run")
+    lines = (tmp_path / "run" / "iterations.jsonl").read_text().splitlines()
+    (tmp_path / "run" / "iterations.jsonl").write_text(
+        "\n".join(lines[:3] + ['{"kind": "teleport", "step": 3}'] + lines[3:]) + "\n")
+    with pytest.raises(RunFormatError, match="line 4 has an unknown record kind 'teleport'; "
+                                             "this kvdeck reads step, checkpoint, truncated"):
+        read_run(tmp_path / "run")
+    (tmp_path / "run" / "iterations.jsonl").write_text(
+        lines[0] + "\n" + lines[1].replace('["ref"', '["warp"', 1) + "\n")
+    with pytest.raises(RunFormatError, match="unknown KV event kind 'warp'"):
+        read_run(tmp_path / "run")
+    header = json.loads((tmp_path / "run" / "header.json").read_text())
+    del header["kvdeck_run"]
+    header["kvdeck_trace"] = 1
+    (tmp_path / "run" / "header.json").write_text(json.dumps(header))
+    with pytest.raises(RunFormatError, match="was recorded in run format 1 and this kvdeck "
+                                             "reads format 2"):
+        read_run(tmp_path / "run")
 
 
 def test_knob_change_applies_next_iteration_and_is_recorded() -> None:
@@ -92,8 +185,8 @@ def test_knob_change_applies_next_iteration_and_is_recorded() -> None:
     assert e.scheduler.knobs.chunk_size == 128  # not before the iteration boundary
     e.step()
     assert e.scheduler.knobs.chunk_size == 32
-    assert trace[-1]["knobs"] == {"chunk_size": 32, "max_num_batched_tokens": 64}
-    assert sum(n for _, _, n, _ in trace[-1]["plan"]) <= 64
+    assert trace[-1].knobs == {"chunk_size": 32, "max_num_batched_tokens": 64}
+    assert sum(n for _, _, n, _ in trace[-1].plan) <= 64
     e.run_until_idle()
     e.check_integrity()
 
@@ -142,15 +235,15 @@ def test_input_limits_are_one_sentence_errors() -> None:
 
 
 class FailingExecutor(SimExecutor):
-    """Fault injection: the step that includes request 'bad' raises, as a kernel error would."""
+    """Fault injection: the step that includes request 'bad' runs out of device memory."""
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         if any(c.request_id == "bad" for c in plan.chunks):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            raise StepError("the step ran out of memory on cuda:0 (tried to allocate 2 GiB)")
         return super().execute(plan)
 
 
-def test_executor_error_fails_that_step_and_engine_keeps_serving() -> None:
+def test_step_error_fails_that_step_and_engine_keeps_serving() -> None:
     e = Engine(EngineConfig(block_size=8, num_blocks=64), FailingExecutor())
     e.add_request([5] * 20, SamplingParams(max_tokens=3), request_id="good")
     e.step()
@@ -161,9 +254,50 @@ def test_executor_error_fails_that_step_and_engine_keeps_serving() -> None:
     e.check_integrity()
     by_id = {r.request_id: r for r in e.completed}
     assert by_id["bad"].status is RequestStatus.ABORTED
-    assert by_id["bad"].reason == ("executor error: RuntimeError: CUDA error: an illegal "
-                                   "memory access was encountered")
+    assert by_id["bad"].reason == ("executor error: the step ran out of memory on cuda:0 "
+                                   "(tried to allocate 2 GiB)")
     # "good" shared the failing step, so it failed too; "after" ran normally.
     assert by_id["good"].status is RequestStatus.ABORTED
     assert by_id["after"].status is RequestStatus.FINISHED_LENGTH
-    assert not e.kv.tables
+    assert not e.kv.tables and e.failure is None
+
+
+class BrokenExecutor(SimExecutor):
+    """Fault injection: the n-th step raises as a lost device would; the executor is
+    unusable afterwards."""
+
+    def __init__(self, fail_at: int):
+        super().__init__(SimConfig())
+        self.fail_at = fail_at
+        self.steps = 0
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        self.steps += 1
+        if self.steps >= self.fail_at:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().execute(plan)
+
+
+def test_fatal_executor_error_stops_the_engine_and_answers_everyone(tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
+    e = Engine(EngineConfig(block_size=8, num_blocks=64), BrokenExecutor(fail_at=3))
+    finished: list[str] = []
+    e.on_finish.append(lambda r: finished.append(r.request_id))
+    for i in range(3):
+        e.add_request([5 + i] * 20, SamplingParams(max_tokens=10), request_id=f"r{i}")
+    e.add_request([9] * 20, request_id="later", arrival_time=100.0)
+    with pytest.raises(RuntimeError, match="illegal memory access") as caught:
+        e.run_until_idle()
+    failure = e.fail(caught.value)  # what EngineLoop does with an exception from a step
+    assert failure.message == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    log = Path(failure.log_path)
+    assert log.parent == tmp_path / "logs" and "Traceback" in log.read_text()
+    assert sorted(finished) == ["later", "r0", "r1", "r2"]  # every client is answered
+    assert all(r.status is RequestStatus.ABORTED and r.reason.startswith("engine failed:")
+               for r in e.completed)
+    assert not e.kv.tables  # every block came back
+    e.check_integrity()
+    with pytest.raises(EngineFailedError, match="The engine has stopped"):
+        e.add_request([1, 2, 3])
+    assert e.snapshot().failure == failure

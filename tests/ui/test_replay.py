@@ -16,8 +16,8 @@ from console.widgets.kv_map import KVMapPanel
 from runtime.config import EngineConfig, Knobs
 from runtime.engine import Engine
 from runtime.executors.sim import SimExecutor
-from runtime.recording import Recorder, read_iterations
-from runtime.replay import TraceState
+from runtime.recording import read_run, record_headless
+from runtime.replay import Replay
 from runtime.runner import run_arrivals
 from runtime.trace import Arrival
 
@@ -27,7 +27,7 @@ def run_dir(tmp_path: Path) -> Path:
     engine = Engine(EngineConfig(block_size=16, num_blocks=600, seed=5,
                                  knobs=Knobs(max_num_batched_tokens=1024, chunk_size=256)),
                     SimExecutor(seed=5))
-    rec = Recorder(tmp_path / "run", engine)
+    rec = record_headless(engine, tmp_path / "run")
     arrivals = [Arrival(0.05 * i, 300 + 40 * (i % 5), 20, prefix_group="sys", prefix_len=256)
                 for i in range(30)]
     engine.set_knobs(chunk_size=128)
@@ -37,9 +37,9 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 def rebuilt(run: Path, n: int) -> bytes:
-    header, records = read_iterations(run)
-    state = TraceState.from_header(header)
-    for r in records[:n]:
+    replay = Replay(*read_run(run))
+    state = replay.initial_state()
+    for r in replay.steps[:n]:
         state.apply(r)
     return state.block_states()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.kv.manager import BlockManager
+from runtime.records import Evict
 from runtime.request import Request, SamplingParams
 
 
@@ -142,7 +143,7 @@ def test_eviction_order(policy: str) -> None:
     mgr.release(again)
     mgr.check_integrity()
     # Under both policies the cold block goes first: least recent, and fewest hits.
-    cold_block = mgr.tree.match("default", [10, 11], 0.0, record=False)[0].block
+    cold_block = mgr.tree.match("default", [10, 11])[0].block
     assert mgr.tree.evict_one() == cold_block
     mgr.check_integrity()
 
@@ -168,6 +169,6 @@ def test_allocation_evicts_cached_blocks_when_the_pool_is_full() -> None:
     run_prompt(mgr, b)
     assert mgr.tree.num_evictions == 2
     events = mgr.take_events()
-    assert sum(1 for e in events if e[0] == "evict") == 2
+    assert sum(1 for e in events if isinstance(e, Evict)) == 2
     mgr.release(b)
     mgr.check_integrity()

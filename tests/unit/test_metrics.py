@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.metrics import SLO, Distribution, RunStats, percentile, request_metrics, summarize
+from runtime.figures import RunFigures, summarize
+from runtime.metrics import SLO, Distribution, percentile, request_metrics
 from runtime.request import Request, RequestStatus, SamplingParams
 
 
@@ -54,7 +55,9 @@ def test_goodput_counts_only_requests_meeting_slos_and_correct() -> None:
         finished("aborted", 0.0, [0.1], status=RequestStatus.ABORTED),
     ]
     ms = [request_metrics(r) for r in reqs]
-    s = summarize(ms, RunStats(busy_seconds=3.0), SLO(ttft_s=1.0),
+    stats = RunFigures()
+    stats.busy_seconds = 3.0
+    s = summarize(ms, stats, SLO(ttft_s=1.0),
                   correct=lambda rid: rid != "wrong")
     assert s["num_good"] == 1
     assert s["makespan_s"] == 6.0

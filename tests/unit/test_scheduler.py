@@ -10,6 +10,7 @@ import pytest
 from runtime.config import EngineConfig, Knobs
 from runtime.engine import Engine
 from runtime.executors.sim import SimConfig, SimExecutor
+from runtime.records import StepRecord
 from runtime.request import RequestStatus, SamplingParams
 
 
@@ -18,9 +19,9 @@ def engine(num_blocks: int = 256, block_size: int = 16, **knobs) -> Engine:
     return Engine(cfg, SimExecutor(SimConfig(), seed=1))
 
 
-def plans(e: Engine) -> list[dict]:
+def plans(e: Engine) -> list[StepRecord]:
     """Step to idle, returning each step's record, checking integrity every step."""
-    out: list[dict] = []
+    out: list[StepRecord] = []
     e.recorder = out.append
     while e.has_work:
         e.step()
@@ -53,7 +54,7 @@ def test_budgets_never_exceeded(reservation: str) -> None:
     records = plans(e)
     assert records
     for rec in records:
-        plan = rec.get("plan", [])
+        plan = rec.plan
         assert sum(n for _, _, n, _ in plan) <= 256
         assert len(plan) <= 8
     assert len(e.completed) == 60
@@ -71,7 +72,7 @@ def test_decodes_first_and_long_prompts_chunked() -> None:
     prompt_len = {"short": 10, "long": 397}
     long_chunks = []
     for rec in records:
-        plan = rec.get("plan", [])
+        plan = rec.plan
         is_decode = [start >= prompt_len[rid] for rid, start, n, _ in plan]
         # Every decode chunk comes before any prefill chunk in the plan.
         assert is_decode == sorted(is_decode, reverse=True)
@@ -86,10 +87,10 @@ def test_static_mode_never_admits_into_a_running_group() -> None:
     add_random(e, 12, seed=3, max_prompt=100)
     running: set[str] = set()
     for rec in plans(e):
-        if rec.get("admitted"):
+        if rec.admitted:
             assert not running, "admitted while a static group was still running"
-            running |= set(rec["admitted"])
-        for rid, _status, _ in rec.get("finished", []):
+            running |= set(rec.admitted)
+        for rid, _status, _, _ in rec.finished:
             running.discard(rid)
     assert len(e.completed) == 12
     assert_drained(e)
@@ -101,7 +102,7 @@ def test_preemption_recomputes_and_releases_everything() -> None:
     for i in range(3):
         e.add_request([10 + i] * 10, SamplingParams(max_tokens=20), request_id=f"p{i}")
     records = plans(e)
-    preempted = [rid for rec in records for rid in rec.get("preempted", [])]
+    preempted = [rid for rec in records for rid in rec.preempted]
     assert preempted, "the pool is too small for all three: someone must be preempted"
     # The victim is the most recently admitted request (vLLM's choice).
     assert preempted[0] == "p2"
@@ -179,7 +180,7 @@ def test_queue_policies_order_admission(policy: str, expected: list[str]) -> Non
         e.add_request([3 + i] * n, SamplingParams(max_tokens=2), request_id=rid,
                       arrival_time=0.0, priority=prio, deadline_s=dl)
     e.add_request([99], SamplingParams(max_tokens=40), request_id="first")  # occupies the seat
-    order = [rid for rec in plans(e) for rid in rec.get("admitted", []) if rid != "first"]
+    order = [rid for rec in plans(e) for rid in rec.admitted if rid != "first"]
     assert order == expected
 
 
@@ -191,5 +192,5 @@ def test_sjf_aging_lets_a_long_wait_go_first() -> None:
     for i in range(5):  # a stream of short requests arriving later
         e.add_request([4 + i] * 5, SamplingParams(max_tokens=2), request_id=f"s{i}",
                       arrival_time=0.2 + 0.01 * i)
-    order = [rid for rec in plans(e) for rid in rec.get("admitted", []) if rid != "busy"]
+    order = [rid for rec in plans(e) for rid in rec.admitted if rid != "busy"]
     assert order[0] == "long"  # it waited past 0.5 s while "busy" ran

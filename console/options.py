@@ -1,0 +1,199 @@
+"""The command-line flags every engine-running command shares (console, serve, run-trace,
+bench --in-process), declared once.
+
+Each flag maps to one settings key (`runtime/settings.py`); names follow vLLM where vLLM has
+the setting (`--max-num-seqs`, `--max-num-batched-tokens`, `--enable-prefix-caching`,
+`--block-size`, `--kv-cache-dtype`, `--max-model-len`, `--seed`). `--config FILE` reads the
+same keys from TOML; a flag overrides the file, the file overrides the executor's defaults.
+`--help` groups the flags in panels.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import typer
+
+from runtime.config import (
+    DEADLINE_ACTIONS,
+    EVICTION_POLICIES,
+    PREEMPTION_MODES,
+    QUEUE_POLICIES,
+    RESERVATION_POLICIES,
+    SCHEDULING_MODES,
+)
+from runtime.errors import ConfigError
+from runtime.executors.sim import TIMING_MODES
+from runtime.kv.formats import KV_FORMATS
+from runtime.logs import LEVELS
+from runtime.settings import EXECUTOR_DEFAULTS, EXECUTORS, GIB, Settings, load
+
+EXECUTOR = "Executor and model"
+ENGINE = "Engine (vLLM names)"
+KNOBS = "Scheduling knobs (live-tunable)"
+SIM = "Simulated card (--executor sim)"
+
+
+def _gib_to_bytes(gib: float) -> int:
+    if not gib > 0:
+        raise ConfigError(f"--kv-memory-gib must be greater than 0, got {gib!r}.")
+    return int(gib * GIB)
+
+
+def _defaults(key: str, scale: float = 1.0) -> str:
+    """'default 512 torch, 8192 sim' for a key whose default depends on the executor."""
+    values = {e: EXECUTOR_DEFAULTS[e][key] for e in EXECUTORS}
+    parts = [f"{v / scale:g} {e}" if isinstance(v, (int, float)) else f"{v} {e}"
+             for e, v in values.items()]
+    return "default " + ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Flag:
+    key: str
+    """The settings key the flag sets."""
+    decls: tuple[str, ...]
+    type: type
+    help: str
+    panel: str
+    convert: Callable[[Any], Any] | None = None
+
+    @property
+    def param(self) -> str:
+        return "opt_" + self.key
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("executor", ("--executor",), str, f"{' or '.join(EXECUTORS)}.", EXECUTOR),
+    Flag("model", ("--model",), str, "Model name (kvdeck models) or GGUF path (torch).",
+         EXECUTOR),
+    Flag("tokenizer", ("--tokenizer",), str, "Sim: decode simulated tokens with this model's "
+         "tokenizer (default: stand-in words, exact token counts).", EXECUTOR),
+    Flag("device", ("--device",), str, "auto, cpu, cuda, cuda:N or mps (torch).", EXECUTOR),
+    Flag("dtype", ("--dtype",), str, "fp32, bf16, fp16, int8, int8-head (torch; default per "
+         "device).", EXECUTOR),
+    Flag("threads", ("--threads",), int, "CPU threads (torch).", EXECUTOR),
+    Flag("pace", ("--pace",), float, "Sim behind the console or API: virtual seconds per wall "
+         "second (default 1).", EXECUTOR),
+    Flag("served_model_name", ("--served-model-name",), str,
+         "Model id the API serves (default: the model's name).", EXECUTOR),
+    Flag("max_model_len", ("--max-model-len",), int, "Context limit (default: the model's).",
+         ENGINE),
+    Flag("block_size", ("--block-size",), int, "KV block size in tokens (default 16).", ENGINE),
+    Flag("kv_format", ("--kv-cache-dtype",), str,
+         f"auto, {', '.join(KV_FORMATS)} ({_defaults('kv_format')}).", ENGINE),
+    Flag("kv_memory_bytes", ("--kv-memory-gib",), float,
+         f"KV pool budget in GiB ({_defaults('kv_memory_bytes', GIB)}).", ENGINE,
+         convert=lambda gib: _gib_to_bytes(gib)),
+    Flag("max_num_seqs", ("--max-num-seqs",), int, "Most requests per iteration (default 256).",
+         ENGINE),
+    Flag("max_num_batched_tokens", ("--max-num-batched-tokens",), int,
+         f"Token budget per iteration ({_defaults('max_num_batched_tokens')}).", ENGINE),
+    Flag("enable_prefix_caching", ("--enable-prefix-caching/--no-enable-prefix-caching",),
+         bool, "Share and cache prompt prefixes (default on).", ENGINE),
+    Flag("seed", ("--seed",), int, "Seed for sampling, sim tokens and traffic (default 0).",
+         ENGINE),
+    Flag("max_waiting", ("--max-waiting",), int,
+         "Waiting-queue bound; beyond it requests are refused (429) (default 4096).", ENGINE),
+    Flag("chunk_size", ("--chunk-size",), int,
+         f"Most prompt tokens per request per iteration ({_defaults('chunk_size')}).", KNOBS),
+    Flag("scheduling", ("--scheduling",), str, f"{', '.join(SCHEDULING_MODES)}.", KNOBS),
+    Flag("queue_policy", ("--queue-policy",), str, f"{', '.join(QUEUE_POLICIES)}.", KNOBS),
+    Flag("sjf_max_wait_s", ("--sjf-max-wait-s",), float, "Aging bound for sjf (default 30).",
+         KNOBS),
+    Flag("reservation", ("--reservation",), str, f"{', '.join(RESERVATION_POLICIES)}.", KNOBS),
+    Flag("preemption", ("--preemption",), str, f"{', '.join(PREEMPTION_MODES)}.", KNOBS),
+    Flag("prefix_cache_capacity", ("--prefix-cache-capacity",), int,
+         "Most blocks the prefix cache keeps (0: the pool).", KNOBS),
+    Flag("eviction_policy", ("--eviction-policy",), str, f"{', '.join(EVICTION_POLICIES)}.",
+         KNOBS),
+    Flag("admission_control", ("--admission-control/--no-admission-control",), bool,
+         "Check deadlines against the timing model before admitting (default off).", KNOBS),
+    Flag("on_deadline_miss", ("--on-deadline-miss",), str, f"{', '.join(DEADLINE_ACTIONS)}.",
+         KNOBS),
+    Flag("model_profile", ("--model-profile",), str, "Model profile (default qwen3-8b).", SIM),
+    Flag("hardware", ("--hardware",), str, "Hardware profile (default rtx-pro-6000).", SIM),
+    Flag("timing", ("--timing",), str, f"{', '.join(TIMING_MODES)}.", SIM),
+    Flag("fixed_ms", ("--fixed-ms",), float, "Fitted step model: fixed ms per step.", SIM),
+    Flag("per_token_us", ("--per-token-us",), float, "Fitted step model: µs per new token.",
+         SIM),
+    Flag("per_pair_ns", ("--per-pair-ns",), float, "Fitted step model: ns per causal pair.",
+         SIM),
+    Flag("eos_probability", ("--eos-probability",), float,
+         "Chance a simulated token ends the request (default 0).", SIM),
+)
+FLAG_KEYS = {f.key for f in FLAGS}
+
+_CONFIG = inspect.Parameter(
+    "opt_config", inspect.Parameter.KEYWORD_ONLY, default=None,
+    annotation=Annotated[str | None, typer.Option(
+        "--config", help="TOML file of settings (the keys of --help's flags, snake_case); "
+        "flags override it.", rich_help_panel="Settings", show_default=False)])
+_LOG_LEVEL = inspect.Parameter(
+    "opt_log_level", inspect.Parameter.KEYWORD_ONLY, default="warning",
+    annotation=Annotated[str, typer.Option(
+        "--log-level", help=f"{', '.join(LEVELS)}; logs go to ~/.cache/kvdeck/logs/.",
+        rich_help_panel="Settings")])
+
+
+def _flag_param(f: Flag) -> inspect.Parameter:
+    return inspect.Parameter(
+        f.param, inspect.Parameter.KEYWORD_ONLY, default=None,
+        annotation=Annotated[f.type | None, typer.Option(
+            *f.decls, help=f.help, rich_help_panel=f.panel, show_default=False)])
+
+
+def _wrap(fn: Callable, extra: list[inspect.Parameter], take: Callable[[dict], dict]):
+    """`fn` with `extra` keyword options added to its signature; `take` turns the values
+    of those options into the keyword arguments `fn` receives instead."""
+    sig = inspect.signature(fn, eval_str=True)
+    names = {p.name for p in extra}
+    own = [p for p in sig.parameters.values() if p.name not in ("settings", "log_level")]
+
+    @functools.wraps(fn)
+    def wrapper(**kwargs: Any) -> Any:
+        mine = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        return fn(**kwargs, **take(mine))
+
+    wrapper.__signature__ = sig.replace(parameters=own + extra)  # type: ignore[attr-defined]
+    return wrapper
+
+
+def with_log_level(fn: Callable) -> Callable:
+    """Add `--log-level`; `fn` receives `log_level`."""
+    return _wrap(fn, [_LOG_LEVEL], lambda v: {"log_level": v["opt_log_level"]})
+
+
+def with_settings(fn: Callable) -> Callable:
+    """Add `--config`, every engine flag and `--log-level`; `fn` receives `settings` — a
+    `SettingsRequest` it resolves with the command's default executor."""
+
+    def take(values: dict) -> dict:
+        given = {f.key: values[f.param] for f in FLAGS if values.get(f.param) is not None}
+        return {"settings": SettingsRequest(values.get("opt_config"), given),
+                "log_level": values["opt_log_level"]}
+
+    return _wrap(fn, [_CONFIG, *map(_flag_param, FLAGS), _LOG_LEVEL], take)
+
+
+@dataclass(frozen=True)
+class SettingsRequest:
+    """The config file and the flags (settings key -> value as typed) a command was given."""
+
+    config: str | None = None
+    flags: dict[str, Any] | None = None
+
+    def overrides(self) -> dict[str, Any]:
+        """The flags as settings values (e.g. GiB as bytes); ConfigError if one is bad."""
+        by_key = {f.key: f for f in FLAGS}
+        return {k: by_key[k].convert(v) if by_key[k].convert else v
+                for k, v in (self.flags or {}).items()}
+
+    def resolve(self, default_executor: str, **fixed: Any) -> Settings:
+        """Settings from the executor's defaults, the file, the flags, then `fixed`."""
+        return load(self.config, {**self.overrides(), **fixed},
+                    default_executor=default_executor)

@@ -1,0 +1,336 @@
+"""The running figures a live engine shows — counts, rolling latency percentiles, latency
+histograms, goodput, Little's law, and a time-bucketed history for charts.
+
+`RunFigures` is fed by two callers with the same data: the engine after every step and every
+finished request, and replay from the iteration trace (the step record and the rebuilt
+request state carry the same numbers). So the console shows the same figures live and in
+replay, computed by this one piece of code, and `/metrics` exports them from the snapshot.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+from runtime.metrics import SLO, Distribution, RequestMetrics
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+"""Upper bounds (seconds) of the latency histograms, as vLLM's exporter uses."""
+
+
+class Histogram:
+    """Cumulative bucket counts, sum and count of one latency (Prometheus semantics)."""
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        """Per bucket (not cumulative); the last is +Inf."""
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def view(self) -> HistogramView:
+        return HistogramView(self.bounds, tuple(self.counts), self.sum, self.count)
+
+    def to_json(self) -> dict:
+        return {"counts": self.counts, "sum": self.sum, "count": self.count}
+
+    def load(self, d: dict) -> None:
+        self.counts, self.sum, self.count = list(d["counts"]), d["sum"], d["count"]
+
+
+@dataclass(frozen=True)
+class HistogramView:
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+    count: int
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations ≤ bound) pairs, +Inf last, as Prometheus exposes them."""
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """What happened in one history interval of engine time."""
+
+    start: float
+    steps: int = 0
+    busy_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    finished: int = 0
+    arrivals: int = 0
+    kv_usage: float = 0.0
+    """Last value in the interval (blocks held by requests / pool)."""
+    kv_cached: float = 0.0
+    """Blocks only the prefix cache holds / pool, last value."""
+    hit_rate: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    knob_change: bool = False
+
+    def with_step(self, s: StepFigures) -> Bucket:
+        return Bucket(self.start, self.steps + 1, self.busy_s + s.dt,
+                      self.prefill_tokens + s.prefill_tokens,
+                      self.decode_tokens + s.decode_tokens, self.finished + s.finished,
+                      self.arrivals + s.arrivals, s.kv_usage, s.kv_cached, s.hit_rate,
+                      s.running, s.waiting, self.knob_change or s.knob_change)
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """One step's figures, as the step record and the KV state after it give them."""
+
+    t1: float
+    dt: float
+    num_seqs: int
+    prefill_tokens: int
+    decode_tokens: int
+    finished: int
+    arrivals: int
+    resident: int
+    kv_usage: float
+    kv_cached: float
+    hit_rate: float
+    running: int
+    waiting: int
+    knob_change: bool
+
+
+def step_figures(record, kv_usage: float, kv_cached: float, hit_rate: float) -> StepFigures:
+    """One executed step's figures from its record (a `records.StepRecord`) and the KV
+    state after it — the same for the live engine and for replay."""
+    return StepFigures(record.t1, record.dt or 0.0, len(record.plan), record.num_prefill,
+                       record.num_decode,
+                       len(record.finished), len(record.arrived), record.resident, kv_usage,
+                       kv_cached, hit_rate, record.queue[1], record.queue[0],
+                       bool(record.knobs))
+
+
+class RunFigures:
+    """Counts, rolling latency, histograms and history for one engine (or its replay)."""
+
+    def __init__(self, window: int = 256, itl_window: int = 4096, bucket_s: float = 1.0,
+                 history: int = 600):
+        self.window = window
+        self.bucket_s = bucket_s
+        self.status_counts: dict[str, int] = {}
+        self.recent: deque[RequestMetrics] = deque(maxlen=window)
+        """The most recently finished requests."""
+        self.recent_itls: deque[float] = deque(maxlen=itl_window)
+        self.histograms = {name: Histogram() for name in ("ttft", "itl", "e2e", "queue")}
+        self.num_good = 0
+        """Finished requests that met their deadline (or had none)."""
+        self.num_with_deadline = 0
+        self.prompt_tokens = 0
+        """Prompt tokens computed (prefill, including recomputation)."""
+        self.generation_tokens = 0
+        self.resident_seconds = 0.0
+        """∫ (waiting + running requests) dt, for the Little's-law check."""
+        self.busy_seconds = 0.0
+        """Sum of step times: accelerator-busy time."""
+        self.num_steps = 0
+        # Running sums, not per-step lists: a server steps for days.
+        self.sum_batch_size = 0
+        self.sum_batch_tokens = 0
+        self.first_time: float | None = None
+        self.last_time = 0.0
+        self.buckets: deque[Bucket] = deque(maxlen=history)
+        self.num_finished_seen = 0
+        self._rolling: tuple[int, dict] | None = None
+
+    # -- feeding ----------------------------------------------------------------------------
+
+    def on_arrival(self, waited_s: float) -> None:
+        """A request entered the queue `waited_s` after its scheduled arrival."""
+        self.resident_seconds += waited_s
+
+    def on_finish(self, m: RequestMetrics) -> None:
+        self.status_counts[m.status] = self.status_counts.get(m.status, 0) + 1
+        self.recent.append(m)
+        self.recent_itls.extend(m.itls)
+        h = self.histograms
+        if m.ttft is not None:
+            h["ttft"].observe(m.ttft)
+        for x in m.itls:
+            h["itl"].observe(x)
+        if m.e2e is not None:
+            h["e2e"].observe(m.e2e)
+            if m.met_deadline is not False:
+                self.num_good += 1
+        if m.deadline is not None:
+            self.num_with_deadline += 1
+        if m.queue_time is not None:
+            h["queue"].observe(m.queue_time)
+        self.num_finished_seen += 1
+
+    def on_step(self, s: StepFigures) -> None:
+        self.num_steps += 1
+        self.busy_seconds += s.dt
+        self.sum_batch_size += s.num_seqs
+        self.sum_batch_tokens += s.prefill_tokens + s.decode_tokens
+        self.resident_seconds += s.resident * s.dt
+        self.prompt_tokens += s.prefill_tokens
+        self.generation_tokens += s.decode_tokens
+        if self.first_time is None:
+            self.first_time = s.t1 - s.dt
+        self.last_time = max(self.last_time, s.t1)
+        start = math.floor(s.t1 / self.bucket_s) * self.bucket_s
+        if self.buckets and self.buckets[-1].start == start:
+            self.buckets[-1] = self.buckets[-1].with_step(s)
+        else:
+            self.buckets.append(Bucket(start).with_step(s))
+
+    # -- views ------------------------------------------------------------------------------
+
+    def rolling(self, now: float) -> dict:
+        """Latency distributions over the most recently finished requests, the fraction of
+        them that were good, and the Little's-law check over the whole run. The
+        distributions are recomputed only when a request finished since the last call."""
+        if self._rolling is None or self._rolling[0] != self.num_finished_seen:
+            recent = list(self.recent)
+            done = [m for m in recent if m.status.startswith("finished")]
+            good = [m for m in done if m.met_deadline is not False]
+            residence = [m.finish - m.arrival for m in recent if m.finish is not None]
+            self._rolling = (self.num_finished_seen, {
+                "ttft": Distribution.of(m.ttft for m in recent if m.ttft is not None),
+                "tpot": Distribution.of(m.tpot for m in recent if m.tpot is not None),
+                "itl": Distribution.of(self.recent_itls),
+                "e2e": Distribution.of(m.e2e for m in recent if m.e2e is not None),
+                "good_fraction": len(good) / len(done) if done else None,
+                "has_deadlines": any(m.deadline is not None for m in recent),
+                "mean_residence": math.fsum(residence) / len(residence) if residence else None,
+            })
+        figures = dict(self._rolling[1])
+        span = max(now - (self.first_time or 0.0), 1e-9)
+        figures["mean_resident"] = self.resident_seconds / span
+        residence = figures.pop("mean_residence")
+        figures["littles_prediction"] = sum(self.status_counts.values()) / span * residence \
+            if residence is not None else None
+        return figures
+
+    def view(self) -> FiguresView:
+        return FiguresView(
+            status_counts=dict(self.status_counts),
+            histograms={k: h.view() for k, h in self.histograms.items()},
+            num_good=self.num_good, prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens, busy_seconds=self.busy_seconds,
+            num_steps=self.num_steps, history=tuple(self.buckets), bucket_s=self.bucket_s)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {
+            "status_counts": self.status_counts,
+            "recent": [m.to_dict() for m in self.recent],
+            "recent_itls": list(self.recent_itls),
+            "histograms": {k: h.to_json() for k, h in self.histograms.items()},
+            "num_good": self.num_good, "num_with_deadline": self.num_with_deadline,
+            "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
+            "resident_seconds": self.resident_seconds, "busy_seconds": self.busy_seconds,
+            "num_steps": self.num_steps, "sum_batch_size": self.sum_batch_size,
+            "sum_batch_tokens": self.sum_batch_tokens, "first_time": self.first_time,
+            "last_time": self.last_time, "buckets": [asdict(b) for b in self.buckets],
+        }
+
+    def load(self, d: dict) -> None:
+        """Continue from a checkpoint's figures."""
+        self.status_counts = dict(d["status_counts"])
+        self.recent.extend(RequestMetrics(**{**m, "itls": tuple(m["itls"])})
+                           for m in d["recent"])
+        self.recent_itls.extend(d["recent_itls"])
+        for k, h in self.histograms.items():
+            h.load(d["histograms"][k])
+        for key in ("num_good", "num_with_deadline", "prompt_tokens", "generation_tokens",
+                    "resident_seconds", "busy_seconds", "num_steps", "sum_batch_size",
+                    "sum_batch_tokens", "first_time", "last_time"):
+            setattr(self, key, d[key])
+        self.buckets.extend(Bucket(**b) for b in d["buckets"])
+        self.num_finished_seen += 1
+
+
+@dataclass(frozen=True)
+class FiguresView:
+    """The part of `RunFigures` a snapshot carries (immutable)."""
+
+    status_counts: dict[str, int]
+    histograms: dict[str, HistogramView]
+    num_good: int
+    prompt_tokens: int
+    generation_tokens: int
+    busy_seconds: float
+    num_steps: int
+    history: tuple[Bucket, ...]
+    bucket_s: float
+
+
+def summarize(ms: Sequence[RequestMetrics], stats: RunFigures | None = None, slo: SLO = SLO(),
+              correct: Callable[[str], bool] | None = None) -> dict:
+    """A run's figures as plain data: counts, latency distributions, throughput, goodput,
+    Little's law, per-step figures and accelerator-seconds per good result. `stats`: the
+    engine's running figures (None for a remote server, whose steps are not seen).
+
+    `correct(request_id)` is the per-request correctness flag; None counts all as correct.
+    """
+    stats = stats or RunFigures()
+    start = min((m.arrival for m in ms), default=0.0)
+    end = max((m.finish for m in ms if m.finish is not None), default=start)
+    span = max(end - start, 1e-12)
+    finished = [m for m in ms if m.status in ("finished_stopped", "finished_length")]
+    good = [m for m in finished
+            if slo.met(m) and (correct is None or correct(m.request_id))]
+    residence = [m.finish - m.arrival for m in ms if m.finish is not None]
+    arrival_rate = len(residence) / span
+    steps = stats.num_steps
+    statuses: dict[str, int] = {}
+    for m in ms:
+        statuses[m.status] = statuses.get(m.status, 0) + 1
+    return {
+        "num_requests": len(ms),
+        "statuses": statuses,
+        "makespan_s": span if ms else 0.0,
+        "completion_throughput_rps": len(finished) / span,
+        "goodput_rps": len(good) / span,
+        "num_good": len(good),
+        "output_tokens_per_s": sum(m.output_tokens for m in finished) / span,
+        "prompt_tokens": sum(m.prompt_tokens for m in ms),
+        "cached_prompt_tokens": sum(m.cached_tokens for m in ms),
+        "num_preemptions": sum(m.num_preemptions for m in ms),
+        "ttft_s": asdict(Distribution.of(m.ttft for m in ms if m.ttft is not None)),
+        "tpot_s": asdict(Distribution.of(m.tpot for m in ms if m.tpot is not None)),
+        "itl_s": asdict(Distribution.of(x for m in ms for x in m.itls)),
+        "e2e_s": asdict(Distribution.of(m.e2e for m in ms if m.e2e is not None)),
+        "queue_s": asdict(Distribution.of(m.queue_time for m in ms
+                                          if m.queue_time is not None)),
+        "littles_law": {
+            "measured_mean_resident": stats.resident_seconds / span,
+            "arrival_rate_rps": arrival_rate,
+            "mean_residence_s": math.fsum(residence) / len(residence) if residence else 0.0,
+            "predicted_mean_resident": arrival_rate * (math.fsum(residence) / len(residence))
+            if residence else 0.0,
+        },
+        "steps": {
+            "count": steps,
+            "busy_s": stats.busy_seconds,
+            "mean_batch_size": stats.sum_batch_size / steps if steps else 0.0,
+            "mean_batch_tokens": stats.sum_batch_tokens / steps if steps else 0.0,
+            "mean_step_s": stats.busy_seconds / steps if steps else 0.0,
+            "prefill_tokens": stats.prompt_tokens,
+            "decode_tokens": stats.generation_tokens,
+        },
+        "accelerator_s_per_good_result": stats.busy_seconds / len(good) if good else None,
+        "slo": asdict(slo),
+    }

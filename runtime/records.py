@@ -1,0 +1,429 @@
+"""Typed records: KV events, iteration records, checkpoints and inbox messages, each with
+its JSON form.
+
+The engine produces them, the recorder writes their JSON forms one per line
+(`iterations.jsonl`), and replay reads them back through `parse_record`, which refuses a
+kind it does not know with one sentence instead of skipping it. This module is data only:
+it imports nothing from the engine or the KV manager, so every layer can use it.
+
+KV events (what `BlockManager` and `PrefixTree` did, in order):
+
+    Ref(rid, index, block)        table[rid][index] = block (a new entry, or a replacement)
+    Unref(rid, index, block)      the entry at `index` (always the last) is dropped
+    Cow(rid, src, dst)            block `src` was copied into `dst` (already in the table)
+    Cache(node, parent, block, end_token)   the block entered the prefix tree
+    Evict(node, block)            the prefix tree dropped a block no request used
+    Hit(rid, num_tokens)          an admission reused `num_tokens` cached tokens
+    Reserve(rid, delta)           change in blocks promised to rid (full reservation)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, NamedTuple
+
+from runtime.errors import RunFormatError
+from runtime.request import RequestStatus
+
+RUN_FORMAT = 2
+"""Version of the run-directory format; a run written in another version is refused."""
+
+
+# -- KV events --------------------------------------------------------------------------------
+
+class Ref(NamedTuple):
+    request_id: str
+    index: int
+    block: int
+    kind = "ref"
+
+
+class Unref(NamedTuple):
+    request_id: str
+    index: int
+    block: int
+    kind = "unref"
+
+
+class Cow(NamedTuple):
+    request_id: str
+    src: int
+    dst: int
+    kind = "cow"
+
+
+class Cache(NamedTuple):
+    node_id: int
+    parent_id: int
+    block: int
+    end_token: int
+    kind = "cache"
+
+
+class Evict(NamedTuple):
+    node_id: int
+    block: int
+    kind = "evict"
+
+
+class Hit(NamedTuple):
+    request_id: str
+    num_tokens: int
+    kind = "hit"
+
+
+class Reserve(NamedTuple):
+    request_id: str
+    delta: int
+    kind = "reserve"
+
+
+KVEvent = Ref | Unref | Cow | Cache | Evict | Hit | Reserve
+KV_EVENTS: dict[str, type] = {c.kind: c for c in (Ref, Unref, Cow, Cache, Evict, Hit, Reserve)}
+
+
+def kv_event_to_json(ev: KVEvent) -> list:
+    return [ev.kind, *ev]
+
+
+def kv_event_from_json(item: Any, where: str) -> KVEvent:
+    if not isinstance(item, list) or not item:
+        raise RunFormatError(f"{where} has a KV event that is not a list: {item!r}.")
+    cls = KV_EVENTS.get(item[0])
+    if cls is None:
+        raise RunFormatError(f"{where} has an unknown KV event kind {item[0]!r}; kinds are "
+                             f"{', '.join(KV_EVENTS)}.")
+    if len(item) != len(cls._fields) + 1:
+        raise RunFormatError(f"{where} has a {item[0]!r} event with {len(item) - 1} fields; "
+                             f"it takes {len(cls._fields)} ({', '.join(cls._fields)}).")
+    return cls(*item[1:])
+
+
+# -- iteration records ------------------------------------------------------------------------
+
+class PlanEntry(NamedTuple):
+    """One request's share of a step: `num_new_tokens` from position `start`."""
+
+    request_id: str
+    start: int
+    num_new_tokens: int
+    sampled: int
+    """1 when the step sampled a token for the request."""
+
+
+class Arrived(NamedTuple):
+    """A request released into the scheduler's queue at this step."""
+
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    max_tokens: int
+    deadline: float | None
+    priority: int
+
+
+class Forked(NamedTuple):
+    """A running request branched: the child shares the parent's blocks and tokens."""
+
+    request_id: str
+    parent_id: str
+    max_tokens: int
+
+
+class Finished(NamedTuple):
+    """A request that reached a final state during the step, and when."""
+
+    request_id: str
+    status: str
+    reason: str | None
+    time: float
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One engine iteration. Lists are empty and `dt` is None when the step did not run the
+    executor (it only admitted arrivals, applied knobs or rejected requests)."""
+
+    kind: ClassVar[str] = "step"
+    step: int
+    t0: float = 0.0
+    """Engine time at the start of the step."""
+    dt: float | None = None
+    """Step duration (modelled under `sim`, measured otherwise)."""
+    measured: bool = False
+    bytes_read: int = 0
+    num_decode: int = 0
+    """Plan entries that were decodes (one token each); the rest of the plan is prefill."""
+    resident: int = 0
+    """Requests waiting or running while the step executed (Little's law)."""
+    plan: list[PlanEntry] = field(default_factory=list)
+    tokens: list[tuple[str, int]] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+    admitted: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)
+    cow: list[tuple[int, int]] = field(default_factory=list)
+    knobs: dict[str, Any] = field(default_factory=dict)
+    """Knob changes applied at the start of this step."""
+    arrived: list[Arrived] = field(default_factory=list)
+    forked: list[Forked] = field(default_factory=list)
+    """Branches made since the last step (their KV events come first in `kv`)."""
+    kv: list[KVEvent] = field(default_factory=list)
+    queue: tuple[int, int] = (0, 0)
+    """(waiting, running) after the step."""
+
+    @property
+    def t1(self) -> float:
+        return self.t0 + (self.dt or 0.0)
+
+    @property
+    def num_prefill(self) -> int:
+        return sum(e.num_new_tokens for e in self.plan) - self.num_decode
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing happened: no record is written for such a step."""
+        return not (self.plan or self.knobs or self.arrived or self.finished or self.rejected
+                    or self.forked or self.kv)
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {"kind": self.kind, "step": self.step, "t0": self.t0}
+        if self.dt is not None:
+            d.update(dt=self.dt, measured=self.measured, bytes=self.bytes_read,
+                     decode=self.num_decode, resident=self.resident)
+        for name in ("plan", "tokens", "errors", "admitted", "preempted", "rejected",
+                     "finished", "cow", "knobs", "arrived", "forked"):
+            value = getattr(self, name)
+            if value:
+                d[name] = [list(x) for x in value] if isinstance(value, list) and \
+                    isinstance(value[0], tuple) else value
+        if self.kv:
+            d["kv"] = [kv_event_to_json(e) for e in self.kv]
+        d["queue"] = list(self.queue)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict, where: str) -> StepRecord:
+        try:
+            return cls(
+                step=d["step"], t0=d["t0"], dt=d.get("dt"), measured=d.get("measured", False),
+                bytes_read=d.get("bytes", 0), num_decode=d.get("decode", 0),
+                resident=d.get("resident", 0),
+                plan=[PlanEntry(*x) for x in d.get("plan", [])],
+                tokens=[(rid, tok) for rid, tok in d.get("tokens", [])],
+                errors=dict(d.get("errors", {})),
+                admitted=list(d.get("admitted", [])), preempted=list(d.get("preempted", [])),
+                rejected=list(d.get("rejected", [])),
+                finished=[Finished(*x) for x in d.get("finished", [])],
+                cow=[(s, t) for s, t in d.get("cow", [])], knobs=dict(d.get("knobs", {})),
+                arrived=[Arrived(*x) for x in d.get("arrived", [])],
+                forked=[Forked(*x) for x in d.get("forked", [])],
+                kv=[kv_event_from_json(e, where) for e in d.get("kv", [])],
+                queue=tuple(d.get("queue", (0, 0))),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise RunFormatError(f"{where} is not a valid step record ({type(e).__name__}: "
+                                 f"{e}).") from None
+
+
+@dataclass
+class RequestState:
+    """A request as an iteration trace knows it: no tokens, every count and time.
+
+    Replay keeps one per request and `request_metrics` reads it exactly as it reads a live
+    `Request` (the same attribute names), so replayed timings are computed by the same code.
+    """
+
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    max_tokens: int
+    deadline: float | None
+    priority: int
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> RequestState:
+        values = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        values["status"] = RequestStatus(values.get("status", "waiting"))
+        return cls(**values)
+
+
+@dataclass
+class Checkpoint:
+    """The engine's state when a recording starts mid-run: requests in flight with their
+    progress and block tables, the prefix tree, reservations, knobs and the running
+    figures — everything replay needs to continue from here as if it had seen it all."""
+
+    kind: ClassVar[str] = "checkpoint"
+    step: int
+    time: float
+    knobs: dict[str, Any]
+    requests: list[RequestState]
+    tables: dict[str, list[int]]
+    reserved: dict[str, int]
+    nodes: list[list]
+    """[node id, parent id, block, end token, hits, last access, created lookup] per cached
+    block, parents before children."""
+    tree: dict[str, int]
+    """Prefix-tree counters: lookups, query tokens, hit tokens, evictions."""
+    counters: dict[str, int]
+    """Engine counters: preemptions, copy-on-write copies."""
+    figures: dict[str, Any]
+    """`figures.RunFigures.to_json()`."""
+
+    def to_json(self) -> dict:
+        d = {"kind": self.kind}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            d[f.name] = [r.to_json() for r in value] if f.name == "requests" else value
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict, where: str) -> Checkpoint:
+        try:
+            values = {f.name: d[f.name] for f in fields(cls)}
+            values["requests"] = [RequestState.from_json(r) for r in values["requests"]]
+            return cls(**values)
+        except (KeyError, TypeError) as e:
+            raise RunFormatError(f"{where} is not a valid checkpoint ({type(e).__name__}: "
+                                 f"{e}).") from None
+
+
+@dataclass(frozen=True)
+class Truncated:
+    """The recorder reached its size bound at this step and wrote nothing after it."""
+
+    kind: ClassVar[str] = "truncated"
+    step: int
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "step": self.step}
+
+    @classmethod
+    def from_json(cls, d: dict, where: str) -> Truncated:
+        return cls(d.get("step", 0))
+
+
+RECORDS: dict[str, type] = {c.kind: c for c in (StepRecord, Checkpoint, Truncated)}
+Record = StepRecord | Checkpoint | Truncated
+
+
+def dumps(data: Any) -> str:
+    """Compact, deterministic JSON (insertion-ordered keys, repr floats)."""
+    return json.dumps(data, separators=(",", ":"), allow_nan=False)
+
+
+def parse_record(line: str, where: str) -> Record:
+    """One line of `iterations.jsonl` as a typed record; a RunFormatError names `where` and
+    the problem for bad JSON or an unknown kind."""
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise RunFormatError(f"{where} is not valid JSON ({e.msg}).") from None
+    if not isinstance(d, dict):
+        raise RunFormatError(f"{where} is not a JSON object.")
+    cls = RECORDS.get(d.get("kind"))
+    if cls is None:
+        raise RunFormatError(f"{where} has an unknown record kind {d.get('kind')!r}; this "
+                             f"kvdeck reads {', '.join(RECORDS)} records.")
+    return cls.from_json(d, where)
+
+
+# -- inbox messages -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue a validated request (its arrival may lie in the future)."""
+
+    request: Any
+    """A `request.Request`."""
+
+    def to_json(self) -> dict:
+        r = self.request
+        return {"kind": "add", "request_id": r.request_id, "arrival_time": r.arrival_time,
+                "prompt_tokens": r.num_prompt_tokens, "max_tokens": r.sampling.max_tokens}
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"kind": "abort", "request_id": self.request_id, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class SetKnobs:
+    """Knobs to apply from the next iteration (already validated), and what changed."""
+
+    knobs: Any
+    """A `config.Knobs`."""
+    changes: dict[str, Any]
+
+    def to_json(self) -> dict:
+        return {"kind": "knobs", "changes": self.changes}
+
+
+@dataclass(frozen=True)
+class Pause:
+    def to_json(self) -> dict:
+        return {"kind": "pause"}
+
+
+@dataclass(frozen=True)
+class Resume:
+    def to_json(self) -> dict:
+        return {"kind": "resume"}
+
+
+@dataclass(frozen=True)
+class StepOnce:
+    """While paused, run this many iterations."""
+
+    count: int = 1
+
+    def to_json(self) -> dict:
+        return {"kind": "step", "count": self.count}
+
+
+@dataclass(frozen=True)
+class StartRecording:
+    """Attach a recorder at the next iteration boundary; it starts with a checkpoint."""
+
+    recorder: Any
+    """A `recording.Recorder`."""
+
+    def to_json(self) -> dict:
+        return {"kind": "record", "run_dir": str(self.recorder.run_dir)}
+
+
+@dataclass(frozen=True)
+class StopRecording:
+    def to_json(self) -> dict:
+        return {"kind": "stop-recording"}
+
+
+InboxMessage = AddRequest | Abort | SetKnobs | Pause | Resume | StepOnce | StartRecording \
+    | StopRecording

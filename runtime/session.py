@@ -1,0 +1,93 @@
+"""The one engine builder: from `Settings`, the tokenizer, the executor and the engine that
+every entry point runs — the console, `serve`, `run-trace`, `bench --in-process` and
+`calibrate` — so the same settings give the same engine wherever they are used.
+
+- `torch`: the GGUF model's executor; its tokenizer comes from the same file.
+- `sim`: the timing model; a real tokenizer when `tokenizer` names a model (the simulated
+  token ids are then drawn from that vocabulary and decoded by it), otherwise the stand-in
+  words of `runtime/standin.py`, whose token counts are exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.engine import Engine
+from runtime.executors.base import Executor
+from runtime.executors.sim import SimConfig, SimExecutor
+from runtime.models.registry import DEFAULT_MODEL
+from runtime.settings import Settings
+from runtime.standin import StandInTokenizer
+
+
+@dataclass
+class Session:
+    """What `build_session` made, for an entry point to run."""
+
+    settings: Settings
+    executor: Executor
+    engine: Engine
+    tokenizer: object | None
+    """A `tokenizer.Tokenizer`, a `standin.StandInTokenizer`, or None (token ids only)."""
+    model_id: str
+    """The name the API serves the model under."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.executor.vocab_size
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def build_executor(settings: Settings, sim: SimConfig | None = None) -> Executor:
+    """The executor `settings` name (`sim`: `sim` overrides the settings' sim config)."""
+    s = settings.session
+    if s.executor == "sim":
+        return SimExecutor(sim or settings.sim, seed=settings.engine.seed)
+    from runtime.executors.torch import TorchExecutor
+    from runtime.models.registry import resolve_model
+
+    return TorchExecutor(resolve_model(s.model or DEFAULT_MODEL), device=s.device,
+                         dtype=s.dtype, threads=s.threads, seed=settings.engine.seed)
+
+
+def _real_tokenizer(model: str | Path):
+    from runtime.models.registry import resolve_model
+    from runtime.tokenizer import Tokenizer
+
+    return Tokenizer(resolve_model(str(model)))
+
+
+def build_session(settings: Settings, *, live: bool = False,
+                  with_tokenizer: bool = True) -> Session:
+    """Build tokenizer, executor and engine. `live`: a console or a server watches the
+    engine, so a simulated one keeps `pace` to the wall clock; headless runs go as fast as
+    they can. `with_tokenizer=False` skips detokenization (trace runs use token ids)."""
+    s = settings.session
+    tokenizer = None
+    if s.executor == "sim":
+        sim = settings.sim
+        if with_tokenizer and s.tokenizer:
+            tokenizer = _real_tokenizer(s.tokenizer)
+            # Simulated ids come from the tokenizer's vocabulary, end-of-sequence included.
+            sim = dataclasses.replace(sim, vocab_size=tokenizer.vocab_size,
+                                      eos_token_id=tokenizer.eos_token_id)
+        elif with_tokenizer:
+            tokenizer = StandInTokenizer(sim.vocab_size, sim.eos_token_id)
+        executor = build_executor(settings, sim)
+        model_id = s.served_model_name or executor.model.name
+    else:
+        executor = build_executor(settings)
+        if with_tokenizer:
+            tokenizer = _real_tokenizer(executor.model_path)
+        model_id = s.served_model_name or Path(s.model or DEFAULT_MODEL).stem
+    try:
+        engine = Engine(settings.engine, executor, tokenizer=tokenizer,
+                        pace=s.pace if live and executor.virtual_time else None)
+    except BaseException:
+        executor.close()
+        raise
+    return Session(settings, executor, engine, tokenizer, model_id)

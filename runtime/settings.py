@@ -1,0 +1,147 @@
+"""One settings object for every entry point, layered: the executor's defaults, then a config
+file, then command-line flags.
+
+Keys are flat (a TOML config file uses the same names): the session's own (`executor`,
+`model`, `tokenizer`, `device`, `dtype`, `threads`, `pace`, `served_model_name`), the fields
+of `EngineConfig`, of `Knobs` and of `SimConfig`. An unknown key or a bad value is refused
+with one sentence naming it and what is allowed.
+
+Defaults depend on the executor and are the same for every command that runs it, so a
+request that fits in the console fits in run-trace and behind the API too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.config import (
+    EngineConfig,
+    Knobs,
+    check_choice,
+    check_float,
+    check_int,
+    field_names,
+    read_toml,
+    split_settings,
+)
+from runtime.errors import ConfigError
+from runtime.executors.sim import SimConfig
+
+EXECUTORS = ("sim", "torch")
+GIB = 1 << 30
+
+EXECUTOR_DEFAULTS: dict[str, dict[str, Any]] = {
+    # A datacenter card: Qwen3-8B on an RTX PRO 6000 with 16 GiB of KV.
+    "sim": {"kv_memory_bytes": 16 * GIB, "kv_format": "bf16",
+            "max_num_batched_tokens": 8192, "chunk_size": 2048},
+    # A laptop CPU: small steps keep every stream moving.
+    "torch": {"kv_memory_bytes": GIB // 2, "kv_format": "fp16",
+              "max_num_batched_tokens": 512, "chunk_size": 256},
+}
+"""Per-executor defaults that differ from the dataclasses' own."""
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """What to run, as opposed to how the engine schedules it."""
+
+    executor: str = "torch"
+    model: str | None = None
+    """Model name or GGUF path (torch); None takes the embedded default."""
+    tokenizer: str | None = None
+    """Sim: a model whose tokenizer decodes the simulated token ids (None: stand-in words)."""
+    device: str = "auto"
+    dtype: str | None = None
+    threads: int | None = None
+    pace: float = 1.0
+    """Sim behind the console or the API: virtual seconds per wall second."""
+    served_model_name: str | None = None
+    """The model id the API serves (default: the model's name)."""
+
+    def __post_init__(self) -> None:
+        check_choice("executor", self.executor, EXECUTORS)
+        if self.threads is not None:
+            check_int("threads", self.threads, 1, 1024)
+        check_float("pace", self.pace, 1e-3, 1e6)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything needed to build a session (see `runtime.session.build_session`)."""
+
+    session: SessionOptions = field(default_factory=SessionOptions)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+
+    @property
+    def executor(self) -> str:
+        return self.session.executor
+
+    def flat(self) -> dict[str, Any]:
+        """The settings as flat keys (what a config file holds)."""
+        out: dict[str, Any] = {}
+        for part in (self.session, self.engine, self.sim):
+            for f in dataclasses.fields(part):
+                if f.name != "knobs":
+                    out[f.name] = getattr(part, f.name)
+        out.update(dataclasses.asdict(self.engine.knobs))
+        return out
+
+
+SETTING_CLASSES = (SessionOptions, EngineConfig, Knobs, SimConfig)
+
+
+def allowed_keys() -> list[str]:
+    return sorted({n for c in SETTING_CLASSES for n in field_names(c)} - {"knobs"})
+
+
+def defaults_for(executor: str) -> dict[str, Any]:
+    """The defaults every command uses for `executor`, as flat keys."""
+    check_choice("executor", executor, EXECUTORS)
+    return dict(EXECUTOR_DEFAULTS[executor])
+
+
+def resolve(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
+            *, default_executor: str = "torch") -> Settings:
+    """Layer the executor's defaults, a config file's values and flag overrides (later
+    wins) into validated settings."""
+    values = {**(file_values or {}), **(overrides or {})}
+    executor = values.get("executor", default_executor)
+    check_choice("executor", executor, EXECUTORS)
+    values = {**defaults_for(executor), **values, "executor": executor}
+    if values.get("kv_format") == "auto":
+        values["kv_format"] = EXECUTOR_DEFAULTS[executor]["kv_format"]
+    session, engine, knobs, sim = split_settings(values, *SETTING_CLASSES)
+    try:
+        return Settings(SessionOptions(**session),
+                        EngineConfig(knobs=Knobs(**knobs), **engine), SimConfig(**sim))
+    except TypeError as e:  # a wrong value type reaching a dataclass, e.g. a table
+        raise ConfigError(f"Invalid setting: {e}.") from None
+
+
+def load(config: str | Path | None, overrides: dict[str, Any] | None = None, *,
+         default_executor: str = "torch") -> Settings:
+    """`resolve` with the values of TOML file `config` (None: no file)."""
+    return resolve(read_toml(config) if config else {}, overrides,
+                   default_executor=default_executor)
+
+
+def to_toml(values: dict[str, Any]) -> str:
+    """Flat settings as TOML (strings, numbers and booleans; None values are left out)."""
+    lines = []
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        elif isinstance(value, str):
+            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        else:
+            raise ConfigError(f"Setting {key!r} has a value TOML cannot hold here: {value!r}.")
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines) + "\n"
