@@ -3,8 +3,10 @@
 N requests (64, 256, 1024) each hold a 2K-token context (16-token blocks, prefix caching on,
 a 512-token prefix shared by all) and decode one token per iteration. The sim executor's step
 time is set to zero, so the figure is the engine's own CPU cost. Target: ≤ 1 ms per iteration
-at 256 running requests on a 2-core machine. Snapshot building is timed separately (the
-console publishes at ≤ 10 Hz, not every iteration).
+at 256 running requests on a 2-core machine. Snapshot building is timed separately, each
+snapshot right after a step (every running request changed, blocks entered the prefix
+cache), as the engine thread builds them for the console and /metrics at up to 10 per
+second. Target: ≤ 2 ms per snapshot at 256 running requests.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ CONTEXT = 2048
 SHARED = 512
 BLOCK = 16
 TARGET_MS = 1.0
+SNAPSHOT_TARGET_MS = 2.0
 
 
 def build(n: int) -> Engine:
@@ -48,10 +51,12 @@ def measure(n: int, steps: int) -> dict:
     for _ in range(steps):
         e.step()
     per_step = (time.perf_counter() - t0) / steps
-    t0 = time.perf_counter()
-    for _ in range(10):
+    snap = 0.0
+    for _ in range(20):
+        e.step()
+        t0 = time.perf_counter()
         e.snapshot()
-    snap = (time.perf_counter() - t0) / 10
+        snap += (time.perf_counter() - t0) / 20
     e.check_integrity()
     return {"running": n, "steps": steps, "ms_per_iteration": per_step * 1e3,
             "iterations_per_s": 1 / per_step, "ms_per_snapshot": snap * 1e3,
@@ -71,8 +76,13 @@ def main(out_dir: Path = Path("bench-results")) -> dict:
     verdict = "meets" if at256["ms_per_iteration"] <= TARGET_MS else "misses"
     print(f"at 256 running: {at256['ms_per_iteration']:.3f} ms/iteration, {verdict} the "
           f"{TARGET_MS} ms target")
+    verdict = "meets" if at256["ms_per_snapshot"] <= SNAPSHOT_TARGET_MS else "misses"
+    print(f"at 256 running: {at256['ms_per_snapshot']:.3f} ms/snapshot, {verdict} the "
+          f"{SNAPSHOT_TARGET_MS} ms target (at 10 snapshots/s: "
+          f"{at256['ms_per_snapshot'] / 100:.1%} of the engine thread)")
     out_dir.mkdir(exist_ok=True)
-    result = {"benchmark": "engine_overhead", "rows": rows, "target_ms_at_256": TARGET_MS}
+    result = {"benchmark": "engine_overhead", "rows": rows, "target_ms_at_256": TARGET_MS,
+              "snapshot_target_ms_at_256": SNAPSHOT_TARGET_MS}
     (out_dir / "engine_overhead.json").write_text(json.dumps(result, indent=1))
     return result
 

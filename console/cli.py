@@ -347,6 +347,8 @@ def bench(
                                    help="Token ids for synthetic prompts stay below this."),
     hash_block_tokens: int = typer.Option(512, "--hash-block-tokens",
                                           help="Tokens per Mooncake hash id."),
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup",
+                                help="Send one uncounted short request first."),
     as_json: bool = typer.Option(False, "--json", help="Print summary and every request."),
     output: str = typer.Option(None, "--output", "-o", help="Also write the JSON here."),
     slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
@@ -397,6 +399,7 @@ def bench(
             result = asyncio.run(run_bench(url, model, items, vocab_size=vocab_size,
                                            api_key=api_key, slo=slo,
                                            hash_block_tokens=hash_block_tokens,
+                                           warmup=warmup,
                                            on_done=lambda _: progress.advance(task)))
     if output:
         Path(output).write_text(json.dumps(result, indent=1))

@@ -81,16 +81,31 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, a: Arrival, inde
         tuple(b - a_ for a_, b in zip(times, times[1:], strict=False)), None, None)
 
 
+WARMUP_PROMPT = list(range(3, 19))
+"""Sent once before the run is timed: 16 fixed token ids, shorter than any cache block a
+trace's prompts could share with it."""
+
+
 async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *, vocab_size: int,
                     api_key: str | None = None, concurrency_limit: int = 256,
-                    slo: SLO = SLO(), hash_block_tokens: int = 512,
+                    slo: SLO = SLO(), hash_block_tokens: int = 512, warmup: bool = True,
                     on_done: Callable[[RequestMetrics], None] | None = None) -> dict:
-    """Send every arrival at its time; returns `{"summary": ..., "requests": [...]}`."""
+    """Send every arrival at its time; returns `{"summary": ..., "requests": [...]}`.
+
+    With `warmup`, one short request goes first and is not counted (as vLLM's serving
+    benchmark does), so first-request costs on either side do not land on the trace's first
+    arrivals."""
     endpoint = url.rstrip("/") + "/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency_limit)
-    start = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        if warmup:
+            try:
+                await client.post(endpoint, headers=headers, json={
+                    "model": model, "prompt": WARMUP_PROMPT, "max_tokens": 1})
+            except httpx.HTTPError:
+                pass  # an unreachable server shows in every request's result below
+        start = time.perf_counter()
 
         async def tracked(i: int, a: Arrival) -> RequestMetrics:
             m = await _one(client, endpoint, model, a, i, vocab_size, start, headers,

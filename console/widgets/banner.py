@@ -26,4 +26,4 @@ class Banner(Static):
                         f"was aborted; q quits.{where}")
         elif snap.paused:
             self.update("Paused: no iterations run (s steps one, p resumes); API requests "
-                        "get 503 until it resumes.")
+                        "queue until it resumes and /health says paused.")

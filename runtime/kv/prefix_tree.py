@@ -293,30 +293,38 @@ class PrefixTree:
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
-    def summary(self, limit: int = 256) -> list[NodeSummary]:
-        """Up to `limit` segments, depth first, the most used and most hit siblings first."""
+    def summary(self, limit: int = 256, max_nodes: int = 2048) -> list[NodeSummary]:
+        """Up to `limit` segments, depth first, the most used and most hit siblings first,
+        visiting at most `max_nodes` nodes: the shared parts of a large tree come first, and
+        a snapshot stays cheap when hundreds of requests hold long private chains."""
         out: list[NodeSummary] = []
         rc = self.pool.refcount
         p = self.block_size
+        budget = max_nodes
 
         def order(nodes: Iterable[PrefixNode]) -> list[PrefixNode]:
             return sorted(nodes, key=lambda n: (-rc[n.block], -n.hits, n.node_id))
 
         stack = [(c, 0) for r in self.roots.values() for c in reversed(order(r.children.values()))]
-        while stack and len(out) < limit:
+        while stack and len(out) < limit and budget > 0:
             first, parent_id = stack.pop()
-            users = rc[first.block] - 1
-            last, n, hits, access = first, 1, first.hits, first.last_access
-            while len(last.children) == 1:
-                (child,) = last.children.values()
-                if rc[child.block] - 1 != users:
+            count = rc[first.block]
+            last, n, access = first, 1, first.last_access
+            children = last.children
+            while len(children) == 1 and n < budget:
+                (child,) = children.values()
+                if rc[child.block] != count:
                     break
-                last, n = child, n + 1
-                hits, access = max(hits, child.hits), max(access, child.last_access)
+                last, n, children = child, n + 1, child.children
+                if child.last_access > access:
+                    access = child.last_access
+            budget -= n
+            # A lookup touches a whole chain from the root, so hits never grow along a
+            # chain: the segment's first node has the most.
             out.append(NodeSummary(first.node_id, parent_id, first.block,
                                    first.depth_tokens - p, last.depth_tokens, n,
-                                   users, hits, access, users == 0))
-            stack.extend((c, first.node_id) for c in reversed(order(last.children.values())))
+                                   count - 1, first.hits, access, count == 1))
+            stack.extend((c, first.node_id) for c in reversed(order(children.values())))
         return out
 
     def check_integrity(self) -> None:

@@ -108,28 +108,27 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_id: str, loop: Engine
             return error(400, "The request body is not valid JSON.", param="body")
         return error(400, f"Invalid value for '{field}': {first['msg']}.", param=field)
 
-    def unavailable() -> JSONResponse | None:
-        """503 with the reason while the engine cannot serve (failed or paused), as the
-        latest snapshot says."""
+    def failed() -> JSONResponse | None:
+        """503 with the reason once the engine has stopped, as the latest snapshot says."""
         snap = loop.latest
-        if snap is None:
+        if snap is None or snap.failure is None:
             return None
-        if snap.failure is not None:
-            where = f" (traceback in {snap.failure.log_path})" if snap.failure.log_path else ""
-            return error(503, f"The engine has stopped: {snap.failure.message}{where}.",
-                         "service_unavailable")
-        if snap.paused:
-            return error(503, "The engine is paused by its operator; retry when it resumes.",
-                         "service_unavailable")
-        return None
+        where = f" (traceback in {snap.failure.log_path})" if snap.failure.log_path else ""
+        return error(503, f"The engine has stopped: {snap.failure.message}{where}.",
+                     "service_unavailable")
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        down = unavailable()
+        """200 while serving; 503 with the reason once failed, or while the operator has
+        paused the engine (requests are still queued then, and run when it resumes)."""
+        down = failed()
         if down is not None:
-            status = "paused" if loop.latest.failure is None else "failed"
             return JSONResponse(status_code=503, content={
-                "status": status, "reason": json.loads(down.body)["error"]["message"]})
+                "status": "failed", "reason": json.loads(down.body)["error"]["message"]})
+        if loop.latest is not None and loop.latest.paused:
+            return JSONResponse(status_code=503, content={
+                "status": "paused", "reason": "The engine is paused by its operator; "
+                "requests queue until it resumes."})
         return JSONResponse({"status": "ok"})
 
     @app.get("/kvdeck/config")
@@ -166,7 +165,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_id: str, loop: Engine
         if body.model != model_id:
             return error(404, f"The model '{body.model}' does not exist; this server serves "
                               f"'{model_id}'.", param="model")
-        down = unavailable()
+        down = failed()
         if down is not None:
             return down
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())

@@ -10,26 +10,26 @@ import httpx
 import openai
 import pytest
 
-from runtime.config import EngineConfig
-from runtime.engine import Engine
-from runtime.executors.torch import TorchExecutor
 from runtime.server.serve import ApiServer
-from runtime.tokenizer import Tokenizer
+from runtime.session import Session, build_session
+from runtime.settings import resolve
 
 pytestmark = pytest.mark.slow
 MODEL = "gemma3-270m"
 
 
+def gemma_session(gemma_path, **settings) -> Session:
+    return build_session(resolve({"model": str(gemma_path), "device": "cpu",
+                                  "served_model_name": MODEL, **settings}), live=True)
+
+
 @pytest.fixture(scope="module")
 def server(gemma_path):
-    ex = TorchExecutor(gemma_path, device="cpu")
-    tok = Tokenizer(gemma_path)
-    engine = Engine(EngineConfig(kv_memory_bytes=256 << 20, max_waiting=48), ex,
-                    tokenizer=tok)
-    srv = ApiServer(engine, tok, MODEL, port=0).start()
+    srv = ApiServer(gemma_session(gemma_path, kv_memory_bytes=256 << 20, max_waiting=48),
+                    port=0).start()
     yield srv
     srv.stop()
-    engine.check_integrity()
+    srv.engine.check_integrity()
 
 
 @pytest.fixture()
@@ -39,8 +39,13 @@ def client(server) -> openai.OpenAI:
 
 
 def idle(server: ApiServer, timeout: float = 60) -> None:
+    """Wait until the published snapshot shows an idle engine (what /metrics reads)."""
     end = time.monotonic() + timeout
-    while server.engine.scheduler.running or server.engine.scheduler.waiting:
+    while True:
+        snap = server.loop.latest
+        if snap is not None and not snap.running and not snap.waiting and \
+                snap.step == server.engine.step_count and not server.engine.has_work:
+            return
         assert time.monotonic() < end
         time.sleep(0.05)
 
@@ -260,12 +265,10 @@ async def test_serve_with_console_shows_api_traffic(gemma_path) -> None:
 
     from console.app import KvdeckApp
 
-    ex = TorchExecutor(gemma_path, device="cpu")
-    tok = Tokenizer(gemma_path)
-    engine = Engine(EngineConfig(kv_memory_bytes=128 << 20), ex, tokenizer=tok)
-    app = KvdeckApp(engine, hardware=False)
+    session = gemma_session(gemma_path, kv_memory_bytes=128 << 20)
+    app = KvdeckApp(session.engine, hardware=False)
     async with app.run_test(size=(160, 48)):
-        srv = ApiServer(engine, tok, MODEL, port=0, loop=app.loop).start()
+        srv = ApiServer(session, port=0, loop=app.loop).start()
         try:
             async with httpx.AsyncClient(timeout=120) as client:
                 r = await client.post(f"http://127.0.0.1:{srv.port}/v1/completions",

@@ -1,0 +1,159 @@
+"""`kvdeck serve --executor sim`: the OpenAI API with a simulated datacenter card's timing,
+started as a user starts it, driven by the official `openai` client, `kvdeck bench` and the
+attach parser."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from runtime.attach import parse_metrics
+
+MODEL = "qwen3-8b"
+
+
+@contextmanager
+def sim_server(*args: str) -> Iterator[str]:
+    """Run `kvdeck serve --executor sim --port 0 ARGS` and yield its base URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", "--executor", "sim",
+                             "--port", "0", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        end = time.monotonic() + 60
+        while url is None:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < end, "the server did not start"
+            m = re.search(r"serving \S+ on (http://127\.0\.0\.1:\d+/v1)", line)
+            url = m.group(1) if m else None
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with sim_server() as url:
+        yield url
+
+
+def idle(url: str, timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while True:
+        status = parse_metrics(httpx.get(url.removesuffix("/v1") + "/metrics").text)
+        if status.running == 0 and status.waiting == 0:
+            return
+        assert time.monotonic() < end
+        time.sleep(0.05)
+
+
+def test_openai_client_gets_exactly_max_tokens_at_the_simulated_pace(server: str) -> None:
+    client = openai.OpenAI(base_url=server, api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = client.completions.create(model=MODEL, prompt="Explain paged attention", max_tokens=20)
+    # The stand-in tokenizer: one readable word per token, counted exactly.
+    assert r.usage.completion_tokens == 20 and len(r.choices[0].text.split()) == 20
+    assert r.usage.prompt_tokens == 3 and r.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=7)
+    assert chat.usage.completion_tokens == 7
+    assert len(chat.choices[0].message.content.split()) == 7
+
+    def itl_sum() -> float:
+        text = httpx.get(server.removesuffix("/v1") + "/metrics").text
+        return float(re.search(r"^vllm:inter_token_latency_seconds_sum\S* (\S+)$", text,
+                               re.M).group(1))
+
+    idle(server)
+    before = itl_sum()
+    times = []
+    stream = client.completions.create(model=MODEL, prompt="Count to fifty", max_tokens=50,
+                                       stream=True, stream_options={"include_usage": True})
+    words = 0
+    usage = None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            times.append(time.perf_counter())
+            words += len(chunk.choices[0].text.split())
+        if chunk.usage:
+            usage = chunk.usage
+    assert words == 50 and usage.completion_tokens == 50
+    idle(server)
+    modelled = itl_sum() - before  # the 49 inter-token gaps on the simulated card
+    measured = times[-1] - times[0]
+    assert modelled > 49 * 0.026  # Qwen3-8B decode on the RTX PRO 6000: ~26 ms per step
+    assert abs(measured - modelled) / modelled < 0.10, (measured, modelled)
+
+
+def test_metrics_health_and_attach_work_unchanged(server: str) -> None:
+    base = server.removesuffix("/v1")
+    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    status = parse_metrics(httpx.get(base + "/metrics").text)
+    assert status.engine == "kvdeck" and status.kv_usage is not None and status.kv_blocks
+    assert not {"running requests", "KV cache usage", "TTFT histogram"} & set(status.missing())
+    config = httpx.get(base + "/kvdeck/config").json()
+    assert config["settings"]["executor"] == "sim" and config["num_blocks"] == 7_281
+
+
+def trace_file(tmp_path: Path) -> Path:
+    """30 requests over 3 s, half sharing a 1,536-token system prompt, 24 output tokens:
+    prefills of 100 ms and more, so the ~4 ms an HTTP round trip adds is small beside the
+    simulated card's time."""
+    p = tmp_path / "trace.jsonl"
+    lines = []
+    for i in range(30):
+        rec = {"arrival_s": 0.1 * i, "prompt_len": 1500 + 137 * (i % 7), "output_len": 24,
+               "id": f"t{i}"}
+        if i % 2 == 0:
+            rec.update(prompt_len=2400, prefix_group="sys", prefix_len=1536)
+        lines.append(json.dumps(rec))
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def kvdeck(*args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "console.cli", *args, "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_bench_against_the_sim_server_reproduces_run_trace(tmp_path: Path) -> None:
+    trace = trace_file(tmp_path)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("max_num_batched_tokens = 4096\nchunk_size = 1024\n")
+    offline = kvdeck("run-trace", str(trace), "--config", str(cfg))["summary"]
+    with sim_server("--config", str(cfg)) as url:
+        online = kvdeck("bench", str(trace), "--url", url, "--model", MODEL)["summary"]
+    assert online["statuses"] == offline["statuses"] == {"finished_length": 30}
+    for key in ("ttft_s", "tpot_s"):
+        a, b = offline[key]["p50"], online[key]["p50"]
+        assert abs(b - a) / a < 0.10, (key, a, b)
+
+
+def test_serve_and_run_trace_build_identical_engines_from_one_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('executor = "sim"\nkv_memory_bytes = 8589934592\nblock_size = 32\n'
+                   'max_num_seqs = 64\nqueue_policy = "sjf"\nchunk_size = 512\n'
+                   'hardware = "rtx-pro-6000"\nseed = 4\n')
+    offline = kvdeck("run-trace", "azure-conv", "--limit", "3", "--config", str(cfg))
+    with sim_server("--config", str(cfg)) as url:
+        online = httpx.get(url.removesuffix("/v1") + "/kvdeck/config").json()
+    assert online["engine"] == offline["config"]["engine"]
+    assert online["num_blocks"] == offline["config"]["num_blocks"] == 8192 * 1024 // (32 * 144)
+    settings = online["settings"]
+    assert settings == offline["config"]["settings"]
+    assert (settings["block_size"], settings["max_num_seqs"], settings["queue_policy"]) == \
+        (32, 64, "sjf")
