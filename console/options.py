@@ -125,6 +125,8 @@ FLAGS: tuple[Flag, ...] = (
          SIM),
     Flag("eos_probability", ("--eos-probability",), float,
          "Chance a simulated token ends the request (default 0).", SIM),
+    Flag("fail_at_step", ("--fail-at-step",), int, "Fault injection: the simulated executor "
+         "fails for good on this step.", SIM),
 )
 FLAG_KEYS = {f.key for f in FLAGS}
 

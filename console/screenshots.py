@@ -16,13 +16,15 @@ from runtime.settings import resolve
 from runtime.traffic import TrafficGenerator
 
 
-def make_demo_app(runs_dir: Path | None = None, autostart: bool = False) -> KvdeckApp:
+def make_demo_app(runs_dir: Path | None = None, autostart: bool = False,
+                  **settings) -> KvdeckApp:
     """Qwen3-8B on the simulated RTX PRO 6000, seed 3, 4 GiB of KV, 6 requests/s, stand-in
     tokenizer. With `autostart` the engine loop runs paced to the wall clock, as in
-    `kvdeck console --executor sim`; without, the caller steps it (`advance`)."""
-    settings = resolve({"executor": "sim", "kv_memory_bytes": 4 << 30, "seed": 3,
-                        "max_num_batched_tokens": 4096, "chunk_size": 1024})
-    session = build_session(settings, live=autostart)
+    `kvdeck console --executor sim`; without, the caller steps it (`advance`). `settings`
+    override the demo's."""
+    resolved = resolve({"executor": "sim", "kv_memory_bytes": 4 << 30, "seed": 3,
+                        "max_num_batched_tokens": 4096, "chunk_size": 1024, **settings})
+    session = build_session(resolved, live=autostart)
     traffic = TrafficGenerator.for_engine(session.engine, 6.0)
     kwargs = {"runs_dir": runs_dir} if runs_dir is not None else {}
     return KvdeckApp(session.engine, traffic, autostart=autostart, hardware=False, **kwargs)

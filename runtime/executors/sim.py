@@ -44,6 +44,10 @@ class SimConfig:
     eos_probability: float = 0.0
     """Chance that any sampled token is end-of-sequence (0: requests run to max_tokens)."""
     eos_token_id: int = 2
+    fail_at_step: int | None = None
+    """Fault injection: the executor fails for good (as a lost device would) on its n-th
+    executed step, so clients, dashboards and the console can be tested against a dying
+    engine."""
 
     def __post_init__(self) -> None:
         check_choice("timing", self.timing, TIMING_MODES)
@@ -54,6 +58,8 @@ class SimConfig:
         check_int("vocab_size", self.vocab_size, 2, 1 << 24)
         check_float("eos_probability", self.eos_probability, 0.0, 1.0)
         check_int("eos_token_id", self.eos_token_id, 0, self.vocab_size - 1)
+        if self.fail_at_step is not None:
+            check_int("fail_at_step", self.fail_at_step, 1, 1 << 40)
 
 
 class SimExecutor:
@@ -75,6 +81,7 @@ class SimExecutor:
         self.fit = self._resolve_fit()
         self._kv_bytes_per_token = self.model.kv_bytes_per_token()
         self._rid_hash: dict[str, int] = {}
+        self.num_steps = 0
 
     def _resolve_fit(self) -> StepFit:
         c = self.config
@@ -116,6 +123,9 @@ class SimExecutor:
                    bytes_read / (hw.bandwidth_bytes_per_s * hw.mbu))
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
+        self.num_steps += 1
+        if self.num_steps == self.config.fail_at_step:
+            raise RuntimeError(f"injected failure at step {self.num_steps} (fail_at_step)")
         num_new = num_pairs = context = 0
         sampled: dict[str, int] = {}
         token = self._token

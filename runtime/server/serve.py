@@ -45,6 +45,8 @@ class ApiServer:
             threading.Thread(target=announce, daemon=True).start()
         try:
             self.server.run()
+        except KeyboardInterrupt:
+            pass  # uvicorn re-raises the SIGINT it shut down on: the shutdown was asked for
         finally:
             self.loop.stop()
             self.session.close()

@@ -90,3 +90,15 @@ def test_bad_config_file(tmp_path: Path) -> None:
     cfg.write_text("block_size = [\n")
     r = kvdeck("run-trace", str(AZURE_CONV), "--config", str(cfg), "--limit", "3")
     assert r.returncode == 2 and "is not valid TOML" in r.stderr
+
+
+def test_log_level_on_every_command() -> None:
+    r = kvdeck("models", "--log-level", "loud")
+    assert r.returncode == 2
+    assert "--log-level must be one of debug, info, warning, error, got 'loud'." in r.stderr
+    r = kvdeck("run-trace", "azure-conv", "--limit", "2", "--log-level", "debug")
+    assert r.returncode == 0, r.stderr
+    assert "DEBUG kvdeck.engine: inbox" in r.stderr  # each request entering the inbox
+    for command in ("console", "serve", "run-trace", "bench", "calibrate", "models", "attach",
+                    "replay", "compare"):
+        assert "--log-level" in kvdeck(command, "--help").stdout, command

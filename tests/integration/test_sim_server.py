@@ -5,7 +5,9 @@ attach parser."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -22,12 +24,18 @@ from runtime.attach import parse_metrics
 MODEL = "qwen3-8b"
 
 
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str):
+        self.proc, self.url = proc, url
+
+
 @contextmanager
-def sim_server(*args: str) -> Iterator[str]:
-    """Run `kvdeck serve --executor sim --port 0 ARGS` and yield its base URL."""
+def sim_process(*args: str, env: dict | None = None) -> Iterator[Server]:
+    """Run `kvdeck serve --executor sim --port 0 ARGS` as a user would."""
     proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", "--executor", "sim",
                              "--port", "0", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     try:
         url = None
         end = time.monotonic() + 60
@@ -37,10 +45,18 @@ def sim_server(*args: str) -> Iterator[str]:
             assert time.monotonic() < end, "the server did not start"
             m = re.search(r"serving \S+ on (http://127\.0\.0\.1:\d+/v1)", line)
             url = m.group(1) if m else None
-        yield url
+        yield Server(proc, url)
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
         proc.wait(30)
+
+
+@contextmanager
+def sim_server(*args: str) -> Iterator[str]:
+    """The base URL of `kvdeck serve --executor sim --port 0 ARGS`."""
+    with sim_process(*args) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +173,59 @@ def test_serve_and_run_trace_build_identical_engines_from_one_config(tmp_path: P
     assert settings == offline["config"]["settings"]
     assert (settings["block_size"], settings["max_num_seqs"], settings["queue_policy"]) == \
         (32, 64, "sjf")
+
+
+VLLM_FLAGS = {  # flag, value on the command line, settings key, value it must reach
+    "--max-num-seqs": ("48", "max_num_seqs", 48),
+    "--max-num-batched-tokens": ("3000", "max_num_batched_tokens", 3000),
+    "--no-enable-prefix-caching": (None, "enable_prefix_caching", False),
+    "--block-size": ("32", "block_size", 32),
+    "--kv-cache-dtype": ("fp16", "kv_format", "fp16"),
+    "--max-model-len": ("20000", "max_model_len", 20000),
+    "--seed": ("11", "seed", 11),
+    "--kv-memory-gib": ("2", "kv_memory_bytes", 2 << 30),
+    "--chunk-size": ("700", "chunk_size", 700),
+    "--queue-policy": ("edf", "queue_policy", "edf"),
+}
+
+
+def test_every_vllm_named_flag_reaches_the_engine_in_serve_and_run_trace() -> None:
+    args = [a for flag, (value, _, _) in VLLM_FLAGS.items()
+            for a in ((flag,) if value is None else (flag, value))]
+    offline = kvdeck("run-trace", "azure-conv", "--limit", "2", *args)["config"]
+    with sim_server(*args) as url:
+        online = httpx.get(url.removesuffix("/v1") + "/kvdeck/config").json()
+    for config in (offline, online):
+        engine = config["engine"]
+        flat = {**engine, **engine["knobs"]}
+        for flag, (_, key, value) in VLLM_FLAGS.items():
+            assert config["settings"][key] == value, flag
+            assert flat[key] == value, flag
+        # 2 GiB of fp16 KV (Qwen3-8B: 147,456 B per token) in blocks of 32 tokens.
+        assert config["num_blocks"] == (2 << 30) // (32 * 147_456) == 455
+        assert config["max_model_len"] == 20000
+
+
+def test_an_engine_failure_reaches_every_client_and_sigint_exits_cleanly(tmp_path) -> None:
+    with sim_process("--fail-at-step", "12", env={"KVDECK_CACHE": str(tmp_path)}) as server:
+        base = server.url.removesuffix("/v1")
+        body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 100,
+                "stream": True}
+        with httpx.stream("POST", server.url + "/completions", json=body, timeout=60) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        last = json.loads(events[-1][6:])
+        assert last["error"]["code"] == 503
+        assert last["error"]["message"] == (
+            "The request was aborted: engine failed: RuntimeError: injected failure at "
+            "step 12 (fail_at_step).")
+        assert 5 < len(events) < 100  # tokens streamed until the failure, then the error
+        health = httpx.get(base + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        (log,) = (tmp_path / "logs").glob("failure-*.log")
+        assert str(log) in health.json()["reason"] and "Traceback" in log.read_text()
+        r = httpx.post(server.url + "/completions", json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 503 and "The engine has stopped" in r.json()["error"]["message"]
+        assert "kvdeck:engine_failed" in httpx.get(base + "/metrics").text
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(20) == 0
+        assert "Traceback" not in server.proc.stderr.read()

@@ -219,3 +219,22 @@ async def test_prefix_tree_collapse_survives_new_snapshots(app: KvdeckApp) -> No
         advance(app, 5)
         again = next(n for n in tree.root.children if n.data == shared.data)
         assert not again.is_expanded and again.children
+
+
+async def test_engine_failure_shows_a_banner_and_q_quits(tmp_path, monkeypatch) -> None:
+    from console.widgets.banner import Banner
+
+    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
+    app = make_app(tmp_path / "runs", autostart=True, fail_at_step=8)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_for(pilot, lambda: app.latest is not None and app.latest.failure)
+        await pilot.pause()
+        banner = app.query_one(Banner)
+        text = str(banner.render())
+        assert banner.has_class("-failed") and banner.display
+        assert "The engine stopped: RuntimeError: injected failure at step 8" in text
+        (log,) = (tmp_path / "logs").glob("failure-*.log")
+        assert str(log) in text.replace("\n", "")
+        assert "failed" in app.sub_title and not app.loop.is_alive
+        await pilot.press("q")
+    assert app.loop.error is not None and not app.engine.kv.tables
