@@ -132,7 +132,9 @@ class KvdeckApp(ConsoleApp):
         self.query_one(Banner).show(snap)
         state = "failed" if snap.failure else "paused" if snap.paused else "running"
         rec = " · recording" if self.recorder is not None else ""
-        self.sub_title = f"{snap.model_name} · {snap.executor} · {state}{rec}"
+        refused = f" · traffic refused {self.traffic.refused:,}" \
+            if self.traffic is not None and self.traffic.refused else ""
+        self.sub_title = f"{snap.model_name} · {snap.executor} · {state}{rec}{refused}"
 
     def traffic_values(self) -> dict[str, float]:
         if self.traffic is None:

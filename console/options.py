@@ -128,7 +128,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag("fail_at_step", ("--fail-at-step",), int, "Fault injection: the simulated executor "
          "fails for good on this step.", SIM),
 )
-FLAG_KEYS = {f.key for f in FLAGS}
 
 _CONFIG = inspect.Parameter(
     "opt_config", inspect.Parameter.KEYWORD_ONLY, default=None,

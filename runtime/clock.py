@@ -26,7 +26,6 @@ import time
 class WallClock:
     """Measured time in seconds since the engine started."""
 
-    paced = False
     jumps = False
     """Whether an idle engine may jump the clock to its next arrival."""
 
@@ -94,7 +93,6 @@ class VirtualClock(WallClock):
 class PacedClock(VirtualClock):
     """Virtual time held to `pace` virtual seconds per wall second."""
 
-    paced = True
     jumps = False
 
     def __init__(self, pace: float = 1.0) -> None:

@@ -24,9 +24,8 @@ else:  # pragma: no cover - Python 3.10
 SCHEDULING_MODES = ("continuous", "static")
 QUEUE_POLICIES = ("fcfs", "priority", "sjf", "edf")
 RESERVATION_POLICIES = ("full", "lazy")
-# "swap" preemption arrives with the host tier; the scheduler's preemption path and the
-# SWAPPED request state are already shaped for it.
 PREEMPTION_MODES = ("recompute",)
+"""Preempted requests free their KV and recompute it when readmitted."""
 EVICTION_POLICIES = ("lru", "value")
 DEADLINE_ACTIONS = ("reject", "wait")
 

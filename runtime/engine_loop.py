@@ -46,10 +46,6 @@ class EngineLoop:
         self._last_publish = 0.0
         self._published_changes = -1
 
-    def subscribe(self, callback: Callable[[EngineSnapshot], None]) -> None:
-        """Also send snapshots to `callback` (call before `start`)."""
-        self.subscribers.append(callback)
-
     def start(self) -> EngineLoop:
         self._thread.start()
         return self

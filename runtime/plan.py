@@ -16,7 +16,7 @@ from runtime.request import Request
 
 def causal_pairs(num_new: int, num_prior: int) -> int:
     """Query–key pairs when `num_new` tokens attend causally on top of `num_prior`:
-    `c·h + c(c+1)/2` (DESIGN.md)."""
+    `c·h + c(c+1)/2` (docs/architecture.md, "Step time")."""
     return num_new * num_prior + num_new * (num_new + 1) // 2
 
 
@@ -32,7 +32,6 @@ class ScheduledChunk:
     """The request's block table as the KV manager holds it; executors must not modify it."""
     sample: bool
     """True when the chunk reaches the request's last known token, so a token is sampled."""
-    is_decode: bool
 
     @property
     def request_id(self) -> str:
@@ -55,18 +54,11 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    """(device block, host block) moves, for swap preemption with a host tier."""
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
     token_budget: int = 0
     max_num_seqs: int = 0
     num_decode_tokens: int = 0
     """Kept by the scheduler as it adds chunks (summing per step would cost a pass each)."""
     num_prefill_tokens: int = 0
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return self.num_decode_tokens + self.num_prefill_tokens
 
     @property
     def num_pairs(self) -> int:

@@ -15,8 +15,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     """Evicted from the batch with its KV freed; waits at the head of the queue to recompute."""
-    SWAPPED = "swapped"
-    """Evicted from the batch with its KV moved to the host tier (swap preemption)."""
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     ABORTED = "aborted"

@@ -136,7 +136,7 @@ class Scheduler:
             if cows is None:
                 continue
             plan.cow_copies.extend(cows)
-            self._add_chunk(plan, req, n, False)
+            self._add_prefill(plan, req, n)
             scheduled.add(req.request_id)
             budget -= n
         if not plan.preempted:
@@ -169,22 +169,20 @@ class Scheduler:
                 if cows is None:
                     continue
                 plan.cow_copies.extend(cows)
-            chunks.append(ScheduledChunk(req, 1, c, table, True, True))
+            chunks.append(ScheduledChunk(req, 1, c, table, True))
             scheduled.add(rid)
             budget -= 1
         plan.num_decode_tokens += len(chunks)
         return budget
 
-    def _add_chunk(self, plan: SchedulerOutput, req: Request, n: int, is_decode: bool) -> None:
+    def _add_prefill(self, plan: SchedulerOutput, req: Request, n: int) -> None:
+        """A prefill chunk of `n` tokens (decodes are planned inline, in _schedule_decodes)."""
         start = req.num_computed_tokens
         plan.chunks.append(ScheduledChunk(
             req, n, start, self.kv.tables[req.request_id],
-            start + n == len(req.prompt_token_ids) + len(req.output_token_ids), is_decode,
+            start + n == len(req.prompt_token_ids) + len(req.output_token_ids),
         ))
-        if is_decode:
-            plan.num_decode_tokens += n
-        else:
-            plan.num_prefill_tokens += n
+        plan.num_prefill_tokens += n
 
     def _make_room(self, req: Request, n: int, scheduled: set[str],
                    plan: SchedulerOutput) -> list[tuple[int, int]] | None:
@@ -273,7 +271,7 @@ class Scheduler:
             if req.admitted_time is None:
                 req.admitted_time = now
             self.running.append(req)
-            self._add_chunk(plan, req, n, False)
+            self._add_prefill(plan, req, n)
             plan.admitted.append(req.request_id)
             scheduled.add(req.request_id)
             budget -= n
@@ -317,13 +315,10 @@ class Scheduler:
         errors = result.errors
         sampled = result.sampled
         p = self.kv.block_size
-        running = RequestStatus.RUNNING
         eos = self.eos_token_ids
         max_len = self.max_model_len
         for chunk in plan.chunks:
             req = chunk.request
-            if req.status is not running:
-                continue  # aborted while the step ran: its blocks are already released
             if errors and req.request_id in errors:
                 self.running.remove(req)
                 req.error = errors[req.request_id]

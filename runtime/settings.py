@@ -23,7 +23,6 @@ from runtime.config import (
     check_choice,
     check_float,
     check_int,
-    field_names,
     read_toml,
     split_settings,
 )
@@ -94,10 +93,6 @@ class Settings:
 SETTING_CLASSES = (SessionOptions, EngineConfig, Knobs, SimConfig)
 
 
-def allowed_keys() -> list[str]:
-    return sorted({n for c in SETTING_CLASSES for n in field_names(c)} - {"knobs"})
-
-
 def defaults_for(executor: str) -> dict[str, Any]:
     """The defaults every command uses for `executor`, as flat keys."""
     check_choice("executor", executor, EXECUTORS)
@@ -127,21 +122,3 @@ def load(config: str | Path | None, overrides: dict[str, Any] | None = None, *,
     """`resolve` with the values of TOML file `config` (None: no file)."""
     return resolve(read_toml(config) if config else {}, overrides,
                    default_executor=default_executor)
-
-
-def to_toml(values: dict[str, Any]) -> str:
-    """Flat settings as TOML (strings, numbers and booleans; None values are left out)."""
-    lines = []
-    for key, value in values.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, (int, float)):
-            text = repr(value)
-        elif isinstance(value, str):
-            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        else:
-            raise ConfigError(f"Setting {key!r} has a value TOML cannot hold here: {value!r}.")
-        lines.append(f"{key} = {text}")
-    return "\n".join(lines) + "\n"

@@ -38,7 +38,8 @@ class TrafficMix:
     @classmethod
     def for_context(cls, context: int, rate_per_s: float = 2.0) -> TrafficMix:
         """Shapes that fit the model: short chats at 1/32 of the context, long requests at
-        1/4 with three quarters of them a shared system prompt (capped at DESIGN's 8K/6K)."""
+        1/4 with three quarters of them a shared system prompt (capped at the reference
+        long-context workload's 8K prompt with a 6K shared prefix, docs/architecture.md)."""
         long_prompt = max(min(context // 4, 8192), 64)
         return cls(rate_per_s=rate_per_s,
                    short_prompt=max(min(context // 32, 2048), 16),
@@ -76,7 +77,7 @@ class TrafficGenerator:
         self.next_arrival: float | None = None
         self.count = 0
         self.refused = 0
-        self.last_error: str | None = None
+        """Arrivals the engine refused (a full queue); the console shows the count."""
         self._lock = threading.Lock()
 
     def set_rate(self, rate_per_s: float) -> None:
@@ -126,6 +127,5 @@ class TrafficGenerator:
             self.engine.add_request(prompt, SamplingParams(max_tokens=out, ignore_eos=True),
                                     request_id=f"{'long' if long else 'chat'}-{self.count}",
                                     arrival_time=at)
-        except KvdeckError as e:  # queue full: counted and shown, never silent
+        except KvdeckError:  # queue full: counted and shown, never silent
             self.refused += 1
-            self.last_error = str(e)

@@ -24,10 +24,6 @@ class KVFormat:
     """Bytes one group occupies, codes and scale together."""
 
     @property
-    def is_quantized(self) -> bool:
-        return self.values_per_group > 1
-
-    @property
     def bytes_per_value(self) -> float:
         """Average bytes per stored value (34/32 for q8_0)."""
         return self.bytes_per_group / self.values_per_group
@@ -61,7 +57,8 @@ def get_kv_format(name: str) -> KVFormat:
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, fmt: KVFormat) -> int:
     """K and V bytes one token occupies across every layer: `2 × layers × kv_heads × row`.
 
-    For float formats the row is `head_dim × bytes_per_element`, the DESIGN.md formula.
+    For float formats the row is `head_dim × bytes_per_element` (docs/architecture.md, "KV
+    bytes per token").
     """
     return 2 * num_layers * num_kv_heads * fmt.row_bytes(head_dim)
 

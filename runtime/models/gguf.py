@@ -129,22 +129,6 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
-    def read_array(self, key: str) -> list[Any] | np.ndarray:
-        """Materialize a metadata array, including one left lazy by the header parse."""
-        value = self.metadata[key]
-        if not isinstance(value, LazyArray):
-            return value
-        assert self._mmap is not None
-        if value.value_type == _STRING:
-            cur = _Cursor(memoryview(self._mmap), self.path)
-            cur.pos = value.offset
-            try:
-                return [cur.string() for _ in range(value.count)]
-            finally:
-                cur.buf.release()
-        dtype = np.dtype(_NUMPY_DTYPES[value.value_type])
-        return np.frombuffer(self._mmap, dtype=dtype, count=value.count, offset=value.offset)
-
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The raw bytes of one tensor as a read-only uint8 view into the memory map."""
         info = self.tensors[name]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runtime.errors import ModelFileError
 from runtime.models.arch import ModelConfig
 from runtime.models.linear import Int8Linear, Linear, make_linear
 
@@ -80,19 +81,32 @@ class Transformer:
 
     def _layer(self, t: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"blk.{i}."
+        spec = self.cfg.arch
+
+        def get(name: str, required: bool = True) -> torch.Tensor | None:
+            """A layer tensor; one the architecture requires must be in the file."""
+            tensor = t.get(p + name)
+            if tensor is None and required:
+                raise ModelFileError(f"The {spec.name} model file lacks tensor {p + name}, "
+                                     "which its architecture requires.")
+            return tensor
 
         def lin(name: str, bias: str | None = None) -> Matmul:
-            return make_linear(t[p + name], t.get(p + bias) if bias else None, self.int8)
+            # Biases are required where the architecture has them (Qwen2) and used when a
+            # file of another family carries them anyway, as llama.cpp does.
+            return make_linear(get(name), get(bias, spec.qkv_bias) if bias else None,
+                               self.int8)
 
         return LayerWeights(
-            attn_norm=t[p + "attn_norm.weight"], wq=lin("attn_q.weight", "attn_q.bias"),
+            attn_norm=get("attn_norm.weight"), wq=lin("attn_q.weight", "attn_q.bias"),
             wk=lin("attn_k.weight", "attn_k.bias"), wv=lin("attn_v.weight", "attn_v.bias"),
-            wo=lin("attn_output.weight"), ffn_norm=t[p + "ffn_norm.weight"],
+            wo=lin("attn_output.weight"), ffn_norm=get("ffn_norm.weight"),
             w_gate=lin("ffn_gate.weight"), w_up=lin("ffn_up.weight"),
             w_down=lin("ffn_down.weight"),
-            q_norm=t.get(p + "attn_q_norm.weight"), k_norm=t.get(p + "attn_k_norm.weight"),
-            post_attn_norm=t.get(p + "post_attention_norm.weight"),
-            post_ffn_norm=t.get(p + "post_ffw_norm.weight"),
+            q_norm=get("attn_q_norm.weight", spec.qk_norm) if spec.qk_norm else None,
+            k_norm=get("attn_k_norm.weight", spec.qk_norm) if spec.qk_norm else None,
+            post_attn_norm=get("post_attention_norm.weight") if spec.post_norms else None,
+            post_ffn_norm=get("post_ffw_norm.weight") if spec.post_norms else None,
         )
 
     # -- pieces -----------------------------------------------------------------------------

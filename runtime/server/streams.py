@@ -21,7 +21,6 @@ class Delta:
     """New output since the last delta; `finished` is set on the last one."""
 
     text: str
-    token_ids: tuple[int, ...]
     finished: bool = False
 
 
@@ -70,9 +69,9 @@ class OutputHub:
                 if end > s.sent_chars:
                     text = det.text[s.sent_chars:end]
                     s.sent_chars = end
-            tokens = tuple(req.output_token_ids[s.sent_tokens:])
-            s.sent_tokens += len(tokens)
-            if text or tokens or done:
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, Delta(text, tokens, done))
+            new_tokens = req.num_output_tokens - s.sent_tokens
+            s.sent_tokens += new_tokens
+            if text or new_tokens or done:
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, Delta(text, done))
             if done:
                 self.forget(req.request_id)

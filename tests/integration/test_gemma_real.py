@@ -91,7 +91,7 @@ def paged_prompt_logits(executor: TorchExecutor, tokens: list[int]) -> np.ndarra
     e = engine(executor)
     req = Request("teacher", tokens, SamplingParams(max_tokens=1))
     e.kv.admit(req, len(tokens), reserve_full=False)
-    chunk = ScheduledChunk(req, len(tokens), 0, e.kv.tables["teacher"], True, False)
+    chunk = ScheduledChunk(req, len(tokens), 0, e.kv.tables["teacher"], True)
     plan = SchedulerOutput(step=0, time=0.0, chunks=[chunk])
     batch = PagedBatch.build(plan, e.kv.block_size, executor._windows, executor.device)
     cfg = executor.cfg

@@ -1,4 +1,5 @@
-"""The sim executor against DESIGN.md's reference measurements, and at datacenter scale."""
+"""The sim executor against the reference measurements in docs/architecture.md, and at
+datacenter scale."""
 
 from __future__ import annotations
 

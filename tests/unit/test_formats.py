@@ -19,7 +19,8 @@ def test_gemma_kv_bytes_per_token(fmt: str, expected: int) -> None:
 
 
 def test_qwen3_8b_reference_kv_bytes() -> None:
-    # DESIGN.md: 36 layers, 8 KV heads, head dim 128, BF16 -> 147,456 B = 144 KiB per token.
+    # docs/architecture.md, reference profile: 36 layers, 8 KV heads, head dim 128, BF16
+    # -> 147,456 B = 144 KiB per token.
     assert kv_bytes_per_token(36, 8, 128, KV_FORMATS["bf16"]) == 147_456 == 144 * 1024
 
 
