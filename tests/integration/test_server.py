@@ -246,7 +246,7 @@ def test_bench_against_the_server_agrees_with_its_metrics(server) -> None:
         [sys.executable, "-m", "console.cli", "bench", str(AZURE_CONV), "--url",
          f"http://127.0.0.1:{server.port}/v1", "--model", MODEL, "--limit", "10",
          "--time-scale", "0.05", "--max-prompt-len", "256", "--max-output-len", "8",
-         "--json"], capture_output=True, text=True, timeout=600)
+         "--no-warmup", "--json"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)["summary"]
     after = scrape()
