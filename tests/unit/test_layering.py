@@ -19,3 +19,19 @@ def test_runtime_never_imports_textual_or_console() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_project_stands_alone() -> None:
+    """Nothing in the repository reads or cites a file outside it: no path to a folder
+    beside the checkout, no design document that only the authors have."""
+    tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=REPO,
+                             check=True).stdout.split()
+    outside = ("../" + "shared", '"' + "shared" + '" / "traces"', "DESIGN" + ".md")
+    offenders = []
+    for name in tracked:
+        path = REPO / name
+        if path.suffix in (".svg", ".csv", ".jsonl") or not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        offenders += [f"{name}: {needle}" for needle in outside if needle in text]
+    assert not offenders, offenders
