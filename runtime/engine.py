@@ -39,7 +39,6 @@ from runtime.plan import SchedulerOutput, StepResult, StepTiming, causal_pairs
 from runtime.records import (
     Abort,
     AddRequest,
-    Arrived,
     Checkpoint,
     Finished,
     Forked,
@@ -54,7 +53,7 @@ from runtime.records import (
     StepRecord,
     StopRecording,
 )
-from runtime.request import Request, RequestStatus, SamplingParams
+from runtime.request import Progress, Request, RequestStatus, SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.snapshot import (
     BatchView,
@@ -280,9 +279,9 @@ class Engine:
                 on_request = getattr(self.recorder, "on_request", None)
                 if on_request is not None:
                     on_request(req)
-            record.arrived.append(Arrived(req.request_id, req.arrival_time,
-                                          req.num_prompt_tokens, req.sampling.max_tokens,
-                                          req.deadline, req.priority))
+            record.arrived.append(RequestState(req.request_id, req.arrival_time,
+                                               req.num_prompt_tokens, req.sampling.max_tokens,
+                                               req.deadline, req.priority))
         return now
 
     @property
@@ -478,12 +477,12 @@ class Engine:
         sched, kv, tree = self.scheduler, self.kv, self.kv.tree
         requests = []
         for req in list(sched.running) + list(sched.waiting):
+            progress = {f.name: getattr(req, f.name) for f in dataclasses.fields(Progress)}
+            progress["token_times"] = list(req.token_times)
             requests.append(RequestState(
                 req.request_id, req.arrival_time, req.num_prompt_tokens,
-                req.sampling.max_tokens, req.deadline, req.priority, req.status,
-                req.num_computed_tokens, req.num_output_tokens, req.num_cached_tokens,
-                req.admitted_time, req.first_token_time, list(req.token_times),
-                req.finish_time, req.reason, req.num_preemptions))
+                req.sampling.max_tokens, req.deadline, req.priority,
+                num_output_tokens=req.num_output_tokens, **progress))
         nodes, tree_counters = tree.export()
         return Checkpoint(
             step=self.step_count, time=self.clock.now(),

@@ -23,8 +23,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple
 
-from runtime.errors import RunFormatError
-from runtime.request import RequestStatus
+from runtime.errors import KvdeckError, RunFormatError
+from runtime.request import Progress, RequestStatus
 
 RUN_FORMAT = 2
 """Version of the run-directory format; a run written in another version is refused."""
@@ -112,17 +112,6 @@ class PlanEntry(NamedTuple):
     """1 when the step sampled a token for the request."""
 
 
-class Arrived(NamedTuple):
-    """A request released into the scheduler's queue at this step."""
-
-    request_id: str
-    arrival_time: float
-    num_prompt_tokens: int
-    max_tokens: int
-    deadline: float | None
-    priority: int
-
-
 class Forked(NamedTuple):
     """A running request branched: the child shares the parent's blocks and tokens."""
 
@@ -167,7 +156,7 @@ class StepRecord:
     cow: list[tuple[int, int]] = field(default_factory=list)
     knobs: dict[str, Any] = field(default_factory=dict)
     """Knob changes applied at the start of this step."""
-    arrived: list[Arrived] = field(default_factory=list)
+    arrived: list[RequestState] = field(default_factory=list)
     forked: list[Forked] = field(default_factory=list)
     """Branches made since the last step (their KV events come first in `kv`)."""
     kv: list[KVEvent] = field(default_factory=list)
@@ -194,11 +183,13 @@ class StepRecord:
             d.update(dt=self.dt, measured=self.measured, bytes=self.bytes_read,
                      decode=self.num_decode, resident=self.resident)
         for name in ("plan", "tokens", "errors", "admitted", "preempted", "rejected",
-                     "finished", "cow", "knobs", "arrived", "forked"):
+                     "finished", "cow", "knobs", "forked"):
             value = getattr(self, name)
             if value:
                 d[name] = [list(x) for x in value] if isinstance(value, list) and \
                     isinstance(value[0], tuple) else value
+        if self.arrived:
+            d["arrived"] = [r.arrival_json() for r in self.arrived]
         if self.kv:
             d["kv"] = [kv_event_to_json(e) for e in self.kv]
         d["queue"] = list(self.queue)
@@ -218,7 +209,7 @@ class StepRecord:
                 rejected=list(d.get("rejected", [])),
                 finished=[Finished(*x) for x in d.get("finished", [])],
                 cow=[(s, t) for s, t in d.get("cow", [])], knobs=dict(d.get("knobs", {})),
-                arrived=[Arrived(*x) for x in d.get("arrived", [])],
+                arrived=[RequestState(*x) for x in d.get("arrived", [])],
                 forked=[Forked(*x) for x in d.get("forked", [])],
                 kv=[kv_event_from_json(e, where) for e in d.get("kv", [])],
                 queue=tuple(d.get("queue", (0, 0))),
@@ -228,12 +219,13 @@ class StepRecord:
                                  f"{e}).") from None
 
 
-@dataclass
-class RequestState:
+@dataclass(eq=False)
+class RequestState(Progress):
     """A request as an iteration trace knows it: no tokens, every count and time.
 
     Replay keeps one per request and `request_metrics` reads it exactly as it reads a live
-    `Request` (the same attribute names), so replayed timings are computed by the same code.
+    `Request` (the shared `Progress` fields), so replayed timings are computed by the same
+    code. A step record's `arrived` list holds each arriving request's initial state.
     """
 
     request_id: str
@@ -242,20 +234,16 @@ class RequestState:
     max_tokens: int
     deadline: float | None
     priority: int
-    status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0
     num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    admitted_time: float | None = None
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finish_time: float | None = None
-    reason: str | None = None
-    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.num_output_tokens
+
+    def arrival_json(self) -> list:
+        """The compact form a step record's `arrived` list holds."""
+        return [self.request_id, self.arrival_time, self.num_prompt_tokens, self.max_tokens,
+                self.deadline, self.priority]
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -334,15 +322,21 @@ def dumps(data: Any) -> str:
     return json.dumps(data, separators=(",", ":"), allow_nan=False)
 
 
-def parse_record(line: str, where: str) -> Record:
-    """One line of `iterations.jsonl` as a typed record; a RunFormatError names `where` and
-    the problem for bad JSON or an unknown kind."""
+def json_object(line: str, where: str, error: type[KvdeckError]) -> dict:
+    """One line of a JSONL file as a dict; `error(sentence)` naming `where` if it is not."""
     try:
         d = json.loads(line)
     except json.JSONDecodeError as e:
-        raise RunFormatError(f"{where} is not valid JSON ({e.msg}).") from None
+        raise error(f"{where} is not valid JSON ({e.msg}).") from None
     if not isinstance(d, dict):
-        raise RunFormatError(f"{where} is not a JSON object.")
+        raise error(f"{where} is not a JSON object.")
+    return d
+
+
+def parse_record(line: str, where: str) -> Record:
+    """One line of `iterations.jsonl` as a typed record; a RunFormatError names `where` and
+    the problem for bad JSON or an unknown kind."""
+    d = json_object(line, where, RunFormatError)
     cls = RECORDS.get(d.get("kind"))
     if cls is None:
         raise RunFormatError(f"{where} has an unknown record kind {d.get('kind')!r}; this "

@@ -101,9 +101,7 @@ class TraceState:
             self.knob_changes.append((self.step, rec.knobs))
             self.knobs.update(rec.knobs)
         for a in rec.arrived:
-            self.requests[a.request_id] = RequestState(
-                a.request_id, a.arrival_time, a.num_prompt_tokens, a.max_tokens, a.deadline,
-                a.priority)
+            self.requests[a.request_id] = dataclasses.replace(a, token_times=[])
             self.figures.on_arrival(rec.t0 - a.arrival_time)
         for f in rec.forked:
             parent = self._request(f.parent_id, rec)

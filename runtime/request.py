@@ -59,8 +59,28 @@ class SamplingParams:
             raise ConfigError("stop strings must not be empty.")
 
 
+@dataclass(eq=False, kw_only=True)
+class Progress:
+    """Where a request is and what happened to it, in engine-clock times — the part of a
+    request an iteration trace also knows, so a live `Request` and a replayed
+    `records.RequestState` share it (and `metrics.request_metrics` reads either)."""
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    """Tokens whose KV is in the cache (computed or reused from the prefix cache)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens reused from the prefix cache at the last admission."""
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    reason: str | None = None
+    """Why the request was rejected or aborted, or what stopped it."""
+    num_preemptions: int = 0
+
+
 @dataclass(eq=False)
-class Request:
+class Request(Progress):
     """One generation request and everything that happened to it.
 
     Times are on the engine clock (virtual seconds under the sim executor). `arrival_time`
@@ -76,19 +96,7 @@ class Request:
     """Absolute completion deadline on the engine clock, or None."""
     priority: int = 0
     """Lower runs first under the `priority` policy (as in vLLM)."""
-    status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    """Tokens whose KV is in the cache (computed or reused from the prefix cache)."""
-    num_cached_tokens: int = 0
-    """Prompt tokens reused from the prefix cache at the last admission."""
-    admitted_time: float | None = None
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finish_time: float | None = None
-    reason: str | None = None
-    """Why the request was rejected or aborted, or what stopped it."""
-    num_preemptions: int = 0
     error: str | None = None
     detokenizer: object | None = None
     """A `tokenizer.IncrementalDetokenizer` when the engine has a tokenizer."""

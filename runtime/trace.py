@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.errors import TraceError
+from runtime.records import json_object
 from runtime.resources import SAMPLE_TRACES, sample_trace
 
 FORMATS = ("auto", "kvdeck", "mooncake", "azure")
@@ -162,15 +163,8 @@ def load_arrivals(path: str | Path, fmt: str = "auto", *, limit: int | None = No
 def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
     with path.open(encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{path} line {lineno} is not valid JSON ({e.msg}).") from None
-            if not isinstance(obj, dict):
-                raise TraceError(f"{path} line {lineno} is not a JSON object.")
-            yield lineno, obj
+            if line.strip():
+                yield lineno, json_object(line, f"{path} line {lineno}", TraceError)
 
 
 def _int(obj: dict, key: str, where: str, lo: int = 0, default: int | None = None) -> int:
