@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 
 from console.options import SettingsRequest, with_log_level, with_settings
-from runtime.config import check_int
+from runtime.config import check_float, check_int
 from runtime.errors import ConfigError, EngineFailedError, KvdeckError
 from runtime.logs import setup_logging
 
@@ -292,31 +292,60 @@ def serve(
     api_key: str = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY'."),
     with_console: bool = typer.Option(False, "--console",
                                       help="Open the console on the serving engine."),
+    request_timeout: float = typer.Option(
+        600.0, "--request-timeout", help="Abort a request running longer than this many "
+        "seconds (0: no bound).", rich_help_panel="Serving limits"),
+    shutdown_timeout: float = typer.Option(
+        5.0, "--shutdown-timeout", help="On SIGINT/SIGTERM, seconds running requests may "
+        "finish before they are aborted.", rich_help_panel="Serving limits"),
+    default_max_tokens: int = typer.Option(
+        1024, "--default-max-tokens", help="Output bound of a chat request that sets none "
+        "(completions default to 16, as OpenAI's).", rich_help_panel="Serving limits"),
+    read_timeout: float = typer.Option(
+        10.0, "--read-timeout", help="Seconds a client may take to send its request "
+        "headers, and between chunks of its body (408 after).",
+        rich_help_panel="Serving limits"),
+    metrics_require_key: bool = typer.Option(
+        False, "--metrics-require-key", help="/metrics needs the API key too (it is open by "
+        "default, as Prometheus scrapers expect).", rich_help_panel="Serving limits"),
     settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
     """Serve a model through an OpenAI-compatible API."""
+    from runtime.server.app import ServeLimits
     from runtime.server.serve import ApiServer
     from runtime.session import build_session
 
     def build():
         setup_logging(log_level, to_stderr=not with_console)
         check_int("--port", port, 0, 65535)
+        check_int("--default-max-tokens", default_max_tokens, 1, 1 << 24)
+        for name, value in (("--request-timeout", request_timeout),
+                            ("--shutdown-timeout", shutdown_timeout),
+                            ("--read-timeout", read_timeout)):
+            check_float(name, value, 0.0, 1e6)
+        if read_timeout <= 0:
+            raise ConfigError(f"--read-timeout must be greater than 0, got {read_timeout}.")
         return build_session(settings.resolve("torch"), live=True)
 
     session = guarded(build)
+    limits = ServeLimits(read_timeout_s=read_timeout,
+                         request_timeout_s=request_timeout or None,
+                         default_max_tokens=default_max_tokens,
+                         metrics_need_key=metrics_require_key)
+    serving = {"host": host, "port": port, "api_key": api_key, "limits": limits,
+               "shutdown_timeout_s": shutdown_timeout, "header_timeout_s": read_timeout}
     if with_console:
         from console.app import KvdeckApp
 
         # The console owns the engine loop; the HTTP server runs beside it in a thread.
         console_app = KvdeckApp(session.engine)
-        server = ApiServer(session, host=host, port=port, api_key=api_key,
-                           loop=console_app.loop).start()
+        server = ApiServer(session, loop=console_app.loop, **serving).start()
         try:
             console_app.run()
         finally:
             server.stop()
         return
-    server = ApiServer(session, host=host, port=port, api_key=api_key)
+    server = ApiServer(session, **serving)
     out.print(settings_line(session), highlight=False)
     server.run(on_listening=lambda p: out.print(
         f"serving {session.model_id} on http://{host}:{p}/v1", highlight=False))

@@ -246,10 +246,19 @@ class BlockManager:
         table = self.tables[rid]
         full = min(req.num_computed_tokens // p, len(table))
         now = self.clock()
+        pool = self.pool
         while len(chain) < full:
             k = len(chain)
             key = tuple(req.token_slice(k * p, (k + 1) * p))
             parent = chain[-1] if chain else None
+            twin = (parent or self.tree.root(self.namespace)).children.get(key)
+            if twin is not None and pool.refcount[twin.block] == 1 and \
+                    pool.refcount[table[k]] > 1 and \
+                    pool.num_free + self.tree.num_evictable - 1 < self.num_reserved:
+                # Switching to the cached twin would take an evictable block without freeing
+                # ours (a fork still holds it) and break a reservation's promise: stay
+                # private for now; a later call retries.
+                return
             node = self.tree.insert(self.namespace, parent, key, table[k], now)
             if node is None:
                 return  # at capacity with nothing evictable: stays private
@@ -268,9 +277,10 @@ class BlockManager:
     # -- fork, truncate, release ------------------------------------------------------------
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Give `child` a table sharing every block of `parent` (full blocks and the partial
-        tail); the first write into the shared tail copies it."""
-        src = self.tables[parent.request_id]
+        """Give `child` a table sharing the blocks that hold `parent`'s computed tokens (full
+        blocks and the partial tail); the first write into the shared tail copies it.
+        Blocks the parent allocated for tokens not computed yet stay the parent's."""
+        src = self.tables[parent.request_id][:self.blocks_needed(parent.num_computed_tokens)]
         cid = child.request_id
         assert cid not in self.tables, f"{cid} already has a block table"
         self.tables[cid] = list(src)

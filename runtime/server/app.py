@@ -1,76 +1,64 @@
 """The OpenAI-compatible API over an engine running in its own thread.
 
-Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`): 400 for invalid
-parameters (naming the field) and prompts longer than the context, 401 for a missing or
-wrong API key, 404 for an unknown model, 413 for oversized bodies, 429 when the waiting
-queue is full, 503 when admission control rejects a request. A client that disconnects
-aborts its request; its blocks come back after the in-flight step.
+Every request is owned by a live client: a non-streaming request is aborted as soon as its
+client disconnects (a watcher waits on the connection while the answer is produced), a
+streaming one when a write fails, and any request past `request_timeout_s`. Its blocks come
+back after the in-flight step. Prompts are tokenized off the event loop, so a large one
+does not stall other clients. Errors are OpenAI-shaped (see `api_errors.py`); the ASGI
+`Guard` in front handles auth, the body limit and read timeouts before any parsing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Literal
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
 
 from runtime.engine import Engine
 from runtime.engine_loop import EngineLoop
 from runtime.errors import ConfigError, EngineFailedError, QueueFullError, RequestError
+from runtime.request import Request as EngineRequest
 from runtime.request import RequestStatus, SamplingParams
+from runtime.server.api_errors import error, validation_sentence
+from runtime.server.guard import Guard
 from runtime.server.metrics import ServerMetrics
+from runtime.server.schemas import (
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    GenerateBody,
+    TokenizeBody,
+)
 from runtime.server.streams import OutputHub
 from runtime.settings import Settings
-from runtime.tokenizer import Tokenizer
 
-MAX_BODY_BYTES = 4 << 20
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for /v1/completions when `max_tokens` is not given."""
 
 
-class _Common(BaseModel):
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: Literal[1] = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    """vLLM's extension: keep generating past end-of-sequence (benchmarks need exact
-    output lengths)."""
+@dataclass(frozen=True)
+class ServeLimits:
+    """Bounds a server holds every client to (flags of `kvdeck serve`)."""
 
-
-class CompletionBody(_Common):
-    prompt: str | list[int]
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatBody(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error",
-          param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {
-        "message": message, "type": kind, "param": param, "code": status}})
+    max_body_bytes: int = 4 << 20
+    read_timeout_s: float = 10.0
+    """Seconds a request body may take between chunks before the answer is 408."""
+    request_timeout_s: float | None = 600.0
+    """Seconds a request may run before it is aborted (None: no bound)."""
+    default_max_tokens: int = 1024
+    """Output bound of a chat request that names none (within the context)."""
+    metrics_need_key: bool = False
 
 
 def config_json(settings: Settings | None, engine: Engine) -> dict:
@@ -80,33 +68,48 @@ def config_json(settings: Settings | None, engine: Engine) -> dict:
             "num_blocks": engine.kv.num_blocks, "max_model_len": engine.max_model_len}
 
 
-def create_app(engine: Engine, tokenizer: Tokenizer, model_id: str, loop: EngineLoop, *,
-               api_key: str | None = None, settings: Settings | None = None) -> FastAPI:
-    """The API for one engine serving one model; `loop` (which the caller runs) publishes
-    the snapshots /metrics and /health read."""
-    app = FastAPI(title="kvdeck", docs_url=None, redoc_url=None)
+async def wait_for_disconnect(request: Request) -> None:
+    """Return when the client closes the connection (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
+               api_key: str | None = None, settings: Settings | None = None,
+               limits: ServeLimits = ServeLimits()) -> Guard:
+    """The API for one engine serving one model, behind its `Guard`; `loop` (which the
+    caller runs) publishes the snapshots /metrics and /health read."""
+    app = FastAPI(title="kvdeck", version="1", docs_url=None, redoc_url=None)
     hub = OutputHub(engine)
     metrics = ServerMetrics(loop, model_id)
+    # One worker: tokenization leaves the event loop, and the tokenizer sees one caller.
+    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdeck-tokenize")
+    app.state.hub = hub
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1") and \
-                request.headers.get("authorization") != f"Bearer {api_key}":
-            return error(401, "Missing or wrong API key; send 'Authorization: Bearer KEY'.",
-                         "authentication_error")
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            return error(413, f"The request body is {int(size):,} bytes; the limit is "
-                              f"{MAX_BODY_BYTES:,}.")
-        return await call_next(request)
+    async def off_loop(fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(
+            tokenizing, lambda: fn(*args, **kwargs))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
-        if first["type"] == "json_invalid":
-            return error(400, "The request body is not valid JSON.", param="body")
-        return error(400, f"Invalid value for '{field}': {first['msg']}.", param=field)
+        message, param = validation_sentence(list(exc.errors()))
+        return error(400, message, param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error(404, f"There is no endpoint {request.url.path}; see /openapi.json "
+                              "for the ones this server has.")
+        if exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "another method")
+            return error(405, f"{request.url.path} does not take {request.method}; use "
+                              f"{allowed}.")
+        if exc.status_code == 400:
+            return error(400, "The request body could not be parsed as JSON (is it nested "
+                              "too deeply?).", "body")
+        return error(exc.status_code, f"{exc.detail}.")
 
     def failed() -> JSONResponse | None:
         """503 with the reason once the engine has stopped, as the latest snapshot says."""
@@ -114,8 +117,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_id: str, loop: Engine
         if snap is None or snap.failure is None:
             return None
         where = f" (traceback in {snap.failure.log_path})" if snap.failure.log_path else ""
-        return error(503, f"The engine has stopped: {snap.failure.message}{where}.",
-                     "service_unavailable")
+        return error(503, f"The engine has stopped: {snap.failure.message}{where}.")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -142,40 +144,40 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_id: str, loop: Engine
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_id, "object": "model",
-                                            "created": 0, "owned_by": "kvdeck"}]}
+                                            "created": 0, "owned_by": "kvdeck",
+                                            "max_model_len": engine.max_model_len}]}
 
     @app.post("/tokenize")
-    async def tokenize(body: dict) -> JSONResponse:
-        text = body.get("prompt")
-        if not isinstance(text, str):
-            return error(400, "'prompt' must be a string.", param="prompt")
-        tokens = tokenizer.encode(text)
-        return JSONResponse({"tokens": tokens, "count": len(tokens)})
+    async def tokenize(body: TokenizeBody) -> JSONResponse:
+        tokens = await off_loop(tokenizer.encode, body.prompt,
+                                add_bos=None if body.add_special_tokens else False)
+        return JSONResponse({"tokens": tokens, "count": len(tokens),
+                             "max_model_len": engine.max_model_len})
 
     @app.post("/detokenize")
-    async def detokenize(body: dict) -> JSONResponse:
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(
-                isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in tokens):
-            return error(400, f"'tokens' must be a list of token ids from 0 to "
-                              f"{tokenizer.vocab_size - 1}.", param="tokens")
-        return JSONResponse({"prompt": tokenizer.decode(tokens)})
+    async def detokenize(body: DetokenizeBody) -> JSONResponse:
+        if any(t >= tokenizer.vocab_size for t in body.tokens):
+            return error(400, f"'tokens' must be token ids from 0 to "
+                              f"{tokenizer.vocab_size - 1}.", "tokens")
+        return JSONResponse({"prompt": await off_loop(tokenizer.decode, body.tokens)})
 
-    async def generate(request: Request, body: _Common, prompt: list[int], chat: bool):
+    async def generate(request: Request, body: GenerateBody, prompt: list[int], chat: bool):
         if body.model != model_id:
             return error(404, f"The model '{body.model}' does not exist; this server serves "
-                              f"'{model_id}'.", param="model")
+                              f"'{model_id}'.", "model")
         down = failed()
         if down is not None:
             return down
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        room = engine.max_model_len - len(prompt)
+        limit = body.output_limit()
+        if limit is None:
+            room = engine.max_model_len - len(prompt)
+            limit = max(min(limits.default_max_tokens if chat
+                            else COMPLETIONS_DEFAULT_MAX_TOKENS, room), 1)
         try:
             sampling = SamplingParams(
-                temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                max_tokens=body.max_tokens if body.max_tokens is not None
-                else max(min(16 if not chat else room, room), 1),
-                stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
+                temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                max_tokens=limit, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
                 stop_token_ids=tokenizer.end_of_turn_ids if chat else ())
             req = engine.add_request(prompt, sampling,
                                      request_id=f"{'chat' if chat else 'cmpl'}-"
@@ -183,96 +185,157 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_id: str, loop: Engine
         except (RequestError, ConfigError) as e:
             return error(400, str(e))
         except QueueFullError as e:
-            return error(429, str(e), "rate_limit_error")
+            return error(429, str(e))
         except EngineFailedError as e:
-            return error(503, str(e), "service_unavailable")
-        stream = hub.watch(req)
-        created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-
-        def usage() -> dict:
-            return {"prompt_tokens": req.num_prompt_tokens,
-                    "completion_tokens": req.num_output_tokens,
-                    "total_tokens": req.num_prompt_tokens + req.num_output_tokens}
-
-        def finish_reason() -> str:
-            return "length" if req.status is RequestStatus.FINISHED_LENGTH else "stop"
-
-        def choice(text: str, final: bool, delta: bool) -> dict:
-            c: dict = {"index": 0, "finish_reason": finish_reason() if final else None}
-            if chat:
-                c["delta" if delta else "message"] = {"role": "assistant", "content": text}
-            else:
-                c["text"] = text
-            return c
-
+            return error(503, str(e))
+        answer = Answer(req, model_id, chat, hub.watch(req))
         if not body.stream:
-            text = ""
-            while True:
-                d = await stream.get()
-                text += d.text
-                if d.finished:
-                    break
-                if await request.is_disconnected():
-                    engine.abort(req.request_id, "client disconnected")
-            if req.status in (RequestStatus.REJECTED, RequestStatus.ABORTED):
-                return error(503, f"The request was {req.status.value}: {req.reason}.",
-                             "service_unavailable")
-            return JSONResponse({"id": req.request_id, "object": kind, "created": created,
-                                 "model": model_id, "choices": [choice(text, True, False)],
-                                 "usage": usage()})
-
+            return await answer.whole(request, engine, hub, limits.request_timeout_s)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                while True:
-                    d = await stream.get()
-                    if req.status in (RequestStatus.REJECTED, RequestStatus.ABORTED) and \
-                            d.finished:
-                        yield "data: " + json.dumps({"error": {
-                            "message": f"The request was {req.status.value}: {req.reason}.",
-                            "type": "service_unavailable", "code": 503}}) + "\n\n"
-                        break
-                    if d.text or d.finished:
-                        payload = {"id": req.request_id, "object": chunk_kind,
-                                   "created": created, "model": model_id,
-                                   "choices": [choice(d.text, d.finished, True)]}
-                        if include_usage:
-                            payload["usage"] = None
-                        yield "data: " + json.dumps(payload) + "\n\n"
-                    if d.finished:
-                        if include_usage:
-                            yield "data: " + json.dumps({
-                                "id": req.request_id, "object": chunk_kind,
-                                "created": created, "model": model_id, "choices": [],
-                                "usage": usage()}) + "\n\n"
-                        yield "data: [DONE]\n\n"
-                        break
-            finally:
-                if not req.status.is_finished:  # the client went away mid-stream
-                    engine.abort(req.request_id, "client disconnected")
-                    hub.forget(req.request_id)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(answer.events(engine, hub, include_usage,
+                                               limits.request_timeout_s),
+                                 media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionBody):
-        prompt = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
-        if isinstance(body.prompt, list) and not all(
-                0 <= t < tokenizer.vocab_size for t in body.prompt):
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                return error(400, f"'prompt' holds {len(prompt)} prompts; this server takes "
+                                  "one prompt per request.", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt = await off_loop(tokenizer.encode, prompt)
+        elif any(t >= tokenizer.vocab_size for t in prompt):
             return error(400, f"'prompt' token ids must be from 0 to "
-                              f"{tokenizer.vocab_size - 1}.", param="prompt")
+                              f"{tokenizer.vocab_size - 1}.", "prompt")
         return await generate(request, body, prompt, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatBody):
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.text()} for m in body.messages]
         try:
-            text = tokenizer.render_chat([m.model_dump() for m in body.messages])
+            text = await off_loop(tokenizer.render_chat, messages)
         except RequestError as e:
-            return error(400, str(e), param="messages")
-        prompt = tokenizer.encode(text, add_bos=False)
+            return error(400, str(e), "messages")
+        prompt = await off_loop(tokenizer.encode, text, add_bos=False)
         return await generate(request, body, prompt, chat=True)
 
-    return app
+    return Guard(app, api_key=api_key, max_body_bytes=limits.max_body_bytes,
+                 read_timeout_s=limits.read_timeout_s,
+                 metrics_need_key=limits.metrics_need_key)
+
+
+class Answer:
+    """One request's answer, whole or streamed, in OpenAI's shapes."""
+
+    def __init__(self, req: EngineRequest, model_id: str, chat: bool, stream):
+        self.req, self.model_id, self.chat, self.stream = req, model_id, chat, stream
+        self.created = int(time.time())
+
+    def usage(self) -> dict:
+        r = self.req
+        return {"prompt_tokens": r.num_prompt_tokens, "completion_tokens": r.num_output_tokens,
+                "total_tokens": r.num_prompt_tokens + r.num_output_tokens,
+                "prompt_tokens_details": {"cached_tokens": r.num_cached_tokens}}
+
+    def choice(self, text: str, final: bool, delta: bool) -> dict:
+        reason = ("length" if self.req.status is RequestStatus.FINISHED_LENGTH else "stop") \
+            if final else None
+        c: dict = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if self.chat:
+            c["delta" if delta else "message"] = {"role": "assistant", "content": text}
+        else:
+            c["text"] = text
+        return c
+
+    def failure(self) -> str | None:
+        r = self.req
+        if r.status in (RequestStatus.REJECTED, RequestStatus.ABORTED):
+            return f"The request was {r.status.value}: {r.reason}."
+        return None
+
+    async def whole(self, request: Request, engine: Engine, hub: OutputHub,
+                    timeout_s: float | None) -> Response:
+        """Wait for the whole answer while watching the client: a disconnect or the timeout
+        aborts the request."""
+        async def collect() -> str:
+            parts = []
+            while True:
+                d = await self.stream.get()
+                parts.append(d.text)
+                if d.finished:
+                    return "".join(parts)
+
+        text_task = asyncio.ensure_future(collect())
+        gone_task = asyncio.ensure_future(wait_for_disconnect(request))
+        done, _ = await asyncio.wait({text_task, gone_task}, timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        gone_task.cancel()
+        rid = self.req.request_id
+        if text_task not in done:
+            text_task.cancel()
+            gone = gone_task in done
+            engine.abort(rid, "client disconnected" if gone else
+                         f"ran longer than the server's --request-timeout of {timeout_s:g} s")
+            hub.forget(rid)
+            if gone:
+                return Response(status_code=499)  # nobody is listening
+            return error(504, f"The request ran longer than the server's limit of "
+                              f"{timeout_s:g} s (--request-timeout) and was aborted.")
+        problem = self.failure()
+        if problem is not None:
+            return error(503, problem)
+        kind = "chat.completion" if self.chat else "text_completion"
+        return JSONResponse({"id": rid, "object": kind, "created": self.created,
+                             "model": self.model_id,
+                             "choices": [self.choice(text_task.result(), True, False)],
+                             "usage": self.usage()})
+
+    async def events(self, engine: Engine, hub: OutputHub, include_usage: bool,
+                     timeout_s: float | None) -> AsyncIterator[str]:
+        """Server-sent events; a failed request ends with an error event."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        rid = self.req.request_id
+        deadline = time.monotonic() + timeout_s if timeout_s else None
+
+        def event(payload: dict) -> str:
+            return "data: " + json.dumps(payload) + "\n\n"
+
+        try:
+            while True:
+                remaining = None if deadline is None else max(deadline - time.monotonic(), 0)
+                try:
+                    d = await asyncio.wait_for(self.stream.get(), remaining)
+                except asyncio.TimeoutError:
+                    engine.abort(rid, f"ran longer than the server's --request-timeout of "
+                                      f"{timeout_s:g} s")
+                    yield event({"error": {
+                        "message": f"The request ran longer than the server's limit of "
+                                   f"{timeout_s:g} s (--request-timeout) and was aborted.",
+                        "type": "timeout_error", "param": None, "code": 504}})
+                    return
+                problem = self.failure() if d.finished else None
+                if problem is not None:
+                    yield event({"error": {"message": problem, "type": "service_unavailable",
+                                           "param": None, "code": 503}})
+                    return
+                if d.text or d.finished:
+                    payload = {"id": rid, "object": kind, "created": self.created,
+                               "model": self.model_id,
+                               "choices": [self.choice(d.text, d.finished, True)]}
+                    if include_usage:
+                        payload["usage"] = None
+                    yield event(payload)
+                if d.finished:
+                    if include_usage:
+                        yield event({"id": rid, "object": kind, "created": self.created,
+                                     "model": self.model_id, "choices": [],
+                                     "usage": self.usage()})
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            if not self.req.status.is_finished:  # the client went away mid-stream
+                engine.abort(rid, "client disconnected")
+            hub.forget(rid)

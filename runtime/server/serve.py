@@ -1,24 +1,116 @@
 """Running the API: the engine loop in its thread, uvicorn in the foreground (or in a
-background thread, for tests and the console)."""
+background thread, for tests and the console).
+
+Shutdown has a deadline. The first SIGINT or SIGTERM stops accepting connections and lets
+running requests finish for at most `shutdown_timeout_s`; then the rest are aborted, their
+clients told why (an error event, or a 503), the engine thread stopped, and the process
+exits 0 without a traceback. A second signal aborts everything at once and exits.
+
+A connection must deliver its request headers within `header_timeout_s` of connecting (or
+of sending its first byte after a finished request), so a client that trickles headers
+cannot hold a connection open; bodies have their own read timeout in `guard.py`.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from runtime.engine_loop import EngineLoop
-from runtime.server.app import create_app
+from runtime.server.app import ServeLimits, create_app
 from runtime.session import Session
 
 
+class HeaderTimedH11(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request headers do not arrive in
+    time (uvicorn itself only times out idle keep-alive connections)."""
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._too_slow)
+
+    def data_received(self, data: bytes) -> None:
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._too_slow)
+        cycle = self.cycle
+        super().data_received(data)
+        if self.cycle is not cycle and self._header_timer is not None:  # headers arrived
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)
+
+    def _too_slow(self) -> None:
+        self._header_timer = None
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()
+
+
+class KvdeckServer(uvicorn.Server):
+    """uvicorn's server with kvdeck's shutdown: a drain deadline, then aborts."""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout_s: float,
+                 abort_all: Callable[[str], None]):
+        super().__init__(config)
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.abort_all = abort_all
+        self._drain: threading.Timer | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit:  # a second signal: abort everything, exit within a second
+            self.abort_all("the server was stopped")
+            # The aborted streams end with their error event at the engine's next step; a
+            # connection still open a second later is cut.
+            force = threading.Timer(1.0, setattr, args=(self, "force_exit", True))
+            force.daemon = True
+            force.start()
+            return
+        self.should_exit = True
+        self._drain = threading.Timer(
+            self.shutdown_timeout_s, self.abort_all,
+            args=(f"the server shut down and its {self.shutdown_timeout_s:g}-s drain "
+                  "ended",))
+        self._drain.daemon = True
+        self._drain.start()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # uvicorn re-raises a captured signal after shutting down (exit 130 or 143); here a
+        # signal asked for a clean shutdown, and that is what happened: exit 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+            if self._drain is not None:
+                self._drain.cancel()
+
+
 class ApiServer:
-    """An engine loop plus a uvicorn server on `host:port` (127.0.0.1 unless asked)."""
+    """An engine loop plus an HTTP server on `host:port` (127.0.0.1 unless asked)."""
 
     def __init__(self, session: Session, host: str = "127.0.0.1", port: int = 8000,
-                 api_key: str | None = None, loop: EngineLoop | None = None):
+                 api_key: str | None = None, loop: EngineLoop | None = None,
+                 limits: ServeLimits = ServeLimits(), shutdown_timeout_s: float = 5.0,
+                 header_timeout_s: float = 10.0):
         """`loop`: an engine loop someone else runs (the console's); by default the server
         runs its own."""
         self.session = session
@@ -26,14 +118,21 @@ class ApiServer:
         self.owns_loop = loop is None
         self.loop = loop or EngineLoop(session.engine)
         self.app = create_app(session.engine, session.tokenizer, session.model_id, self.loop,
-                              api_key=api_key, settings=session.settings)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
-                                                    log_level="warning"))
+                              api_key=api_key, settings=session.settings, limits=limits)
+        protocol = type("Protocol", (HeaderTimedH11,), {"header_timeout_s": header_timeout_s})
+        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning",
+                                http=protocol, lifespan="off",
+                                timeout_graceful_shutdown=shutdown_timeout_s + 5)
+        self.server = KvdeckServer(config, shutdown_timeout_s, self.abort_all)
         self._thread: threading.Thread | None = None
 
+    def abort_all(self, reason: str) -> None:
+        """Abort every request a client is waiting on (any thread)."""
+        for rid in self.app.app.state.hub.watched_ids():
+            self.engine.abort(rid, reason)
+
     def run(self, on_listening: Callable[[int], None] | None = None) -> None:
-        """Serve in the foreground until interrupted; `on_listening(port)` once the socket
-        listens."""
+        """Serve in the foreground until a signal; `on_listening(port)` once listening."""
         self.loop.start()
         if on_listening is not None:
             def announce() -> None:
@@ -45,8 +144,6 @@ class ApiServer:
             threading.Thread(target=announce, daemon=True).start()
         try:
             self.server.run()
-        except KeyboardInterrupt:
-            pass  # uvicorn re-raises the SIGINT it shut down on: the shutdown was asked for
         finally:
             self.loop.stop()
             self.session.close()
@@ -70,6 +167,8 @@ class ApiServer:
         return sockets[0].getsockname()[1] if sockets else self.server.config.port
 
     def stop(self) -> None:
+        """Stop serving: clients still waiting get an error, then the threads end."""
+        self.abort_all("the server was stopped")
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(10)

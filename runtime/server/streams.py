@@ -51,6 +51,11 @@ class OutputHub:
             self._streams[req.request_id] = stream
         return stream
 
+    def watched_ids(self) -> list[str]:
+        """Ids of the requests clients are waiting on (any thread)."""
+        with self._lock:
+            return list(self._streams)
+
     def forget(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -229,3 +230,59 @@ def test_an_engine_failure_reaches_every_client_and_sigint_exits_cleanly(tmp_pat
         server.proc.send_signal(signal.SIGINT)
         assert server.proc.wait(20) == 0
         assert "Traceback" not in server.proc.stderr.read()
+
+
+def running(base: str) -> float:
+    return parse_metrics(httpx.get(base + "/metrics").text).running or 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_drains_for_the_shutdown_timeout_then_aborts_and_exits_0(signum) -> None:
+    with sim_process("--shutdown-timeout", "1") as server:
+        base = server.url.removesuffix("/v1")
+        answers: list[httpx.Response] = []
+        orphan = threading.Thread(target=lambda: answers.append(httpx.post(
+            server.url + "/completions", timeout=60,
+            json={"model": MODEL, "prompt": "never ends", "max_tokens": 5000})))
+        orphan.start()
+        end = time.monotonic() + 20
+        while running(base) < 1:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        start = time.monotonic()
+        server.proc.send_signal(signum)
+        assert server.proc.wait(20) == 0
+        assert time.monotonic() - start < 5  # 1 s of drain, then the abort and the exit
+        orphan.join(20)
+        stderr = server.proc.stderr.read()
+    assert "Traceback" not in stderr, stderr
+    assert answers[0].status_code == 503
+    assert "the server shut down and its 1-s drain ended" in answers[0].json()["error"]["message"]
+
+
+def test_a_second_sigint_exits_at_once() -> None:
+    with sim_process("--shutdown-timeout", "60") as server:
+        base = server.url.removesuffix("/v1")
+        body = {"model": MODEL, "prompt": "stream forever", "max_tokens": 5000, "stream": True}
+        events: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", server.url + "/completions", json=body,
+                              timeout=60) as r:
+                events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        while running(base) < 1:
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(10) == 0
+        assert time.monotonic() - start < 3
+        streamer.join(10)
+        assert "Traceback" not in server.proc.stderr.read()
+    # The client was told: its stream ended with an error event, not a cut connection.
+    assert json.loads(events[-1][6:])["error"]["message"] == \
+        "The request was aborted: the server was stopped."

@@ -172,3 +172,47 @@ def test_allocation_evicts_cached_blocks_when_the_pool_is_full() -> None:
     assert sum(1 for e in events if isinstance(e, Evict)) == 2
     mgr.release(b)
     mgr.check_integrity()
+
+
+def test_dedupe_of_a_forked_block_never_breaks_a_reservation() -> None:
+    # Found by the state machine: a fork's child holds, with its parent, a full block the
+    # cache could not take at the time; later an identical block sits in the cache,
+    # evictable. Switching the child to it would take a block reservations count on while
+    # the parent keeps the duplicate: the child stays private instead.
+    mgr = BlockManager(10, 2, cache_capacity=1)
+    x = make("x", [5, 5, 9])
+    run_prompt(mgr, x)  # the cache's one slot: [5, 5], in use by x
+    parent = make("p", [7, 7, 1])
+    run_prompt(mgr, parent)  # [7, 7] cannot be cached: the slot is taken and in use
+    assert mgr.tree.num_nodes == 1 and not mgr._chains["p"]
+    child = make("c", [7, 7, 1])
+    child.output_token_ids = list(parent.output_token_ids)
+    mgr.fork(parent, child)  # the child shares the uncached [7, 7] block
+    mgr.release(x)
+    y = make("y", [7, 7, 3])
+    run_prompt(mgr, y)  # evicts [5, 5]; caches y's own [7, 7]
+    mgr.release(y)  # ... which is now evictable
+    free, evictable = mgr.pool.num_free, mgr.tree.num_evictable
+    promised = make("r", [9], max_tokens=2 * (free + evictable) - 1)
+    mgr.admit(promised, 1, reserve_full=True)  # reserves every block left
+    assert mgr.num_reserved == mgr.pool.num_free + mgr.tree.num_evictable
+    mgr.cache_computed(child)
+    mgr.check_integrity()
+    shared = mgr.tables["p"][0]
+    assert mgr.tables["c"][0] == shared and mgr.pool.refcount[shared] == 2
+    mgr.release(promised)
+    mgr.cache_computed(child)  # with room again, the child switches to the cached block
+    assert mgr.tables["c"][0] != shared
+    mgr.check_integrity()
+
+
+def test_fork_shares_only_the_blocks_that_hold_computed_tokens() -> None:
+    mgr = BlockManager(8, 4)
+    parent = make("p", list(range(10)))
+    mgr.admit(parent, 10, reserve_full=False)  # 3 blocks allocated, none computed yet
+    parent.num_computed_tokens = 5
+    child = make("c", list(range(10)))
+    mgr.fork(parent, child)
+    # Blocks 0-1 hold the 5 computed tokens; block 2 is the parent's, for tokens to come.
+    assert mgr.tables["c"] == mgr.tables["p"][:2]
+    mgr.check_integrity()

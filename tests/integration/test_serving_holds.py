@@ -1,0 +1,352 @@
+"""The server under hostile and careless clients: disconnects, oversized and slow bodies,
+bad text, strict OpenAI shapes, one auth rule, shutdown with a deadline. Each test
+reproduces a finding of a reliability review. The servers run the sim executor on
+127.0.0.1: what is tested is the HTTP layer and the engine's bookkeeping, not the model."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from runtime.server.app import ServeLimits
+from runtime.server.serve import ApiServer
+from runtime.session import build_session
+from runtime.settings import resolve
+
+MODEL = "qwen3-8b"
+KEY = "sekrit"
+
+
+def start(api_key: str | None = None, **limits) -> ApiServer:
+    session = build_session(resolve({"executor": "sim", "kv_memory_bytes": 2 << 30}), live=True)
+    return ApiServer(session, port=0, api_key=api_key, header_timeout_s=1.0,
+                     limits=ServeLimits(read_timeout_s=1.0, **limits)).start()
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start(default_max_tokens=20)
+    yield srv
+    srv.stop()
+    srv.engine.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    srv = start(api_key=KEY)
+    yield srv
+    srv.stop()
+
+
+def url(srv: ApiServer, path: str = "") -> str:
+    return f"http://127.0.0.1:{srv.port}{path}"
+
+
+def settled(srv: ApiServer, timeout: float = 10.0) -> None:
+    """Wait until the published snapshot shows no request running and no block held."""
+    end = time.monotonic() + timeout
+    while True:
+        snap = srv.loop.latest
+        if snap is not None and not snap.running and not snap.waiting and \
+                snap.kv.usage == 0 and snap.step == srv.engine.step_count:
+            return
+        assert time.monotonic() < end, "requests or blocks are still held"
+        time.sleep(0.02)
+
+
+def assert_openai_error(r: httpx.Response, status: int, needle: str,
+                        param: str | None = "any") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert needle in err["message"], err["message"]
+    assert err["message"].endswith(".") and "\n" not in err["message"]
+    if param != "any":
+        assert err["param"] == param
+    return err
+
+
+# -- every request is owned by a live client -------------------------------------------------
+
+def test_a_non_streaming_request_is_aborted_when_its_client_disconnects(server) -> None:
+    settled(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url(server, "/v1/completions"), timeout=1.0,
+                   json={"model": MODEL, "prompt": "Tell me everything", "max_tokens": 300})
+    gone = time.monotonic()
+    settled(server, timeout=3.0)  # a paced sim step is ~26 ms: long before 300 tokens
+    assert time.monotonic() - gone < 1.0
+    aborted = [r for r in server.engine.completed if r.reason == "client disconnected"]
+    assert aborted and aborted[-1].num_output_tokens < 300
+
+
+def test_a_chat_without_max_tokens_stops_at_the_servers_default(server) -> None:
+    client = openai.OpenAI(base_url=url(server, "/v1"), api_key="none", max_retries=0)
+    r = client.chat.completions.create(model=MODEL,
+                                       messages=[{"role": "user", "content": "Go on forever"}])
+    assert r.usage.completion_tokens == 20 and r.choices[0].finish_reason == "length"
+
+
+def test_a_request_past_the_request_timeout_is_aborted() -> None:
+    srv = start(request_timeout_s=0.5)
+    try:
+        r = httpx.post(url(srv, "/v1/completions"), timeout=30,
+                       json={"model": MODEL, "prompt": "long", "max_tokens": 500})
+        assert_openai_error(r, 504, "ran longer than the server's limit of 0.5 s")
+        with httpx.stream("POST", url(srv, "/v1/completions"), timeout=30, json={
+                "model": MODEL, "prompt": "long", "max_tokens": 500, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert json.loads(events[-1][6:])["error"]["code"] == 504
+        settled(srv)
+    finally:
+        srv.stop()
+
+
+def test_disconnect_storm_leaves_no_block_held(server) -> None:
+    """32 streams; half are cut right after their first chunk. (`make soak` runs more.)"""
+    settled(server)
+    before = server.loop.latest.kv
+
+    def one(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"Storm {i}", "max_tokens": 60, "stream": True}
+        with httpx.stream("POST", url(server, "/v1/completions"), json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and i % 2:
+                    return  # cut after the first chunk
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    settled(server)
+    after = server.loop.latest.kv
+    assert after.usage == before.usage == 0
+    cut = [r for r in server.engine.completed if r.reason == "client disconnected"]
+    assert len(cut) >= 16
+    server.engine.check_integrity()
+
+
+# -- input handling without surprises ---------------------------------------------------------
+
+BAD = "\ud800"  # a lone high surrogate: json.dumps writes it as the escape \ud800
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
+                                                            "content": "hi " + BAD}]},
+     "messages.0.content"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi " + BAD}, "prompt"),
+    ("/v1/completions", {"model": "x" + BAD, "prompt": "hi"}, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [BAD]}, "stop.0"),
+    ("/tokenize", {"prompt": BAD}, "prompt"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(server, path, body, field) -> None:
+    with httpx.Client() as client:
+        r = client.post(url(server, path), content=json.dumps(body),
+                        headers={"content-type": "application/json"})
+        assert_openai_error(r, 400, "is not valid Unicode text", field)
+        # The kept-alive connection survives: the next request on it is answered.
+        assert client.get(url(server, "/health")).status_code == 200
+
+
+def chunked(total: int, chunk: int = 1 << 16, pause: float = 0.0):
+    sent = 0
+    while sent < total:
+        yield b"x" * chunk
+        sent += chunk
+        if pause:
+            time.sleep(pause)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize",
+                                  "/detokenize"])
+def test_a_chunked_oversize_body_is_413_and_the_server_stays_responsive(server, keyed,
+                                                                        path) -> None:
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            assert httpx.get(url(server, "/health"), timeout=5).status_code == 200
+            latencies.append(time.perf_counter() - t)
+            time.sleep(0.05)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        r = httpx.post(url(server, path), content=chunked(12 << 20, pause=0.001),
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert_openai_error(r, 413, "over the limit of 4,194,304 bytes")
+        # Without the key, the same body is refused before it is read: 401.
+        r = httpx.post(url(keyed, path), content=chunked(12 << 20),
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert_openai_error(r, 401, "Missing or wrong API key")
+    finally:
+        stop.set()
+        prober.join()
+    assert latencies and max(latencies) < 0.2, max(latencies)
+
+
+def read_answer(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    s.settimeout(10)
+    answer = b""
+    while chunk := s.recv(4096):
+        answer += chunk
+    return answer
+
+
+def test_content_length_over_the_limit_is_refused_unread(server) -> None:
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: 52428800\r\n\r\n{")
+        answer = read_answer(s)
+    assert answer.startswith(b"HTTP/1.1 413")
+    assert b"The request body is 52,428,800 bytes; the limit is 4,194,304." in answer
+
+
+def test_a_body_shorter_than_its_content_length_is_408_within_the_timeout(server) -> None:
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: 100\r\n\r\n{\"model\": ")
+        t = time.monotonic()
+        answer = read_answer(s)
+        assert time.monotonic() - t < 3  # the read timeout is 1 s here
+    assert answer.startswith(b"HTTP/1.1 408")
+    assert b"did not arrive within 1 s" in answer
+
+
+def test_headers_trickled_slowly_get_the_connection_closed(server) -> None:
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        s.settimeout(10)
+        t = time.monotonic()
+        assert s.recv(4096) == b""  # closed by the server
+        assert time.monotonic() - t < 3
+
+
+# -- one auth rule ----------------------------------------------------------------------------
+
+def test_one_auth_rule(keyed) -> None:
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": "hi"}),
+                       ("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+        assert_openai_error(httpx.post(url(keyed, path), json=body), 401, "API key")
+        assert_openai_error(httpx.post(url(keyed, path), json=body,
+                                       headers={"authorization": "Bearer wrong"}), 401, "key")
+        ok = httpx.post(url(keyed, path), json=body, headers={"authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200, ok.text
+    assert_openai_error(httpx.get(url(keyed, "/v1/models")), 401, "API key")
+    assert httpx.get(url(keyed, "/health")).status_code == 200
+    assert httpx.get(url(keyed, "/metrics")).status_code == 200  # open by default
+    guarded = start(api_key=KEY, metrics_need_key=True)
+    try:
+        assert_openai_error(httpx.get(url(guarded, "/metrics")), 401, "API key")
+        assert httpx.get(url(guarded, "/metrics"),
+                         headers={"authorization": f"Bearer {KEY}"}).status_code == 200
+    finally:
+        guarded.stop()
+
+
+# -- OpenAI shapes, strictly ------------------------------------------------------------------
+
+def test_content_parts_developer_role_and_max_completion_tokens(server) -> None:
+    client = openai.OpenAI(base_url=url(server, "/v1"), api_key="none", max_retries=0)
+    r = client.chat.completions.create(
+        model=MODEL, max_tokens=50, max_completion_tokens=6,
+        messages=[{"role": "developer", "content": "Be brief."},
+                  {"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                               {"type": "text", "text": "there"}]}])
+    assert r.usage.completion_tokens == 6  # max_completion_tokens wins over max_tokens
+    stream = client.chat.completions.create(
+        model=MODEL, max_completion_tokens=5, stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+    usage = [c.usage for c in stream if c.usage][-1]
+    assert usage.completion_tokens == 5
+
+
+def test_cached_tokens_are_reported(server) -> None:
+    client = openai.OpenAI(base_url=url(server, "/v1"), api_key="none", max_retries=0)
+    prompt = " ".join(f"word{i}" for i in range(200))  # 200 stand-in tokens
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 192  # 12 full blocks of 16
+
+
+@pytest.mark.parametrize("extra, status, needle, param", [
+    ({"max_tokens": "10"}, 400, "'max_tokens' must be an integer.", "max_tokens"),
+    ({"max_tokens": True}, 400, "'max_tokens' must be an integer.", "max_tokens"),
+    ({"stream": "yes"}, 400, "'stream' must be true or false.", "stream"),
+    ({"temperature": float("nan")}, 400, "'temperature' must be a finite number", "temperature"),
+    ({"n": 3}, 400, "'n' must be at most 1.", "n"),
+    ({"warp": 9}, 400, "'warp' is not a field this endpoint takes.", "warp"),
+    ({"logprobs": 5}, 400, "'logprobs' is not supported by this server yet", "logprobs"),
+    ({"echo": True}, 400, "'echo' is not supported", "echo"),
+    ({"suffix": "x"}, 400, "'suffix' is not supported", "suffix"),
+    ({"best_of": 3}, 400, "'best_of' is not supported", "best_of"),
+    ({"logit_bias": {"5": 1}}, 400, "'logit_bias' is not supported", "logit_bias"),
+    ({"presence_penalty": 0.5}, 400, "'presence_penalty' is not supported", "presence_penalty"),
+    ({"frequency_penalty": 1}, 400, "'frequency_penalty' is not supported",
+     "frequency_penalty"),
+    ({"response_format": {"type": "json_object"}}, 400, "'response_format' is not supported",
+     "response_format"),
+    ({"tools": [{"type": "function"}]}, 400, "'tools' is not supported", "tools"),
+    ({"prompt": ["a", "b"]}, 400, "'prompt' holds 2 prompts", "prompt"),
+    ({"prompt": {"text": "hi"}}, 400, "'prompt' must be a string or a list of token ids.",
+     "prompt"),
+])
+def test_strict_fields_and_unimplemented_ones_are_named(server, extra, status, needle,
+                                                        param) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "hi", **extra}, allow_nan=True)
+    r = httpx.post(url(server, "/v1/completions"), content=body,
+                   headers={"content-type": "application/json"})
+    assert_openai_error(r, status, needle, param)
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted(server) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": None, "echo": False,
+            "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1, "best_of": 1,
+            "logit_bias": {}, "user": "me"}
+    assert httpx.post(url(server, "/v1/completions"), json=body).status_code == 200
+
+
+@pytest.mark.parametrize("method, path, content, headers, status, needle", [
+    ("POST", "/v1/completions", b"\xff\xfe\x00{", {"content-type": "application/json"}, 400,
+     "not valid JSON"),
+    ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000,
+     {"content-type": "application/json"}, 400, "could not be parsed as JSON"),
+    ("POST", "/v1/completions", b'{"model": "m", "prompt": "hi"}', {"content-type": "text/plain"},
+     400, "must be a JSON object, sent with 'Content-Type: application/json'"),
+    ("GET", "/v1/nope", b"", {}, 404, "There is no endpoint /v1/nope"),
+    ("GET", "/v1/completions", b"", {}, 405, "/v1/completions does not take GET; use POST"),
+])
+def test_every_error_is_in_openai_shape(server, method, path, content, headers, status,
+                                        needle) -> None:
+    r = httpx.request(method, url(server, path), content=content, headers=headers)
+    assert_openai_error(r, status, needle)
+
+
+# -- shutdown with a deadline -----------------------------------------------------------------
+
+def test_stop_answers_waiting_clients_and_ends_every_thread() -> None:
+    srv = start()
+    results: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: results.append(httpx.post(
+        url(srv, "/v1/completions"), timeout=60,
+        json={"model": MODEL, "prompt": "orphan", "max_tokens": 2000})))
+    t.start()
+    while not srv.engine.scheduler.running:
+        time.sleep(0.02)
+    srv.stop()
+    t.join(20)
+    assert_openai_error(results[0], 503, "The request was aborted: the server was stopped.")
+    assert not srv.loop.is_alive
