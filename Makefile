@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # CUDA users: make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench screenshots clean
+.PHONY: demo test lint bench screenshots soak fuzz clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,15 @@ test: $(VENV)/.dev
 # Benchmarks print ratios measured side by side in one run and write bench-results/.
 bench: $(VENV)/.dev
 	$(PY) -m benchmarks
+
+# The serving soak at the review's full sizes: 3 disconnect storms, 200 requests at
+# concurrency 16 with /metrics scraped every 0.5 s (CI runs smaller ones).
+soak: $(VENV)/.dev
+	KVDECK_SOAK=full $(PY) -m pytest tests/integration/test_serving_holds.py -k "soak or storm"
+
+# The API fuzz test with many more examples than CI's.
+fuzz: $(VENV)/.dev
+	KVDECK_FUZZ_EXAMPLES=1000 $(PY) -m pytest tests/integration/test_api_fuzz.py
 
 # SVGs of every console screen from seeded sim runs, for the README.
 screenshots: $(VENV)/.dev

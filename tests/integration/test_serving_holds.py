@@ -6,6 +6,7 @@ reproduces a finding of a reliability review. The servers run the sim executor o
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -108,8 +109,13 @@ def test_a_request_past_the_request_timeout_is_aborted() -> None:
         srv.stop()
 
 
-def test_disconnect_storm_leaves_no_block_held(server) -> None:
-    """32 streams; half are cut right after their first chunk. (`make soak` runs more.)"""
+FULL_SOAK = os.environ.get("KVDECK_SOAK") == "full"
+"""`make soak` sets it: the review's full sizes instead of CI's smaller ones."""
+
+
+@pytest.mark.parametrize("storm", range(3 if FULL_SOAK else 1))
+def test_disconnect_storm_leaves_no_block_held(server, storm) -> None:
+    """32 streams; half are cut right after their first chunk."""
     settled(server)
     before = server.loop.latest.kv
 
@@ -129,7 +135,59 @@ def test_disconnect_storm_leaves_no_block_held(server) -> None:
     after = server.loop.latest.kv
     assert after.usage == before.usage == 0
     cut = [r for r in server.engine.completed if r.reason == "client disconnected"]
-    assert len(cut) >= 16
+    assert len(cut) >= 16 * (storm + 1)
+    server.engine.check_integrity()
+
+
+def test_soak_with_metrics_scraped_throughout(server) -> None:
+    """Requests at concurrency 16 (streaming and not, completions and chat) while /metrics
+    is scraped every 0.5 s: every answer 200, every scrape valid Prometheus text, and no
+    request or block left behind. CI runs 64 requests; `make soak` runs 200."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    settled(server)
+    total = 200 if FULL_SOAK else 64
+    client = openai.OpenAI(base_url=url(server, "/v1"), api_key="none", max_retries=0)
+    statuses: list[str] = []
+    scrapes: list[int] = []
+    done = threading.Event()
+
+    def scrape() -> None:
+        while not done.is_set():
+            r = httpx.get(url(server, "/metrics"), timeout=10)
+            assert r.status_code == 200
+            names = {f.name for f in text_string_to_metric_families(r.text)}
+            assert "vllm:num_requests_running" in names and "kvdeck:kv_blocks" in names
+            scrapes.append(len(names))
+            time.sleep(0.5)
+
+    def work(i: int) -> None:
+        n = 5 + i % 25
+        if i % 4 == 0:
+            r = client.completions.create(model=MODEL, prompt=f"soak {i}", max_tokens=n)
+            got = r.usage.completion_tokens
+        elif i % 4 == 1:
+            stream = client.completions.create(model=MODEL, prompt=f"soak {i}", max_tokens=n,
+                                               stream=True,
+                                               stream_options={"include_usage": True})
+            got = [c.usage for c in stream if c.usage][-1].completion_tokens
+        else:
+            messages = [{"role": "user", "content": f"soak {i}"}]
+            r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n)
+            got = r.usage.completion_tokens
+        statuses.append("ok" if got == n else f"{got} != {n}")
+
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(work, range(total)))
+    done.set()
+    scraper.join(10)
+    assert statuses == ["ok"] * total
+    assert len(scrapes) >= 3
+    settled(server)
     server.engine.check_integrity()
 
 
