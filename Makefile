@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # CUDA users: make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench screenshots soak fuzz clean
+.PHONY: demo test lint bench screenshots soak fuzz clients clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,9 +51,35 @@ soak: $(VENV)/.dev
 fuzz: $(VENV)/.dev
 	KVDECK_FUZZ_EXAMPLES=1000 $(PY) -m pytest tests/integration/test_api_fuzz.py
 
+# GuideLLM and AIPerf, unchanged, against `kvdeck serve`: each in its own environment under
+# .venv-clients (GuideLLM with torch installed first, as for kvdeck; AIPerf needs Python
+# 3.11+), with the Gemma 3 tokenizer written from the embedded GGUF (no hub download).
+CLIENTS := .venv-clients
+$(CLIENTS)/guidellm/.installed: | $(VENV)/.dev
+	$(PYTHON) -m venv $(CLIENTS)/guidellm
+	$(CLIENTS)/guidellm/bin/python -m pip install -q $(TORCH_SPEC)
+	$(CLIENTS)/guidellm/bin/python -m pip install -q guidellm==0.8.1 gguf
+	@touch $@
+
+$(CLIENTS)/aiperf/.installed: | $(VENV)/.dev
+	$(PYTHON) -m venv $(CLIENTS)/aiperf
+	$(CLIENTS)/aiperf/bin/python -m pip install -q aiperf==0.13.0
+	@touch $@
+
+$(CLIENTS)/gemma3-270m-tokenizer/tokenizer.json: $(CLIENTS)/guidellm/.installed
+	$(CLIENTS)/guidellm/bin/python -c "import sys; from pathlib import Path; \
+	from transformers import AutoTokenizer; p = Path(sys.argv[1]); \
+	AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name).save_pretrained(sys.argv[2])" \
+	"$$($(PY) -c 'from runtime.models.registry import resolve_model; \
+	print(resolve_model("gemma3-270m"))')" $(CLIENTS)/gemma3-270m-tokenizer
+
+clients: $(CLIENTS)/guidellm/.installed $(CLIENTS)/aiperf/.installed \
+		$(CLIENTS)/gemma3-270m-tokenizer/tokenizer.json
+	$(PY) -m pytest tests/clients
+
 # SVGs of every console screen from seeded sim runs, for the README.
 screenshots: $(VENV)/.dev
 	$(PY) -m console.screenshots
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(CLIENTS) build dist *.egg-info

@@ -25,11 +25,12 @@ from runtime.executors.torch import TorchExecutor
 from runtime.models.registry import DEFAULT_MODEL, resolve_model
 from runtime.records import StepRecord
 from runtime.request import SamplingParams
+from runtime.session import PASSAGE
 from runtime.tokenizer import Tokenizer
 
 PROMPT_TOKENS = 128
 OUTPUT_TOKENS = 64
-TEXT = (Path(__file__).parent / "text.txt").read_text()
+TEXT = PASSAGE.read_text(encoding="utf-8")
 
 
 def prompts(tok: Tokenizer, n: int) -> list[list[int]]:

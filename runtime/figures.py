@@ -99,6 +99,8 @@ class StepFigures:
     num_seqs: int
     prefill_tokens: int
     decode_tokens: int
+    sampled_tokens: int
+    """Tokens generated: every decode's, plus each prefill's last chunk's first token."""
     finished: int
     arrivals: int
     resident: int
@@ -114,7 +116,7 @@ def step_figures(record, kv_usage: float, kv_cached: float, hit_rate: float) -> 
     """One executed step's figures from its record (a `records.StepRecord`) and the KV
     state after it — the same for the live engine and for replay."""
     return StepFigures(record.t1, record.dt or 0.0, len(record.plan), record.num_prefill,
-                       record.num_decode,
+                       record.num_decode, len(record.tokens),
                        len(record.finished), len(record.arrived), record.resident, kv_usage,
                        kv_cached, hit_rate, record.queue[1], record.queue[0],
                        bool(record.knobs))
@@ -138,6 +140,8 @@ class RunFigures:
         self.prompt_tokens = 0
         """Prompt tokens computed (prefill, including recomputation)."""
         self.generation_tokens = 0
+        """Tokens generated (vLLM's generation_tokens)."""
+        self.decode_tokens = 0
         self.resident_seconds = 0.0
         """∫ (waiting + running requests) dt, for the Little's-law check."""
         self.busy_seconds = 0.0
@@ -184,7 +188,8 @@ class RunFigures:
         self.sum_batch_tokens += s.prefill_tokens + s.decode_tokens
         self.resident_seconds += s.resident * s.dt
         self.prompt_tokens += s.prefill_tokens
-        self.generation_tokens += s.decode_tokens
+        self.decode_tokens += s.decode_tokens
+        self.generation_tokens += s.sampled_tokens
         if self.first_time is None:
             self.first_time = s.t1 - s.dt
         self.last_time = max(self.last_time, s.t1)
@@ -240,6 +245,7 @@ class RunFigures:
             "histograms": {k: h.to_json() for k, h in self.histograms.items()},
             "num_good": self.num_good, "num_with_deadline": self.num_with_deadline,
             "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
+            "decode_tokens": self.decode_tokens,
             "resident_seconds": self.resident_seconds, "busy_seconds": self.busy_seconds,
             "num_steps": self.num_steps, "sum_batch_size": self.sum_batch_size,
             "sum_batch_tokens": self.sum_batch_tokens, "first_time": self.first_time,
@@ -255,6 +261,7 @@ class RunFigures:
         for k, h in self.histograms.items():
             h.load(d["histograms"][k])
         for key in ("num_good", "num_with_deadline", "prompt_tokens", "generation_tokens",
+                    "decode_tokens",
                     "resident_seconds", "busy_seconds", "num_steps", "sum_batch_size",
                     "sum_batch_tokens", "first_time", "last_time"):
             setattr(self, key, d[key])
@@ -329,7 +336,8 @@ def summarize(ms: Sequence[RequestMetrics], stats: RunFigures | None = None, slo
             "mean_batch_tokens": stats.sum_batch_tokens / steps if steps else 0.0,
             "mean_step_s": stats.busy_seconds / steps if steps else 0.0,
             "prefill_tokens": stats.prompt_tokens,
-            "decode_tokens": stats.generation_tokens,
+            "decode_tokens": stats.decode_tokens,
+            "generated_tokens": stats.generation_tokens,
         },
         "accelerator_s_per_good_result": stats.busy_seconds / len(good) if good else None,
         "slo": asdict(slo),

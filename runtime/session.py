@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 from runtime.engine import Engine
@@ -42,11 +43,18 @@ class Session:
         self.engine.close()
 
 
-def build_executor(settings: Settings, sim: SimConfig | None = None) -> Executor:
-    """The executor `settings` name (`sim`: `sim` overrides the settings' sim config)."""
+PASSAGE = files("runtime").joinpath("passage.txt")
+"""A few paragraphs of English a simulated server with a real tokenizer answers from."""
+
+
+def build_executor(settings: Settings, sim: SimConfig | None = None,
+                   text_tokens: list[int] | None = None) -> Executor:
+    """The executor `settings` name (`sim`: `sim` overrides the settings' sim config, and
+    outputs are read from `text_tokens` when given)."""
     s = settings.session
     if s.executor == "sim":
-        return SimExecutor(sim or settings.sim, seed=settings.engine.seed)
+        return SimExecutor(sim or settings.sim, seed=settings.engine.seed,
+                           text_tokens=text_tokens)
     from runtime.executors.torch import TorchExecutor
     from runtime.models.registry import resolve_model
 
@@ -69,15 +77,17 @@ def build_session(settings: Settings, *, live: bool = False,
     s = settings.session
     tokenizer = None
     if s.executor == "sim":
-        sim = settings.sim
+        sim, text = settings.sim, None
         if with_tokenizer and s.tokenizer:
             tokenizer = _real_tokenizer(s.tokenizer)
-            # Simulated ids come from the tokenizer's vocabulary, end-of-sequence included.
+            # Simulated ids come from the tokenizer's vocabulary, end-of-sequence included,
+            # read from a real text so answers decode, and re-encode, as text does.
             sim = dataclasses.replace(sim, vocab_size=tokenizer.vocab_size,
                                       eos_token_id=tokenizer.eos_token_id)
+            text = tokenizer.encode(PASSAGE.read_text(encoding="utf-8"), add_bos=False)
         elif with_tokenizer:
             tokenizer = StandInTokenizer(sim.vocab_size, sim.eos_token_id)
-        executor = build_executor(settings, sim)
+        executor = build_executor(settings, sim, text)
         model_id = s.served_model_name or executor.model.name
     else:
         executor = build_executor(settings)

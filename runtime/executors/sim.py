@@ -69,8 +69,13 @@ class SimExecutor:
     virtual_time = True
     model_path = None
 
-    def __init__(self, config: SimConfig = SimConfig(), seed: int = 0):
+    def __init__(self, config: SimConfig = SimConfig(), seed: int = 0,
+                 text_tokens: list[int] | None = None):
+        """`text_tokens`: a tokenized text to read outputs from (each request from its own
+        offset), so that with a real tokenizer the simulated answers are readable text that
+        decodes and re-encodes to the same tokens; None draws ids at random."""
         self.config = config
+        self.text_tokens = text_tokens
         self.seed = seed
         self.model = ModelProfile.load(config.model_profile)
         self.hardware = HardwareProfile.load(config.hardware)
@@ -160,6 +165,9 @@ class SimExecutor:
         # Low 32 bits decide end-of-sequence, high 32 bits pick the token.
         if c.eos_probability and (r & 0xFFFFFFFF) < c.eos_probability * 4294967296.0:
             return c.eos_token_id
+        text = self.text_tokens
+        if text:
+            return text[(h + position) % len(text)]
         token = (r >> 32) % c.vocab_size
         return token if token != c.eos_token_id else (token + 1) % c.vocab_size
 

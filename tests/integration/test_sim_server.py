@@ -5,7 +5,6 @@ attach parser."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -21,36 +20,9 @@ import openai
 import pytest
 
 from runtime.attach import parse_metrics
+from tests.servers import sim_process
 
 MODEL = "qwen3-8b"
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen, url: str):
-        self.proc, self.url = proc, url
-
-
-@contextmanager
-def sim_process(*args: str, env: dict | None = None) -> Iterator[Server]:
-    """Run `kvdeck serve --executor sim --port 0 ARGS` as a user would."""
-    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", "--executor", "sim",
-                             "--port", "0", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-    try:
-        url = None
-        end = time.monotonic() + 60
-        while url is None:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < end, "the server did not start"
-            m = re.search(r"serving \S+ on (http://127\.0\.0\.1:\d+/v1)", line)
-            url = m.group(1) if m else None
-        yield Server(proc, url)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.wait(30)
 
 
 @contextmanager

@@ -1,0 +1,43 @@
+"""`kvdeck serve` started as a user starts it: a subprocess on 127.0.0.1, any free port."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class Server:
+    """A running `kvdeck serve` process and its base URL (ending in /v1)."""
+
+    def __init__(self, proc: subprocess.Popen, url: str):
+        self.proc, self.url = proc, url
+
+
+@contextmanager
+def sim_process(*args: str, env: dict | None = None) -> Iterator[Server]:
+    """Run `kvdeck serve --executor sim --port 0 ARGS` as a user would."""
+    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", "--executor", "sim",
+                             "--port", "0", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    try:
+        url = None
+        end = time.monotonic() + 60
+        while url is None:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < end, "the server did not start"
+            m = re.search(r"serving \S+ on (http://127\.0\.0\.1:\d+/v1)", line)
+            url = m.group(1) if m else None
+        yield Server(proc, url)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(30)
+
+
