@@ -10,6 +10,10 @@ engine.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
+import signal
 import threading
 import time
 from pathlib import Path
@@ -33,6 +37,7 @@ from runtime.engine_loop import EngineLoop
 from runtime.errors import KvdeckError
 from runtime.recording import Recorder, record_live, stop_live
 from runtime.request import SamplingParams
+from runtime.settings import Settings, to_toml
 from runtime.snapshot import EngineSnapshot
 from runtime.traffic import TrafficGenerator
 
@@ -55,15 +60,19 @@ class KvdeckApp(ConsoleApp):
         Binding("slash", "focus_prompt", "Prompt", id="app.prompt"),
         Binding("n", "select_next", "Select", id="kv.select"),
         Binding("r", "toggle_record", "Record", id="run.record"),
+        Binding("w", "save_settings", "Save", id="run.save"),
         Binding("t", "next_theme", "Theme", id="app.theme"),
         Binding("f1", "help", "Help", id="app.help"),
     ]
 
     def __init__(self, engine: Engine, traffic: TrafficGenerator | None = None, *,
                  autostart: bool = True, hardware: bool = True,
-                 runs_dir: Path = Path("runs")):
+                 runs_dir: Path = Path("runs"), settings: Settings | None = None):
+        """`settings`: what the engine was built from, so `w` can save them with the
+        knobs as they are now."""
         super().__init__()
         self.engine = engine
+        self.settings = settings
         self.traffic = traffic
         self.loop = EngineLoop(engine, on_snapshot=self._on_snapshot, before_step=traffic)
         self.autostart = autostart
@@ -77,6 +86,8 @@ class KvdeckApp(ConsoleApp):
         self.want_paused = False
         """What the operator last asked for; snapshots say when the engine has done it."""
         self._prompts = 0
+        self.before_shutdown: list = []
+        """Called first when the console quits (e.g. stopping an API server beside it)."""
         self.sub_title = f"{engine.executor.model_name} · {engine.executor.name}"
 
     def compose(self) -> ComposeResult:
@@ -93,18 +104,28 @@ class KvdeckApp(ConsoleApp):
         if self.hardware:
             self.set_interval(1.0, self.query_one(HardwareStrip).refresh_readings)
         self.render_snapshot(self.engine.snapshot())
+        with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
+            # SIGINT and SIGTERM quit as `q` does (not in a test's thread or on Windows).
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.exit)
         if self.autostart:
             self.loop.start()
 
     def on_unmount(self) -> None:
-        if self.loop.is_alive:
-            self.loop.stop()
+        """Shut down in order: whatever runs beside the console (an API server) first, while
+        the engine can still answer its clients; then the engine thread, after its current
+        step; then recorders; then the executor's native resources."""
+        for callback in self.before_shutdown:
+            callback()
+        stopped = not self.loop.is_alive or self.loop.stop()
         # The engine thread has stopped: close any recorder it still holds (a stop asked
         # for in its last moments may not have been applied).
         for rec in (self.recorder, self.engine.recorder):
             if isinstance(rec, Recorder):
                 rec.close()
-        self.engine.close()
+        if stopped:  # never free native resources under a step still running
+            self.engine.close()
 
     # -- snapshots --------------------------------------------------------------------------
 
@@ -126,7 +147,8 @@ class KvdeckApp(ConsoleApp):
         self.latest = snap
         for panel in SNAPSHOT_PANELS:
             self.query_one(panel).show(snap)
-        self.query_one(KnobsPanel).show_values(snap.knobs, self.traffic_values())
+        self.query_one(KnobsPanel).show_values(snap.knobs, self.traffic_values(),
+                                               snap.pending_knobs)
         self.query_one(PromptPanel).show_tracked(
             next((t for t in snap.tracked if t.request_id == self.prompt_id), None))
         self.query_one(Banner).show(snap)
@@ -245,12 +267,32 @@ class KvdeckApp(ConsoleApp):
             self.notify(f"saved {run_dir}; replay it with: kvdeck replay {run_dir}",
                         title="Recording")
 
+    def action_save_settings(self) -> None:
+        """Write the settings with the current knobs to a config file every command reads."""
+        if self.settings is None or self.latest is None:
+            self.notify("This console was not started from settings; nothing to save.",
+                        severity="warning")
+            return
+        values = {**self.settings.flat(), **dataclasses.asdict(self.latest.knobs)}
+        path = self.runs_dir / f"settings-{time.strftime('%Y%m%d-%H%M%S')}.toml"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(to_toml(values))
+        except OSError as e:
+            self.notify(f"Cannot write {path}: {e.strerror}.", title="Settings",
+                        severity="error")
+            return
+        self.notify(f"saved {path}; use it with --config {path} (kvdeck serve, run-trace, "
+                    "console)", title="Settings")
+
     def get_system_commands(self, screen):  # the command palette (ctrl+p)
         yield from super().get_system_commands(screen)
         for title, help_text, action in (
             ("Pause / resume engine", "Stop or restart iterations", self.action_toggle_pause),
             ("Step one iteration", "While paused", self.action_step_once),
             ("Start / stop recording", "Write runs/<time>/", self.action_toggle_record),
+            ("Save settings", "Knobs as they are now, to a config file",
+             self.action_save_settings),
             ("Faster traffic", "Arrival rate × 1.5", lambda: self.action_rate(1.5)),
             ("Slower traffic", "Arrival rate ÷ 1.5", lambda: self.action_rate(0.6667)),
             ("Next theme", "Dark, light, high contrast", self.action_next_theme),

@@ -96,7 +96,7 @@ def run_console(request: SettingsRequest, rate: float | None, log_level: str) ->
         return session, TrafficGenerator.for_engine(session.engine, rate)
 
     session, traffic = guarded(build)
-    KvdeckApp(session.engine, traffic).run()
+    KvdeckApp(session.engine, traffic, settings=session.settings).run()
 
 
 @app.command()
@@ -338,12 +338,10 @@ def serve(
         from console.app import KvdeckApp
 
         # The console owns the engine loop; the HTTP server runs beside it in a thread.
-        console_app = KvdeckApp(session.engine)
+        console_app = KvdeckApp(session.engine, settings=session.settings)
         server = ApiServer(session, loop=console_app.loop, **serving).start()
-        try:
-            console_app.run()
-        finally:
-            server.stop()
+        console_app.before_shutdown.append(server.stop)
+        console_app.run()
         return
     server = ApiServer(session, **serving)
     out.print(settings_line(session), highlight=False)
@@ -460,7 +458,10 @@ def replay(run: str = typer.Argument(..., help="A run directory written by recor
     from console.screens.replay import ReplayApp
 
     guarded(lambda: setup_logging(log_level, to_stderr=False))
-    guarded(lambda: ReplayApp(run)).run()
+    app = guarded(lambda: ReplayApp(run))
+    app.run()
+    if app.problem is not None:  # a record the replay could not apply
+        fail(app.problem)
 
 
 @app.command()

@@ -27,7 +27,8 @@ def make_demo_app(runs_dir: Path | None = None, autostart: bool = False,
     session = build_session(resolved, live=autostart)
     traffic = TrafficGenerator.for_engine(session.engine, 6.0)
     kwargs = {"runs_dir": runs_dir} if runs_dir is not None else {}
-    return KvdeckApp(session.engine, traffic, autostart=autostart, hardware=False, **kwargs)
+    return KvdeckApp(session.engine, traffic, autostart=autostart, hardware=False,
+                     settings=resolved, **kwargs)
 
 
 def advance(app: KvdeckApp, steps: int) -> None:

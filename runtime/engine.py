@@ -29,7 +29,13 @@ from collections.abc import Callable
 
 from runtime.clock import PacedClock, VirtualClock, WallClock
 from runtime.config import EngineConfig, Knobs
-from runtime.errors import EngineFailedError, QueueFullError, RequestError, StepError
+from runtime.errors import (
+    ConfigError,
+    EngineFailedError,
+    QueueFullError,
+    RequestError,
+    StepError,
+)
 from runtime.executors.base import Executor
 from runtime.figures import RunFigures, step_figures
 from runtime.kv.manager import BlockManager
@@ -105,6 +111,7 @@ class Engine:
         )
         self.scheduler = Scheduler(config, self.kv, executor.estimate_step_seconds,
                                    self.max_model_len, executor.eos_token_ids)
+        self.check_knobs(k)
         self.inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self.wake = threading.Event()
         """Set whenever something is put in the inbox, so an idle loop wakes up."""
@@ -193,9 +200,17 @@ class Engine:
         apply them at the next iteration boundary. Returns the knobs that will apply."""
         with self._lock:
             new = self.submitted_knobs.with_changes(**changes)
+            self.check_knobs(new)
             self.submitted_knobs = new
         self.post(SetKnobs(new, changes))
         return new
+
+    def check_knobs(self, knobs: Knobs) -> None:
+        """Bounds that depend on this engine's pool (ConfigError if broken)."""
+        pool = self.kv.num_blocks
+        if knobs.prefix_cache_capacity > pool:
+            raise ConfigError(f"prefix_cache_capacity must be from 0 to {pool:,} (the pool's "
+                              f"blocks), got {knobs.prefix_cache_capacity:,}.")
 
     def fork(self, parent: Request, child_id: str,
              sampling: SamplingParams | None = None) -> Request:

@@ -50,8 +50,12 @@ class EngineLoop:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 10.0) -> bool:
-        """Stop after the current iteration and wait for the thread; True when it ended."""
+    def stop(self, timeout: float = 300.0) -> bool:
+        """Stop after the current iteration and wait for the thread; True when it ended.
+
+        The wait is long on purpose: a step of a real model on a loaded CPU can take many
+        seconds, and the executor's native resources must not be released under it (a
+        native abort). Returns False only if the thread is truly stuck."""
         self._stop.set()
         self.engine.stop_event.set()
         self.engine.wake.set()

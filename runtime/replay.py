@@ -94,7 +94,16 @@ class TraceState:
     # -- steps --------------------------------------------------------------------------------
 
     def apply(self, rec: StepRecord) -> None:
-        """Advance by one step record."""
+        """Advance by one step record; a record that does not fit the state rebuilt so far
+        (a damaged or hand-edited run) is a RunFormatError naming the step."""
+        try:
+            self._apply(rec)
+        except (KeyError, IndexError, ValueError, AssertionError) as e:
+            raise RunFormatError(f"Step {rec.step} does not fit the state the run rebuilt "
+                                 f"before it ({type(e).__name__}: {e}); the run is damaged."
+                                 ) from None
+
+    def _apply(self, rec: StepRecord) -> None:
         self.step = rec.step
         self.time = rec.t1
         if rec.knobs:

@@ -122,3 +122,23 @@ def load(config: str | Path | None, overrides: dict[str, Any] | None = None, *,
     """`resolve` with the values of TOML file `config` (None: no file)."""
     return resolve(read_toml(config) if config else {}, overrides,
                    default_executor=default_executor)
+
+
+def to_toml(values: dict[str, Any]) -> str:
+    """Flat settings as a TOML config file (None values are left out: they mean "the
+    default")."""
+    lines = ["# kvdeck settings: use with --config FILE (flags override it)"]
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        elif isinstance(value, str):
+            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        else:
+            raise ConfigError(f"Setting {key!r} has a value a config file cannot hold: "
+                              f"{value!r}.")
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines) + "\n"

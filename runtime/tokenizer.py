@@ -12,8 +12,11 @@ in a sandboxed Jinja environment (a GGUF is untrusted input).
 from __future__ import annotations
 
 import codecs
+import contextlib
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
@@ -41,7 +44,8 @@ class Tokenizer:
 
         self.path = Path(model_path)
         _probe_vocab(self.path)
-        self._llm = Llama(str(self.path), vocab_only=True, verbose=False)
+        with quiet_stderr():  # llama.cpp logs a context warning even with verbose=False
+            self._llm = Llama(str(self.path), vocab_only=True, verbose=False)
         meta = self._llm.metadata
         self.architecture = meta.get("general.architecture", "")
         self.bos_token_id = self._llm.token_bos()
@@ -98,6 +102,21 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise RequestError(f"The chat template rejected the messages: {e}.") from None
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Silence native writes to file descriptor 2 (llama.cpp's logging) while in the block;
+    Python's own stderr output is unaffected afterwards."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _probe_vocab(path: Path) -> None:

@@ -19,6 +19,7 @@ from console.base_app import ConsoleApp
 from console.layout import SNAPSHOT_PANELS, compose_panels
 from console.widgets.knobs import KnobsPanel
 from console.widgets.scrubber import Scrubber
+from runtime.errors import RunFormatError
 from runtime.replay import TraceState, load_replay
 from runtime.snapshot import BatchView, EngineSnapshot
 
@@ -60,6 +61,8 @@ class ReplayApp(ConsoleApp):
         self.playing = False
         self.speed_index = SPEEDS.index(1)
         self.snapshot: EngineSnapshot | None = None
+        self.problem: str | None = None
+        """Why the replay stopped, when a record could not be applied."""
         self.sub_title = f"{self.run_dir.name} · {self.header.get('model', '?')}"
 
     def _save(self) -> tuple:
@@ -98,7 +101,12 @@ class ReplayApp(ConsoleApp):
             self.state = self._load(self.checkpoints[base])
             self.applied = base
         while self.applied < target:
-            self.state.apply(self.records[self.applied])
+            try:
+                self.state.apply(self.records[self.applied])
+            except RunFormatError as e:
+                self.problem = str(e)
+                self.exit(return_code=2)
+                return
             self.applied += 1
             if self.applied % CHECKPOINT == 0 and self.applied not in self.checkpoints:
                 self.checkpoints[self.applied] = self._save()

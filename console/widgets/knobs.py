@@ -1,22 +1,44 @@
 """Knobs panel: every engine knob and the traffic settings with their current values; Enter
-opens an editor. Values are parsed by the knob's declared type and validated by the engine —
-an invalid value is reported and changes nothing."""
+opens an editor — a list of the allowed values for a choice or a switch, a text field for a
+number. A change is marked pending (`old → new`) until the engine applies it at its next
+iteration. Values are parsed by the knob's declared type and validated by the engine — an
+invalid value is reported and changes nothing."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
-from textual.widgets import DataTable, Input, Label
+from textual.widgets import DataTable, Input, Label, OptionList
 
-from runtime.config import Knobs
+from runtime.config import (
+    DEADLINE_ACTIONS,
+    EVICTION_POLICIES,
+    PREEMPTION_MODES,
+    QUEUE_POLICIES,
+    RESERVATION_POLICIES,
+    SCHEDULING_MODES,
+    Knobs,
+)
 from runtime.errors import ConfigError
 
 TRAFFIC_KNOBS = ("traffic_rate_per_s", "traffic_long_fraction")
 KNOB_TYPES = {f.name: f.type for f in dataclasses.fields(Knobs)}
+CHOICES: dict[str, tuple[str, ...]] = {
+    "scheduling": SCHEDULING_MODES, "queue_policy": QUEUE_POLICIES,
+    "reservation": RESERVATION_POLICIES, "preemption": PREEMPTION_MODES,
+    "eviction_policy": EVICTION_POLICIES, "on_deadline_miss": DEADLINE_ACTIONS,
+    "enable_prefix_caching": ("true", "false"), "admission_control": ("true", "false"),
+}
+"""Knobs whose values are a fixed list: the editor offers them instead of a text field."""
+
+
+def shown(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def parse_knob(name: str, text: str) -> object:
@@ -43,29 +65,41 @@ def parse_knob(name: str, text: str) -> object:
 
 
 class KnobEditor(ModalScreen[str | None]):
-    """Asks for a new value of one knob."""
+    """Asks for a new value of one knob: a choice from a list, or a number typed."""
 
     DEFAULT_CSS = """
     KnobEditor { align: center middle; }
-    KnobEditor > Vertical { width: 60; height: auto; border: thick $accent;
+    KnobEditor > Vertical { width: 70; max-width: 95%; height: auto; border: thick $accent;
                             background: $surface; padding: 1 2; }
+    KnobEditor Label { width: 100%; }
+    KnobEditor OptionList { height: auto; max-height: 10; }
     """
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="knob.cancel")]
 
-    def __init__(self, name: str, value: object) -> None:
+    def __init__(self, name: str, value: str) -> None:
         super().__init__()
         self.knob = name
         self.value = value
 
     def compose(self) -> ComposeResult:
+        choices = CHOICES.get(self.knob)
         with Vertical():
-            yield Label(f"New value for [b]{self.knob}[/] (now {self.value!r}); Enter applies "
-                        "at the next iteration, Esc cancels.")
-            yield Input(str(self.value).lower() if isinstance(self.value, bool)
-                        else str(self.value), id="knob-value")
+            how = "choose a value" if choices else "type a value"
+            yield Label(f"[b]{self.knob}[/] is {self.value}: {how}; Enter applies it at the "
+                        "next iteration, Esc cancels.")
+            if choices:
+                options = OptionList(*choices, id="knob-choices")
+                if self.value in choices:
+                    options.highlighted = choices.index(self.value)
+                yield options
+            else:
+                yield Input(self.value, id="knob-value")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.dismiss(event.value)
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(str(event.option.prompt))
 
     def action_cancel(self) -> None:
         self.dismiss(None)
@@ -80,19 +114,28 @@ class KnobsPanel(DataTable):
     def on_mount(self) -> None:
         self.cursor_type = "row"
         _, self._value_col = self.add_columns("knob", "value")
-        self._shown: dict[str, str] = {}
+        self._shown: dict[str, object] = {}
+        self.values: dict[str, str] = {}
+        """Each knob's current value as text (what the editor starts from)."""
 
-    def show_values(self, knobs: Knobs, traffic: dict[str, float]) -> None:
+    def show_values(self, knobs: Knobs, traffic: dict[str, float],
+                    pending: Knobs | None = None) -> None:
+        """Current values; a knob submitted but not applied yet shows `old → new`."""
+        later = dataclasses.asdict(pending) if pending is not None else {}
         for name, value in {**dataclasses.asdict(knobs), **traffic}.items():
-            text = str(value)
+            text = shown(value)
+            self.values[name] = text
+            cell: object = text
+            if name in later and later[name] != value:
+                cell = Text(f"{text} → {shown(later[name])} (next step)", style="bold yellow")
             if name not in self._shown:
-                self.add_row(name, text, key=name)
-            elif self._shown[name] != text:
-                self.update_cell(name, self._value_col, text)
-            self._shown[name] = text
+                self.add_row(name, cell, key=name)
+            elif self._shown[name] != str(cell):
+                self.update_cell(name, self._value_col, cell)
+            self._shown[name] = str(cell)
 
     def current(self) -> tuple[str, str] | None:
         if not self.rows:
             return None
-        row = self.get_row_at(self.cursor_row)
-        return row[0], row[1]
+        name = str(self.get_row_at(self.cursor_row)[0])
+        return name, self.values.get(name, "")

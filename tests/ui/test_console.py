@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from textual.widgets import Input
+from textual.widgets import Input, OptionList
 
 from console.app import KvdeckApp
 from console.screenshots import advance
@@ -14,12 +14,19 @@ from runtime.recording import read_run
 
 
 async def edit_knob(pilot, app: KvdeckApp, name: str, text: str) -> None:
+    """What an operator does: k, move to the knob, Enter, then choose or type, Enter."""
     table = app.query_one("#knobs")
     await pilot.press("k")
     table.move_cursor(row=table.get_row_index(name))
     await pilot.press("enter")
     await pilot.pause()
-    app.screen.query_one(Input).value = text
+    choices = app.screen.query(OptionList)
+    if choices:
+        options = choices.first()
+        options.highlighted = [str(options.get_option_at_index(i).prompt)
+                               for i in range(options.option_count)].index(text)
+    else:
+        app.screen.query_one(Input).value = text
     await pilot.press("enter")
     await pilot.pause()
 
@@ -47,14 +54,38 @@ async def test_invalid_knob_notifies_and_changes_nothing(app: KvdeckApp) -> None
         advance(app, 3)
         before = app.engine.scheduler.knobs
         await edit_knob(pilot, app, "chunk_size", "-5")
-        await edit_knob(pilot, app, "queue_policy", "random")
         await edit_knob(pilot, app, "max_num_seqs", "lots")
+        await edit_knob(pilot, app, "prefix_cache_capacity", "99999999")
         advance(app, 2)
         assert app.engine.scheduler.knobs == before
         messages = [n.message for n in app._notifications]
         assert "chunk_size must be an integer from 1 to 1,048,576, got -5." in messages
-        assert "queue_policy must be one of fcfs, priority, sjf, edf, got 'random'." in messages
         assert "max_num_seqs must be an integer, got 'lots'." in messages
+        blocks = app.engine.kv.num_blocks
+        assert (f"prefix_cache_capacity must be from 0 to {blocks:,} (the pool's blocks), got "
+                "99,999,999.") in messages
+
+
+async def test_enum_knobs_offer_their_values_and_changes_show_pending(app: KvdeckApp) -> None:
+    async with app.run_test(size=(160, 48)) as pilot:
+        advance(app, 3)
+        table = app.query_one("#knobs")
+        await pilot.press("k")
+        table.move_cursor(row=table.get_row_index("queue_policy"))
+        await pilot.press("enter")
+        await pilot.pause()
+        options = app.screen.query_one(OptionList)
+        assert [str(options.get_option_at_index(i).prompt)
+                for i in range(options.option_count)] == ["fcfs", "priority", "sjf", "edf"]
+        await pilot.press("escape")
+        await edit_knob(pilot, app, "queue_policy", "sjf")
+        app.render_snapshot(app.engine.snapshot())  # before the next iteration
+        cell = str(table.get_cell("queue_policy", table._value_col))
+        assert cell == "fcfs → sjf (next step)"
+        advance(app, 1)
+        await pilot.pause()
+        assert str(table.get_cell("queue_policy", table._value_col)) == "sjf"
+        assert app.engine.scheduler.knobs.queue_policy == "sjf"
 
 
 async def wait_for(pilot, cond, timeout: float = 20.0) -> None:
@@ -238,3 +269,20 @@ async def test_engine_failure_shows_a_banner_and_q_quits(tmp_path, monkeypatch) 
         assert "failed" in app.sub_title and not app.loop.is_alive
         await pilot.press("q")
     assert app.loop.error is not None and not app.engine.kv.tables
+
+
+async def test_w_saves_the_settings_with_the_knobs_as_they_are(tmp_path) -> None:
+    from runtime.settings import load
+
+    app = make_app(tmp_path / "runs")
+    async with app.run_test(size=(160, 48)) as pilot:
+        advance(app, 2)
+        assert app.apply_knob("max_num_seqs", "48")
+        advance(app, 1)
+        await pilot.press("w")
+    (saved,) = (tmp_path / "runs").glob("settings-*.toml")
+    settings = load(saved)  # what `kvdeck serve --config` / `run-trace --config` read
+    assert settings.engine.knobs == app.engine.scheduler.knobs
+    assert settings.engine.knobs.max_num_seqs == 48
+    assert settings.engine.kv_memory_bytes == app.engine.config.kv_memory_bytes
+    assert settings.executor == "sim"

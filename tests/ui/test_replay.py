@@ -91,3 +91,17 @@ def test_bad_run_directory_is_one_sentence(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "console.cli", "replay", str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "is not a kvdeck run directory (no header.json)." in r.stderr
+
+
+async def test_a_damaged_run_stops_the_replay_with_a_sentence(run_dir: Path) -> None:
+    lines = (run_dir / "iterations.jsonl").read_text().splitlines()
+    damaged = [line.replace('"admitted":["r0"]', '"admitted":["ghost"]') for line in lines]
+    assert damaged != lines
+    (run_dir / "iterations.jsonl").write_text("\n".join(damaged) + "\n")
+    app = ReplayApp(run_dir)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("end")
+        await pilot.pause()
+    assert app.return_code == 2
+    assert app.problem == ("Step 0 refers to request 'ghost', which the run never introduced; "
+                           "the recording is incomplete.")
