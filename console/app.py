@@ -25,6 +25,7 @@ from textual.widgets import DataTable, Footer, Header, Input
 
 from console.base_app import ConsoleApp
 from console.layout import SNAPSHOT_PANELS, compose_panels
+from console.screens.requests import RequestsScreen
 from console.widgets.banner import Banner
 from console.widgets.hardware import HardwareStrip
 from console.widgets.knobs import TRAFFIC_KNOBS, KnobEditor, KnobsPanel, parse_knob
@@ -36,6 +37,7 @@ from runtime.engine import Engine
 from runtime.engine_loop import EngineLoop
 from runtime.errors import KvdeckError
 from runtime.recording import Recorder, record_live, stop_live
+from runtime.records import SetPriority, Watch
 from runtime.request import SamplingParams
 from runtime.settings import Settings, to_toml
 from runtime.snapshot import EngineSnapshot
@@ -59,6 +61,7 @@ class KvdeckApp(ConsoleApp):
         Binding("k", "focus_knobs", "Knobs", id="app.knobs"),
         Binding("slash", "focus_prompt", "Prompt", id="app.prompt"),
         Binding("n", "select_next", "Select", id="kv.select"),
+        Binding("l", "requests", "Requests", id="app.requests"),
         Binding("r", "toggle_record", "Record", id="run.record"),
         Binding("w", "save_settings", "Save", id="run.save"),
         Binding("t", "next_theme", "Theme", id="app.theme"),
@@ -139,19 +142,24 @@ class KvdeckApp(ConsoleApp):
     def on_snapshot_ready(self, _: SnapshotReady) -> None:
         self._pending.clear()
         # A snapshot posted just before exit can arrive after the panels are removed.
-        if self.latest is not None and self.query(QueuePanel):
+        if self.latest is not None and self.screen_stack and \
+                self.screen_stack[0].query(QueuePanel):
             self.render_snapshot(self.latest)
 
     def render_snapshot(self, snap: EngineSnapshot) -> None:
-        """Show `snap` in every panel (also used by tests)."""
+        """Show `snap` in every panel, and in the request table when it is open (also used
+        by tests)."""
         self.latest = snap
+        main = self.screen_stack[0]  # the panels, whatever screen is on top of them
         for panel in SNAPSHOT_PANELS:
-            self.query_one(panel).show(snap)
-        self.query_one(KnobsPanel).show_values(snap.knobs, self.traffic_values(),
+            main.query_one(panel).show(snap)
+        main.query_one(KnobsPanel).show_values(snap.knobs, self.traffic_values(),
                                                snap.pending_knobs)
-        self.query_one(PromptPanel).show_tracked(
+        main.query_one(PromptPanel).show_tracked(
             next((t for t in snap.tracked if t.request_id == self.prompt_id), None))
-        self.query_one(Banner).show(snap)
+        main.query_one(Banner).show(snap)
+        if isinstance(self.screen, RequestsScreen):
+            self.screen.show(snap)
         state = "failed" if snap.failure else "paused" if snap.paused else "running"
         rec = " · recording" if self.recorder is not None else ""
         refused = f" · traffic refused {self.traffic.refused:,}" \
@@ -168,6 +176,8 @@ class KvdeckApp(ConsoleApp):
     # -- knobs ------------------------------------------------------------------------------
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        if not isinstance(event.data_table, KnobsPanel):
+            return  # another table's row (the request table handles its own)
         current = self.query_one(KnobsPanel).current()
         if current is None:
             return
@@ -242,6 +252,22 @@ class KvdeckApp(ConsoleApp):
         else:
             self.notify("pause first (p) to step one iteration at a time")
 
+    def action_requests(self) -> None:
+        """The request table: every request, filterable, with abort and priority."""
+        if not isinstance(self.screen, RequestsScreen):
+            self.push_screen(RequestsScreen())
+
+    def watch_request(self, request_id: str) -> None:
+        """Follow one request: its story in the snapshots, its blocks in the KV map."""
+        self.engine.post(Watch(request_id))
+        main = self.screen_stack[0]
+        main.query_one(KVMapPanel).selected = request_id
+        main.query_one(PrefixTreePanel).selected = request_id
+
+    def set_priority(self, request_id: str, priority: int) -> None:
+        self.engine.post(SetPriority(request_id, priority))
+        self.notify(f"{request_id}: priority {priority} from the next iteration")
+
     def action_rate(self, factor: float) -> None:
         if self.traffic is not None:
             self.apply_knob("traffic_rate_per_s", f"{self.traffic.mix.rate_per_s * factor:.3f}")
@@ -299,6 +325,8 @@ class KvdeckApp(ConsoleApp):
             ("Edit knobs", "Focus the knob table", self.action_focus_knobs),
             ("Highlight next request", "Its blocks in the KV map", self.action_select_next),
             ("Type a prompt", "Send a prompt and watch it stream", self.action_focus_prompt),
+            ("Requests", "Every request: filter, sort, details, abort, priority",
+             self.action_requests),
             ("Help", "Keys and panels", self.action_help),
         ):
             yield SystemCommand(title, help_text, action)

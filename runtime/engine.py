@@ -54,10 +54,12 @@ from runtime.records import (
     RequestState,
     Resume,
     SetKnobs,
+    SetPriority,
     StartRecording,
     StepOnce,
     StepRecord,
     StopRecording,
+    Watch,
 )
 from runtime.request import Progress, Request, RequestStatus, SamplingParams
 from runtime.scheduler import Scheduler
@@ -65,6 +67,7 @@ from runtime.snapshot import (
     BatchView,
     EngineFailure,
     EngineSnapshot,
+    RequestDetail,
     SnapshotBuilder,
     TrackedOutput,
 )
@@ -141,6 +144,8 @@ class Engine:
         self._step_credit = 0
         self.failure: EngineFailure | None = None
         self.tracked: dict[str, Request] = {}
+        self.watched: Request | None = None
+        self._watched_id: str | None = None
         self._snapshots = SnapshotBuilder(self)
 
     # -- thread-safe submission -------------------------------------------------------------
@@ -259,6 +264,15 @@ class Engine:
                     self.clock.resume()
             elif isinstance(msg, StepOnce):
                 self._step_credit += msg.count
+            elif isinstance(msg, Watch):
+                self.watched = self.find(msg.request_id) if msg.request_id else None
+                self._watched_id = msg.request_id
+            elif isinstance(msg, SetPriority):
+                req = self.find(msg.request_id)
+                if req is not None and not req.status.is_finished:
+                    req.events.append((self.clock.now(), f"priority {req.priority} → "
+                                                         f"{msg.priority}"))
+                    req.priority = msg.priority
             elif isinstance(msg, StartRecording):
                 self._recorder_actions.append(msg.recorder)
             elif isinstance(msg, StopRecording):
@@ -289,6 +303,7 @@ class Engine:
             _, _, req = heapq.heappop(self._future)
             # Time spent between the scheduled arrival and this step counts as resident.
             self.figures.on_arrival(now - req.arrival_time)
+            req.events.append((req.arrival_time, "arrived"))
             self.scheduler.add(req)
             if self.recorder is not None:
                 on_request = getattr(self.recorder, "on_request", None)
@@ -341,7 +356,7 @@ class Engine:
         self.scheduler.update(plan, result, t1)
         self.last_batch = BatchView(plan.step, plan.num_decode_tokens, plan.num_prefill_tokens,
                                     len(plan.chunks), plan.token_budget, plan.max_num_seqs,
-                                    dt, len(plan.preempted))
+                                    dt, len(plan.preempted), plan.limit)
         record.dt, record.measured = dt, result.timing.measured
         record.bytes_read = result.timing.bytes_read
         self._collect(record)
@@ -377,6 +392,7 @@ class Engine:
             record.rejected = list(plan.rejected)
             record.cow = list(plan.cow_copies)
             record.num_decode = plan.num_decode_tokens
+            record.limit = plan.limit
             record.kv = self.kv.take_events()
         sched = self.scheduler
         record.queue = (sched.num_waiting, sched.num_running)
@@ -471,6 +487,27 @@ class Engine:
         return self.failure
 
     # -- views ------------------------------------------------------------------------------
+
+    def find(self, request_id: str) -> Request | None:
+        """The request with this id, wherever it is: queued, running, due or finished."""
+        sched = self.scheduler
+        for req in itertools.chain(sched.running, sched.waiting,
+                                   (r for _, _, r in self._future), reversed(self.completed)):
+            if req.request_id == request_id:
+                return req
+        return None
+
+    def watched_detail(self) -> RequestDetail | None:
+        req = self.watched
+        if req is None and self._watched_id is not None:  # it arrived since it was asked for
+            req = self.watched = self.find(self._watched_id)
+        if req is None:
+            return None
+        table = self.kv.tables.get(req.request_id)
+        return RequestDetail(req.request_id, req.status.value, req.reason,
+                             req.num_prompt_tokens, req.num_output_tokens,
+                             req.num_cached_tokens, req.priority, tuple(req.events),
+                             tuple(table) if table else ())
 
     def tracked_outputs(self) -> list[TrackedOutput]:
         out = []

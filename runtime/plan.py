@@ -59,6 +59,8 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     """Kept by the scheduler as it adds chunks (summing per step would cost a pass each)."""
     num_prefill_tokens: int = 0
+    limit: str | None = None
+    """Why no more waiting requests joined this step (None: nobody was left waiting)."""
 
     @property
     def num_pairs(self) -> int:

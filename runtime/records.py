@@ -146,6 +146,8 @@ class StepRecord:
     """Plan entries that were decodes (one token each); the rest of the plan is prefill."""
     resident: int = 0
     """Requests waiting or running while the step executed (Little's law)."""
+    limit: str | None = None
+    """Why no more waiting requests joined the step (see `SchedulerOutput.limit`)."""
     plan: list[PlanEntry] = field(default_factory=list)
     tokens: list[tuple[str, int]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
@@ -182,6 +184,8 @@ class StepRecord:
         if self.dt is not None:
             d.update(dt=self.dt, measured=self.measured, bytes=self.bytes_read,
                      decode=self.num_decode, resident=self.resident)
+            if self.limit:
+                d["limit"] = self.limit
         for name in ("plan", "tokens", "errors", "admitted", "preempted", "rejected",
                      "finished", "cow", "knobs", "forked"):
             value = getattr(self, name)
@@ -201,7 +205,7 @@ class StepRecord:
             return cls(
                 step=d["step"], t0=d["t0"], dt=d.get("dt"), measured=d.get("measured", False),
                 bytes_read=d.get("bytes", 0), num_decode=d.get("decode", 0),
-                resident=d.get("resident", 0),
+                resident=d.get("resident", 0), limit=d.get("limit"),
                 plan=[PlanEntry(*x) for x in d.get("plan", [])],
                 tokens=[(rid, tok) for rid, tok in d.get("tokens", [])],
                 errors=dict(d.get("errors", {})),
@@ -393,6 +397,27 @@ class Resume:
 
 
 @dataclass(frozen=True)
+class Watch:
+    """Put this request's timeline in every snapshot (None: stop)."""
+
+    request_id: str | None
+
+    def to_json(self) -> dict:
+        return {"kind": "watch", "request_id": self.request_id}
+
+
+@dataclass(frozen=True)
+class SetPriority:
+    """Change a queued or running request's priority (lower runs first)."""
+
+    request_id: str
+    priority: int
+
+    def to_json(self) -> dict:
+        return {"kind": "priority", "request_id": self.request_id, "priority": self.priority}
+
+
+@dataclass(frozen=True)
 class StepOnce:
     """While paused, run this many iterations."""
 
@@ -420,4 +445,4 @@ class StopRecording:
 
 
 InboxMessage = AddRequest | Abort | SetKnobs | Pause | Resume | StepOnce | StartRecording \
-    | StopRecording
+    | StopRecording | Watch | SetPriority

@@ -98,6 +98,9 @@ class Request(Progress):
     """Lower runs first under the `priority` policy (as in vLLM)."""
     output_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    events: list[tuple[float, str]] = field(default_factory=list)
+    """What happened to the request, in engine time: arrival, admissions, prefill chunks,
+    preemptions, first token, finish (the console's request detail shows them)."""
     detokenizer: object | None = None
     """A `tokenizer.IncrementalDetokenizer` when the engine has a tokenizer."""
     output_logprobs: list = field(default_factory=list)

@@ -104,6 +104,8 @@ class Scheduler:
         req.status = status
         req.reason = reason
         req.finish_time = now
+        req.events.append((now, f"{status.value}: {reason}" if reason and reason !=
+                           status.value else status.value))
         if req.request_id in self.kv.tables:
             self.kv.release(req)
         self.finished.append(req)
@@ -139,8 +141,13 @@ class Scheduler:
             self._add_prefill(plan, req, n)
             scheduled.add(req.request_id)
             budget -= n
-        if not plan.preempted:
-            self._admit(plan, budget, scheduled, now)
+        if plan.preempted:
+            plan.limit = "KV pool full: running requests were preempted; no admissions"
+        else:
+            budget = self._admit(plan, budget, scheduled, now)
+        if plan.limit is None and self.waiting:
+            plan.limit = "token budget (max_num_batched_tokens) used up" if budget <= 0 \
+                else "sequence limit (max_num_seqs) reached"
         return plan
 
     def _schedule_decodes(self, decodes: list[Request], plan: SchedulerOutput, budget: int,
@@ -178,6 +185,7 @@ class Scheduler:
     def _add_prefill(self, plan: SchedulerOutput, req: Request, n: int) -> None:
         """A prefill chunk of `n` tokens (decodes are planned inline, in _schedule_decodes)."""
         start = req.num_computed_tokens
+        req.events.append((plan.time, f"prefill tokens {start:,}–{start + n:,}"))
         plan.chunks.append(ScheduledChunk(
             req, n, start, self.kv.tables[req.request_id],
             start + n == len(req.prompt_token_ids) + len(req.output_token_ids),
@@ -211,6 +219,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.events.append((plan.time, "preempted: blocks freed, to be recomputed"))
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         plan.preempted.append(req.request_id)
@@ -235,10 +244,14 @@ class Scheduler:
         return resumed + fresh
 
     def _admit(self, plan: SchedulerOutput, budget: int, scheduled: set[str],
-               now: float) -> None:
+               now: float) -> int:
+        """Admit waiting requests while everything allows; returns the budget left. Sets
+        `plan.limit` when something other than the budgets stopped admission."""
         k = self.knobs
         if k.scheduling == "static" and self.running:
-            return  # a static group runs to completion before the next is admitted
+            if self.waiting:
+                plan.limit = "static batching: the running group finishes first"
+            return budget  # a static group runs to completion before the next is admitted
         full = k.reservation == "full"
         for req in self._queue_order(now):
             if budget <= 0 or len(scheduled) >= k.max_num_seqs:
@@ -256,6 +269,8 @@ class Scheduler:
                 finish = now + self._estimate_service(req, hit)
                 if finish > req.deadline:
                     if k.on_deadline_miss == "wait":
+                        plan.limit = "admission control: waiting requests would miss their " \
+                                     "deadlines"
                         continue
                     self.waiting.remove(req)
                     self.reject(req, f"cannot meet its deadline: estimated finish "
@@ -264,9 +279,15 @@ class Scheduler:
                     plan.rejected.append(req.request_id)
                     continue
             if not self.kv.can_admit(req, n, full, chain):
-                break  # head-of-line: wait for blocks rather than let smaller ones pass
+                # Head-of-line: wait for blocks rather than let smaller ones pass.
+                plan.limit = (f"KV pool full: the next request needs blocks for "
+                              f"{req.max_total_tokens if full else hit + n:,} tokens, "
+                              f"{self.kv.num_available_blocks():,} blocks are available")
+                break
             self.waiting.remove(req)
             plan.cow_copies.extend(self.kv.admit(req, n, full))
+            req.events.append((now, f"admitted, {req.num_cached_tokens:,} tokens from the "
+                                    "prefix cache"))
             req.status = RequestStatus.RUNNING
             if req.admitted_time is None:
                 req.admitted_time = now
@@ -275,6 +296,7 @@ class Scheduler:
             plan.admitted.append(req.request_id)
             scheduled.add(req.request_id)
             budget -= n
+        return budget
 
     def _never_fits(self, req: Request, full: bool) -> str | None:
         """A reason the request can never be admitted with this pool, or None."""
@@ -340,6 +362,7 @@ class Scheduler:
                 req.token_times.append(now)
                 if req.first_token_time is None:
                     req.first_token_time = now
+                    req.events.append((now, "first token"))
                 sp = req.sampling  # the stop rules, inlined: this runs for every request
                 if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
                     status = RequestStatus.FINISHED_STOPPED

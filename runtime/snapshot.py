@@ -12,6 +12,7 @@ load (`make bench` reports the cost).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,8 +32,10 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
 
 __all__ = ["CACHED", "CACHED_ACTIVE", "FREE", "PRIVATE", "SHARED", "STATE_NAMES",
-           "BatchView", "EngineFailure", "EngineSnapshot", "KVView", "RequestView",
-           "SnapshotBuilder", "TrackedOutput"]
+           "BatchView", "EngineFailure", "EngineSnapshot", "KVView", "RequestDetail",
+           "RequestView", "SnapshotBuilder", "TrackedOutput"]
+RECENT_FINISHED = 64
+"""Finished requests a snapshot lists."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,8 @@ class BatchView:
     max_num_seqs: int
     seconds: float
     num_preempted: int
+    limit: str | None = None
+    """Why no more waiting requests joined (None: nobody was left waiting)."""
 
     @property
     def unused_budget(self) -> int:
@@ -112,6 +117,21 @@ class TrackedOutput:
 
 
 @dataclass(frozen=True)
+class RequestDetail:
+    """One watched request's whole story (the console's request detail)."""
+
+    request_id: str
+    status: str
+    reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    priority: int
+    events: tuple[tuple[float, str], ...]
+    block_table: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class EngineFailure:
     """Why the engine stopped, in one sentence, and where the full traceback is."""
 
@@ -148,6 +168,10 @@ class EngineSnapshot:
     pending_knobs: Knobs | None = None
     """Knobs submitted but not applied yet (they apply at the next iteration)."""
     tracked: tuple[TrackedOutput, ...] = ()
+    finished: tuple[RequestView, ...] = ()
+    """The most recently finished requests, newest last (the console's request table)."""
+    detail: RequestDetail | None = None
+    """The watched request (see `records.Watch`), wherever it is in its life."""
 
 
 class SnapshotBuilder:
@@ -202,6 +226,9 @@ class SnapshotBuilder:
         fresh: dict[str, tuple[tuple, RequestView]] = {}
         waiting = self._request_views(sched.waiting, tables, fresh)
         running = self._request_views(sched.running, tables, fresh)
+        done = e.completed
+        finished = self._request_views(
+            itertools.islice(done, max(len(done) - RECENT_FINISHED, 0), None), tables, fresh)
         self._views = fresh
         counts = e.figures.status_counts
         pending = e.submitted_knobs if e.submitted_knobs != sched.knobs else None
@@ -216,5 +243,5 @@ class SnapshotBuilder:
             num_preemptions=sched.num_preemptions,
             recent=e.figures.rolling(e.clock.now()), figures=e.figures.view(),
             paused=e.paused, failure=e.failure, lag_s=e.clock.lag_s, pending_knobs=pending,
-            tracked=tuple(e.tracked_outputs()),
+            tracked=tuple(e.tracked_outputs()), finished=finished, detail=e.watched_detail(),
         )

@@ -41,19 +41,22 @@ class QueuePanel(SnapshotPanel):
                         f"{b.seconds * 1e3:.1f} ms")
         else:
             head.append("no iteration yet")
+        if b is not None and b.limit and snap.waiting:
+            head.append(f"\n{len(snap.waiting)} waiting: {b.limit}", style="yellow")
         table = Table(box=None, expand=True, pad_edge=False, show_edge=False)
         narrow = self.size.width < 50  # 80 columns: id, state and progress only
         columns = (("id", "left"), ("state", "left"), ("prompt", "right"), ("out", "right"),
                    ("wait s", "right"), ("slack s", "right"), ("prio", "right"))
         for col, just in columns[:4] if narrow else columns:
             table.add_column(col, justify=just, no_wrap=True)
-        rows = max(self.size.height - 4, 3)
+        rows = max(self.size.height - 4 - head.plain.count("\n"), 3)
         views = list(snap.running) + list(snap.waiting)
         for v in views[:rows]:
             table.add_row(*self._row(v, snap.time)[:4 if narrow else 7])
         more = len(views) - rows
         foot = Text(f"{len(snap.running)} running, {len(snap.waiting)} waiting"
-                    + (f" (+{more} not shown)" if more > 0 else ""), style="dim")
+                    + (f" (+{more} not shown: l lists them all)" if more > 0 else ""),
+                    style="dim")
         self.border_subtitle = f"{snap.num_finished} done · {snap.num_rejected} rejected · " \
                                f"{snap.num_preemptions} preemptions"
         self.update(Group(head, table, foot))

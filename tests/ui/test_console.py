@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import io
 
+from rich.console import Console
 from textual.widgets import Input, OptionList
 
 from console.app import KvdeckApp
@@ -11,6 +13,13 @@ from console.screenshots import advance
 from console.screenshots import make_demo_app as make_app
 from console.widgets.kv_map import KVMapPanel
 from runtime.recording import read_run
+
+
+def panel_text(widget) -> str:
+    """What a panel shows, as plain text (its content may be any Rich renderable)."""
+    console = Console(width=widget.size.width or 120, file=io.StringIO(), record=True)
+    console.print(widget.content)
+    return console.export_text()
 
 
 async def edit_knob(pilot, app: KvdeckApp, name: str, text: str) -> None:
@@ -286,3 +295,61 @@ async def test_w_saves_the_settings_with_the_knobs_as_they_are(tmp_path) -> None
     assert settings.engine.knobs.max_num_seqs == 48
     assert settings.engine.kv_memory_bytes == app.engine.config.kv_memory_bytes
     assert settings.executor == "sim"
+
+
+async def test_request_table_filters_sorts_details_aborts_and_reprioritizes(app) -> None:
+    from textual.widgets import DataTable
+
+    from console.screens.requests import RequestsScreen
+
+    async with app.run_test(size=(160, 48)) as pilot:
+        advance(app, 300)  # long enough for the first requests to finish
+        await pilot.press("l")
+        screen = app.screen
+        assert isinstance(screen, RequestsScreen)
+        table = screen.query_one(DataTable)
+        snap = app.latest
+        total = len(snap.running) + len(snap.waiting) + len(snap.finished)
+        assert table.row_count == total and snap.waiting  # all requests, not just a screen
+        await pilot.press("f")  # running only
+        assert screen.filter == "running" and table.row_count == len(snap.running)
+        await pilot.press("f", "f")  # finished
+        assert table.row_count == len(snap.finished) > 0
+        await pilot.press("f")  # back to all
+        await pilot.press("o", "o")  # sort by prompt size, largest first
+        prompts = [screen.views[rid].prompt_tokens for rid in screen.shown_ids]
+        assert prompts == sorted(prompts, reverse=True)
+        # The story of a running request, and its blocks highlighted in the KV map.
+        await pilot.press("f")
+        rid = screen.shown_ids[0]
+        await pilot.press("enter")
+        await pilot.pause()  # the table's RowSelected message is handled after the key
+        advance(app, 1)
+        await pilot.pause()
+        detail = str(screen.query_one("#request-detail").render())
+        assert rid in detail and "arrived" in detail and "admitted" in detail
+        assert "prefill tokens " in detail and "first token" in detail and "blocks (" in detail
+        assert app.screen_stack[0].query_one(KVMapPanel).selected == rid
+        # Priority, then abort, from the table.
+        before = screen.views[rid].priority
+        await pilot.press("minus")
+        advance(app, 1)
+        await pilot.pause()
+        assert app.latest.detail.priority == before + 1
+        await pilot.press("a")
+        advance(app, 1)
+        await pilot.pause()
+        assert app.latest.detail.status == "aborted"
+        assert "aborted by the operator" in str(screen.query_one("#request-detail").render())
+        await pilot.press("escape")
+        assert not isinstance(app.screen, RequestsScreen)
+        app.engine.check_integrity()
+
+
+async def test_queue_panel_says_why_requests_wait(app) -> None:
+    async with app.run_test(size=(160, 48)) as pilot:
+        assert app.apply_knob("max_num_seqs", "4")
+        advance(app, 30)
+        await pilot.pause()
+        text = panel_text(app.query_one("#queue"))
+        assert "waiting: sequence limit (max_num_seqs) reached" in text
