@@ -25,6 +25,7 @@ from textual.widgets import DataTable, Footer, Header, Input
 
 from console.base_app import ConsoleApp
 from console.layout import SNAPSHOT_PANELS, compose_panels
+from console.screens.charts import ChartsScreen
 from console.screens.requests import RequestsScreen
 from console.widgets.banner import Banner
 from console.widgets.hardware import HardwareStrip
@@ -62,6 +63,7 @@ class KvdeckApp(ConsoleApp):
         Binding("slash", "focus_prompt", "Prompt", id="app.prompt"),
         Binding("n", "select_next", "Select", id="kv.select"),
         Binding("l", "requests", "Requests", id="app.requests"),
+        Binding("c", "charts", "Charts", id="app.charts"),
         Binding("r", "toggle_record", "Record", id="run.record"),
         Binding("w", "save_settings", "Save", id="run.save"),
         Binding("t", "next_theme", "Theme", id="app.theme"),
@@ -158,7 +160,7 @@ class KvdeckApp(ConsoleApp):
         main.query_one(PromptPanel).show_tracked(
             next((t for t in snap.tracked if t.request_id == self.prompt_id), None))
         main.query_one(Banner).show(snap)
-        if isinstance(self.screen, RequestsScreen):
+        if isinstance(self.screen, (RequestsScreen, ChartsScreen)):
             self.screen.show(snap)
         state = "failed" if snap.failure else "paused" if snap.paused else "running"
         rec = " · recording" if self.recorder is not None else ""
@@ -256,6 +258,11 @@ class KvdeckApp(ConsoleApp):
         """The request table: every request, filterable, with abort and priority."""
         if not isinstance(self.screen, RequestsScreen):
             self.push_screen(RequestsScreen())
+
+    def action_charts(self) -> None:
+        """Request rate, token rates, step time and KV usage over the kept history."""
+        if not isinstance(self.screen, ChartsScreen):
+            self.push_screen(ChartsScreen())
 
     def watch_request(self, request_id: str) -> None:
         """Follow one request: its story in the snapshots, its blocks in the KV map."""

@@ -453,11 +453,33 @@ def attach(url: str = typer.Argument(..., help="Base URL of a kvdeck, vLLM, SGLa
 @app.command()
 @with_log_level
 def replay(run: str = typer.Argument(..., help="A run directory written by recording."),
+           summary: bool = typer.Option(False, "--summary",
+                                        help="Print the run's figures (as run-trace does) "
+                                             "instead of opening the console."),
+           as_json: bool = typer.Option(False, "--json", help="With --summary: as JSON."),
+           slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
+           slo_tpot: float = typer.Option(None, "--slo-tpot", help="TPOT SLO in seconds."),
+           slo_e2e: float = typer.Option(None, "--slo-e2e", help="E2E SLO in seconds."),
            log_level: str = "warning") -> None:
-    """Open a recorded run in the console's panels, with play/pause, speed and a scrubber."""
+    """Open a recorded run in the console's panels, with play/pause, speed and a scrubber;
+    or, with --summary, print its figures computed from the records alone."""
+    guarded(lambda: setup_logging(log_level, to_stderr=False))
+    if summary:
+        from console.run_views import render_summary
+        from runtime.metrics import SLO
+        from runtime.replay import summarize_run
+
+        result = guarded(lambda: summarize_run(run, SLO(slo_ttft, slo_tpot, slo_e2e)))
+        if as_json:
+            print_json(result)
+        else:
+            render_summary(out, f"replay of {run} on {result['model']}", result)
+            if result["unfinished"]:
+                out.print(f"{result['unfinished']} requests had not finished when the "
+                          "recording stopped; the figures cover the finished ones")
+        return
     from console.screens.replay import ReplayApp
 
-    guarded(lambda: setup_logging(log_level, to_stderr=False))
     app = guarded(lambda: ReplayApp(run))
     app.run()
     if app.problem is not None:  # a record the replay could not apply

@@ -140,6 +140,10 @@ class Engine:
         self._recorder_actions: list[object | None] = []
         """Recorders to attach (a Recorder) or a detach (None), in the order asked."""
         self.last_batch: BatchView | None = None
+        self.state_end: float | None = None
+        """End time of the step that produced the current state; None once the engine has
+        idled since (snapshots then show the clock's time). Live and replayed snapshots of
+        the same step thus carry the same time."""
         self.paused = False
         self._step_credit = 0
         self.failure: EngineFailure | None = None
@@ -352,12 +356,14 @@ class Engine:
         dt = result.timing.seconds
         self.clock.advance(dt)
         self.clock.wait_until_due(self.stop_event)  # a paced sim step takes its time
-        t1 = self.clock.now()
+        t1 = self.state_end = self.clock.now()
         self.scheduler.update(plan, result, t1)
         self.last_batch = BatchView(plan.step, plan.num_decode_tokens, plan.num_prefill_tokens,
                                     len(plan.chunks), plan.token_budget, plan.max_num_seqs,
                                     dt, len(plan.preempted), plan.limit)
         record.dt, record.measured = dt, result.timing.measured
+        if t1 != t0 + dt:
+            record.end = t1
         record.bytes_read = result.timing.bytes_read
         self._collect(record)
         self.step_count += 1
@@ -369,6 +375,7 @@ class Engine:
             StepRecord | None:
         """End a step that ran nothing: still a record if knobs, arrivals, rejections or
         aborts happened."""
+        self.state_end = None
         self._collect(record)
         if plan is not None:
             record.rejected = list(plan.rejected)

@@ -71,6 +71,8 @@ class Bucket:
     busy_s: float = 0.0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    generated_tokens: int = 0
+    """Tokens sampled (decodes, and each prefill's first token)."""
     finished: int = 0
     arrivals: int = 0
     kv_usage: float = 0.0
@@ -85,7 +87,8 @@ class Bucket:
     def with_step(self, s: StepFigures) -> Bucket:
         return Bucket(self.start, self.steps + 1, self.busy_s + s.dt,
                       self.prefill_tokens + s.prefill_tokens,
-                      self.decode_tokens + s.decode_tokens, self.finished + s.finished,
+                      self.decode_tokens + s.decode_tokens,
+                      self.generated_tokens + s.sampled_tokens, self.finished + s.finished,
                       self.arrivals + s.arrivals, s.kv_usage, s.kv_cached, s.hit_rate,
                       s.running, s.waiting, self.knob_change or s.knob_change)
 
@@ -126,7 +129,7 @@ class RunFigures:
     """Counts, rolling latency, histograms and history for one engine (or its replay)."""
 
     def __init__(self, window: int = 256, itl_window: int = 4096, bucket_s: float = 1.0,
-                 history: int = 600):
+                 history: int = 3600):
         self.window = window
         self.bucket_s = bucket_s
         self.status_counts: dict[str, int] = {}
@@ -201,9 +204,10 @@ class RunFigures:
 
     # -- views ------------------------------------------------------------------------------
 
-    def rolling(self, now: float) -> dict:
+    def rolling(self) -> dict:
         """Latency distributions over the most recently finished requests, the fraction of
-        them that were good, and the Little's-law check over the whole run. The
+        them that were good, and the Little's-law check over the run up to the end of its
+        last step (not the wall clock now, so live, replay and run-trace agree on a run). The
         distributions are recomputed only when a request finished since the last call."""
         if self._rolling is None or self._rolling[0] != self.num_finished_seen:
             recent = list(self.recent)
@@ -220,7 +224,7 @@ class RunFigures:
                 "mean_residence": math.fsum(residence) / len(residence) if residence else None,
             })
         figures = dict(self._rolling[1])
-        span = max(now - (self.first_time or 0.0), 1e-9)
+        span = max(self.last_time - (self.first_time or 0.0), 1e-9)
         figures["mean_resident"] = self.resident_seconds / span
         residence = figures.pop("mean_residence")
         figures["littles_prediction"] = sum(self.status_counts.values()) / span * residence \
@@ -341,4 +345,21 @@ def summarize(ms: Sequence[RequestMetrics], stats: RunFigures | None = None, slo
         },
         "accelerator_s_per_good_result": stats.busy_seconds / len(good) if good else None,
         "slo": asdict(slo),
+    }
+
+
+def kv_summary(executor: str, model: str, num_blocks: int, block_size: int,
+               bytes_per_block: int, tree, num_cow_copies: int) -> dict:
+    """The KV figures a run summary reports besides request metrics (live and replayed)."""
+    return {
+        "executor": executor,
+        "model": model,
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "kv_bytes_per_block": bytes_per_block,
+        "prefix_hit_rate": tree.hit_rate,
+        "prefix_hit_tokens": tree.num_hit_tokens,
+        "prefix_query_tokens": tree.num_query_tokens,
+        "num_evictions": tree.num_evictions,
+        "num_cow_copies": num_cow_copies,
     }

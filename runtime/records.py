@@ -148,6 +148,9 @@ class StepRecord:
     """Requests waiting or running while the step executed (Little's law)."""
     limit: str | None = None
     """Why no more waiting requests joined the step (see `SchedulerOutput.limit`)."""
+    end: float | None = None
+    """Engine time the step's tokens were stamped with, when it is not `t0 + dt`: on the
+    wall clock a step also spends time scheduling and updating around the executor."""
     plan: list[PlanEntry] = field(default_factory=list)
     tokens: list[tuple[str, int]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
@@ -167,7 +170,7 @@ class StepRecord:
 
     @property
     def t1(self) -> float:
-        return self.t0 + (self.dt or 0.0)
+        return self.end if self.end is not None else self.t0 + (self.dt or 0.0)
 
     @property
     def num_prefill(self) -> int:
@@ -186,6 +189,8 @@ class StepRecord:
                      decode=self.num_decode, resident=self.resident)
             if self.limit:
                 d["limit"] = self.limit
+            if self.end is not None:
+                d["t1"] = self.end
         for name in ("plan", "tokens", "errors", "admitted", "preempted", "rejected",
                      "finished", "cow", "knobs", "forked"):
             value = getattr(self, name)
@@ -205,7 +210,7 @@ class StepRecord:
             return cls(
                 step=d["step"], t0=d["t0"], dt=d.get("dt"), measured=d.get("measured", False),
                 bytes_read=d.get("bytes", 0), num_decode=d.get("decode", 0),
-                resident=d.get("resident", 0), limit=d.get("limit"),
+                resident=d.get("resident", 0), limit=d.get("limit"), end=d.get("t1"),
                 plan=[PlanEntry(*x) for x in d.get("plan", [])],
                 tokens=[(rid, tok) for rid, tok in d.get("tokens", [])],
                 errors=dict(d.get("errors", {})),

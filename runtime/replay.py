@@ -18,10 +18,10 @@ import dataclasses
 
 from runtime.config import Knobs
 from runtime.errors import RunFormatError
-from runtime.figures import RunFigures, step_figures
+from runtime.figures import RunFigures, kv_summary, step_figures, summarize
 from runtime.kv.block_pool import BlockStates
 from runtime.kv.prefix_tree import PrefixTree
-from runtime.metrics import request_metrics
+from runtime.metrics import SLO, RequestMetrics, request_metrics
 from runtime.records import (
     Cache,
     Checkpoint,
@@ -59,6 +59,9 @@ class TraceState:
         self.figures = RunFigures()
         self.num_preemptions = 0
         self.num_cow = 0
+        self.finished: list[RequestMetrics] = []
+        """Every request that finished in the applied records, for `summarize_run` (not kept
+        in checkpoints: scrubbing back does not need it)."""
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -146,7 +149,9 @@ class TraceState:
                 raise RunFormatError(f"Step {rec.step} finishes request {f.request_id!r}, "
                                      "which the run never introduced.")
             r.status, r.reason, r.finish_time = RequestStatus(f.status), f.reason, f.time
-            self.figures.on_finish(request_metrics(r))
+            m = request_metrics(r)
+            self.figures.on_finish(m)
+            self.finished.append(m)
         if rec.dt is not None:
             k = Knobs(**self.knobs) if self.knobs else Knobs()
             self.last_batch = BatchView(rec.step, rec.num_decode, rec.num_prefill,
@@ -248,7 +253,7 @@ class TraceState:
             num_finished=counts.get("finished_stopped", 0) + counts.get("finished_length", 0),
             num_rejected=counts.get("rejected", 0), num_aborted=counts.get("aborted", 0),
             num_preemptions=self.num_preemptions,
-            recent=self.figures.rolling(self.time), figures=self.figures.view(),
+            recent=self.figures.rolling(), figures=self.figures.view(),
         )
 
     def check_integrity(self) -> None:
@@ -299,3 +304,21 @@ def load_replay(run_dir) -> Replay:
     if not replay.steps:
         raise RunFormatError(f"{run_dir} holds no iterations to replay.")
     return replay
+
+
+def summarize_run(run_dir, slo: SLO = SLO()) -> dict:
+    """A recorded run's summary, computed from its records alone by the code `run-trace`
+    summarizes with (`figures.summarize` over the finished requests' metrics and the running
+    figures), so the two agree on the same run. A recording started mid-run covers the
+    requests that finished while it recorded."""
+    replay = load_replay(run_dir)
+    state = replay.initial_state()
+    for rec in replay.steps:
+        state.apply(rec)
+    h = replay.header
+    summary = summarize(state.finished, state.figures, slo)
+    summary.update(kv_summary(h.get("executor", "?"), h.get("model", "?"), state.num_blocks,
+                              state.block_size, h.get("bytes_per_block", 0), state.tree,
+                              state.num_cow))
+    summary.update(truncated=replay.truncated, unfinished=len(state.requests))
+    return summary

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from runtime.engine import Engine
 from runtime.errors import KvdeckError
-from runtime.figures import summarize
+from runtime.figures import kv_summary, summarize
 from runtime.metrics import SLO, RequestMetrics, request_metrics
 from runtime.request import RequestStatus, SamplingParams
 from runtime.trace import Arrival, synthesize_tokens
@@ -66,15 +66,5 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
 def run_summary_extras(engine: Engine) -> dict:
     """KV figures the run summary reports besides request metrics."""
     kv = engine.kv
-    return {
-        "executor": engine.executor.name,
-        "model": engine.executor.model_name,
-        "num_blocks": kv.num_blocks,
-        "block_size": kv.block_size,
-        "kv_bytes_per_block": kv.bytes_per_block,
-        "prefix_hit_rate": kv.tree.hit_rate,
-        "prefix_hit_tokens": kv.tree.num_hit_tokens,
-        "prefix_query_tokens": kv.tree.num_query_tokens,
-        "num_evictions": kv.tree.num_evictions,
-        "num_cow_copies": kv.num_cow_copies,
-    }
+    return kv_summary(engine.executor.name, engine.executor.model_name, kv.num_blocks,
+                      kv.block_size, kv.bytes_per_block, kv.tree, kv.num_cow_copies)

@@ -233,7 +233,8 @@ class SnapshotBuilder:
         counts = e.figures.status_counts
         pending = e.submitted_knobs if e.submitted_knobs != sched.knobs else None
         return EngineSnapshot(
-            step=e.step_count, time=e.clock.now(),
+            step=e.step_count,
+            time=e.clock.now() if e.state_end is None else e.state_end,
             model_name=e.executor.model_name, executor=e.executor.name,
             knobs=sched.knobs, waiting=waiting, running=running,
             batch=e.last_batch, kv=self.kv_view(),
@@ -241,7 +242,7 @@ class SnapshotBuilder:
             num_finished=counts.get("finished_stopped", 0) + counts.get("finished_length", 0),
             num_rejected=counts.get("rejected", 0), num_aborted=counts.get("aborted", 0),
             num_preemptions=sched.num_preemptions,
-            recent=e.figures.rolling(e.clock.now()), figures=e.figures.view(),
+            recent=e.figures.rolling(), figures=e.figures.view(),
             paused=e.paused, failure=e.failure, lag_s=e.clock.lag_s, pending_knobs=pending,
             tracked=tuple(e.tracked_outputs()), finished=finished, detail=e.watched_detail(),
         )

@@ -17,6 +17,7 @@ from textual.widgets import Footer, Header
 
 from console.base_app import ConsoleApp
 from console.layout import SNAPSHOT_PANELS, compose_panels
+from console.screens.charts import ChartsScreen
 from console.widgets.knobs import KnobsPanel
 from console.widgets.scrubber import Scrubber
 from runtime.errors import RunFormatError
@@ -43,6 +44,7 @@ class ReplayApp(ConsoleApp):
         Binding("right_square_bracket", "speed(1)", "Faster", id="replay.faster"),
         Binding("left_square_bracket", "speed(-1)", "Slower", id="replay.slower"),
         Binding("n", "select_next", "Select", id="replay.select"),
+        Binding("c", "charts", "Charts", id="replay.charts"),
         Binding("t", "next_theme", "Theme", id="replay.theme"),
         Binding("f1", "help", "Help", id="replay.help"),
     ]
@@ -115,10 +117,13 @@ class ReplayApp(ConsoleApp):
     def show(self) -> None:
         snap = self.state.snapshot()
         self.snapshot = self.latest = snap
+        main = self.screen_stack[0]  # the panels, whatever screen is on top of them
         for panel in SNAPSHOT_PANELS:
-            self.query_one(panel).show(snap)
-        self.query_one(KnobsPanel).show_values(snap.knobs, {})
-        self.query_one(Scrubber).draw(self.position, self.state.step, self.state.time,
+            main.query_one(panel).show(snap)
+        if isinstance(self.screen, ChartsScreen):
+            self.screen.show(snap)
+        main.query_one(KnobsPanel).show_values(snap.knobs, {})
+        main.query_one(Scrubber).draw(self.position, self.state.step, self.state.time,
                                       SPEEDS[self.speed_index], self.playing)
 
     def _tick(self) -> None:
@@ -136,6 +141,11 @@ class ReplayApp(ConsoleApp):
 
     def on_scrubber_seek(self, event: Scrubber.Seek) -> None:
         self.seek(event.position)
+
+    def action_charts(self) -> None:
+        """The charts screen over the history up to the shown step."""
+        if not isinstance(self.screen, ChartsScreen):
+            self.push_screen(ChartsScreen())
 
     def action_toggle_play(self) -> None:
         self.playing = not self.playing

@@ -1,5 +1,6 @@
-"""Hardware strip: CPU and memory from psutil, GPU utilization, memory and power from NVML;
-each reader that is missing says so instead of failing."""
+"""Hardware strip: kvdeck's own CPU and resident memory and the machine's CPU and memory
+(psutil), GPU utilization, memory and power (NVML); each reader that is missing says so
+instead of failing."""
 
 from __future__ import annotations
 
@@ -29,11 +30,18 @@ class HardwareStrip(Static):
     def __init__(self, enabled: bool = True, **kwargs) -> None:
         super().__init__(**kwargs)
         self.enabled = enabled
+        self.process = psutil.Process()
+        self.process.cpu_percent()  # the first reading starts the interval
 
     def refresh_readings(self) -> None:
         if not self.enabled:
             self.update("hardware readings off")
             return
         mem = psutil.virtual_memory()
-        self.update(f"CPU {psutil.cpu_percent():.0f}% · RAM {mem.used / 2**30:.1f}/"
+        proc = self.process
+        # kvdeck's own share: CPU over all cores (100% = one core busy) and resident memory.
+        rss = proc.memory_info().rss
+        rss_text = f"{rss / 2**20:,.0f} MiB" if rss < 2**30 else f"{rss / 2**30:.2f} GiB"
+        self.update(f"kvdeck CPU {proc.cpu_percent():.0f}% · RSS {rss_text} │ machine CPU "
+                    f"{psutil.cpu_percent():.0f}% · RAM {mem.used / 2**30:.1f}/"
                     f"{mem.total / 2**30:.0f} GiB · {_nvml_line()}")

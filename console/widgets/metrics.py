@@ -53,7 +53,9 @@ class MetricsPanel(SnapshotPanel):
         bucket_s = snap.figures.bucket_s if snap.figures is not None else 1.0
         window = history[-RATE_WINDOW:]
         span = len(window) * bucket_s
-        throughput = sum(b.finished for b in window) / span if span else 0.0
+        def rate(field: str) -> float:
+            return sum(getattr(b, field) for b in window) / span if span else 0.0
+        throughput = rate("finished")
         width = max(self.size.width - 14, 10)
         marks = {i for i, b in enumerate(history) if b.knob_change}
         good = r.get("good_fraction")
@@ -63,6 +65,8 @@ class MetricsPanel(SnapshotPanel):
         lines = [
             table,
             Text(line),
+            Text(f"in {rate('arrivals'):.2f} req/s · prompt {rate('prefill_tokens'):,.0f} · "
+                 f"gen {rate('generated_tokens'):,.0f} tok/s (c: charts)"),
             Text(f"resident {len(snap.running) + len(snap.waiting)} now · mean "
                  + (f"{r['mean_resident']:.1f}" if r.get("mean_resident") is not None
                     else "—") + " vs λ·T "

@@ -102,3 +102,23 @@ def test_log_level_on_every_command() -> None:
     for command in ("console", "serve", "run-trace", "bench", "calibrate", "models", "attach",
                     "replay", "compare"):
         assert "--log-level" in kvdeck(command, "--help").stdout, command
+
+
+def test_replay_summary_equals_run_trace_on_the_same_run(tmp_path: Path) -> None:
+    """Live (run-trace) and replayed figures come from the same code and agree exactly."""
+    slo = ["--slo-ttft", "0.5", "--slo-tpot", "0.05"]
+    r = kvdeck("run-trace", "azure-code", "--limit", "150", "--time-scale", "0.25",
+               "--kv-memory-gib", "2", "--record", str(tmp_path / "run"), "--json", *slo)
+    assert r.returncode == 0, r.stderr
+    live = json.loads(r.stdout)["summary"]
+    assert live["statuses"] == {"finished_length": 150}  # all entered the engine
+    assert live["num_preemptions"] > 10 and live["prefix_hit_rate"] > 0  # under pressure
+    assert 0 < live["num_good"] < 150  # the SLOs split the requests
+    r = kvdeck("replay", str(tmp_path / "run"), "--summary", "--json", *slo)
+    assert r.returncode == 0, r.stderr
+    replayed = json.loads(r.stdout)
+    assert replayed["unfinished"] == 0 and not replayed["truncated"]
+    for key, value in live.items():
+        assert replayed[key] == value, key
+    r = kvdeck("replay", str(tmp_path / "run"), "--summary")
+    assert r.returncode == 0 and "goodput" in r.stdout and "TTFT p99" in r.stdout

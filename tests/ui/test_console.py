@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import io
 
-from rich.console import Console
 from textual.widgets import Input, OptionList
 
 from console.app import KvdeckApp
@@ -13,13 +11,7 @@ from console.screenshots import advance
 from console.screenshots import make_demo_app as make_app
 from console.widgets.kv_map import KVMapPanel
 from runtime.recording import read_run
-
-
-def panel_text(widget) -> str:
-    """What a panel shows, as plain text (its content may be any Rich renderable)."""
-    console = Console(width=widget.size.width or 120, file=io.StringIO(), record=True)
-    console.print(widget.content)
-    return console.export_text()
+from tests.ui.panel_text import panel_text
 
 
 async def edit_knob(pilot, app: KvdeckApp, name: str, text: str) -> None:
@@ -353,3 +345,35 @@ async def test_queue_panel_says_why_requests_wait(app) -> None:
         await pilot.pause()
         text = panel_text(app.query_one("#queue"))
         assert "waiting: sequence limit (max_num_seqs) reached" in text
+
+
+async def test_charts_show_rates_step_time_and_kv_with_knob_marks(app) -> None:
+    async with app.run_test(size=(120, 40)) as pilot:
+        advance(app, 150)
+        assert app.apply_knob("chunk_size", "512")
+        advance(app, 150)
+        await pilot.press("c")
+        text = panel_text(app.screen.query_one("#charts"))
+        for title in ("requests/s arriving", "prompt tokens/s computed", "generation tokens/s",
+                      "step time, ms", "KV usage"):
+            assert title in text
+        assert text.count("▲") >= 5  # the knob change, on every chart's axis
+        assert "0:00" in text and "┤" in text  # time and value axes
+        steps_before = app.latest.step
+        advance(app, 30)  # the open charts follow new snapshots
+        assert app.latest.step > steps_before
+        assert panel_text(app.screen.query_one("#charts")) != text
+        metrics = panel_text(app.screen_stack[0].query_one("#metrics"))
+        assert "req/s" in metrics and "gen" in metrics
+        await pilot.press("escape")
+        assert app.screen is app.screen_stack[0]
+
+
+async def test_hardware_strip_shows_kvdeck_cpu_and_memory(tmp_path) -> None:
+    app = make_app(tmp_path / "runs")
+    app.hardware = True  # the demo app turns readings off for deterministic snapshots
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.pause()
+        app.query_one("#hardware").refresh_readings()
+        text = panel_text(app.query_one("#hardware"))
+        assert "kvdeck CPU" in text and "RSS" in text and "machine CPU" in text

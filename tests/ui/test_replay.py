@@ -4,11 +4,14 @@ checkpoints) shows exactly the state the trace rebuilds at that iteration."""
 from __future__ import annotations
 
 import subprocess
+import time
 import sys
 from pathlib import Path
 
 import pytest
 
+from console.app import KvdeckApp
+from console.layout import SNAPSHOT_PANELS
 from console.screens import replay as replay_mod
 from console.screens.replay import ReplayApp
 from console.screenshots import advance, make_demo_app
@@ -19,7 +22,12 @@ from runtime.executors.sim import SimExecutor
 from runtime.recording import read_run, record_headless
 from runtime.replay import Replay
 from runtime.runner import run_arrivals
+from runtime.session import build_session
+from runtime.settings import resolve
+from runtime.snapshot import EngineSnapshot
 from runtime.trace import Arrival
+from runtime.traffic import TrafficGenerator, TrafficMix
+from tests.ui.panel_text import panel_text, panels_text
 
 
 @pytest.fixture()
@@ -68,18 +76,87 @@ async def test_scrub_forward_and_back(run_dir: Path, monkeypatch) -> None:
         assert app.marks  # the knob change is marked on the scrubber
 
 
-async def test_a_console_recording_replays(tmp_path: Path) -> None:
-    live = make_demo_app(tmp_path / "runs")
+async def record_live(live, steps_before: int, steps: int) -> dict[int, EngineSnapshot]:
+    """Run `live` under load, press r mid-run, keep the snapshot the panels drew at each
+    recorded step, press r again; the live snapshots by step."""
+    shown: dict[int, EngineSnapshot] = {}
     async with live.run_test(size=(160, 48)) as pilot:
+        for _ in range(20_000):  # a real model's clock runs on the wall: wait for the load
+            snap = live.latest
+            if snap and snap.step >= steps_before and snap.running and snap.kv.num_cached_blocks:
+                break  # requests in flight, prefixes cached
+            advance(live, 1)
+            time.sleep(0.001)
+        else:
+            raise AssertionError("the engine never came under load")
         await pilot.press("r")
-        advance(live, 25)
+        while len(shown) < steps:
+            advance(live, 1)
+            await pilot.pause()
+            shown[live.latest.step] = live.latest
         await pilot.press("r")
-    (run,) = (tmp_path / "runs").iterdir()
+        advance(live, 1)  # the stop is taken at the next iteration
+        live.engine.check_integrity()
+    return shown
+
+
+async def replay_equals_live(run: Path, live: dict[int, EngineSnapshot]) -> None:
+    """Every panel drawn from the replay equals the same panel drawn (at the same size) from
+    the live snapshot of that step."""
     app = ReplayApp(run)
     async with app.run_test(size=(160, 48)) as pilot:
+        assert app.records[0].step > 0  # the recording began mid-run
+        compared = 0
+        for position in range(len(app.records)):
+            app.seek(position)
+            await pilot.pause()
+            step = app.snapshot.step
+            if step in live:
+                replayed = panels_text(app)
+                for panel in SNAPSHOT_PANELS:
+                    app.query_one(panel).show(live[step])
+                assert replayed == panels_text(app), f"panels differ at step {step}"
+                compared += 1
+        assert compared >= len(live) - 1
         await pilot.press("end")
         assert app.snapshot.kv.states == rebuilt(run, len(app.records))
-        assert app.snapshot.running or app.snapshot.waiting
+    assert app.problem is None
+
+
+async def test_a_sim_console_recording_started_mid_run_replays_panel_for_panel(tmp_path):
+    live = make_demo_app(tmp_path / "runs")
+    shown = await record_live(live, steps_before=60, steps=40)
+    (run,) = (tmp_path / "runs").iterdir()
+    await replay_equals_live(run, shown)
+
+
+async def test_a_torch_console_recording_started_mid_run_replays_panel_for_panel(
+        tmp_path, tiny_llama):
+    resolved = resolve({"executor": "torch", "model": str(tiny_llama), "device": "cpu",
+                        "dtype": "fp32", "kv_format": "fp32", "num_blocks": 64,
+                        "block_size": 16, "max_num_batched_tokens": 256, "chunk_size": 64,
+                        "seed": 4})
+    session = build_session(resolved, live=False, with_tokenizer=False)  # random weights
+    mix = TrafficMix(rate_per_s=200.0, long_fraction=0.5, short_prompt=24, short_output=12,
+                     long_prompt=96, shared_prefix=64, long_output=16)
+    traffic = TrafficGenerator(session.engine, mix, session.engine.executor.vocab_size, seed=4)
+    live = KvdeckApp(session.engine, traffic, autostart=False, hardware=False,
+                     runs_dir=tmp_path / "runs", settings=resolved)
+    shown = await record_live(live, steps_before=12, steps=24)
+    (run,) = (tmp_path / "runs").iterdir()
+    await replay_equals_live(run, shown)
+
+
+async def test_replay_charts_follow_the_scrubber(run_dir: Path) -> None:
+    app = ReplayApp(run_dir)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("end", "c")
+        text = panel_text(app.screen.query_one("#charts"))
+        assert "generation tokens/s" in text and "▲" in text  # the knob change is marked
+        await pilot.press("home")
+        assert panel_text(app.screen.query_one("#charts")) != text
+        await pilot.press("escape")
+        assert app.screen is app.screen_stack[0]
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)], ids=lambda s: f"{s[0]}x{s[1]}")

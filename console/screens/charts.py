@@ -1,0 +1,92 @@
+"""The charts screen (`c`): request rate, prompt and generation tokens/s, step time and KV
+usage over the engine's whole kept history (an hour of engine time), with axes and knob-change
+marks. Drawn from snapshots only (`figures.history`), so live and replay draw the same charts.
+"""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.text import Text
+from textual import events
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Static
+
+from console.widgets.chart import AXIS_WIDTH, Columns, columns, plot
+from runtime.figures import Bucket
+from runtime.snapshot import EngineSnapshot
+
+
+def _rate(field: str):
+    return lambda g, s: sum(getattr(b, field) for b in g) / s
+
+
+def _step_ms(g: list[Bucket], _: float) -> float | None:
+    steps = sum(b.steps for b in g)
+    return sum(b.busy_s for b in g) / steps * 1e3 if steps else None
+
+
+def _kv(g: list[Bucket], _: float) -> float:
+    return max(b.kv_usage for b in g) * 100
+
+
+CHARTS = (
+    ("requests/s arriving", _rate("arrivals"), None),
+    ("prompt tokens/s computed", _rate("prefill_tokens"), None),
+    ("generation tokens/s", _rate("generated_tokens"), None),
+    ("step time, ms (mean)", _step_ms, None),
+    ("KV usage, % of the pool held by requests (peak)", _kv, 100.0),
+)
+"""Title, value per column, fixed top (None: scaled to the data)."""
+
+
+def latest(values: list[float | None]) -> str:
+    v = next((x for x in reversed(values) if x is not None), None)
+    return "—" if v is None else f"{v:,.1f}"
+
+
+class ChartsScreen(Screen):
+    """Five charts over the history of the latest snapshot; the app feeds `show(snapshot)`."""
+
+    DEFAULT_CSS = "ChartsScreen #charts { height: 1fr; padding: 0 1; }"
+    BINDINGS = [Binding("escape,c", "app.pop_screen", "Back", id="charts.back")]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._snap: EngineSnapshot | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Static("No history yet: the charts fill as the engine steps.", id="charts")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        if self.app.latest is not None:
+            self.show(self.app.latest)
+
+    def on_resize(self, _: events.Resize) -> None:
+        if self._snap is not None:
+            self.show(self._snap)
+
+    def show(self, snap: EngineSnapshot) -> None:
+        self._snap = snap
+        figures = snap.figures
+        if figures is None or not figures.history:
+            return
+        pane = self.query_one("#charts", Static)
+        width = max(pane.size.width - AXIS_WIDTH - 3, 10)
+        cols: Columns = columns(figures.history, figures.bucket_s, width)
+        # Each chart: a title line, its bar rows, the axis and the time labels.
+        height = max((pane.size.height or 30) // len(CHARTS) - 3, 1)
+        parts: list[Text] = []
+        for title, value, top in CHARTS:
+            values = cols.series(value)
+            parts.append(Text.assemble((title, "bold"), f"  now {latest(values)}",
+                                       (f"  · a bar sums {cols.column_s:g} s", "dim")))
+            parts.extend(plot(values, cols.marks, height, cols.start, cols.column_s, top,
+                              repeat=max(width // max(len(values), 1), 1)))
+        span = figures.history[-1].start + figures.bucket_s - figures.history[0].start
+        self.sub_title = (f"{span:,.0f} s of engine time · ▲ knob change · "
+                          "Esc or c goes back")
+        pane.update(Group(*parts))
