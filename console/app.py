@@ -21,18 +21,24 @@ from pathlib import Path
 from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.message import Message
-from textual.widgets import DataTable, Footer, Header, Input
+from textual.widgets import DataTable, Header, Input
 
 from console.base_app import ConsoleApp
 from console.layout import SNAPSHOT_PANELS, compose_panels
 from console.screens.charts import ChartsScreen
 from console.screens.requests import RequestsScreen
 from console.widgets.banner import Banner
+from console.widgets.footer import KeysFooter
 from console.widgets.hardware import HardwareStrip
 from console.widgets.knobs import TRAFFIC_KNOBS, KnobEditor, KnobsPanel, parse_knob
 from console.widgets.kv_map import KVMapPanel
 from console.widgets.prefix_tree import PrefixTreePanel
-from console.widgets.prompt import PromptPanel
+from console.widgets.prompt import (
+    CHAT_MAX_TOKENS,
+    COMPLETION_MAX_TOKENS,
+    PromptPanel,
+    prompt_mode,
+)
 from console.widgets.queue import QueuePanel
 from runtime.engine import Engine
 from runtime.engine_loop import EngineLoop
@@ -54,20 +60,22 @@ class KvdeckApp(ConsoleApp):
 
     TITLE = "kvdeck"
     BINDINGS = [
+        # In footer order, the keys an operator needs most first: a narrow terminal's footer
+        # keeps the left part.
         Binding("q", "quit", "Quit", id="app.quit"),
         Binding("p", "toggle_pause", "Pause", id="engine.pause"),
+        Binding("k", "focus_knobs", "Knobs", id="app.knobs"),
+        Binding("l", "requests", "Requests", id="app.requests"),
+        Binding("r", "toggle_record", "Record", id="run.record"),
+        Binding("slash", "focus_prompt", "Prompt", id="app.prompt"),
+        Binding("c", "charts", "Charts", id="app.charts"),
+        Binding("f1", "help", "Help", id="app.help"),
+        Binding("t", "next_theme", "Theme", id="app.theme"),
         Binding("s", "step_once", "Step", id="engine.step"),
         Binding("plus,equals_sign", "rate(1.5)", "Rate+", id="traffic.faster"),
         Binding("minus", "rate(0.6667)", "Rate-", id="traffic.slower"),
-        Binding("k", "focus_knobs", "Knobs", id="app.knobs"),
-        Binding("slash", "focus_prompt", "Prompt", id="app.prompt"),
         Binding("n", "select_next", "Select", id="kv.select"),
-        Binding("l", "requests", "Requests", id="app.requests"),
-        Binding("c", "charts", "Charts", id="app.charts"),
-        Binding("r", "toggle_record", "Record", id="run.record"),
         Binding("w", "save_settings", "Save", id="run.save"),
-        Binding("t", "next_theme", "Theme", id="app.theme"),
-        Binding("f1", "help", "Help", id="app.help"),
     ]
 
     def __init__(self, engine: Engine, traffic: TrafficGenerator | None = None, *,
@@ -100,8 +108,8 @@ class KvdeckApp(ConsoleApp):
         yield Banner(id="banner")
         yield HardwareStrip(enabled=self.hardware, id="hardware")
         yield from compose_panels()
-        yield PromptPanel(id="prompt")
-        yield Footer()
+        yield PromptPanel(prompt_mode(self.engine.tokenizer)[1], id="prompt")
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         self.setup_themes()
@@ -210,22 +218,31 @@ class KvdeckApp(ConsoleApp):
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         if event.input.id == "prompt-input":
-            self.submit_prompt(event.value)
-            event.input.value = ""
+            if self.submit_prompt(event.value) is not None:
+                event.input.value = ""
+                self.screen.set_focus(None)  # the console's keys work again; / asks again
 
     def submit_prompt(self, text: str) -> str | None:
-        """Send `text` to the engine as a greedy request and follow it in the panels;
-        returns its request id."""
+        """Send `text` to the engine as a greedy request and follow it in the panels: a chat
+        turn on an instruct model, a plain completion otherwise. Returns its request id."""
         if not text.strip():
             self.notify("Type a prompt first.", severity="warning")
             return None
         tok = self.engine.tokenizer
-        # Without a tokenizer, bytes stand in for tokens.
-        ids = tok.encode(text) if tok is not None else [3 + b for b in text.encode()]
+        chat, _ = prompt_mode(tok)
         self._prompts += 1
         try:
-            req = self.engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=48),
-                                          request_id=f"prompt-{self._prompts}", track=True)
+            if chat:
+                ids = tok.encode(tok.render_chat([{"role": "user", "content": text}]),
+                                 add_bos=False)
+                sampling = SamplingParams(temperature=0.0, max_tokens=CHAT_MAX_TOKENS,
+                                          stop_token_ids=tok.end_of_turn_ids)
+            else:
+                # Without a tokenizer, bytes stand in for tokens.
+                ids = tok.encode(text) if tok is not None else [3 + b for b in text.encode()]
+                sampling = SamplingParams(temperature=0.0, max_tokens=COMPLETION_MAX_TOKENS)
+            req = self.engine.add_request(ids, sampling, request_id=f"prompt-{self._prompts}",
+                                          track=True)
         except KvdeckError as e:
             self.notify(str(e), title="Prompt", severity="error")
             return None

@@ -127,7 +127,7 @@ def models(
             print_json([
                 {"name": e.name, "source": e.source, "description": e.description,
                  "path": str(e.path) if e.path else None, "available": e.available,
-                 "note": e.note}
+                 "kind": e.kind, "note": e.note}
                 for e in entries
             ])
         else:

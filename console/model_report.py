@@ -23,12 +23,13 @@ def render_model_list(console: Console, entries: list[ModelEntry]) -> None:
     table.add_column("name", no_wrap=True)
     table.add_column("source", no_wrap=True)
     table.add_column("description")
+    table.add_column("kind")
     table.add_column("status")
     for e in entries:
         status = "[green]ready[/]" if e.available else "[yellow]not installed[/]"
         if e.note:
             status += f" ({escape(e.note)})"
-        table.add_row(escape(e.name), e.source, escape(e.description), status)
+        table.add_row(escape(e.name), e.source, escape(e.description), e.kind or "—", status)
     console.print(table)
 
 
@@ -43,6 +44,9 @@ def render_model_report(console: Console, r: dict) -> None:
                   f"(global: {sorted(set(range(r['num_layers'])) - set(layers))})")
     rows = [
         ("architecture", r["architecture"]),
+        ("kind", "instruct: the file has a chat template; it answers chats" if r["chat_template"]
+         else "base: no chat template; it continues text (the console runs plain "
+              "completions)"),
         ("layers", r["num_layers"]),
         ("hidden size / FFN", f"{r['hidden_size']} / {r['ffn_size']}"),
         ("attention heads", r["num_heads"]),

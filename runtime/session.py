@@ -93,7 +93,9 @@ def build_session(settings: Settings, *, live: bool = False,
         executor = build_executor(settings)
         if with_tokenizer:
             tokenizer = _real_tokenizer(executor.model_path)
-        model_id = s.served_model_name or Path(s.model or DEFAULT_MODEL).stem
+        # A registry name as given ("qwen2.5-coder-0.5b"), a path by its file name.
+        model_id = s.served_model_name or \
+            Path(s.model or DEFAULT_MODEL).name.removesuffix(".gguf")
     try:
         engine = Engine(settings.engine, executor, tokenizer=tokenizer,
                         pace=s.pace if live and executor.virtual_time else None)

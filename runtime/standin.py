@@ -46,6 +46,7 @@ class StandInTokenizer:
     chat_template = "role: content lines"
     add_bos = False
     end_of_turn_ids: tuple[int, ...] = ()
+    is_instruct = False
 
     def __init__(self, vocab_size: int, eos_token_id: int):
         self.vocab_size = vocab_size

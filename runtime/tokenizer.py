@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -53,6 +54,10 @@ class Tokenizer:
         self.vocab_size = self._llm.n_vocab()
         self.add_bos = meta.get("tokenizer.ggml.add_bos_token", "true") == "true"
         template = meta.get("tokenizer.chat_template")
+        self.is_instruct = template is not None
+        """The file carries a chat template: an instruct (chat-tuned) model. Without one the
+        model is a base model; the chat endpoint still formats messages (Gemma's turn
+        markers for Gemma), but the prompt panel runs plain completions."""
         if template is None and self.architecture.startswith("gemma"):
             template = GEMMA_TEMPLATE
         self.chat_template = template
@@ -106,15 +111,18 @@ class Tokenizer:
 
 @contextlib.contextmanager
 def quiet_stderr() -> Iterator[None]:
-    """Silence native writes to file descriptor 2 (llama.cpp's logging) while in the block;
-    Python's own stderr output is unaffected afterwards."""
+    """Silence llama.cpp's logging while in the block: its native writes to file descriptor 2,
+    and llama-cpp-python's log callback, which prints to whatever `sys.stderr` is (a test's or
+    a UI's capture). Both are restored afterwards."""
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved, saved_py = os.dup(2), sys.stderr
     try:
         with open(os.devnull, "w") as devnull:
             os.dup2(devnull.fileno(), 2)
+        sys.stderr = io.StringIO()
         yield
     finally:
+        sys.stderr = saved_py
         os.dup2(saved, 2)
         os.close(saved)
 

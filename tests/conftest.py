@@ -26,3 +26,16 @@ def gemma_path() -> Path:
     from runtime.models.registry import DEFAULT_MODEL, resolve_model
 
     return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def chat_model_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct, an instruct GGUF with a chat template (the `chat-model`
+    extra, which make test installs)."""
+    from runtime.errors import ModelNotFoundError
+    from runtime.models.registry import resolve_model
+
+    try:
+        return resolve_model("qwen2.5-coder-0.5b")
+    except ModelNotFoundError as e:  # a bare install without the extra
+        pytest.skip(str(e))

@@ -18,16 +18,22 @@ class Server:
         self.proc, self.url = proc, url
 
 
-@contextmanager
-def sim_process(*args: str, env: dict | None = None) -> Iterator[Server]:
+def sim_process(*args: str, env: dict | None = None):
     """Run `kvdeck serve --executor sim --port 0 ARGS` as a user would."""
-    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", "--executor", "sim",
+    return serve_process("--executor", "sim", *args, env=env)
+
+
+@contextmanager
+def serve_process(*args: str, env: dict | None = None,
+                  start_timeout_s: float = 60) -> Iterator[Server]:
+    """Run `kvdeck serve --port 0 ARGS` as a user would."""
+    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve",
                              "--port", "0", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
     try:
         url = None
-        end = time.monotonic() + 60
+        end = time.monotonic() + start_timeout_s
         while url is None:
             line = proc.stdout.readline()
             assert line or proc.poll() is None, proc.stderr.read()

@@ -14,10 +14,11 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid
-from textual.widgets import Footer, Header, Static
+from textual.widgets import Header, Static
 from textual.worker import get_current_worker
 
 from console.base_app import ConsoleApp
+from console.widgets.footer import KeysFooter
 from console.widgets.metrics import sparkline
 from runtime.attach import RemoteStatus, parse_metrics, parse_slots
 from runtime.errors import KvdeckError
@@ -57,7 +58,7 @@ class AttachApp(ConsoleApp):
                 panel = Static(id=name)
                 panel.border_title = title
                 yield panel
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         self.setup_themes()

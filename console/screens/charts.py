@@ -11,9 +11,10 @@ from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Static
+from textual.widgets import Header, Static
 
 from console.widgets.chart import AXIS_WIDTH, Columns, columns, plot
+from console.widgets.footer import KeysFooter
 from runtime.figures import Bucket
 from runtime.snapshot import EngineSnapshot
 
@@ -59,7 +60,7 @@ class ChartsScreen(Screen):
     def compose(self) -> ComposeResult:
         yield Header()
         yield Static("No history yet: the charts fill as the engine steps.", id="charts")
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         if self.app.latest is not None:

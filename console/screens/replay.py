@@ -13,11 +13,12 @@ from pathlib import Path
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import Footer, Header
+from textual.widgets import Header
 
 from console.base_app import ConsoleApp
 from console.layout import SNAPSHOT_PANELS, compose_panels
 from console.screens.charts import ChartsScreen
+from console.widgets.footer import KeysFooter
 from console.widgets.knobs import KnobsPanel
 from console.widgets.scrubber import Scrubber
 from runtime.errors import RunFormatError
@@ -81,7 +82,7 @@ class ReplayApp(ConsoleApp):
         yield Header()
         yield Scrubber(len(self.records), self.marks, id="scrubber")
         yield from compose_panels()
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         self.setup_themes()

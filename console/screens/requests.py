@@ -14,13 +14,16 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Static
+from textual.widgets import DataTable, Header, Static
 
+from console.widgets.footer import KeysFooter
 from runtime.snapshot import EngineSnapshot, RequestView
 
 FILTERS = ("all", "running", "waiting", "finished")
 COLUMNS = ("id", "state", "prompt", "out", "cached", "waited s", "prio", "preempt")
-SORTS = ("arrival", "state", "prompt", "out", "prio")
+SORTS = ("state", "arrival", "prompt", "out", "prio")
+STATE_ORDER = {"running": 0, "preempted": 1, "waiting": 2}
+"""Sorting by state puts the live requests first, finished ones last."""
 STATE_STYLE = {"running": "green", "waiting": "yellow", "preempted": "red",
                "finished_stopped": "dim", "finished_length": "dim", "aborted": "red",
                "rejected": "red"}
@@ -56,7 +59,7 @@ class RequestsScreen(Screen):
     def __init__(self) -> None:
         super().__init__()
         self.filter = "all"
-        self.sort = "arrival"
+        self.sort = "state"
         self.views: dict[str, RequestView] = {}
         self.shown_ids: list[str] = []
         self.detail_id: str | None = None
@@ -66,7 +69,7 @@ class RequestsScreen(Screen):
         yield Header()
         yield DataTable(id="requests", cursor_type="row", zebra_stripes=True)
         yield Static("Enter on a request shows its story here.", id="request-detail")
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         self.query_one(DataTable).add_columns(*COLUMNS)
@@ -80,13 +83,13 @@ class RequestsScreen(Screen):
         views = [*snap.running, *snap.waiting, *snap.finished]
         self.views = {v.request_id: v for v in views}
         rows = [v for v in views if in_filter(v, self.filter)]
-        key = {"arrival": lambda v: v.arrival_time, "state": lambda v: v.status,
+        key = {"arrival": lambda v: v.arrival_time,
+               "state": lambda v: (STATE_ORDER.get(v.status, 3), v.arrival_time),
                "prompt": lambda v: -v.prompt_tokens, "out": lambda v: -v.output_tokens,
                "prio": lambda v: v.priority}[self.sort]
         rows.sort(key=key)
         table = self.query_one(DataTable)
-        cursor = self.shown_ids[table.cursor_row] \
-            if table.row_count and table.cursor_row < len(self.shown_ids) else None
+        row = table.cursor_row
         table.clear()
         for v in rows:
             waited = (v.admitted_time if v.admitted_time is not None else snap.time) \
@@ -97,11 +100,15 @@ class RequestsScreen(Screen):
                           f"{waited:.1f}", str(v.priority), str(v.num_preemptions),
                           key=v.request_id)
         self.shown_ids = [v.request_id for v in rows]
-        if cursor in self.shown_ids:
-            table.move_cursor(row=self.shown_ids.index(cursor))
+        # The cursor follows the request opened with Enter (its row moves as it finishes);
+        # otherwise it stays on the same row.
+        if self.detail_id in self.shown_ids:
+            row = self.shown_ids.index(self.detail_id)
+        if rows:
+            table.move_cursor(row=min(row, len(rows) - 1))
         counts = {f: sum(in_filter(v, f) for v in views) for f in FILTERS}
-        self.sub_title = (f"filter {self.filter} (f) · sort by {self.sort} (o) · " +
-                          " · ".join(f"{n} {f}" for f, n in counts.items()))
+        self.sub_title = (" · ".join(f"{n} {f}" for f, n in counts.items()) +
+                          f" · filter {self.filter} (f) · sort by {self.sort} (o)")
         self._draw_detail(snap)
 
     def _draw_detail(self, snap: EngineSnapshot) -> None:

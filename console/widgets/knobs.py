@@ -12,6 +12,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.coordinate import Coordinate
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Label, OptionList
 
@@ -113,7 +114,7 @@ class KnobsPanel(DataTable):
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
-        _, self._value_col = self.add_columns("knob", "value")
+        self._knob_col, self._value_col = self.add_columns("knob", "value")
         self._shown: dict[str, object] = {}
         self.values: dict[str, str] = {}
         """Each knob's current value as text (what the editor starts from)."""
@@ -128,14 +129,34 @@ class KnobsPanel(DataTable):
             cell: object = text
             if name in later and later[name] != value:
                 cell = Text(f"{text} → {shown(later[name])} (next step)", style="bold yellow")
-            if name not in self._shown:
+            new_row = name not in self._shown
+            if new_row:
                 self.add_row(name, cell, key=name)
             elif self._shown[name] != str(cell):
                 self.update_cell(name, self._value_col, cell)
             self._shown[name] = str(cell)
+            if new_row:
+                self.fit_names()
+
+    def on_resize(self, _) -> None:
+        self.fit_names()
+
+    def fit_names(self) -> None:
+        """Values always show: on a narrow panel (80 columns) the knob names are cut to the
+        room the values leave (DataTable ends a cut cell with …)."""
+        if not self._shown:
+            return
+        name_col = self.columns[self._knob_col]
+        value_width = max(len(v) for v in self._shown.values())
+        room = self.scrollable_content_region.width - value_width - 2 * self.cell_padding - 1
+        longest = max(len(n) for n in self._shown)
+        name_col.auto_width = room >= longest
+        name_col.width = max(min(room, longest), 6)
+        self._require_update_dimensions = True
+        self.refresh()
 
     def current(self) -> tuple[str, str] | None:
         if not self.rows:
             return None
-        name = str(self.get_row_at(self.cursor_row)[0])
+        name = str(self.coordinate_to_cell_key(Coordinate(self.cursor_row, 0)).row_key.value)
         return name, self.values.get(name, "")

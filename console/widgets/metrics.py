@@ -52,26 +52,35 @@ class MetricsPanel(SnapshotPanel):
         history = list(snap.figures.history) if snap.figures is not None else []
         bucket_s = snap.figures.bucket_s if snap.figures is not None else 1.0
         window = history[-RATE_WINDOW:]
-        span = len(window) * bucket_s
+        # Engine seconds the window covers, idle intervals (no bucket) included.
+        span = window[-1].start + bucket_s - window[0].start if window else 0.0
+
         def rate(field: str) -> float:
             return sum(getattr(b, field) for b in window) / span if span else 0.0
         throughput = rate("finished")
-        width = max(self.size.width - 14, 10)
+        narrow = self.size.width < 40  # 80 columns: shorter lines, nothing wraps
+        width = max(self.size.width - 14, 4)  # the label (9) and the value (5) beside it
         marks = {i for i, b in enumerate(history) if b.knob_change}
         good = r.get("good_fraction")
-        line = f"throughput {throughput:.2f} req/s"
+        line = f"done {throughput:.2f}/s" if narrow else f"throughput {throughput:.2f} req/s"
         if r.get("has_deadlines") and good is not None:
-            line += f" · goodput {throughput * good:.2f} req/s ({good:.0%} met deadlines)"
+            line += f" · good {good:.0%}" if narrow else \
+                f" · goodput {throughput * good:.2f} req/s ({good:.0%} met deadlines)"
+        rates = (f"in {rate('arrivals'):.1f}/s · {rate('generated_tokens'):,.0f} tok/s"
+                 if narrow else
+                 f"in {rate('arrivals'):.2f} req/s · prompt {rate('prefill_tokens'):,.0f} · "
+                 f"gen {rate('generated_tokens'):,.0f} tok/s (c: charts)")
+        mean = f"{r['mean_resident']:.1f}" if r.get("mean_resident") is not None else "—"
+        predicted = f"{r['littles_prediction']:.1f}" if r.get("littles_prediction") \
+            is not None else "—"
+        resident = len(snap.running) + len(snap.waiting)
         lines = [
             table,
             Text(line),
-            Text(f"in {rate('arrivals'):.2f} req/s · prompt {rate('prefill_tokens'):,.0f} · "
-                 f"gen {rate('generated_tokens'):,.0f} tok/s (c: charts)"),
-            Text(f"resident {len(snap.running) + len(snap.waiting)} now · mean "
-                 + (f"{r['mean_resident']:.1f}" if r.get("mean_resident") is not None
-                    else "—") + " vs λ·T "
-                 + (f"{r['littles_prediction']:.1f}" if r.get("littles_prediction")
-                    is not None else "—") + f" · t = {snap.time:,.1f} s"),
+            Text(rates),
+            Text(f"resident {resident} now\nmean {mean} · λT {predicted}" if narrow else
+                 f"resident {resident} now · mean {mean} vs λ·T {predicted} · "
+                 f"t = {snap.time:,.1f} s"),
             Text("KV used  ").append_text(sparkline([b.kv_usage for b in history], marks,
                                                     width))
             .append(f" {snap.kv.usage:.0%}"),

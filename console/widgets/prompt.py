@@ -1,34 +1,74 @@
 """Interactive prompt: type a prompt, watch its tokens stream; the app highlights its blocks
-and its prefix-tree path."""
+and its prefix-tree path.
+
+An instruct model (its GGUF carries a chat template) is asked as a chat: the prompt goes
+through the template and the answer stops at the end of the turn. A base model has no chat
+template, so the prompt is a plain completion: the model continues the text, and the panel
+says so. Escape (or Enter) leaves the input, so the console's keys work again; the answer
+wraps and scrolls.
+"""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import Vertical
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Input, Static
 
 from runtime.snapshot import TrackedOutput
 
+CHAT_MAX_TOKENS = 256
+COMPLETION_MAX_TOKENS = 48
+
+
+def prompt_mode(tokenizer) -> tuple[bool, str]:
+    """(chat?, a line saying how prompts are run) for the engine's tokenizer."""
+    if tokenizer is None:
+        return False, "no tokenizer: the prompt's bytes stand in for tokens"
+    if getattr(tokenizer, "is_instruct", False):
+        return True, "instruct model: asked as a chat through its template"
+    if tokenizer.architecture == "stand-in":
+        return False, "simulated model: words stand in for tokens"
+    return False, ("base model (no chat template): the text is continued, not answered; "
+                   "an instruct GGUF answers questions")
+
+
+class PromptInput(Input):
+    """The prompt's input line; Escape gives the keys back to the console."""
+
+    BINDINGS = [Binding("escape", "leave", "Leave prompt", id="prompt.leave")]
+
+    def action_leave(self) -> None:
+        self.screen.set_focus(None)
+
 
 class PromptPanel(Vertical):
     DEFAULT_CSS = """
-    PromptPanel { height: 5; dock: bottom; }
+    PromptPanel { height: auto; max-height: 9; dock: bottom; }
     PromptPanel Input { height: 3; }
-    PromptPanel #prompt-output { height: 2; padding: 0 1; color: $text-muted; }
+    PromptPanel #prompt-scroll { height: auto; max-height: 6; padding: 0 1; }
+    PromptPanel #prompt-output { color: $text-muted; }
     """
 
+    def __init__(self, mode: str = "", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.mode = mode
+
     def compose(self) -> ComposeResult:
-        yield Input(placeholder="/ to type a prompt, Enter sends it (greedy, 48 tokens)",
-                    id="prompt-input")
-        yield Static("", id="prompt-output")
+        yield PromptInput(placeholder=f"/ to type a prompt · Enter sends it · Esc leaves · "
+                                      f"{self.mode}", id="prompt-input")
+        with VerticalScroll(id="prompt-scroll"):
+            yield Static("", id="prompt-output")
 
     def show_tracked(self, t: TrackedOutput | None) -> None:
-        """Show the followed request's text so far (from the latest snapshot)."""
+        """Show the followed request's text so far (from the latest snapshot), wrapped, and
+        keep the newest line in view."""
         out = self.query_one("#prompt-output", Static)
         if t is None:
             out.update("")
             return
         line = Text(f"{t.request_id} [{t.status}, {t.num_output_tokens} tokens] ", style="bold")
-        line.append(t.text.replace("\n", " ⏎ ")[-400:])
+        line.append(t.text)
         out.update(line)
+        self.query_one("#prompt-scroll", VerticalScroll).scroll_end(animate=False)

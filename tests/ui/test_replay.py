@@ -4,8 +4,8 @@ checkpoints) shows exactly the state the trace rebuilds at that iteration."""
 from __future__ import annotations
 
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest
