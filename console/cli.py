@@ -443,11 +443,15 @@ def attach(url: str = typer.Argument(..., help="Base URL of a kvdeck, vLLM, SGLa
                                                 "llama.cpp server, e.g. http://127.0.0.1:8000"),
            interval: float = typer.Option(1.0, "--interval", help="Seconds between scrapes."),
            log_level: str = "warning") -> None:
-    """Watch a running server through its /metrics: queue, KV usage, prefix hits, latency."""
+    """Watch a running server through its /metrics: queue, request rate, preemptions, KV
+    usage, prefix hits, latency and throughput. When scrapes fail, the panels keep the last
+    good figures, marked stale."""
     from console.screens.attach import AttachApp
 
     guarded(lambda: setup_logging(log_level, to_stderr=False))
-    AttachApp(url, interval_s=interval).run()
+    guarded(lambda: check_float("--interval", interval, 0.05, 3600.0))
+    app = guarded(lambda: AttachApp(url, interval_s=interval))
+    app.run()
 
 
 @app.command()

@@ -28,6 +28,9 @@ NAMES = {
         "spec_accepted": "vllm:spec_decode_num_accepted_tokens_total",
         "ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds",
         "e2e": "vllm:e2e_request_latency_seconds",
+        "requests_done": "vllm:request_success_total",
+        "prompt_tokens": "vllm:prompt_tokens_total",
+        "generation_tokens": "vllm:generation_tokens_total",
     },
     "sglang": {
         "running": "sglang:num_running_reqs", "waiting": "sglang:num_queue_reqs",
@@ -36,19 +39,26 @@ NAMES = {
         "ttft": "sglang:time_to_first_token_seconds",
         "itl": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
         "e2e": "sglang:e2e_request_latency_seconds",
+        "requests_done": "sglang:num_requests_total",
+        "prompt_tokens": "sglang:prompt_tokens_total",
+        "generation_tokens": "sglang:generation_tokens_total",
     },
     "llama.cpp": {
         "running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred",
         "kv_usage": "llamacpp:kv_cache_usage_ratio",
         "prompt_tokens_per_s": "llamacpp:prompt_tokens_seconds",
         "generated_tokens_per_s": "llamacpp:predicted_tokens_seconds",
+        "prompt_tokens": "llamacpp:prompt_tokens_total",
+        "generation_tokens": "llamacpp:tokens_predicted_total",
     },
 }
 LABELS = {"running": "running requests", "waiting": "waiting requests",
           "kv_usage": "KV cache usage", "hit_rate": "prefix-cache hit rate",
           "preemptions": "preemptions", "spec_acceptance": "speculative acceptance",
           "ttft": "TTFT histogram", "itl": "inter-token latency histogram",
-          "e2e": "end-to-end latency histogram", "kv_blocks": "KV block states"}
+          "e2e": "end-to-end latency histogram", "kv_blocks": "KV block states",
+          "requests_done": "finished-request count (request rate)",
+          "generation_tokens": "generated-token count (throughput)"}
 
 
 @dataclass
@@ -99,6 +109,10 @@ class RemoteStatus:
     slots_busy: int | None = None
     """llama.cpp: slots processing a request, from /slots."""
     slots_total: int | None = None
+    requests_done: float | None = None
+    """Counters since the server started; `Rates` turns two scrapes into per-second rates."""
+    prompt_tokens: float | None = None
+    generation_tokens: float | None = None
 
     def missing(self) -> list[str]:
         return [LABELS[f.name] for f in fields(self)
@@ -159,6 +173,9 @@ def parse_metrics(text: str) -> RemoteStatus:
     st.kv_usage, st.preemptions = pick("kv_usage", scalars), pick("preemptions", scalars)
     st.ttft, st.itl, st.e2e = pick("ttft", hists), pick("itl", hists), pick("e2e", hists)
     st.generated_tokens_per_s = pick("generated_tokens_per_s", scalars)
+    st.requests_done = pick("requests_done", scalars)
+    st.prompt_tokens = pick("prompt_tokens", scalars)
+    st.generation_tokens = pick("generation_tokens", scalars)
     queries, hits = pick("prefix_queries", scalars), pick("prefix_hits", scalars)
     st.hit_rate = pick("hit_rate", scalars)
     if st.hit_rate is None and queries:
@@ -170,6 +187,42 @@ def parse_metrics(text: str) -> RemoteStatus:
     blocks = {state: v for (name, state), v in labelled.items() if name == "kvdeck:kv_blocks"}
     st.kv_blocks = blocks or None
     return st
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per-second rates between two scrapes of the same server (None where a counter is not
+    exposed, or went backwards because the server restarted)."""
+
+    requests_per_s: float | None
+    prompt_tokens_per_s: float | None
+    generation_tokens_per_s: float | None
+    new_preemptions: float | None
+
+    @classmethod
+    def between(cls, prev: RemoteStatus, cur: RemoteStatus, dt: float) -> Rates:
+        def rate(name: str, per_s: bool = True) -> float | None:
+            a, b = getattr(prev, name), getattr(cur, name)
+            if a is None or b is None or b < a or dt <= 0:
+                return None
+            return (b - a) / dt if per_s else b - a
+        return cls(rate("requests_done"), rate("prompt_tokens"), rate("generation_tokens"),
+                   rate("preemptions", per_s=False))
+
+
+def metrics_url(url: str) -> str:
+    """The /metrics URL of a server's base URL (with or without /v1); a URL that is not
+    http(s)://host[:port][/path] is refused with a sentence."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError):
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        raise KvdeckError(f"'{url}' is not a server URL; give one like http://127.0.0.1:8000 "
+                          "(http or https, a host, optionally a port).")
+    return url.rstrip("/").removesuffix("/v1") + "/metrics"
 
 
 def parse_slots(data: object) -> tuple[int, int]:

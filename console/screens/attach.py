@@ -20,7 +20,7 @@ from textual.worker import get_current_worker
 from console.base_app import ConsoleApp
 from console.widgets.footer import KeysFooter
 from console.widgets.metrics import sparkline
-from runtime.attach import RemoteStatus, parse_metrics, parse_slots
+from runtime.attach import Rates, RemoteStatus, metrics_url, parse_metrics, parse_slots
 from runtime.errors import KvdeckError
 
 
@@ -33,6 +33,7 @@ class AttachApp(ConsoleApp):
     CSS = """
     Grid { grid-size: 3 2; }
     Grid > Static { border: round $primary; padding: 0 1; height: 1fr; }
+    Grid > Static.stale { color: $text-disabled; border: round $warning; }
     """
     BINDINGS = [Binding("q", "quit", "Quit", id="attach.quit"),
                 Binding("t", "next_theme", "Theme", id="attach.theme"),
@@ -40,11 +41,15 @@ class AttachApp(ConsoleApp):
 
     def __init__(self, url: str, interval_s: float = 1.0):
         super().__init__()
-        self.metrics_url = url.rstrip("/").removesuffix("/v1") + "/metrics"
+        self.metrics_url = metrics_url(url)
         self.interval_s = interval_s
         self.status: RemoteStatus | None = None
         self.error: str | None = None
         self.scrapes = 0
+        self.last_ok: float | None = None
+        """Monotonic time of the last successful scrape (what the panels show is from then)."""
+        self.rates: Rates | None = None
+        self.preemptions_seen = 0.0
         self.history: dict[str, deque[float]] = {k: deque(maxlen=120)
                                                  for k in ("running", "waiting", "kv_usage")}
         self.sub_title = self.metrics_url
@@ -87,25 +92,44 @@ class AttachApp(ConsoleApp):
     def show(self, status: RemoteStatus | None, error: str | None) -> None:
         self.scrapes += 1
         self.error = error
+        now = time.monotonic()
         if status is not None:
-            self.status = status
+            if self.status is not None and self.last_ok is not None:
+                self.rates = Rates.between(self.status, status, now - self.last_ok)
+                self.preemptions_seen += self.rates.new_preemptions or 0.0
+            self.status, self.last_ok = status, now
             for key in self.history:
                 value = getattr(status, key)
                 if value is not None:
                     self.history[key].append(value)
         st = self.status
+        stale = error is not None and st is not None
+        age = f"stale: no answer for {now - self.last_ok:,.0f} s" if stale else ""
+        for panel in self.query("Grid > Static"):
+            panel.set_class(stale and panel.id != "status", "stale")
+            if panel.id != "status":
+                panel.border_subtitle = age
         self.query_one("#status", Static).update(Text(
             (f"{st.engine} at {self.metrics_url}\n" if st else "") +
             (f"last scrape failed: {error}" if error else f"scrape #{self.scrapes} ok") +
+            ("\nthe other panels show the last good scrape, "
+             f"{now - self.last_ok:,.0f} s ago" if stale else "") +
             ("\nnot exposed: " + ", ".join(st.missing()) if st and st.missing() else ""),
             style="red" if error else ""))
-        if st is None:
-            return
+        if st is None or status is None:
+            return  # nothing new: the panels keep the last good scrape, marked stale
+        r = self.rates
         peak = max(list(self.history["running"]) + list(self.history["waiting"]) + [1.0])
         slots = f" · slots {st.slots_busy}/{st.slots_total} busy" \
             if st.slots_total is not None else ""
+        done = f"{r.requests_per_s:.2f} req/s finishing" if r and r.requests_per_s is not None \
+            else ("request rate: after the next scrape" if st.requests_done is not None
+                  else f"{st.engine} does not export a finished-request count")
+        preempt = f" · preemptions {st.preemptions:,.0f} (+{self.preemptions_seen:,.0f} " \
+                  "while attached)" if st.preemptions is not None else ""
         self.query_one("#queue", Static).update(Group(
             Text(f"running {self._num(st.running)} · waiting {self._num(st.waiting)}{slots}"),
+            Text(done + preempt),
             Text("running ").append_text(sparkline(list(self.history["running"]), set(), 40,
                                                    peak)),
             Text("waiting ").append_text(sparkline(list(self.history["waiting"]), set(), 40,
@@ -124,7 +148,10 @@ class AttachApp(ConsoleApp):
             lines.append(f"{name:5} p50 {fmt_ms(h.quantile(0.5))} ms · p99 "
                          f"{fmt_ms(h.quantile(0.99))} ms · n {int(h.count)}" if h is not None
                          else f"{name:5} not exposed by {st.engine}")
-        if st.generated_tokens_per_s is not None:
+        if r is not None and r.generation_tokens_per_s is not None:
+            lines.append(f"throughput: generation {r.generation_tokens_per_s:,.1f} tok/s · "
+                         f"prompt {self._num(r.prompt_tokens_per_s)} tok/s")
+        elif st.generated_tokens_per_s is not None:
             lines.append(f"generation {st.generated_tokens_per_s:,.1f} tokens/s")
         self.query_one("#latency", Static).update("\n".join(lines))
         self.query_one("#spec", Static).update(

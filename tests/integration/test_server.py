@@ -13,6 +13,8 @@ import pytest
 from runtime.server.serve import ApiServer
 from runtime.session import Session, build_session
 from runtime.settings import resolve
+from tests.servers import sim_process
+from tests.ui.panel_text import panel_text
 
 pytestmark = pytest.mark.slow
 MODEL = "gemma3-270m"
@@ -312,6 +314,40 @@ async def test_attach_shows_live_queue_and_kv_usage(server, client) -> None:
         assert st.kv_blocks and st.ttft is not None and st.ttft.count >= 3
         assert "KV cache usage" not in st.missing()
         assert "usage" in str(app.query_one("#kv").render())
+        assert app.rates is not None and app.rates.generation_tokens_per_s is not None
+        assert "req/s finishing" in panel_text(app.query_one("#queue"))
+        assert "preemptions" in panel_text(app.query_one("#queue"))
+        assert "throughput: generation" in panel_text(app.query_one("#latency"))
+
+
+async def test_attach_marks_stale_figures_when_the_server_goes_away() -> None:
+    import asyncio
+
+    from console.screens.attach import AttachApp
+
+    with sim_process() as server:
+        app = AttachApp(server.url, interval_s=0.1)
+        async with app.run_test(size=(160, 48)):
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                if app.scrapes >= 3 and app.error is None and app.status is not None:
+                    break
+            assert app.status.engine == "kvdeck"
+            assert not app.query_one("#queue").has_class("stale")
+            server.proc.terminate()
+            server.proc.wait(30)
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                if app.error:
+                    break
+            await asyncio.sleep(0.3)
+            queue = app.query_one("#queue")
+            assert queue.has_class("stale") and queue.border_subtitle.startswith(
+                "stale: no answer for")
+            status = panel_text(app.query_one("#status"))
+            assert "last scrape failed" in status and "the other panels show the last good " \
+                "scrape" in status
+            assert "running" in panel_text(queue)  # the last good figures are kept
 
 
 async def test_attach_reports_an_unreachable_server() -> None:

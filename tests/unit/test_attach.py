@@ -20,6 +20,7 @@ def test_vllm() -> None:
     # 100 samples: 10 ≤ 0.1 s, 80 in (0.1, 0.5], 10 in (0.5, 1]: p50 = 0.1 + 0.4·40/80.
     assert st.ttft.quantile(0.5) == pytest.approx(0.3) and st.ttft.mean == 0.3
     assert "KV block states" in st.missing() and "TTFT histogram" not in st.missing()
+    assert (st.requests_done, st.prompt_tokens, st.generation_tokens) == (200, 120_000, 45_000)
 
 
 def test_sglang() -> None:
@@ -28,6 +29,7 @@ def test_sglang() -> None:
     assert st.kv_usage == 0.28 and st.hit_rate == 0.0075
     assert st.ttft.quantile(0.99) == pytest.approx(0.99)
     assert "preemptions" in st.missing() and "speculative acceptance" in st.missing()
+    assert (st.requests_done, st.generation_tokens) == (83, 7_557_572)
 
 
 def test_llamacpp() -> None:
@@ -35,6 +37,8 @@ def test_llamacpp() -> None:
     assert st.engine == "llama.cpp" and (st.running, st.waiting) == (2, 1)
     assert st.kv_usage == 0.1 and st.generated_tokens_per_s == 65
     assert {"TTFT histogram", "prefix-cache hit rate"} <= set(st.missing())
+    assert (st.prompt_tokens, st.generation_tokens) == (5400, 1300)
+    assert "finished-request count (request rate)" in st.missing()
 
 
 def test_unknown_and_malformed_text() -> None:
@@ -58,3 +62,38 @@ def test_llamacpp_slots() -> None:
     assert parse_slots(json.loads((DATA / "llamacpp_slots.json").read_text())) == (2, 3)
     with pytest.raises(KvdeckError, match="did not return a list of slots"):
         parse_slots({"error": "slots disabled"})
+
+
+def test_rates_between_two_scrapes() -> None:
+    from runtime.attach import Rates, RemoteStatus
+
+    a = RemoteStatus("vllm", requests_done=100, prompt_tokens=1000, generation_tokens=500,
+                     preemptions=3)
+    b = RemoteStatus("vllm", requests_done=110, prompt_tokens=3000, generation_tokens=900,
+                     preemptions=5)
+    r = Rates.between(a, b, 2.0)
+    assert (r.requests_per_s, r.prompt_tokens_per_s, r.generation_tokens_per_s,
+            r.new_preemptions) == (5.0, 1000.0, 200.0, 2)
+    restarted = RemoteStatus("vllm", requests_done=4, prompt_tokens=None)
+    r = Rates.between(b, restarted, 2.0)  # counters went back: no rate, not a negative one
+    assert r.requests_per_s is None and r.prompt_tokens_per_s is None
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("http://127.0.0.1:8000", "http://127.0.0.1:8000/metrics"),
+    ("http://127.0.0.1:8000/v1/", "http://127.0.0.1:8000/metrics"),
+    ("https://gpu-box.example", "https://gpu-box.example/metrics"),
+])
+def test_metrics_url(url: str, expected: str) -> None:
+    from runtime.attach import metrics_url
+
+    assert metrics_url(url) == expected
+
+
+@pytest.mark.parametrize("url", ["not-a-url", "ftp://host", "http://", "127.0.0.1:8000"])
+def test_a_bad_url_is_one_sentence(url: str) -> None:
+    from runtime.attach import metrics_url
+
+    with pytest.raises(KvdeckError, match=r"is not a server URL; give one like "
+                                          r"http://127\.0\.0\.1:8000"):
+        metrics_url(url)
