@@ -44,9 +44,11 @@ bench: $(VENV)/.dev
 	$(PY) -m benchmarks
 
 # The serving soak at the review's full sizes: 3 disconnect storms, 200 requests at
-# concurrency 16 with /metrics scraped every 0.5 s (CI runs smaller ones).
+# concurrency 16 with /metrics scraped every 0.5 s; then the console for 10 minutes under
+# random operator actions (CI runs smaller ones).
 soak: $(VENV)/.dev
 	KVDECK_SOAK=full $(PY) -m pytest tests/integration/test_serving_holds.py -k "soak or storm"
+	KVDECK_CONSOLE_SOAK_S=600 $(PY) -m pytest -s tests/ui/test_console_soak.py
 
 # The API fuzz test with many more examples than CI's.
 fuzz: $(VENV)/.dev

@@ -301,8 +301,9 @@ def load_replay(run_dir) -> Replay:
 
     header, records = read_run(run_dir)
     replay = Replay(header, records)
-    if not replay.steps:
+    if not replay.steps and replay.checkpoint is None:
         raise RunFormatError(f"{run_dir} holds no iterations to replay.")
+    # A recording started and stopped while paused holds only its checkpoint: the state then.
     return replay
 
 

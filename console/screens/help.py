@@ -12,14 +12,20 @@ HELP = """
 # kvdeck
 
 **Keys** — `p` pause/resume · `s` step one iteration (paused) · `+`/`-` traffic rate ·
-`k` knobs (Enter edits, applied at the next iteration) · `n` highlight a request's blocks ·
-`/` type a prompt (its tokens stream below; its blocks and prefix path are highlighted) ·
-`r` start/stop recording to `runs/<time>/` · `t` next theme · `ctrl+p` command palette ·
-`F1` this help · `q` quit.
+`k` knobs (Enter edits: enum knobs list their values; a pending change shows
+`old → new (next step)`) · `l` request table · `c` charts · `n` highlight a request's blocks ·
+`/` type a prompt (Enter sends, Escape leaves) · `r` start/stop recording to `runs/<time>/` ·
+`w` save the settings and knobs to `runs/settings-<time>.toml` · `t` next theme ·
+`ctrl+p` command palette · `F1` this help · `q` quit.
 
 **Queue** — the last iteration's tokens: decode (cyan) + prefill chunks (magenta) against the
-token budget; running requests (prompt tokens computed, output of max), then waiting ones
-with time waited, deadline slack and priority.
+token budget, and why waiting requests did not join (token budget, sequence limit, KV pool
+full, admission control); running requests (prompt tokens computed, output of max), then
+waiting ones with time waited, deadline slack and priority.
+
+**Request table** (`l`) — every request, `f` filter by state, `o` sort, Enter its story
+(admission, prefill chunks, first token, preemptions, finish) with its blocks highlighted in
+the KV map, `a` abort, `+`/`-` priority, Escape back.
 
 **KV blocks** — every physical block: `█` green private, magenta shared by several requests,
 cyan cached and in use, `▒` blue cached and evictable, `·` free; `◆` the highlighted request.
@@ -27,10 +33,15 @@ cyan cached and in use, `▒` blue cached and evictable, `·` free; `◆` the hi
 **Prefix cache** — cached full blocks as a tree of token spans, with users, hits, last
 access and evictability; single-child chains are folded.
 
-**Metrics** — TTFT / ITL / TPOT / E2E percentiles over recent requests, throughput, KV usage
-and hit rate over time; `┃` marks a knob change.
+**Metrics** — TTFT / ITL / TPOT / E2E percentiles over recent requests, finished requests,
+arrivals and tokens per second, resident requests against Little's law, KV usage and hit rate
+over time; `┃` marks a knob change. **Charts** (`c`): request rate, prompt and generation
+tokens/s, step time and KV usage over the last hour with axes; `▲` marks a knob change.
 
-Replay a recording with `kvdeck replay RUN`.
+**Prompt** — an instruct model (chat template in its GGUF) is asked as a chat; a base model
+(the embedded Gemma 3 270M) continues the text, and the panel says so.
+
+Replay a recording with `kvdeck replay RUN` (`--summary` for its figures).
 """
 
 

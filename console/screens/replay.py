@@ -97,6 +97,9 @@ class ReplayApp(ConsoleApp):
 
     def seek(self, position: int) -> None:
         """Show the state after record `position` (clamped to the run)."""
+        if not self.records:  # only a checkpoint: its state is all there is to show
+            self.show()
+            return
         position = max(0, min(position, len(self.records) - 1))
         target = position + 1
         if target < self.applied:

@@ -19,7 +19,7 @@ class Scrubber(Static):
 
     def __init__(self, total: int, marks: set[int], **kwargs) -> None:
         super().__init__(**kwargs)
-        self.total = max(total, 1)
+        self.total = total
         self.marks = marks
         """Record indices where knobs changed."""
 
@@ -31,6 +31,10 @@ class Scrubber(Static):
 
     def draw(self, position: int, step: int, time: float, speed: float, playing: bool) -> None:
         self._args = (position, step, time, speed, playing)
+        if not self.total:
+            self.update(Text(f"step {step} · t = {time:,.2f} s: the state when the recording "
+                             "began; no iteration ran while it recorded (it was paused)"))
+            return
         width = max(self.size.width - 2, 10)
         at = min(position * width // self.total, width - 1)
         bar = Text()
@@ -49,5 +53,7 @@ class Scrubber(Static):
                     .append_text(bar))
 
     def on_click(self, event: events.Click) -> None:
+        if not self.total:
+            return
         width = max(self.size.width - 2, 10)
         self.post_message(self.Seek(min(max(event.x - 1, 0), width - 1) * self.total // width))

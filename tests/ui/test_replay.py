@@ -16,10 +16,12 @@ from console.screens import replay as replay_mod
 from console.screens.replay import ReplayApp
 from console.screenshots import advance, make_demo_app
 from console.widgets.kv_map import KVMapPanel
+from console.widgets.scrubber import Scrubber
 from runtime.config import EngineConfig, Knobs
 from runtime.engine import Engine
 from runtime.executors.sim import SimExecutor
 from runtime.recording import read_run, record_headless
+from runtime.records import Pause
 from runtime.replay import Replay
 from runtime.runner import run_arrivals
 from runtime.session import build_session
@@ -182,3 +184,26 @@ async def test_a_damaged_run_stops_the_replay_with_a_sentence(run_dir: Path) -> 
     assert app.return_code == 2
     assert app.problem == ("Step 0 refers to request 'ghost', which the run never introduced; "
                            "the recording is incomplete.")
+
+
+async def test_a_recording_made_while_paused_replays_its_starting_state(tmp_path) -> None:
+    live = make_demo_app(tmp_path / "runs")
+    async with live.run_test(size=(160, 48)) as pilot:
+        advance(live, 40)
+        live.engine.post(Pause())
+        advance(live, 1)
+        await pilot.press("r")
+        advance(live, 3)  # paused: no iteration runs
+        await pilot.press("r")
+        advance(live, 1)
+        state = live.engine.snapshot().kv.states
+    (run,) = (tmp_path / "runs").iterdir()
+    app = ReplayApp(run)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.press("end", "left", "space")
+        assert not app.records and app.snapshot.kv.states == state
+        assert "no iteration ran while it recorded" in panel_text(app.query_one(Scrubber))
+    assert app.problem is None
+    r = subprocess.run([sys.executable, "-m", "console.cli", "replay", str(run), "--summary",
+                        "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
