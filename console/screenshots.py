@@ -67,7 +67,9 @@ def main(out: Path = Path("screenshots")) -> None:
     out.mkdir(exist_ok=True)
     shots = [((160, 48), 60, [], "live-160x48.svg"), ((80, 24), 60, [], "live-80x24.svg"),
              ((160, 48), 60, ["n"], "live-highlight-160x48.svg"),
-             ((160, 48), 0, ["f1"], "help-160x48.svg")]
+             ((160, 48), 0, ["f1"], "help-160x48.svg"),
+             ((160, 48), 300, ["l"], "requests-160x48.svg"),
+             ((160, 48), 300, ["c"], "charts-160x48.svg")]
     for size, steps, keys, name in shots:
         asyncio.run(_shoot(out, size, steps, keys, name))
         print(f"wrote {out / name}")
