@@ -18,14 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from runtime.config import (
-    DEADLINE_ACTIONS,
-    EVICTION_POLICIES,
-    PREEMPTION_MODES,
-    QUEUE_POLICIES,
-    RESERVATION_POLICIES,
-    SCHEDULING_MODES,
-)
+from runtime.config import KNOB_CHOICES
 from runtime.errors import ConfigError
 from runtime.executors.sim import TIMING_MODES
 from runtime.kv.formats import KV_FORMATS
@@ -42,6 +35,11 @@ def _gib_to_bytes(gib: float) -> int:
     if not gib > 0:
         raise ConfigError(f"--kv-memory-gib must be greater than 0, got {gib!r}.")
     return int(gib * GIB)
+
+
+def _one_of(knob: str) -> str:
+    """A choice knob's help: its values."""
+    return f"{', '.join(KNOB_CHOICES[knob])}."
 
 
 def _defaults(key: str, scale: float = 1.0) -> str:
@@ -101,19 +99,19 @@ FLAGS: tuple[Flag, ...] = (
          "Waiting-queue bound; beyond it requests are refused (429) (default 4096).", ENGINE),
     Flag("chunk_size", ("--chunk-size",), int,
          f"Most prompt tokens per request per iteration ({_defaults('chunk_size')}).", KNOBS),
-    Flag("scheduling", ("--scheduling",), str, f"{', '.join(SCHEDULING_MODES)}.", KNOBS),
-    Flag("queue_policy", ("--queue-policy",), str, f"{', '.join(QUEUE_POLICIES)}.", KNOBS),
+    Flag("scheduling", ("--scheduling",), str, _one_of("scheduling"), KNOBS),
+    Flag("queue_policy", ("--queue-policy",), str, _one_of("queue_policy"), KNOBS),
     Flag("sjf_max_wait_s", ("--sjf-max-wait-s",), float, "Aging bound for sjf (default 30).",
          KNOBS),
-    Flag("reservation", ("--reservation",), str, f"{', '.join(RESERVATION_POLICIES)}.", KNOBS),
-    Flag("preemption", ("--preemption",), str, f"{', '.join(PREEMPTION_MODES)}.", KNOBS),
+    Flag("reservation", ("--reservation",), str, _one_of("reservation"), KNOBS),
+    Flag("preemption", ("--preemption",), str, _one_of("preemption"), KNOBS),
     Flag("prefix_cache_capacity", ("--prefix-cache-capacity",), int,
          "Most blocks the prefix cache keeps (0: the pool).", KNOBS),
-    Flag("eviction_policy", ("--eviction-policy",), str, f"{', '.join(EVICTION_POLICIES)}.",
+    Flag("eviction_policy", ("--eviction-policy",), str, _one_of("eviction_policy"),
          KNOBS),
     Flag("admission_control", ("--admission-control/--no-admission-control",), bool,
          "Check deadlines against the timing model before admitting (default off).", KNOBS),
-    Flag("on_deadline_miss", ("--on-deadline-miss",), str, f"{', '.join(DEADLINE_ACTIONS)}.",
+    Flag("on_deadline_miss", ("--on-deadline-miss",), str, _one_of("on_deadline_miss"),
          KNOBS),
     Flag("model_profile", ("--model-profile",), str, "Model profile (default qwen3-8b).", SIM),
     Flag("hardware", ("--hardware",), str, "Hardware profile (default rtx-pro-6000).", SIM),

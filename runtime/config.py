@@ -28,6 +28,12 @@ PREEMPTION_MODES = ("recompute",)
 """Preempted requests free their KV and recompute it when readmitted."""
 EVICTION_POLICIES = ("lru", "value")
 DEADLINE_ACTIONS = ("reject", "wait")
+KNOB_CHOICES: dict[str, tuple[str, ...]] = {
+    "scheduling": SCHEDULING_MODES, "queue_policy": QUEUE_POLICIES,
+    "reservation": RESERVATION_POLICIES, "preemption": PREEMPTION_MODES,
+    "eviction_policy": EVICTION_POLICIES, "on_deadline_miss": DEADLINE_ACTIONS,
+}
+"""The knobs whose values are a fixed list, and the list."""
 
 
 def check_int(name: str, value: Any, lo: int, hi: int) -> None:
@@ -79,16 +85,12 @@ class Knobs:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
         check_int("max_num_seqs", self.max_num_seqs, 1, 1 << 16)
         check_int("chunk_size", self.chunk_size, 1, 1 << 20)
-        check_choice("scheduling", self.scheduling, SCHEDULING_MODES)
-        check_choice("queue_policy", self.queue_policy, QUEUE_POLICIES)
+        for name, choices in KNOB_CHOICES.items():
+            check_choice(name, getattr(self, name), choices)
         check_float("sjf_max_wait_s", self.sjf_max_wait_s, 0.0, 1e6)
-        check_choice("reservation", self.reservation, RESERVATION_POLICIES)
-        check_choice("preemption", self.preemption, PREEMPTION_MODES)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("prefix_cache_capacity", self.prefix_cache_capacity, 0, 1 << 30)
-        check_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         check_bool("admission_control", self.admission_control)
-        check_choice("on_deadline_miss", self.on_deadline_miss, DEADLINE_ACTIONS)
 
     def with_changes(self, **changes: Any) -> Knobs:
         """A validated copy with `changes` applied; unknown names raise a ConfigError."""

@@ -16,23 +16,13 @@ from textual.coordinate import Coordinate
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Label, OptionList
 
-from runtime.config import (
-    DEADLINE_ACTIONS,
-    EVICTION_POLICIES,
-    PREEMPTION_MODES,
-    QUEUE_POLICIES,
-    RESERVATION_POLICIES,
-    SCHEDULING_MODES,
-    Knobs,
-)
+from runtime.config import KNOB_CHOICES, Knobs
 from runtime.errors import ConfigError
 
 TRAFFIC_KNOBS = ("traffic_rate_per_s", "traffic_long_fraction")
 KNOB_TYPES = {f.name: f.type for f in dataclasses.fields(Knobs)}
 CHOICES: dict[str, tuple[str, ...]] = {
-    "scheduling": SCHEDULING_MODES, "queue_policy": QUEUE_POLICIES,
-    "reservation": RESERVATION_POLICIES, "preemption": PREEMPTION_MODES,
-    "eviction_policy": EVICTION_POLICIES, "on_deadline_miss": DEADLINE_ACTIONS,
+    **KNOB_CHOICES,
     "enable_prefix_caching": ("true", "false"), "admission_control": ("true", "false"),
 }
 """Knobs whose values are a fixed list: the editor offers them instead of a text field."""
