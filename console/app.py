@@ -31,7 +31,7 @@ from console.widgets.banner import Banner
 from console.widgets.footer import KeysFooter
 from console.widgets.hardware import HardwareStrip
 from console.widgets.knobs import TRAFFIC_KNOBS, KnobEditor, KnobsPanel, parse_knob
-from console.widgets.kv_map import KVMapPanel
+from console.widgets.kv_map import KVMapPanel, switch_text
 from console.widgets.prefix_tree import PrefixTreePanel
 from console.widgets.prompt import (
     CHAT_MAX_TOKENS,
@@ -92,6 +92,8 @@ class KvdeckApp(ConsoleApp):
         self.hardware = hardware
         self.runs_dir = runs_dir
         self.latest: EngineSnapshot | None = None
+        self._last_switch: dict | None = None
+        """The newest format switch already announced."""
         self._pending = threading.Event()
         self.recorder: Recorder | None = None
         self.prompt_id: str | None = None
@@ -168,6 +170,9 @@ class KvdeckApp(ConsoleApp):
         main.query_one(PromptPanel).show_tracked(
             next((t for t in snap.tracked if t.request_id == self.prompt_id), None))
         main.query_one(Banner).show(snap)
+        if snap.switches and snap.switches[-1] != self._last_switch:
+            self._last_switch = snap.switches[-1]
+            self.notify(switch_text(self._last_switch), title="Format switched")
         if isinstance(self.screen, (RequestsScreen, ChartsScreen)):
             self.screen.show(snap)
         state = "failed" if snap.failure else "paused" if snap.paused else "running"
@@ -192,7 +197,10 @@ class KvdeckApp(ConsoleApp):
         if current is None:
             return
         name, value = current
-        self.push_screen(KnobEditor(name, value),
+        choices = None
+        if name == "kv_format" and self.latest is not None and self.latest.kv.formats:
+            choices = self.latest.kv.formats  # what this executor can store
+        self.push_screen(KnobEditor(name, value, choices),
                          lambda text: self.apply_knob(name, text) if text is not None else None)
 
     def apply_knob(self, name: str, text: str) -> bool:

@@ -42,10 +42,10 @@ class Point:
 
 
 def _engine(ex: TorchExecutor, blocks_needed: int) -> Engine:
-    cfg = EngineConfig(block_size=16, num_blocks=blocks_needed + 64, kv_format="fp32"
-                       if ex.device.type == "cpu" else "bf16",
+    cfg = EngineConfig(block_size=16, num_blocks=blocks_needed + 64,
                        knobs=Knobs(max_num_batched_tokens=8192, chunk_size=8192,
-                                   max_num_seqs=256, enable_prefix_caching=False))
+                                   max_num_seqs=256, enable_prefix_caching=False,
+                                   kv_format="fp32" if ex.device.type == "cpu" else "bf16"))
     return Engine(cfg, ex)
 
 

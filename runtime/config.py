@@ -32,6 +32,7 @@ KNOB_CHOICES: dict[str, tuple[str, ...]] = {
     "scheduling": SCHEDULING_MODES, "queue_policy": QUEUE_POLICIES,
     "reservation": RESERVATION_POLICIES, "preemption": PREEMPTION_MODES,
     "eviction_policy": EVICTION_POLICIES, "on_deadline_miss": DEADLINE_ACTIONS,
+    "kv_format": tuple(KV_FORMATS),
 }
 """The knobs whose values are a fixed list, and the list."""
 
@@ -80,6 +81,9 @@ class Knobs:
     """Check a request's deadline against the executor's timing estimate before admitting."""
     on_deadline_miss: str = "reject"
     """What admission control does with a request that cannot meet its deadline."""
+    kv_format: str = "fp16"
+    """How the KV pool stores K and V (`kv/formats.py`). A change re-encodes the pool in
+    place between iterations; the block count follows the budget (`Engine._switch_kv`)."""
 
     def __post_init__(self) -> None:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
@@ -111,7 +115,6 @@ class EngineConfig:
     """KV pool budget; divided by the model's KV bytes per block it sets the block count."""
     num_blocks: int | None = None
     """Overrides the block count derived from `kv_memory_bytes` (tests use tiny pools)."""
-    kv_format: str = "fp16"
     max_model_len: int | None = None
     """Context limit; None takes the executor's model context."""
     max_waiting: int = 4096
@@ -126,7 +129,6 @@ class EngineConfig:
         check_int("kv_memory_bytes", self.kv_memory_bytes, 1, 1 << 50)
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, 1, 1 << 26)
-        check_choice("kv_format", self.kv_format, tuple(KV_FORMATS))
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2, 1 << 24)
         check_int("max_waiting", self.max_waiting, 1, 1 << 24)

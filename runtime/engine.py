@@ -38,6 +38,7 @@ from runtime.errors import (
 )
 from runtime.executors.base import Executor
 from runtime.figures import RunFigures, step_figures
+from runtime.kv.formats import KV_FORMATS
 from runtime.kv.manager import BlockManager
 from runtime.logs import write_failure
 from runtime.metrics import request_metrics
@@ -89,9 +90,16 @@ class Engine:
         self.executor = executor
         self.tokenizer = tokenizer
         """Detokenizes outputs and matches stop strings (None: token ids only)."""
-        self.kv_bytes_per_token = executor.kv_bytes_per_token(config.kv_format)
+        self.kv_format = config.knobs.kv_format
+        """The format the pool holds now (the knob's value once a change has applied)."""
+        self.kv_formats: tuple[str, ...] = tuple(
+            getattr(executor, "kv_formats", None) or KV_FORMATS)
+        """What the `kv_format` knob may become with this executor."""
+        self.switches: deque[dict] = deque(maxlen=8)
+        """The latest KV format / weight format switches (see `_switch_kv`)."""
+        self.kv_bytes_per_token = executor.kv_bytes_per_token(self.kv_format)
         num_blocks = config.blocks_for_budget(self.kv_bytes_per_token)
-        executor.bind_kv(num_blocks, config.block_size, config.kv_format)
+        executor.bind_kv(num_blocks, config.block_size, self.kv_format)
         self.max_model_len = min(config.max_model_len or executor.max_model_len,
                                  executor.max_model_len)
         if not executor.virtual_time:
@@ -106,7 +114,7 @@ class Engine:
         self.kv = BlockManager(
             num_blocks, config.block_size, enable_caching=k.enable_prefix_caching,
             cache_capacity=k.prefix_cache_capacity, eviction_policy=k.eviction_policy,
-            namespace=f"{executor.model_name}|{config.kv_format}|{config.namespace}",
+            namespace=self._namespace(self.kv_format),
             bytes_per_block=self.kv_bytes_per_token * config.block_size,
             recompute_cost=lambda h, c: executor.estimate_step_seconds(
                 c, causal_pairs(c, h), h + c),
@@ -215,8 +223,12 @@ class Engine:
         return new
 
     def check_knobs(self, knobs: Knobs) -> None:
-        """Bounds that depend on this engine's pool (ConfigError if broken)."""
+        """Bounds that depend on this engine's executor and pool (ConfigError if broken)."""
         pool = self.kv.num_blocks
+        if knobs.kv_format != self.kv_format:
+            # The executor refuses a format it cannot store; the budget must buy a block.
+            pool = self.config.blocks_for_budget(
+                self.executor.kv_bytes_per_token(knobs.kv_format))
         if knobs.prefix_cache_capacity > pool:
             raise ConfigError(f"prefix_cache_capacity must be from 0 to {pool:,} (the pool's "
                               f"blocks), got {knobs.prefix_cache_capacity:,}.")
@@ -257,6 +269,8 @@ class Engine:
             elif isinstance(msg, Abort):
                 self._abort(msg.request_id, msg.reason)
             elif isinstance(msg, SetKnobs):
+                if msg.knobs.kv_format != self.kv_format:
+                    self._switch_kv(msg.knobs.kv_format, record)
                 self.scheduler.apply_knobs(msg.knobs)
                 record.knobs.update(msg.changes)
             elif isinstance(msg, Pause):
@@ -281,6 +295,53 @@ class Engine:
                 self._recorder_actions.append(msg.recorder)
             elif isinstance(msg, StopRecording):
                 self._recorder_actions.append(None)
+
+    def _namespace(self, kv_format: str) -> str:
+        """Cached KV is reusable only by the same model, format and namespace."""
+        return f"{self.executor.model_name}|{kv_format}|{self.config.namespace}"
+
+    def _switch_kv(self, kv_format: str, record: StepRecord) -> None:
+        """Re-encode the KV pool in `kv_format` between iterations.
+
+        Converted in place rather than drained and re-laid: a running request keeps its KV,
+        re-encoded, instead of being preempted and recomputed — conversion reads and writes
+        each used block once (a memory-bound pass), far cheaper than recomputing every
+        context (a forward pass over all of them) — and cached prefixes stay, filed under
+        the new format's namespace, so old and new formats never mix. The block count
+        follows the memory budget (`kv_memory_bytes / bytes per block`): a smaller format
+        buys more blocks, a larger one fewer; when fewer than are in use, cached blocks are
+        dropped first (eviction order) and then the most recently admitted requests are
+        preempted (recompute) until the rest fit. The pause, the bytes converted, the
+        blocks and requests affected go to the iteration record's `switches` (requests
+        preempted here are listed there, not in the record's `preempted`).
+        """
+        old, kv, now = self.kv_format, self.kv, self.clock.now()
+        bpt = self.executor.kv_bytes_per_token(kv_format)
+        num_blocks = self.config.blocks_for_budget(bpt)
+        preempted = self.scheduler.preempt_to_fit(
+            num_blocks, now, f"the pool shrank to {num_blocks:,} blocks ({old} → {kv_format})")
+        dropped = 0
+        while kv.num_used_blocks > num_blocks and kv.tree.evict_one() is not None:
+            dropped += 1
+        where = kv.relayout(num_blocks, bpt * self.config.block_size,
+                            self._namespace(kv_format))
+        src = sorted(where)
+        conv = self.executor.convert_kv(kv_format, num_blocks, src, [where[b] for b in src])
+        if self.executor.virtual_time:  # the pause takes modelled time
+            self.clock.pin()
+            self.clock.advance(conv.seconds)
+            self.clock.wait_until_due(self.stop_event)
+        self.kv_format, self.kv_bytes_per_token = kv_format, bpt
+        switch = {
+            "knob": "kv_format", "from": old, "to": kv_format, "seconds": conv.seconds,
+            "measured": conv.measured, "bytes": conv.bytes_read + conv.bytes_written,
+            "blocks": len(src), "moved": sum(b != where[b] for b in src),
+            "num_blocks": num_blocks, "dropped": dropped,
+            "preempted": preempted}
+        record.switches.append(switch)
+        self.switches.append({**switch, "step": self.step_count})
+        log.info("kv_format %s → %s: %d blocks converted in %.3f s, pool %d blocks",
+                 old, kv_format, len(src), conv.seconds, num_blocks)
 
     def _abort(self, rid: str, reason: str) -> None:
         req = self.scheduler.abort(rid, self.clock.now(), reason)
@@ -549,7 +610,9 @@ class Engine:
             tables={rid: list(t) for rid, t in kv.tables.items()},
             reserved=dict(kv.reserved), nodes=nodes, tree=tree_counters,
             counters={"preemptions": sched.num_preemptions, "cow": kv.num_cow_copies},
-            figures=self.figures.to_json())
+            figures=self.figures.to_json(),
+            pool={"num_blocks": kv.num_blocks, "bytes_per_block": kv.bytes_per_block},
+            switches=list(self.switches))
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

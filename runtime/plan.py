@@ -84,6 +84,16 @@ class StepTiming:
     """Weight and KV bytes the step read (modelled), for roofline comparisons."""
 
 
+@dataclass(frozen=True)
+class Conversion:
+    """What re-encoding the KV pool (or re-packing weights) between iterations cost."""
+
+    seconds: float
+    measured: bool
+    bytes_read: int
+    bytes_written: int
+
+
 @dataclass(slots=True)
 class StepResult:
     """What an executor returns for one plan."""

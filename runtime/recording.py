@@ -46,7 +46,7 @@ def engine_header(engine: Engine) -> dict:
         "model": engine.executor.model_name,
         "num_blocks": engine.kv.num_blocks,
         "block_size": engine.kv.block_size,
-        "kv_format": engine.config.kv_format,
+        "kv_format": engine.kv_format,
         "bytes_per_block": engine.kv.bytes_per_block,
         "max_model_len": engine.max_model_len,
         "config": dataclasses.asdict(engine.config),

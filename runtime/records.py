@@ -15,6 +15,9 @@ KV events (what `BlockManager` and `PrefixTree` did, in order):
     Evict(node, block)            the prefix tree dropped a block no request used
     Hit(rid, num_tokens)          an admission reused `num_tokens` cached tokens
     Reserve(rid, delta)           change in blocks promised to rid (full reservation)
+    Relayout(num_blocks, bytes_per_block, moves)   the pool was re-laid (a KV format
+                                  change): used block `old` now lives at `new` for each
+                                  [old, new] in `moves`, and the pool has `num_blocks` blocks
 """
 
 from __future__ import annotations
@@ -79,8 +82,16 @@ class Reserve(NamedTuple):
     kind = "reserve"
 
 
-KVEvent = Ref | Unref | Cow | Cache | Evict | Hit | Reserve
-KV_EVENTS: dict[str, type] = {c.kind: c for c in (Ref, Unref, Cow, Cache, Evict, Hit, Reserve)}
+class Relayout(NamedTuple):
+    num_blocks: int
+    bytes_per_block: int
+    moves: list[list[int]]
+    kind = "relayout"
+
+
+KVEvent = Ref | Unref | Cow | Cache | Evict | Hit | Reserve | Relayout
+KV_EVENTS: dict[str, type] = {c.kind: c for c in (Ref, Unref, Cow, Cache, Evict, Hit, Reserve,
+                                                   Relayout)}
 
 
 def kv_event_to_json(ev: KVEvent) -> list:
@@ -167,6 +178,9 @@ class StepRecord:
     kv: list[KVEvent] = field(default_factory=list)
     queue: tuple[int, int] = (0, 0)
     """(waiting, running) after the step."""
+    switches: list[dict[str, Any]] = field(default_factory=list)
+    """Pauses between iterations to re-encode the KV pool or re-pack weights, each
+    {knob, from, to, seconds, bytes, ...} (see `Engine._switch_kv`)."""
 
     @property
     def t1(self) -> float:
@@ -180,7 +194,7 @@ class StepRecord:
     def is_empty(self) -> bool:
         """Nothing happened: no record is written for such a step."""
         return not (self.plan or self.knobs or self.arrived or self.finished or self.rejected
-                    or self.forked or self.kv)
+                    or self.forked or self.kv or self.switches)
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"kind": self.kind, "step": self.step, "t0": self.t0}
@@ -192,7 +206,7 @@ class StepRecord:
             if self.end is not None:
                 d["t1"] = self.end
         for name in ("plan", "tokens", "errors", "admitted", "preempted", "rejected",
-                     "finished", "cow", "knobs", "forked"):
+                     "finished", "cow", "knobs", "forked", "switches"):
             value = getattr(self, name)
             if value:
                 d[name] = [list(x) for x in value] if isinstance(value, list) and \
@@ -222,6 +236,7 @@ class StepRecord:
                 forked=[Forked(*x) for x in d.get("forked", [])],
                 kv=[kv_event_from_json(e, where) for e in d.get("kv", [])],
                 queue=tuple(d.get("queue", (0, 0))),
+                switches=[dict(x) for x in d.get("switches", [])],
             )
         except (KeyError, TypeError, ValueError) as e:
             raise RunFormatError(f"{where} is not a valid step record ({type(e).__name__}: "
@@ -288,6 +303,11 @@ class Checkpoint:
     """Engine counters: preemptions, copy-on-write copies."""
     figures: dict[str, Any]
     """`figures.RunFigures.to_json()`."""
+    pool: dict[str, int] | None = None
+    """The pool's `num_blocks` and `bytes_per_block` then (they change with the KV format);
+    None: the run header's."""
+    switches: list[dict[str, Any]] = field(default_factory=list)
+    """The latest KV/weight format switches before it (what the console still shows)."""
 
     def to_json(self) -> dict:
         d = {"kind": self.kind}
@@ -299,7 +319,9 @@ class Checkpoint:
     @classmethod
     def from_json(cls, d: dict, where: str) -> Checkpoint:
         try:
-            values = {f.name: d[f.name] for f in fields(cls)}
+            optional = {"pool": None, "switches": []}
+            values = {f.name: d[f.name] for f in fields(cls) if f.name not in optional}
+            values.update({k: d.get(k, v) for k, v in optional.items()})
             values["requests"] = [RequestState.from_json(r) for r in values["requests"]]
             return cls(**values)
         except (KeyError, TypeError) as e:

@@ -30,6 +30,7 @@ from runtime.records import (
     Hit,
     Ref,
     RequestState,
+    Relayout,
     Reserve,
     StepRecord,
     Unref,
@@ -47,6 +48,7 @@ class TraceState:
         self.num_blocks, self.block_size = n, p
         self.pool = BlockStates(n, p)
         self.tree = PrefixTree(self.pool)
+        self.bytes_per_block = header.get("bytes_per_block", 0)
         self.tables: dict[str, list[int]] = {}
         self.requests: dict[str, RequestState] = {}
         self.reserved: dict[str, int] = {}
@@ -59,6 +61,7 @@ class TraceState:
         self.figures = RunFigures()
         self.num_preemptions = 0
         self.num_cow = 0
+        self.switches: list[dict] = []
         self.finished: list[RequestMetrics] = []
         """Every request that finished in the applied records, for `summarize_run` (not kept
         in checkpoints: scrubbing back does not need it)."""
@@ -69,6 +72,13 @@ class TraceState:
         """Start from a mid-run checkpoint (before any step record is applied)."""
         self.step, self.time = cp.step - 1, cp.time
         self.knobs = dict(cp.knobs)
+        if cp.pool is not None and cp.pool["num_blocks"] != self.num_blocks:
+            self.num_blocks = cp.pool["num_blocks"]
+            self.pool = BlockStates(self.num_blocks, self.block_size)
+            self.tree = PrefixTree(self.pool)
+        if cp.pool is not None:
+            self.bytes_per_block = cp.pool["bytes_per_block"]
+        self.switches = list(cp.switches)
         self.tree.load(cp.nodes, cp.tree)
         for rid, table in cp.tables.items():
             self.tables[rid] = list(table)
@@ -92,7 +102,9 @@ class TraceState:
             tables={rid: list(t) for rid, t in self.tables.items()},
             reserved=dict(self.reserved), nodes=nodes, tree=tree_counters,
             counters={"preemptions": self.num_preemptions, "cow": self.num_cow},
-            figures=self.figures.to_json())
+            figures=self.figures.to_json(),
+            pool={"num_blocks": self.num_blocks, "bytes_per_block": self.bytes_per_block},
+            switches=list(self.switches))
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -120,6 +132,10 @@ class TraceState:
             self.requests[f.request_id] = dataclasses.replace(
                 parent, request_id=f.request_id, max_tokens=f.max_tokens, num_cached_tokens=0,
                 num_preemptions=0, token_times=list(parent.token_times))
+        for sw in rec.switches:  # requests preempted to fit a re-laid pool
+            for rid in sw.get("preempted", ()):
+                self._preempted(rid, rec)
+            self.switches = [*self.switches[-7:], {**sw, "step": rec.step}]
         for rid in rec.admitted:
             r = self._request(rid, rec)
             r.status = RequestStatus.RUNNING
@@ -138,10 +154,7 @@ class TraceState:
                 if r.first_token_time is None:
                     r.first_token_time = t1
         for rid in rec.preempted:
-            r = self._request(rid, rec)
-            r.status, r.num_computed_tokens = RequestStatus.PREEMPTED, 0
-            r.num_preemptions += 1
-            self.num_preemptions += 1
+            self._preempted(rid, rec)
         self.num_cow += len(rec.cow)
         for f in rec.finished:
             r = self.requests.pop(f.request_id, None)
@@ -160,6 +173,12 @@ class TraceState:
             self.figures.on_step(step_figures(rec, self.usage,
                                               self.pool.num_cached_only / self.num_blocks,
                                               self.tree.hit_rate))
+
+    def _preempted(self, rid: str, rec: StepRecord) -> None:
+        r = self._request(rid, rec)
+        r.status, r.num_computed_tokens = RequestStatus.PREEMPTED, 0
+        r.num_preemptions += 1
+        self.num_preemptions += 1
 
     def _request(self, rid: str, rec: StepRecord) -> RequestState:
         r = self.requests.get(rid)
@@ -211,6 +230,13 @@ class TraceState:
                 self.reserved.pop(ev.request_id, None)
         elif isinstance(ev, Cow):
             pass  # the Ref before it already moved the table entry; counted per step
+        elif isinstance(ev, Relayout):
+            moves = {old: new for old, new in ev.moves}
+            pool.relayout(ev.num_blocks, moves)
+            for table in self.tables.values():
+                table[:] = [moves.get(b, b) for b in table]
+            tree.move_blocks(moves, ev.bytes_per_block)
+            self.num_blocks, self.bytes_per_block = ev.num_blocks, ev.bytes_per_block
 
     def _drop(self, block: int, step: int) -> None:
         self.pool.decref(block)
@@ -236,8 +262,9 @@ class TraceState:
     def snapshot(self) -> EngineSnapshot:
         """The console's view of the engine after the last applied record."""
         h, tree = self.header, self.tree
-        kv = KVView(self.num_blocks, self.block_size, h.get("kv_format", "?"),
-                    h.get("bytes_per_block", 0), self.block_states(), self.pool.num_free,
+        kv_format = self.knobs.get("kv_format", h.get("kv_format", "?"))
+        kv = KVView(self.num_blocks, self.block_size, kv_format,
+                    self.bytes_per_block, self.block_states(), self.pool.num_free,
                     self.pool.num_cached_only, self.num_reserved, self.usage, tree.num_nodes,
                     tree.hit_rate, tree.num_evictions, self.num_cow, tree.num_query_tokens,
                     tree.num_hit_tokens)
@@ -254,6 +281,7 @@ class TraceState:
             num_rejected=counts.get("rejected", 0), num_aborted=counts.get("aborted", 0),
             num_preemptions=self.num_preemptions,
             recent=self.figures.rolling(), figures=self.figures.view(),
+            switches=tuple(self.switches),
         )
 
     def check_integrity(self) -> None:

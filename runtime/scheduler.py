@@ -214,15 +214,31 @@ class Scheduler:
         return candidates[-1][1]
 
     def _preempt(self, req: Request, plan: SchedulerOutput) -> None:
+        self._preempt_now(req, plan.time)
+        plan.preempted.append(req.request_id)
+
+    def _preempt_now(self, req: Request, now: float,
+                     why: str = "blocks freed, to be recomputed") -> None:
         self.running.remove(req)
         self.kv.release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        req.events.append((plan.time, "preempted: blocks freed, to be recomputed"))
+        req.events.append((now, f"preempted: {why}"))
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-        plan.preempted.append(req.request_id)
+
+    def preempt_to_fit(self, num_blocks: int, now: float, why: str) -> list[str]:
+        """Between steps: preempt running requests (the scheduler's usual victims, latest
+        admitted first) until the blocks they hold plus reservations fit in `num_blocks`.
+        Returns the ids preempted, in order."""
+        out: list[str] = []
+        kv = self.kv
+        while self.running and kv.pool.num_held + kv.num_reserved > num_blocks:
+            victim = self._pick_victim(set())
+            self._preempt_now(victim, now, why)
+            out.append(victim.request_id)
+        return out
 
     def _queue_order(self, now: float) -> list[Request]:
         policy = self.knobs.queue_policy

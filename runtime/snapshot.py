@@ -93,6 +93,8 @@ class KVView:
     num_cow_copies: int
     num_query_tokens: int = 0
     num_hit_tokens: int = 0
+    formats: tuple[str, ...] = ()
+    """The KV formats the executor can switch the pool to (the `kv_format` knob's choices)."""
 
     @property
     def cached_fraction(self) -> float:
@@ -172,6 +174,9 @@ class EngineSnapshot:
     """The most recently finished requests, newest last (the console's request table)."""
     detail: RequestDetail | None = None
     """The watched request (see `records.Watch`), wherever it is in its life."""
+    switches: tuple[dict, ...] = ()
+    """The latest pauses to re-encode the KV pool or re-pack weights, oldest first, each a
+    `StepRecord.switches` entry plus the step it happened before."""
 
 
 class SnapshotBuilder:
@@ -212,11 +217,11 @@ class SnapshotBuilder:
     def kv_view(self) -> KVView:
         e = self.engine
         kv, tree = e.kv, e.kv.tree
-        return KVView(kv.num_blocks, kv.block_size, e.config.kv_format, kv.bytes_per_block,
+        return KVView(kv.num_blocks, kv.block_size, e.kv_format, kv.bytes_per_block,
                       bytes(kv.pool.states), kv.pool.num_free, tree.num_evictable,
                       kv.num_reserved, kv.usage, tree.num_nodes, tree.hit_rate,
                       tree.num_evictions, kv.num_cow_copies, tree.num_query_tokens,
-                      tree.num_hit_tokens)
+                      tree.num_hit_tokens, e.kv_formats)
 
     def build(self, max_prefix_nodes: int = 256) -> EngineSnapshot:
         """Call from the engine thread (or while it is stopped)."""
@@ -245,4 +250,5 @@ class SnapshotBuilder:
             recent=e.figures.rolling(), figures=e.figures.view(),
             paused=e.paused, failure=e.failure, lag_s=e.clock.lag_s, pending_knobs=pending,
             tracked=tuple(e.tracked_outputs()), finished=finished, detail=e.watched_detail(),
+            switches=tuple(e.switches),
         )

@@ -67,13 +67,15 @@ class KnobEditor(ModalScreen[str | None]):
     """
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="knob.cancel")]
 
-    def __init__(self, name: str, value: str) -> None:
+    def __init__(self, name: str, value: str, choices: tuple[str, ...] | None = None) -> None:
+        """`choices`: the allowed values when they depend on the engine (KV formats)."""
         super().__init__()
         self.knob = name
         self.value = value
+        self.choices = choices or CHOICES.get(name)
 
     def compose(self) -> ComposeResult:
-        choices = CHOICES.get(self.knob)
+        choices = self.choices
         with Vertical():
             how = "choose a value" if choices else "type a value"
             yield Label(f"[b]{self.knob}[/] is {self.value}: {how}; Enter applies it at the "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
+from console.model_report import human_bytes
 from console.widgets.base import SnapshotPanel
 from runtime.snapshot import CACHED, CACHED_ACTIVE, FREE, PRIVATE, SHARED, EngineSnapshot
 
@@ -13,6 +14,21 @@ STYLES = {FREE: ("·", "dim"), PRIVATE: ("█", "green"), SHARED: ("█", "magen
           CACHED: ("▒", "blue"), CACHED_ACTIVE: ("█", "cyan")}
 # When several blocks share a cell, the cell shows the "busiest" state among them.
 RANK = {FREE: 0, CACHED: 1, PRIVATE: 2, CACHED_ACTIVE: 3, SHARED: 4}
+
+
+def switch_text(sw: dict) -> str:
+    """One line for a format switch: what changed, the pause and what it moved."""
+    what = "converted" if sw["knob"] == "kv_format" else "re-packed"
+    text = (f"{sw['knob']} {sw['from']} → {sw['to']} before step {sw.get('step', '?')}: "
+            f"paused {sw['seconds'] * 1e3:,.1f} ms{'' if sw.get('measured') else ' (modelled)'}"
+            f", {human_bytes(sw['bytes'])} {what}")
+    if sw["knob"] == "kv_format":
+        text += f", {sw['blocks']:,} blocks → pool {sw['num_blocks']:,}"
+        if sw.get("dropped"):
+            text += f", {sw['dropped']:,} cached dropped"
+        if sw.get("preempted"):
+            text += f", {len(sw['preempted']):,} preempted"
+    return text
 
 
 class KVMapPanel(SnapshotPanel):
@@ -31,7 +47,8 @@ class KVMapPanel(SnapshotPanel):
     def draw(self, snap: EngineSnapshot) -> None:
         kv = snap.kv
         width = max(self.size.width - 4, 8)
-        rows = max(self.size.height - 5, 1)
+        kv_switches = [sw for sw in snap.switches if sw["knob"] == "kv_format"]
+        rows = max(self.size.height - 5 - bool(kv_switches), 1)
         cells = width * rows
         per_cell = max(-(-kv.num_blocks // cells), 1)
         highlight: set[int] = set()
@@ -63,4 +80,8 @@ class KVMapPanel(SnapshotPanel):
         scale = f"1 cell = {per_cell} blocks" if per_cell > 1 else "1 cell = 1 block"
         sel = f" · highlighted: {self.selected}" if highlight else ""
         self.grid = grid
-        self.update(Group(legend, Text(scale + sel, style="dim"), grid))
+        lines = [legend, Text(scale + sel, style="dim")]
+        if kv_switches:
+            lines.append(Text(switch_text(kv_switches[-1]), style="yellow", no_wrap=True,
+                              overflow="ellipsis"))
+        self.update(Group(*lines, grid))

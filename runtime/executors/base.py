@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from runtime.plan import SchedulerOutput, StepResult
+from runtime.plan import Conversion, SchedulerOutput, StepResult
 
 
 @runtime_checkable
@@ -36,6 +36,13 @@ class Executor(Protocol):
 
     def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
         """Create (or size) the physical KV pool the block tables index into."""
+        ...
+
+    def convert_kv(self, kv_format: str, num_blocks: int, src: list[int], dst: list[int]
+                   ) -> Conversion:
+        """Re-lay the pool as `num_blocks` blocks in `kv_format`, block `dst[i]` holding what
+        block `src[i]` held (re-encoded); every other block's contents are dropped. Called
+        between iterations when the `kv_format` knob changes."""
         ...
 
     def execute(self, plan: SchedulerOutput) -> StepResult:

@@ -16,52 +16,88 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from runtime.executors.kv_codecs import KVCodec
 from runtime.plan import SchedulerOutput
 
-KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 class PagedKVCache:
-    """The block pool's bytes: one K and one V tensor per layer."""
+    """The block pool's bytes: K and V per layer, each stored as its format's parts (see
+    `kv_codecs.py`), every part shaped `[num_blocks, block_size, kv_heads, ...]`."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+                 head_dim: int, codec: KVCodec, device: torch.device):
+        self.codec = codec
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.num_layers = num_layers
+        self.head_dim = head_dim
+
+        def parts() -> list[torch.Tensor]:
+            return [torch.zeros((num_blocks, block_size, num_kv_heads, *shape), dtype=dtype,
+                                device=device) for shape, dtype in codec.part_shapes(head_dim)]
+
+        self.k = [parts() for _ in range(num_layers)]
+        self.v = [parts() for _ in range(num_layers)]
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for layer in self.k + self.v for t in layer)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_bytes // self.num_blocks
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's contents into block dst, in every layer."""
         if not pairs:
             return
-        dev = self.k[0].device
+        dev = self.k[0][0].device
         src = torch.tensor([s for s, _ in pairs], device=dev)
         dst = torch.tensor([d for _, d in pairs], device=dev)
-        for k, v in zip(self.k, self.v, strict=True):
-            k[dst] = k[src]
-            v[dst] = v[src]
+        for layer in self.k + self.v:
+            for t in layer:
+                t[dst] = t[src]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        kf = self.k[layer].view(-1, *self.k[layer].shape[2:])
-        vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
-        kf.index_copy_(0, slots, k.to(kf.dtype))
-        vf.index_copy_(0, slots, v.to(vf.dtype))
+        """Encode this step's K/V rows `[T, kv_heads, d]` into the token slots named."""
+        for stored, x in ((self.k[layer], k), (self.v[layer], v)):
+            for t, part in zip(stored, self.codec.encode(x), strict=True):
+                t.view(-1, *t.shape[2:]).index_copy_(0, slots, part)
 
-    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V for block indices `[..., nb]` as `[..., nb * block_size, kv_heads, d]`."""
+    def gather(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V for block indices `[..., nb]` as `[..., nb * block_size, kv_heads, d]` in
+        `dtype`: the stored parts are read, then decoded once."""
+        return (self._read(self.k[layer], blocks, dtype),
+                self._read(self.v[layer], blocks, dtype))
+
+    def _read(self, stored: list[torch.Tensor], blocks: torch.Tensor, dtype: torch.dtype
+              ) -> torch.Tensor:
         # index_select on a 2-D view: several times cheaper than advanced indexing here.
         flat = blocks.reshape(-1)
-        kl, vl = self.k[layer], self.v[layer]
-        shape = (*blocks.shape[:-1], blocks.shape[-1] * self.block_size, *kl.shape[-2:])
-        k = kl.view(kl.shape[0], -1).index_select(0, flat).view(shape)
-        v = vl.view(vl.shape[0], -1).index_select(0, flat).view(shape)
-        return k, v
+        lead = (*blocks.shape[:-1], blocks.shape[-1] * self.block_size)
+        parts = [t.view(t.shape[0], -1).index_select(0, flat).view(*lead, *t.shape[2:])
+                 for t in stored]
+        return self.codec.decode(parts, dtype)
+
+    def convert(self, codec: KVCodec, num_blocks: int, src: list[int], dst: list[int],
+                batch_blocks: int = 1024) -> PagedKVCache:
+        """A new pool of `num_blocks` blocks in `codec`'s format holding, at each `dst`
+        block, the contents of the matching `src` block of this pool (decoded to float32
+        and re-encoded; layer by layer, `batch_blocks` blocks at a time so the float copy
+        stays small)."""
+        device = self.k[0][0].device
+        num_kv_heads = self.k[0][0].shape[2]
+        new = PagedKVCache(self.num_layers, num_blocks, self.block_size, num_kv_heads,
+                           self.head_dim, codec, device)
+        for i in range(0, len(src), batch_blocks):
+            s = torch.tensor(src[i:i + batch_blocks], dtype=torch.long, device=device)
+            d = torch.tensor(dst[i:i + batch_blocks], dtype=torch.long, device=device)
+            for old_layers, new_layers in ((self.k, new.k), (self.v, new.v)):
+                for old, fresh in zip(old_layers, new_layers, strict=True):
+                    values = self.codec.decode([t[s] for t in old], torch.float32)
+                    for t, part in zip(fresh, codec.encode(values), strict=True):
+                        t[d] = part
+        return new
 
 
 def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, length: torch.Tensor,
@@ -161,17 +197,17 @@ def paged_attention(kv: PagedKVCache, batch: PagedBatch, layer: int, window: int
     kv.write(layer, batch.slots, k, v)
     out = torch.empty_like(q)
     if batch.decode_rows is not None:
-        keys, values = kv.gather(layer, batch.decode_blocks)        # [B, L, KVH, d]
-        qd = q[batch.decode_rows].unsqueeze(2)                       # [B, H, 1, d]
+        keys, values = kv.gather(layer, batch.decode_blocks, q.dtype)  # [B, L, KVH, d]
+        qd = q[batch.decode_rows].unsqueeze(2)                         # [B, H, 1, d]
         o = F.scaled_dot_product_attention(
-            qd, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+            qd, keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=batch.decode_masks[window], scale=scale, enable_gqa=True)
         out[batch.decode_rows] = o.squeeze(2)
     for ch in batch.prefills:
-        keys, values = kv.gather(layer, ch.blocks)                   # [L, KVH, d]
+        keys, values = kv.gather(layer, ch.blocks, q.dtype)          # [L, KVH, d]
         qc = q[ch.row:ch.row + ch.num_new].transpose(0, 1)[None]      # [1, H, n, d]
         o = F.scaled_dot_product_attention(
-            qc, keys.transpose(0, 1)[None].to(q.dtype), values.transpose(0, 1)[None].to(q.dtype),
+            qc, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
             attn_mask=ch.masks[window], scale=scale, enable_gqa=True)
         out[ch.row:ch.row + ch.num_new] = o[0].transpose(0, 1)
     return out

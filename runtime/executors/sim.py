@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from runtime.config import check_choice, check_float, check_int
 from runtime.errors import ConfigError
-from runtime.plan import SchedulerOutput, StepResult, StepTiming
+from runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
 from runtime.profiles import HardwareProfile, ModelProfile, StepFit
 
 TIMING_MODES = ("fit", "roofline")
@@ -107,11 +107,24 @@ class SimExecutor:
     # -- protocol ---------------------------------------------------------------------------
 
     def kv_bytes_per_token(self, kv_format: str) -> int:
-        self._kv_bytes_per_token = self.model.kv_bytes_per_token(kv_format)
-        return self._kv_bytes_per_token
+        return self.model.kv_bytes_per_token(kv_format)
 
     def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
-        self.kv_bytes_per_token(kv_format)  # accounting only: nothing to allocate
+        # Accounting only: nothing to allocate.
+        self._kv_bytes_per_token = self.kv_bytes_per_token(kv_format)
+        self.block_size = block_size
+
+    def convert_kv(self, kv_format: str, num_blocks: int, src: list[int], dst: list[int]
+                   ) -> Conversion:
+        """Priced, not performed: the used blocks are read in the old format and written
+        in the new one at the card's memory bandwidth (`bytes / (bandwidth · MBU)`)."""
+        tokens = len(src) * self.block_size
+        read = tokens * self._kv_bytes_per_token
+        self._kv_bytes_per_token = self.kv_bytes_per_token(kv_format)
+        written = tokens * self._kv_bytes_per_token
+        hw = self.hardware
+        return Conversion((read + written) / (hw.bandwidth_bytes_per_s * hw.mbu), False,
+                          read, written)
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
                               num_context_tokens: int) -> float:

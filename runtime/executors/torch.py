@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 
 from runtime.errors import ConfigError, StepError
-from runtime.executors.paged_kv import KV_DTYPES, PagedBatch, PagedKVCache, paged_attention
+from runtime.executors.kv_codecs import get_codec, kv_formats_for
+from runtime.executors.paged_kv import PagedBatch, PagedKVCache, paged_attention
 from runtime.models.arch import ModelConfig, model_config
 from runtime.models.gguf import read_gguf
 from runtime.models.linear import Int8Linear, Linear
 from runtime.models.transformer import Transformer
 from runtime.models.weights import load_tensors
-from runtime.plan import SchedulerOutput, StepResult, StepTiming
+from runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
 from runtime.profiles import StepFit
 from runtime.sampling import sample
 
@@ -106,18 +107,40 @@ class TorchExecutor:
 
     # -- protocol ---------------------------------------------------------------------------
 
+    @property
+    def kv_formats(self) -> list[str]:
+        """The KV formats this model's pool can use on this device."""
+        return kv_formats_for(self.cfg.info.head_dim, self.device)
+
     def kv_bytes_per_token(self, kv_format: str) -> int:
-        if kv_format not in KV_DTYPES:
-            raise ConfigError(f"The torch executor stores KV as {', '.join(KV_DTYPES)}; "
-                              f"kv_format {kv_format!r} is not supported by it yet.")
+        get_codec(kv_format, self.cfg.info.head_dim, self.device)  # refuses what cannot be
         return self.cfg.info.kv_bytes_per_token(kv_format)
 
     def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
-        self.kv_bytes_per_token(kv_format)
         info = self.cfg.info
+        codec = get_codec(kv_format, info.head_dim, self.device)
         self.kv_format = kv_format
         self.kv = PagedKVCache(info.num_layers, num_blocks, block_size, info.num_kv_heads,
-                               info.head_dim, KV_DTYPES[kv_format], self.device)
+                               info.head_dim, codec, self.device)
+
+    @torch.inference_mode()
+    def convert_kv(self, kv_format: str, num_blocks: int, src: list[int], dst: list[int]
+                   ) -> Conversion:
+        """Build the new pool beside the old one, re-encode the used blocks into it, then
+        drop the old one: for the length of the conversion both pools are resident."""
+        assert self.kv is not None, "bind_kv must run before convert_kv"
+        codec = get_codec(kv_format, self.cfg.info.head_dim, self.device)
+        t0 = time.perf_counter()
+        old = self.kv
+        self.kv = old.convert(codec, num_blocks, src, dst)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        moved = len(src) * old.block_size
+        self.kv_format = kv_format
+        return Conversion(seconds, True,
+                          moved * self.cfg.info.kv_bytes_per_token(old.codec.name),
+                          moved * self.cfg.info.kv_bytes_per_token(kv_format))
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
                               num_context_tokens: int) -> float:

@@ -110,6 +110,26 @@ class BlockStates:
         self.cached[block] = 0
         return self.decref(block)
 
+    def relayout(self, num_blocks: int, moves: dict[int, int]) -> None:
+        """Resize to `num_blocks`, first moving each used block `old` to the free id
+        `moves[old]`; afterwards no used block may lie at or beyond `num_blocks`."""
+        rc, cached, states = self.refcount, self.cached, self.states
+        for old, new in moves.items():
+            assert rc[new] == 0 and rc[old] > 0, f"cannot move block {old} onto {new}"
+            rc[new], cached[new], states[new] = rc[old], cached[old], states[old]
+            rc[old], cached[old], states[old] = 0, 0, FREE
+        grow = num_blocks - self.num_blocks
+        if grow < 0:
+            assert not any(rc[num_blocks:]), "a used block lies past the new pool's end"
+            del rc[num_blocks:], cached[num_blocks:], states[num_blocks:]
+        else:
+            rc.extend([0] * grow)
+            cached.extend(bytes(grow))
+            states.extend(bytes(grow))
+        self.num_free += grow
+        self.num_blocks = num_blocks
+        self.cache_version += 1
+
     def check_integrity(self) -> None:
         """Raise AssertionError unless refcounts, cache flags, states and counts agree."""
         rc, cached = self.refcount, self.cached
@@ -144,6 +164,10 @@ class BlockPool(BlockStates):
 
     def _freed(self, block: int) -> None:
         self._free.append(block)
+
+    def relayout(self, num_blocks: int, moves: dict[int, int]) -> None:
+        super().relayout(num_blocks, moves)
+        self._free = deque(b for b in range(num_blocks) if self.refcount[b] == 0)
 
     def check_integrity(self) -> None:
         super().check_integrity()

@@ -2,7 +2,8 @@
 
 Quantized formats store values in groups of 32 along the head dimension: `q8_0` keeps 32
 int8 codes plus one fp16 scale (34 bytes per 32 values), `q4_0` 32 4-bit codes plus one
-fp16 scale (18 bytes per 32 values). Float formats store each value on its own.
+fp16 scale (18 bytes per 32 values). Float formats store each value on its own (fp8_e4m3 in
+one byte).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ KV_FORMATS: dict[str, KVFormat] = {
         KVFormat("fp32", 1, 4),
         KVFormat("fp16", 1, 2),
         KVFormat("bf16", 1, 2),
+        KVFormat("fp8_e4m3", 1, 1),
         KVFormat("q8_0", 32, 34),
         KVFormat("q4_0", 32, 18),
     )

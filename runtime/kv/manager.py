@@ -19,7 +19,7 @@ from collections.abc import Callable
 from runtime.kv.block_pool import BlockPool
 from runtime.kv.formats import blocks_for_tokens
 from runtime.kv.prefix_tree import PrefixNode, PrefixTree, default_recompute_cost
-from runtime.records import Cache, Cow, Hit, KVEvent, Ref, Reserve, Unref
+from runtime.records import Cache, Cow, Hit, KVEvent, Ref, Relayout, Reserve, Unref
 from runtime.request import Request
 
 
@@ -61,6 +61,33 @@ class BlockManager:
             self.tree.clear()
         else:
             self._shrink_to_capacity()
+
+    def relayout(self, num_blocks: int, bytes_per_block: int, namespace: str
+                 ) -> dict[int, int]:
+        """Re-lay the pool as `num_blocks` blocks of `bytes_per_block` bytes whose cached
+        KV is filed under `namespace` (a KV format change: the executor re-encodes them).
+
+        Used blocks keep their ids where they fit; those beyond a smaller pool move to the
+        lowest free ids. The caller first frees enough (`pool.num_used <= num_blocks`).
+        Returns where every used block now is (`old -> new`, identity for most)."""
+        pool = self.pool
+        assert not self.in_flight, "the pool is re-laid only between steps"
+        assert pool.num_used <= num_blocks, "the pool holds more blocks than the new layout"
+        used = [b for b in range(pool.num_blocks) if pool.refcount[b]]
+        free_low = (b for b in range(min(num_blocks, pool.num_blocks)) if not pool.refcount[b])
+        moves = {b: next(free_low) for b in used if b >= num_blocks}
+        pool.relayout(num_blocks, moves)
+        for table in self.tables.values():
+            for i, b in enumerate(table):
+                if b in moves:
+                    table[i] = moves[b]
+        self.tree.move_blocks(moves, bytes_per_block)
+        self.tree.rename_namespace(self.namespace, namespace)
+        self.namespace = namespace
+        self.bytes_per_block = bytes_per_block
+        self.events.append(Relayout(num_blocks, bytes_per_block,
+                                    [[a, b] for a, b in moves.items()]))
+        return {b: moves.get(b, b) for b in used}
 
     # -- capacity ---------------------------------------------------------------------------
 

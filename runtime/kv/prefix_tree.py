@@ -204,6 +204,22 @@ class PrefixTree:
         self.num_hit_tokens = counters["hit_tokens"]
         self.num_evictions = counters["evictions"]
 
+    def move_blocks(self, moves: dict[int, int], bytes_per_block: int) -> None:
+        """The pool moved cached blocks (`old -> new`) and changed its block size in bytes."""
+        for node in self.node_of_block.values():
+            node.block = moves.get(node.block, node.block)
+        self.node_of_block = {n.block: n for n in self.node_of_block.values()}
+        self.bytes_per_block = bytes_per_block
+        self.version += 1
+
+    def rename_namespace(self, old: str, new: str) -> None:
+        """Cached blocks now hold KV of another kind (converted): file them under `new`."""
+        root = self.roots.pop(old, None)
+        if root is not None:
+            stale = self.roots.get(new)
+            assert stale is None or not stale.children, f"namespace {new} already has blocks"
+            self.roots[new] = root
+
     # -- eviction ---------------------------------------------------------------------------
 
     def _note_if_evictable(self, node: PrefixNode) -> None:

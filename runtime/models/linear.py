@@ -1,4 +1,11 @@
-"""Matrix weights as callables: float (`Linear`) or int8 (`Int8Linear`).
+"""Matrix weights as callables: float (`Linear`), weight-only int8 / int4 (`WeightOnlyInt8`,
+`WeightOnlyInt4`: float activations, low-bit weights) or dynamic int8 (`Int8Linear`).
+
+Weight-only formats keep activations in the compute dtype, so accuracy stays close to dense
+weights; they pay off where a step is bound by the bytes of weights read (decode at small
+batch). They use PyTorch's packed kernels where the device has them (CPU:
+`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`; CUDA: `_weight_int4pack_mm` for bf16)
+and otherwise dequantize then multiply — slower, but correct everywhere.
 
 `Int8Linear` stores weights as per-output-channel symmetric int8 and multiplies through
 FBGEMM's dynamic-quantization GEMM (activations quantized per call), the same trade llama.cpp
@@ -71,3 +78,137 @@ class Int8Linear:
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, int8: bool):
     return Int8Linear(weight, bias) if int8 else Linear(weight, bias)
+
+
+WEIGHT_FORMATS = ("dense", "int8", "int4")
+"""Weight formats a matrix can be packed in (`auto` chooses among them per step)."""
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+class WeightOnlyInt8:
+    """`y = (x · Qᵀ) ⊙ s + b`: int8 codes with one symmetric scale per output channel
+    (`s = max|w_row| / 127`), activations in float."""
+
+    format = "int8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+        self.codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.scale = scale.to(dtype)
+        self.bias = bias.to(dtype) if bias is not None else None
+        self.dtype = dtype
+        self.out_features, self.in_features = w.shape
+        self.packed = w.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(self.dtype)
+        if self.packed:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.codes, self.scale)
+        else:  # scale after the product: the same sum, without a scaled weight copy
+            y = (x2 @ self.codes.to(self.dtype).t()) * self.scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight these codes stand for (the reference the packed kernel must equal)."""
+        return self.codes.float() * self.scale.float()[:, None]
+
+    @property
+    def num_params(self) -> int:
+        return self.codes.numel()
+
+    @property
+    def num_bytes(self) -> int:
+        return self.codes.numel() + self.scale.numel() * self.scale.element_size()
+
+
+class WeightOnlyInt4:
+    """Group-wise asymmetric int4: per `group_size` inputs of a row, `scale = (max − min) / 15`
+    and `zero = min + 8·scale`, so `w ≈ (q − 8)·scale + zero` with `q` in 0..15 — the layout
+    PyTorch's int4 kernels take. Activations in float."""
+
+    format = "int4"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 group_size: int = 32):
+        w = weight.float()
+        n, k = w.shape
+        if group_size not in INT4_GROUP_SIZES or k % group_size:
+            raise ValueError(f"int4 group size {group_size} does not divide {k} inputs")
+        g = w.view(n, k // group_size, group_size)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        q = torch.clamp(torch.round((g - lo[..., None]) / scale[..., None]), 0, 15)
+        self.group_size = group_size
+        self.out_features, self.in_features = n, k
+        self.dtype = dtype
+        self.bias = bias.to(dtype) if bias is not None else None
+        # [k/gs, n, 2]: scale and zero per group, in the activation dtype.
+        self.scales_zeros = torch.stack((scale, lo + 8 * scale), -1).transpose(0, 1)             .contiguous().to(dtype)
+        codes = q.to(torch.int32).view(n, k)
+        self.kernel = None
+        if w.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            self.kernel = "cpu"
+        elif w.device.type == "cuda" and dtype == torch.bfloat16 and n % 8 == 0                 and k % 1024 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm"):
+            nibbles = codes.to(torch.uint8)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(
+                (nibbles[:, ::2] << 4 | nibbles[:, 1::2]).contiguous(), 8)
+            self.kernel = "cuda"
+        else:  # two codes a byte; dequantized on every call
+            nibbles = codes.to(torch.uint8)
+            self.packed = (nibbles[:, ::2] | nibbles[:, 1::2] << 4).contiguous()
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight these codes stand for, [out, in] float32."""
+        if self.kernel is None:
+            q = torch.stack((self.packed & 0x0F, self.packed >> 4), -1).view(
+                self.out_features, self.in_features)
+        else:  # the packed kernel against the identity recovers the weight exactly
+            eye = torch.eye(self.in_features, dtype=self.dtype, device=self.packed.device)
+            return self._packed_mm(eye).float().t().contiguous()
+        n, k, gs = self.out_features, self.in_features, self.group_size
+        sz = self.scales_zeros.float().transpose(0, 1)          # [n, k/gs, 2]
+        g = (q.view(n, k // gs, gs).float() - 8) * sz[..., :1] + sz[..., 1:]
+        return g.view(n, k)
+
+    def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size,
+                                                              self.scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size,
+                                                  self.scales_zeros)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(self.dtype)
+        if self.kernel is not None:
+            y = self._packed_mm(x2)
+        else:
+            y = x2 @ self.dequantized().to(self.dtype).t()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    @property
+    def num_params(self) -> int:
+        return self.out_features * self.in_features
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_params // 2 + self.scales_zeros.numel() * self.scales_zeros.element_size()
+
+
+def pack_matrix(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype,
+                group_size: int = 32):
+    """A matrix in weight format `fmt` (`dense` in `dtype`) from its float master copy."""
+    if fmt == "dense":
+        return Linear(weight.to(dtype), bias.to(dtype) if bias is not None else None)
+    if fmt == "int8":
+        return WeightOnlyInt8(weight, bias, dtype)
+    if fmt == "int4":
+        return WeightOnlyInt4(weight, bias, dtype, group_size)
+    raise ValueError(f"unknown weight format {fmt!r}")

@@ -71,8 +71,9 @@ def margin(row: np.ndarray) -> float:
 
 def engine(executor: TorchExecutor, tokenizer: Tokenizer | None = None, **knobs) -> Engine:
     executor.logits_log.clear()
-    return Engine(EngineConfig(kv_memory_bytes=256 << 20, kv_format="fp32",
-                               knobs=Knobs(**knobs)), executor, tokenizer=tokenizer)
+    knobs.setdefault("kv_format", "fp32")
+    return Engine(EngineConfig(kv_memory_bytes=256 << 20, knobs=Knobs(**knobs)), executor,
+                  tokenizer=tokenizer)
 
 
 def test_tokenizer_matches_llama_cpp(tokenizer: Tokenizer, llama) -> None:

@@ -35,8 +35,9 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def make_engine(path: Path, block_size: int, chunk: int, num_blocks: int = 256,
                 budget: int = 64) -> Engine:
     ex = TorchExecutor(path, device="cpu", dtype="fp32", record_logits=True)
-    cfg = EngineConfig(block_size=block_size, num_blocks=num_blocks, kv_format="fp32",
-                       knobs=Knobs(chunk_size=chunk, max_num_batched_tokens=budget))
+    cfg = EngineConfig(block_size=block_size, num_blocks=num_blocks,
+                       knobs=Knobs(chunk_size=chunk, max_num_batched_tokens=budget,
+                                   kv_format="fp32"))
     return Engine(cfg, ex)
 
 
@@ -133,8 +134,9 @@ def test_bad_arguments_are_refused(tiny_models, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="Unknown device 'tpu'"):
         TorchExecutor(tiny_models["llama"], device="tpu")
     ex = TorchExecutor(tiny_models["llama"])
-    with pytest.raises(ConfigError, match="kv_format 'q4_0' is not supported by it yet"):
-        Engine(EngineConfig(kv_format="q4_0", num_blocks=8), ex)
+    with pytest.raises(ConfigError, match=r"kv_format 'q4_0' is not available here \(head "
+                                          r"dim 16 is not a multiple of 32\)"):
+        Engine(EngineConfig(num_blocks=8, knobs=Knobs(kv_format="q4_0")), ex)
     bert = write_tiny_gguf(tmp_path / "bert.gguf", TinySpec(arch="bert"))
     with pytest.raises(ModelFileError, match="is a 'bert' model; the torch executor runs "
                                              "gemma3, llama, qwen2, qwen3."):
@@ -145,8 +147,8 @@ def test_bad_arguments_are_refused(tiny_models, tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_paged_equals_contiguous(tiny_models) -> None:
     ex = TorchExecutor(tiny_models["gemma3"], device="cuda", dtype="fp32", record_logits=True)
-    e = Engine(EngineConfig(block_size=4, num_blocks=128, kv_format="fp32",
-                            knobs=Knobs(chunk_size=7)), ex)
+    e = Engine(EngineConfig(block_size=4, num_blocks=128,
+                            knobs=Knobs(chunk_size=7, kv_format="fp32")), ex)
     for i, prompt in enumerate(PROMPTS):
         e.add_request(prompt, GREEDY6, request_id=f"r{i}")
     e.run_until_idle()

@@ -39,6 +39,6 @@ def test_blocks_and_tail_waste() -> None:
 
 
 def test_unknown_format_names_allowed() -> None:
-    allowed = r"Unknown KV format 'int3'.*fp32, fp16, bf16, q8_0, q4_0"
+    allowed = r"Unknown KV format 'int3'.*fp32, fp16, bf16, fp8_e4m3, q8_0, q4_0"
     with pytest.raises(ConfigError, match=allowed):
         get_kv_format("int3")
