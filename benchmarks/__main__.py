@@ -1,8 +1,10 @@
 """`python -m benchmarks`: run every benchmark in turn."""
 
-from benchmarks import engine_overhead, torch_vs_llama
+from benchmarks import engine_overhead, quantization, torch_vs_llama
 
 if __name__ == "__main__":
     engine_overhead.main()
     print()
     torch_vs_llama.main()
+    print()
+    quantization.main()

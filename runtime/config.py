@@ -15,6 +15,7 @@ from typing import Any
 
 from runtime.errors import ConfigError
 from runtime.kv.formats import KV_FORMATS
+from runtime.models.weight_formats import parse_weight_format
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -84,6 +85,10 @@ class Knobs:
     kv_format: str = "fp16"
     """How the KV pool stores K and V (`kv/formats.py`). A change re-encodes the pool in
     place between iterations; the block count follows the budget (`Engine._switch_kv`)."""
+    weight_format: str = "dense"
+    """Matrix weight formats, all groups or per group (`models/weight_formats.py`):
+    `int8`, `attn=int8,ffn=int4,head=bf16`, `auto`, `measured`. Re-packed between
+    iterations (`Engine._switch_weights`); the engine stores the resolved value."""
 
     def __post_init__(self) -> None:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
@@ -95,6 +100,7 @@ class Knobs:
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("prefix_cache_capacity", self.prefix_cache_capacity, 0, 1 << 30)
         check_bool("admission_control", self.admission_control)
+        parse_weight_format(self.weight_format)  # the syntax; the executor checks the rest
 
     def with_changes(self, **changes: Any) -> Knobs:
         """A validated copy with `changes` applied; unknown names raise a ConfigError."""

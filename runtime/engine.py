@@ -42,6 +42,7 @@ from runtime.kv.formats import KV_FORMATS
 from runtime.kv.manager import BlockManager
 from runtime.logs import write_failure
 from runtime.metrics import request_metrics
+from runtime.models.weight_formats import format_weight_format, parse_weight_format
 from runtime.plan import SchedulerOutput, StepResult, StepTiming, causal_pairs
 from runtime.records import (
     Abort,
@@ -100,6 +101,13 @@ class Engine:
         self.kv_bytes_per_token = executor.kv_bytes_per_token(self.kv_format)
         num_blocks = config.blocks_for_budget(self.kv_bytes_per_token)
         executor.bind_kv(num_blocks, config.block_size, self.kv_format)
+        formats = executor.resolve_weight_formats(config.knobs.weight_format)
+        if formats != executor.weight_formats:
+            executor.set_weight_formats(formats)
+        text = format_weight_format(formats)
+        if text != config.knobs.weight_format:  # knobs hold the resolved value (`measured`)
+            config = self.config = dataclasses.replace(
+                config, knobs=config.knobs.with_changes(weight_format=text))
         self.max_model_len = min(config.max_model_len or executor.max_model_len,
                                  executor.max_model_len)
         if not executor.virtual_time:
@@ -217,6 +225,11 @@ class Engine:
         apply them at the next iteration boundary. Returns the knobs that will apply."""
         with self._lock:
             new = self.submitted_knobs.with_changes(**changes)
+            if "weight_format" in changes:  # stored resolved, so pending shows the result
+                formats = self.executor.resolve_weight_formats(
+                    new.weight_format,
+                    parse_weight_format(self.submitted_knobs.weight_format))
+                new = new.with_changes(weight_format=format_weight_format(formats))
             self.check_knobs(new)
             self.submitted_knobs = new
         self.post(SetKnobs(new, changes))
@@ -271,6 +284,8 @@ class Engine:
             elif isinstance(msg, SetKnobs):
                 if msg.knobs.kv_format != self.kv_format:
                     self._switch_kv(msg.knobs.kv_format, record)
+                if msg.knobs.weight_format != self.scheduler.knobs.weight_format:
+                    self._switch_weights(msg.knobs.weight_format, record)
                 self.scheduler.apply_knobs(msg.knobs)
                 record.knobs.update(msg.changes)
             elif isinstance(msg, Pause):
@@ -327,10 +342,7 @@ class Engine:
                             self._namespace(kv_format))
         src = sorted(where)
         conv = self.executor.convert_kv(kv_format, num_blocks, src, [where[b] for b in src])
-        if self.executor.virtual_time:  # the pause takes modelled time
-            self.clock.pin()
-            self.clock.advance(conv.seconds)
-            self.clock.wait_until_due(self.stop_event)
+        self._pause_clock(conv.seconds)
         self.kv_format, self.kv_bytes_per_token = kv_format, bpt
         switch = {
             "knob": "kv_format", "from": old, "to": kv_format, "seconds": conv.seconds,
@@ -342,6 +354,29 @@ class Engine:
         self.switches.append({**switch, "step": self.step_count})
         log.info("kv_format %s → %s: %d blocks converted in %.3f s, pool %d blocks",
                  old, kv_format, len(src), conv.seconds, num_blocks)
+
+    def _switch_weights(self, text: str, record: StepRecord) -> None:
+        """Re-pack the matrices whose group changes format, between iterations, from the
+        executor's host master copy; requests wait meanwhile (nobody is preempted: the KV
+        does not change). The pause and the weight bytes go to the record's `switches`."""
+        old = self.scheduler.knobs.weight_format
+        conv = self.executor.set_weight_formats(parse_weight_format(text))
+        self._pause_clock(conv.seconds)
+        switch = {"knob": "weight_format", "from": old, "to": text, "seconds": conv.seconds,
+                  "measured": conv.measured, "bytes": conv.bytes_written,
+                  "bytes_before": conv.bytes_read}
+        record.switches.append(switch)
+        self.switches.append({**switch, "step": self.step_count})
+        log.info("weight_format %s → %s: re-packed in %.3f s, %d → %d bytes", old, text,
+                 conv.seconds, conv.bytes_read, conv.bytes_written)
+
+    def _pause_clock(self, seconds: float) -> None:
+        """A switch's pause takes modelled time on a virtual clock (measured time passes by
+        itself)."""
+        if self.executor.virtual_time:
+            self.clock.pin()
+            self.clock.advance(seconds)
+            self.clock.wait_until_due(self.stop_event)
 
     def _abort(self, rid: str, reason: str) -> None:
         req = self.scheduler.abort(rid, self.clock.now(), reason)

@@ -18,16 +18,17 @@ RANK = {FREE: 0, CACHED: 1, PRIVATE: 2, CACHED_ACTIVE: 3, SHARED: 4}
 
 def switch_text(sw: dict) -> str:
     """One line for a format switch: what changed, the pause and what it moved."""
-    what = "converted" if sw["knob"] == "kv_format" else "re-packed"
     text = (f"{sw['knob']} {sw['from']} → {sw['to']} before step {sw.get('step', '?')}: "
-            f"paused {sw['seconds'] * 1e3:,.1f} ms{'' if sw.get('measured') else ' (modelled)'}"
-            f", {human_bytes(sw['bytes'])} {what}")
-    if sw["knob"] == "kv_format":
-        text += f", {sw['blocks']:,} blocks → pool {sw['num_blocks']:,}"
-        if sw.get("dropped"):
-            text += f", {sw['dropped']:,} cached dropped"
-        if sw.get("preempted"):
-            text += f", {len(sw['preempted']):,} preempted"
+            f"paused {sw['seconds'] * 1e3:,.1f} ms{'' if sw.get('measured') else ' (modelled)'}")
+    if sw["knob"] != "kv_format":
+        return text + (f", weights {human_bytes(sw.get('bytes_before', 0))} → "
+                       f"{human_bytes(sw['bytes'])}")
+    text += f", {human_bytes(sw['bytes'])} converted"
+    text += f", {sw['blocks']:,} blocks → pool {sw['num_blocks']:,}"
+    if sw.get("dropped"):
+        text += f", {sw['dropped']:,} cached dropped"
+    if sw.get("preempted"):
+        text += f", {len(sw['preempted']):,} preempted"
     return text
 
 

@@ -45,6 +45,17 @@ class Executor(Protocol):
         between iterations when the `kv_format` knob changes."""
         ...
 
+    def resolve_weight_formats(self, text: str, current: dict[str, str] | None = None
+                               ) -> dict[str, str]:
+        """The weight format per group (`attn`, `ffn`, `head`) a `weight_format` knob value
+        names, `measured` resolved (ConfigError if this executor cannot take it)."""
+        ...
+
+    def set_weight_formats(self, formats: dict[str, str]) -> Conversion:
+        """Re-pack (or re-price) the matrices of the groups whose format changes; returns
+        the pause with the weight bytes before (`bytes_read`) and after (`bytes_written`)."""
+        ...
+
     def execute(self, plan: SchedulerOutput) -> StepResult:
         """Perform the plan's copy-on-write copies, run the forward pass for every chunk,
         and sample a token for each chunk with `sample` set."""

@@ -19,6 +19,11 @@ import torch.nn.functional as F
 from runtime.executors.kv_codecs import KVCodec
 from runtime.plan import SchedulerOutput
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """Float8 storage as bytes: CPU torch has no index_copy/index_select for float8."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 class PagedKVCache:
     """The block pool's bytes: K and V per layer, each stored as its format's parts (see
     `kv_codecs.py`), every part shaped `[num_blocks, block_size, kv_heads, ...]`."""
@@ -55,13 +60,14 @@ class PagedKVCache:
         dst = torch.tensor([d for _, d in pairs], device=dev)
         for layer in self.k + self.v:
             for t in layer:
-                t[dst] = t[src]
+                raw = _raw(t)
+                raw[dst] = raw[src]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Encode this step's K/V rows `[T, kv_heads, d]` into the token slots named."""
         for stored, x in ((self.k[layer], k), (self.v[layer], v)):
             for t, part in zip(stored, self.codec.encode(x), strict=True):
-                t.view(-1, *t.shape[2:]).index_copy_(0, slots, part)
+                _raw(t).view(-1, *t.shape[2:]).index_copy_(0, slots, _raw(part))
 
     def gather(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +81,8 @@ class PagedKVCache:
         # index_select on a 2-D view: several times cheaper than advanced indexing here.
         flat = blocks.reshape(-1)
         lead = (*blocks.shape[:-1], blocks.shape[-1] * self.block_size)
-        parts = [t.view(t.shape[0], -1).index_select(0, flat).view(*lead, *t.shape[2:])
-                 for t in stored]
+        parts = [_raw(t).view(t.shape[0], -1).index_select(0, flat)
+                 .view(*lead, *t.shape[2:]).view(t.dtype) for t in stored]
         return self.codec.decode(parts, dtype)
 
     def convert(self, codec: KVCodec, num_blocks: int, src: list[int], dst: list[int],
@@ -94,9 +100,10 @@ class PagedKVCache:
             d = torch.tensor(dst[i:i + batch_blocks], dtype=torch.long, device=device)
             for old_layers, new_layers in ((self.k, new.k), (self.v, new.v)):
                 for old, fresh in zip(old_layers, new_layers, strict=True):
-                    values = self.codec.decode([t[s] for t in old], torch.float32)
+                    values = self.codec.decode([_raw(t)[s].view(t.dtype) for t in old],
+                                               torch.float32)
                     for t, part in zip(fresh, codec.encode(values), strict=True):
-                        t[d] = part
+                        _raw(t)[d] = _raw(part)
         return new
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from runtime.config import check_choice, check_float, check_int
 from runtime.errors import ConfigError
+from runtime.models.weight_formats import GROUPS, PARAM_BYTES, parse_weight_format
 from runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
 from runtime.profiles import HardwareProfile, ModelProfile, StepFit
 
@@ -62,6 +63,10 @@ class SimConfig:
             check_int("fail_at_step", self.fail_at_step, 1, 1 << 40)
 
 
+GROUP_SHARES = {"attn": 0.25, "ffn": 0.65, "head": 0.10}
+"""Share of matrix bytes per layer group assumed when pricing weight formats."""
+
+
 class SimExecutor:
     """Executor protocol implementation driven by a timing model."""
 
@@ -85,6 +90,11 @@ class SimExecutor:
         self.vocab_size = config.vocab_size
         self.fit = self._resolve_fit()
         self._kv_bytes_per_token = self.model.kv_bytes_per_token()
+        self._fitted_kv_bytes_per_token = self._kv_bytes_per_token
+        """KV bytes per token the fitted timing was measured with (the profile's kv_dtype)."""
+        self.weight_formats = {g: "dense" for g in GROUPS}
+        self.weight_bytes = self.model.matrix_weight_bytes
+        """Matrix bytes every step reads in the current weight formats."""
         self._rid_hash: dict[str, int] = {}
         self.num_steps = 0
 
@@ -129,14 +139,45 @@ class SimExecutor:
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
                               num_context_tokens: int) -> float:
         if self.config.timing == "fit":
-            return self.fit.seconds(num_new_tokens, num_pairs)
+            # The fit was measured with the profile's weight and KV formats; other formats
+            # change the bytes each step reads, priced at the card's bandwidth.
+            hw = self.hardware
+            extra = (self.weight_bytes - self.model.matrix_weight_bytes
+                     + num_context_tokens * (self._kv_bytes_per_token
+                                             - self._fitted_kv_bytes_per_token))
+            seconds = self.fit.seconds(num_new_tokens, num_pairs)
+            return max(seconds + extra / (hw.bandwidth_bytes_per_s * hw.mbu), seconds * 0.1)
         return self._roofline(num_new_tokens, num_pairs, num_context_tokens)
+
+    def resolve_weight_formats(self, text: str, current: dict[str, str] | None = None
+                               ) -> dict[str, str]:
+        """See `TorchExecutor.resolve_weight_formats`; the sim measures no kernels, so
+        `measured` is the profile's own (dense) format."""
+        formats = parse_weight_format(text, current or self.weight_formats)
+        return {g: "dense" if f == "measured" else f for g, f in formats.items()}
+
+    def set_weight_formats(self, formats: dict[str, str]) -> Conversion:
+        """Priced, not performed: matrices are re-packed from a host master copy, so the
+        pause is the new bytes written over the host link. The sim has no per-group split
+        of the profile's matrix bytes; groups are weighed by `GROUP_SHARES` (typical of
+        8B-class models). `auto` and `measured` price as the profile's own format (the
+        sim measures no kernels); kernel arithmetic differences are not modelled."""
+        per = self.model.bytes_per_weight
+        before = self.weight_bytes
+        ratio = sum(share * PARAM_BYTES.get(formats[g], per) / per
+                    for g, share in GROUP_SHARES.items())
+        self.weight_bytes = int(self.model.matrix_weight_bytes * ratio)
+        self.weight_formats = dict(formats)
+        hw = self.hardware
+        link = hw.link_bandwidth_bytes_per_s or hw.bandwidth_bytes_per_s
+        return Conversion(self.weight_bytes / link, False, before,
+                          self.weight_bytes)
 
     def _roofline(self, num_new: int, num_pairs: int, num_context: int) -> float:
         m, hw = self.model, self.hardware
         flops = 2.0 * m.matrix_params * num_new \
             + 4.0 * num_pairs * m.num_heads * m.head_dim * m.num_layers
-        bytes_read = m.matrix_weight_bytes + num_context * self._kv_bytes_per_token
+        bytes_read = self.weight_bytes + num_context * self._kv_bytes_per_token
         return max(flops / (hw.peak_flops * hw.mfu),
                    bytes_read / (hw.bandwidth_bytes_per_s * hw.mbu))
 
@@ -160,7 +201,7 @@ class SimExecutor:
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decode_tokens=plan.num_decode_tokens,
             num_pairs=num_pairs,
-            bytes_read=self.model.matrix_weight_bytes + context * self._kv_bytes_per_token,
+            bytes_read=self.weight_bytes + context * self._kv_bytes_per_token,
         )
         return StepResult(sampled, timing)
 

@@ -23,7 +23,11 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(layer, q [T, H, d], k [T, KVH, d], v [T, KVH, d]) -> attention output [T, H, d]."""
 
 
-Matmul = Linear | Int8Linear
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+"""A packed matrix (`linear.py`): called on activations, with `num_params`, `num_bytes`."""
+Packer = Callable[[torch.Tensor, "torch.Tensor | None", str, str], Matmul]
+"""(master weight, bias, format, group) -> the matrix in that format."""
+GROUP_MATRICES = {"attn": ("wq", "wk", "wv", "wo"), "ffn": ("w_gate", "w_up", "w_down")}
 
 
 @dataclass
@@ -63,12 +67,17 @@ class Transformer:
             info.num_heads, info.num_kv_heads, info.head_dim
         self.emb = tensors["token_embd.weight"]
         head = tensors.get("output.weight", self.emb)  # tied to the embeddings when absent
+        self.head_master = head
         self.head = make_linear(head, None, int8 or int8_head)
         self.shortlist_head: Int8Linear | None = None
         """An int8 copy of a wide float head, used to shortlist greedy candidates."""
         self.out_norm = tensors["output_norm.weight"]
         self.device, self.dtype = self.emb.device, self.emb.dtype
+        self.masters: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = []
+        """Per layer, each matrix's float weight and bias as loaded: what re-packing into
+        another weight format starts from (dense weights in the compute dtype share it)."""
         self.layers = [self._layer(tensors, i) for i in range(info.num_layers)]
+        self.weight_formats = {"attn": "dense", "ffn": "dense", "head": "dense"}
         rope_scale = tensors.get("rope_freqs.weight")
         d = self.head_dim
         self._inv_freq: dict[float, torch.Tensor] = {}
@@ -91,11 +100,17 @@ class Transformer:
                                      "which its architecture requires.")
             return tensor
 
+        masters: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.masters.append(masters)
+        fields = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+                  "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
+
         def lin(name: str, bias: str | None = None) -> Matmul:
             # Biases are required where the architecture has them (Qwen2) and used when a
             # file of another family carries them anyway, as llama.cpp does.
-            return make_linear(get(name), get(bias, spec.qkv_bias) if bias else None,
-                               self.int8)
+            w, b = get(name), get(bias, spec.qkv_bias) if bias else None
+            masters[fields[name.split(".")[0]]] = (w, b)
+            return make_linear(w, b, self.int8)
 
         return LayerWeights(
             attn_norm=get("attn_norm.weight"), wq=lin("attn_q.weight", "attn_q.bias"),
@@ -175,6 +190,28 @@ class Transformer:
         weights = self.head.weight[candidates]                                       # [S, k, d]
         exact = torch.einsum("sd,skd->sk", h.to(weights.dtype), weights)
         return candidates.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1).tolist()
+
+    # -- weight formats ---------------------------------------------------------------------
+
+    def set_weight_formats(self, formats: dict[str, str], pack: Packer) -> None:
+        """Re-pack the groups whose format changes (`weight_formats.py`) from the masters."""
+        for group, fmt in formats.items():
+            if self.weight_formats.get(group) == fmt:
+                continue
+            if group == "head":
+                self.head = None  # drop the old packing before building the new one
+                self.head = pack(self.head_master, None, fmt, group)
+            else:
+                for layer, masters in zip(self.layers, self.masters, strict=True):
+                    for name in GROUP_MATRICES[group]:
+                        setattr(layer, name, None)
+                        setattr(layer, name, pack(*masters[name], fmt, group))
+            self.weight_formats[group] = fmt
+
+    def group_matrices(self, group: str) -> list[Matmul]:
+        if group == "head":
+            return [self.head]
+        return [getattr(w, n) for w in self.layers for n in GROUP_MATRICES[group]]
 
     # -- whole pass -------------------------------------------------------------------------
 

@@ -1,0 +1,228 @@
+"""A start-up micro-benchmark of the matrix kernels on this machine, for this model's shapes.
+
+The same weight format can be the fastest or the slowest depending on the CPU and on the
+activation dtype (on an AVX-512 machine with BF16 and VNNI, Gemma 3's 262,144 × 640 head at
+batch 1: 56 ms fp32, 21 ms bf16, 12 ms int8 with bf16 activations, 71 ms int8 with fp32
+activations; on an AVX2 machine bf16 is ~8× slower than fp32). So kvdeck measures instead of
+guessing per device type: for one matrix of each layer group (`attn`: the Q projection,
+`ffn`: the up projection, `head`: the output head) and each (weight format, activation
+dtype) pair, the time of one product at 1, 8 and 32 rows. From the table:
+
+- each quantized format's activation dtype is the one fastest at one row;
+- `measured` (the default weight format) is, per group, the faster at one row of dense
+  weights in the compute dtype and int8 weight-only — decode of one request is what an
+  interactive user feels, and int8 keeps accuracy close to dense (int4 is offered, never
+  chosen for the user);
+- `auto` switches a group from int8 to dense at its crossover: the fewest rows at which
+  dense is at least as fast.
+
+Results are cached per machine, torch version, thread count, device and shapes in
+`$KVDECK_CACHE/kernels/` (a JSON file), so only the first start pays (a few seconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.models.linear import pack_matrix
+
+log = logging.getLogger("kvdeck.kernels")
+
+ROWS = (1, 8, 32)
+FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+VERSION = 1
+MAX_ROWS_TIMED = 32_768
+
+
+def candidates(device: torch.device) -> list[tuple[str, str]]:
+    """(weight format, activation dtype) pairs worth timing on `device`."""
+    acts = ["fp32", "bf16"] + (["fp16"] if device.type != "cpu" else [])
+    pairs = [(f, f) for f in acts]
+    pairs += [(q, a) for q in ("int8", "int4") for a in acts]
+    return pairs
+
+
+@dataclass
+class KernelTable:
+    """Seconds per product: `times[group][f"{format}/{act}"][str(rows)]` (None: skipped
+    as hopeless after one row)."""
+
+    times: dict[str, dict[str, dict[str, float | None]]]
+    compute: str
+    """The model's compute dtype (dense weights in it are the baseline)."""
+    seconds_spent: float = 0.0
+    cached: bool = False
+    machine: dict[str, str] = field(default_factory=dict)
+
+    def time(self, group: str, fmt: str, act: str, rows: int) -> float:
+        """Seconds for `rows` rows (interpolated linearly between measured row counts)."""
+        table = self.times[group].get(f"{fmt}/{act}")
+        if table is None:
+            return float("inf")
+        pts = [(int(r), t) for r, t in table.items() if t is not None]
+        if not pts:
+            return float("inf")
+        pts.sort()
+        if rows <= pts[0][0] or len(pts) == 1:
+            return pts[0][1] if rows <= pts[0][0] else pts[-1][1]
+        for (r0, t0), (r1, t1) in zip(pts, pts[1:], strict=False):
+            if rows <= r1:
+                return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        return pts[-1][1] * rows / pts[-1][0]
+
+    def best_act(self, fmt: str) -> str:
+        """The activation dtype with which `fmt` is fastest at one row, over all groups."""
+        if fmt in FLOAT:
+            return fmt
+        acts = {key.split("/")[1] for g in self.times.values() for key in g
+                if key.startswith(fmt + "/")}
+        return min(sorted(acts), key=lambda a: sum(self.time(g, fmt, a, 1) for g in self.times))
+
+    def fastest(self, group: str, formats: tuple[str, ...], rows: int,
+                act_for=None) -> str:
+        """The format fastest at `rows` rows; `act_for(format)` names the activation dtype
+        used (default: each format's fastest)."""
+        act = act_for or self.best_act
+        return min(formats, key=lambda f: self.time(group, f, f if f in FLOAT else act(f),
+                                                    rows))
+
+    def measured_choice(self, act_for=None) -> dict[str, str]:
+        """Per group, the faster at one row of dense compute-dtype weights and int8."""
+        return {g: self.fastest(g, (self.compute, "int8"), 1, act_for) for g in self.times}
+
+    def crossover(self, group: str, low: str, high: str, limit: int = 256) -> int | None:
+        """The fewest rows at which `high` is at least as fast as `low` (None: never up to
+        `limit`, or `high` is faster from one row)."""
+        a, b = self.best_act(low), self.best_act(high)
+        if self.time(group, high, b, 1) <= self.time(group, low, a, 1):
+            return None
+        for rows in range(2, limit + 1):
+            if self.time(group, high, b, rows) <= self.time(group, low, a, rows):
+                return rows
+        return None
+
+    def to_json(self) -> dict:
+        return {"version": VERSION, "times": self.times, "compute": self.compute,
+                "seconds_spent": self.seconds_spent, "machine": self.machine}
+
+
+def _machine(device: torch.device) -> dict[str, str]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "torch": torch.__version__, "threads": str(torch.get_num_threads()),
+            "device": device.type,
+            "capability": str(torch.backends.cpu.get_cpu_capability())}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _time_once(fn, x: torch.Tensor, device: torch.device, reps: int) -> float:
+    fn(x)  # warm-up: packing caches, allocator
+    best = float("inf")
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.inference_mode()
+def measure(shapes: dict[str, tuple[int, int]], device: torch.device, compute: str,
+            group_size: int = 32, int8_group_size: int = 0, reps: int = 2) -> KernelTable:
+    """Time every candidate pair on random weights of each group's shape (out, in)."""
+    t_start = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    times: dict[str, dict[str, dict[str, float | None]]] = {}
+    for group, (n_full, k) in shapes.items():
+        # A tall matrix (an output head) is timed on a slice of its rows and scaled: its
+        # products are bound by the bytes read, which grow with the rows; packing the
+        # whole 168M-weight head in every format would cost more than the measurement.
+        n = min(n_full, MAX_ROWS_TIMED)
+        scale = n_full / n
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(device)
+        times[group] = {}
+        best_one = float("inf")
+        for fmt, act in candidates(device):
+            try:
+                m = pack_matrix(w, None, "dense" if fmt in FLOAT else fmt, FLOAT[act],
+                                group_size, int8_group_size)
+            except (RuntimeError, ValueError):  # no kernel for this pair here
+                continue
+            row: dict[str, float | None] = {}
+            for rows in ROWS:
+                x = torch.randn(rows, k, generator=gen).to(device=device, dtype=FLOAT[compute])
+                if rows > 1 and row[str(ROWS[0])] > 4 * best_one:
+                    row[str(rows)] = None  # hopeless at one row: not worth the time
+                    continue
+                try:
+                    row[str(rows)] = _time_once(m, x, device, reps) * scale
+                except RuntimeError:
+                    row[str(rows)] = None
+            if row.get("1") is not None:
+                best_one = min(best_one, row["1"])
+            times[group][f"{fmt}/{act}"] = row
+            del m
+    return KernelTable(times, compute, time.perf_counter() - t_start, False, _machine(device))
+
+
+def load_or_measure(shapes: dict[str, tuple[int, int]], device: torch.device, compute: str,
+                    cache_dir: Path | None, group_size: int = 32,
+                    int8_group_size: int = 0) -> KernelTable:
+    """The cached table for this machine and these shapes, or a fresh measurement (saved)."""
+    machine = _machine(device)
+    key = json.dumps({"machine": machine, "shapes": shapes, "compute": compute,
+                      "group_size": group_size, "int8_group_size": int8_group_size,
+                      "version": VERSION}, sort_keys=True)
+    path = None
+    if cache_dir is not None:
+        path = cache_dir / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+        try:
+            d = json.loads(path.read_text())
+            if d.get("version") == VERSION:
+                return KernelTable(d["times"], d["compute"], d.get("seconds_spent", 0.0), True,
+                                   d.get("machine", {}))
+        except (OSError, ValueError, KeyError):
+            pass
+    table = measure(shapes, device, compute, group_size, int8_group_size)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(table.to_json(), indent=1))
+        except OSError as e:
+            log.warning("could not cache the kernel table at %s: %s", path, e)
+    return table
+
+
+def describe(table: KernelTable, rows: tuple[int, ...] = (1, 8, 32)) -> list[str]:
+    """Lines for a log or the console: per group, each format's best time at some rows."""
+    out = []
+    for group in table.times:
+        parts = []
+        for fmt in ("fp32", "bf16", "fp16", "int8", "int4"):
+            act = table.best_act(fmt)
+            t = [table.time(group, fmt, act, r) for r in rows]
+            if all(x == float("inf") for x in t):
+                continue
+            label = fmt if fmt in FLOAT else f"{fmt}({act})"
+            parts.append(f"{label} " + "/".join(f"{x * 1e3:.2f}" for x in t))
+        out.append(f"{group} ms at {'/'.join(map(str, rows))} rows: " + ", ".join(parts))
+    return out
