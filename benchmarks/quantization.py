@@ -40,7 +40,7 @@ from runtime.kv.formats import KV_FORMATS
 from runtime.models.kernels import describe
 from runtime.models.registry import DEFAULT_MODEL, resolve_model
 from runtime.models.weight_formats import GROUPS
-from runtime.quality import QualityCache, measure_formats
+from runtime.quality import measure_formats
 from runtime.records import StepRecord
 from runtime.request import SamplingParams
 from runtime.tokenizer import Tokenizer
@@ -187,7 +187,7 @@ def quality(path: Path, tok: Tokenizer, threads: int) -> list:
         weights = ("bf16", "int8", "int4") if act == "measured" else ("int8",)
         kv = tuple(f for f in kv_formats_for(ex.cfg.info.head_dim, ex.device)
                    if f != "fp32") if act == "measured" else ()
-        for q in measure_formats(ex, tok, weights, kv, QualityCache.for_executor(ex)):
+        for q in measure_formats(ex, tok, weights, kv):
             where = ", ".join(f"pos {p} margin {m:.3f}" for p, m in q.disagreements[:4])
             print(f"  {q.line()} [{label if q.label.startswith('weights int') else ''}]"
                   + (f"; first disagreements: {where}" if where else ""))

@@ -118,7 +118,12 @@ class KvdeckApp(ConsoleApp):
         self.query_one(HardwareStrip).refresh_readings()
         if self.hardware:
             self.set_interval(1.0, self.query_one(HardwareStrip).refresh_readings)
-        self.render_snapshot(self.engine.snapshot())
+        snap = self.engine.snapshot()
+        self.render_snapshot(snap)
+        if snap.weights is not None and snap.weights.kernels:
+            self.notify(f"weights {snap.knobs.weight_format}, measured at start-up (ms at "
+                        "1/8/32 rows):\n" + "\n".join(snap.weights.kernels),
+                        title="Weight formats", timeout=12)
         with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
             # SIGINT and SIGTERM quit as `q` does (not in a test's thread or on Windows).
             loop = asyncio.get_running_loop()
@@ -166,7 +171,7 @@ class KvdeckApp(ConsoleApp):
         for panel in SNAPSHOT_PANELS:
             main.query_one(panel).show(snap)
         main.query_one(KnobsPanel).show_values(snap.knobs, self.traffic_values(),
-                                               snap.pending_knobs)
+                                               snap.pending_knobs, snap.weights)
         main.query_one(PromptPanel).show_tracked(
             next((t for t in snap.tracked if t.request_id == self.prompt_id), None))
         main.query_one(Banner).show(snap)

@@ -75,6 +75,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("dtype", ("--dtype",), str, "fp32, bf16, fp16, int8, int8-head (torch; default per "
          "device).", EXECUTOR),
     Flag("threads", ("--threads",), int, "CPU threads (torch).", EXECUTOR),
+    Flag("int4_group_size", ("--int4-group-size",), int,
+         "Inputs per scale of int4 weights: 32, 64, 128, 256 (torch; default 32).", EXECUTOR),
+    Flag("int8_group_size", ("--int8-group-size",), int,
+         "Inputs per scale of int8 weights, 0 = one per output channel (torch; default 64).",
+         EXECUTOR),
+    Flag("weight_activations", ("--weight-activations",), str,
+         "Activation dtype of int8/int4 products: measured (the fastest here), fp32, bf16, "
+         "fp16 (torch; default measured).", EXECUTOR),
     Flag("pace", ("--pace",), float, "Sim behind the console or API: virtual seconds per wall "
          "second (default 1).", EXECUTOR),
     Flag("served_model_name", ("--served-model-name",), str,
@@ -83,7 +91,7 @@ FLAGS: tuple[Flag, ...] = (
          ENGINE),
     Flag("block_size", ("--block-size",), int, "KV block size in tokens (default 16).", ENGINE),
     Flag("kv_format", ("--kv-cache-dtype",), str,
-         f"auto, {', '.join(KV_FORMATS)} ({_defaults('kv_format')}).", ENGINE),
+         f"auto, {', '.join(KV_FORMATS)} ({_defaults('kv_format')}; live-tunable).", ENGINE),
     Flag("kv_memory_bytes", ("--kv-memory-gib",), float,
          f"KV pool budget in GiB ({_defaults('kv_memory_bytes', GIB)}).", ENGINE,
          convert=lambda gib: _gib_to_bytes(gib)),
@@ -112,6 +120,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("admission_control", ("--admission-control/--no-admission-control",), bool,
          "Check deadlines against the timing model before admitting (default off).", KNOBS),
     Flag("on_deadline_miss", ("--on-deadline-miss",), str, _one_of("on_deadline_miss"),
+         KNOBS),
+    Flag("weight_format", ("--weight-format",), str,
+         "Matrix weights: dense, fp32, bf16, fp16, int8, int4, auto or measured (the fastest "
+         "at batch 1 of dense and int8, by a start-up micro-benchmark), for all groups or "
+         f"per group like attn=int8,ffn=int4,head=bf16 ({_defaults('weight_format')}).",
          KNOBS),
     Flag("model_profile", ("--model-profile",), str, "Model profile (default qwen3-8b).", SIM),
     Flag("hardware", ("--hardware",), str, "Hardware profile (default rtx-pro-6000).", SIM),

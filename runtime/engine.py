@@ -128,6 +128,9 @@ class Engine:
                 c, causal_pairs(c, h), h + c),
             clock=lambda: self.step_count,
         )
+        self.weights_view = None
+        """What snapshots show of the weights (refreshed after every format switch)."""
+        self._refresh_weights_view()
         self.scheduler = Scheduler(config, self.kv, executor.estimate_step_seconds,
                                    self.max_model_len, executor.eos_token_ids)
         self.check_knobs(k)
@@ -352,6 +355,7 @@ class Engine:
             "preempted": preempted}
         record.switches.append(switch)
         self.switches.append({**switch, "step": self.step_count})
+        self._refresh_weights_view()
         log.info("kv_format %s → %s: %d blocks converted in %.3f s, pool %d blocks",
                  old, kv_format, len(src), conv.seconds, num_blocks)
 
@@ -367,8 +371,13 @@ class Engine:
                   "bytes_before": conv.bytes_read}
         record.switches.append(switch)
         self.switches.append({**switch, "step": self.step_count})
+        self._refresh_weights_view()
         log.info("weight_format %s → %s: re-packed in %.3f s, %d → %d bytes", old, text,
                  conv.seconds, conv.bytes_read, conv.bytes_written)
+
+    def _refresh_weights_view(self) -> None:
+        describe = getattr(self.executor, "describe_weights", None)
+        self.weights_view = describe(self.kv_format) if describe is not None else None
 
     def _pause_clock(self, seconds: float) -> None:
         """A switch's pause takes modelled time on a virtual clock (measured time passes by

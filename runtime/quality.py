@@ -34,7 +34,7 @@ from runtime.resources import cache_dir
 QUALITY_TOKENS = 512
 TOP_K = 64
 PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ",
-           "Paged attention stores the key-value cache in")
+           "The three primary colors are")
 CONTINUATION = 32
 PASSAGE = Path(__file__).with_name("passage.txt")
 
@@ -60,6 +60,10 @@ class Quality:
     """(position, the reference's top-two margin there) where the top-1 differs."""
     identical_greedy: list[int] | None = None
     """Per fixed prompt, greedy tokens identical to the reference (None: not measured)."""
+
+    def short(self) -> str:
+        """A few words for the knobs panel."""
+        return f"top-1 {self.top1_agreement:.1%} · |Δ| {self.mean_abs_dlogit:.2f}"
 
     def line(self) -> str:
         g = f", greedy identical {'/'.join(map(str, self.identical_greedy))} of " \
@@ -123,13 +127,17 @@ class QualityCache:
     """Quality figures per model file and format label, kept as JSON."""
 
     @classmethod
-    def for_executor(cls, executor, directory: Path | None = None) -> QualityCache:
-        """The cache for a `TorchExecutor`'s model, group sizes and kernel choices."""
-        act = executor.activations_for
-        variant = (f"int8 g{executor.int8_group_size} {act('int8')}, int4 "
-                   f"g{executor.int4_group_size} {act('int4')}, compute "
-                   f"{executor.dtype_name}")
-        return cls(executor.model_path, directory, variant)
+    def for_executor(cls, executor, part: str, directory: Path | None = None
+                     ) -> QualityCache:
+        """The cache of a `TorchExecutor`'s figures for `part`: "weights" (keyed also by
+        group sizes and the activation dtypes of quantized products, which need the
+        kernel table) or "kv" (by the compute dtype only)."""
+        variant = f"compute {executor.dtype_name}"
+        if part == "weights":
+            act = executor.activations_for
+            variant += (f", int8 g{executor.int8_group_size} {act('int8')}, int4 "
+                        f"g{executor.int4_group_size} {act('int4')}")
+        return cls(executor.model_path, directory, f"{part}: {variant}")
 
     def __init__(self, model_path: Path, directory: Path | None = None, variant: str = ""):
         """`variant`: what else decides the figures (group sizes, activation dtypes)."""
@@ -161,11 +169,12 @@ class QualityCache:
 
 
 def measure_formats(executor, tokenizer, weight_formats: tuple[str, ...],
-                    kv_formats: tuple[str, ...], cache: QualityCache | None = None,
-                    greedy: bool = True) -> list[Quality]:
+                    kv_formats: tuple[str, ...], directory: Path | None = None,
+                    greedy: bool = True, use_cache: bool = True) -> list[Quality]:
     """Quality of each weight format (with fp32 KV) and each KV format (with dense fp32
-    weights) on a `TorchExecutor` whose compute dtype is fp32. Cached figures are reused;
-    the executor is left with dense weights."""
+    weights) on a `TorchExecutor` whose compute dtype is fp32. Cached figures are reused
+    and new ones cached (`QualityCache.for_executor`); the executor is left with dense
+    weights."""
     from runtime.config import EngineConfig, Knobs
     from runtime.engine import Engine
     from runtime.executors.kv_codecs import get_codec
@@ -173,7 +182,13 @@ def measure_formats(executor, tokenizer, weight_formats: tuple[str, ...],
     from runtime.request import SamplingParams
 
     labels = [f"weights {w}" for w in weight_formats] + [f"kv {k}" for k in kv_formats]
-    cached = {lb: cache.get(lb) for lb in labels} if cache is not None else {}
+    caches = {part: QualityCache.for_executor(executor, part, directory)
+              for part in ("weights", "kv")} if use_cache else {}
+
+    def cache_of(label: str) -> QualityCache | None:
+        return caches.get(label.split()[0]) if caches else None
+
+    cached = {lb: cache_of(lb).get(lb) for lb in labels} if caches else {}
     if all(q is not None and (q.identical_greedy is not None or not greedy)
            for q in cached.values()) and cached:
         return [cached[lb] for lb in labels]
@@ -211,8 +226,8 @@ def measure_formats(executor, tokenizer, weight_formats: tuple[str, ...],
             if greedy:
                 q.identical_greedy = [identical_prefix(a, b) for a, b in
                                       zip(continuations("fp32"), ref_greedy, strict=True)]
-            if cache is not None:
-                cache.put(q)
+            if caches:
+                cache_of(label).put(q)
         out.append(q)
     set_weights("dense")
     for k in kv_formats:
@@ -224,7 +239,7 @@ def measure_formats(executor, tokenizer, weight_formats: tuple[str, ...],
             if greedy:
                 q.identical_greedy = [identical_prefix(a, b) for a, b in
                                       zip(continuations(k), ref_greedy, strict=True)]
-            if cache is not None:
-                cache.put(q)
+            if caches:
+                cache_of(label).put(q)
         out.append(q)
     return out

@@ -59,7 +59,10 @@ def build_executor(settings: Settings, sim: SimConfig | None = None,
     from runtime.models.registry import resolve_model
 
     return TorchExecutor(resolve_model(s.model or DEFAULT_MODEL), device=s.device,
-                         dtype=s.dtype, threads=s.threads, seed=settings.engine.seed)
+                         dtype=s.dtype, threads=s.threads, seed=settings.engine.seed,
+                         int4_group_size=s.int4_group_size,
+                         int8_group_size=s.int8_group_size,
+                         weight_activations=s.weight_activations)
 
 
 def _real_tokenizer(model: str | Path):

@@ -35,10 +35,11 @@ GIB = 1 << 30
 EXECUTOR_DEFAULTS: dict[str, dict[str, Any]] = {
     # A datacenter card: Qwen3-8B on an RTX PRO 6000 with 16 GiB of KV.
     "sim": {"kv_memory_bytes": 16 * GIB, "kv_format": "bf16",
-            "max_num_batched_tokens": 8192, "chunk_size": 2048},
-    # A laptop CPU: small steps keep every stream moving.
+            "max_num_batched_tokens": 8192, "chunk_size": 2048, "weight_format": "dense"},
+    # A laptop CPU: small steps keep every stream moving; weights as the start-up
+    # micro-benchmark finds fastest for one request (`runtime/models/kernels.py`).
     "torch": {"kv_memory_bytes": GIB // 2, "kv_format": "fp16",
-              "max_num_batched_tokens": 512, "chunk_size": 256},
+              "max_num_batched_tokens": 512, "chunk_size": 256, "weight_format": "measured"},
 }
 """Per-executor defaults that differ from the dataclasses' own."""
 
@@ -55,6 +56,9 @@ class SessionOptions:
     device: str = "auto"
     dtype: str | None = None
     threads: int | None = None
+    int4_group_size: int = 32
+    int8_group_size: int = 64
+    weight_activations: str = "measured"
     pace: float = 1.0
     """Sim behind the console or the API: virtual seconds per wall second."""
     served_model_name: str | None = None

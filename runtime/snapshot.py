@@ -76,6 +76,22 @@ class BatchView:
 
 
 @dataclass(frozen=True)
+class WeightsView:
+    """The executor's matrix weights: formats, bytes, the kernel measurements behind the
+    choice, and cached quality figures of the current formats (`runtime/quality.py`)."""
+
+    formats: str
+    """The `weight_format` knob's resolved value."""
+    resident_bytes: int
+    detail: str = ""
+    """How quantized formats run here (activation dtype, group sizes)."""
+    kernels: tuple[str, ...] = ()
+    """The start-up micro-benchmark's figures (`kernels.describe`); empty if not measured."""
+    quality: tuple[tuple[str, str], ...] = ()
+    """(knob, figure) for the current weight and KV formats whose quality is cached."""
+
+
+@dataclass(frozen=True)
 class KVView:
     num_blocks: int
     block_size: int
@@ -174,6 +190,7 @@ class EngineSnapshot:
     """The most recently finished requests, newest last (the console's request table)."""
     detail: RequestDetail | None = None
     """The watched request (see `records.Watch`), wherever it is in its life."""
+    weights: WeightsView | None = None
     switches: tuple[dict, ...] = ()
     """The latest pauses to re-encode the KV pool or re-pack weights, oldest first, each a
     `StepRecord.switches` entry plus the step it happened before."""
@@ -250,5 +267,5 @@ class SnapshotBuilder:
             recent=e.figures.rolling(), figures=e.figures.view(),
             paused=e.paused, failure=e.failure, lag_s=e.clock.lag_s, pending_knobs=pending,
             tracked=tuple(e.tracked_outputs()), finished=finished, detail=e.watched_detail(),
-            switches=tuple(e.switches),
+            switches=tuple(e.switches), weights=e.weights_view,
         )

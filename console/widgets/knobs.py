@@ -16,8 +16,10 @@ from textual.coordinate import Coordinate
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Label, OptionList
 
+from console.model_report import human_bytes
 from runtime.config import KNOB_CHOICES, Knobs
 from runtime.errors import ConfigError
+from runtime.snapshot import WeightsView
 
 TRAFFIC_KNOBS = ("traffic_rate_per_s", "traffic_long_fraction")
 KNOB_TYPES = {f.name: f.type for f in dataclasses.fields(Knobs)}
@@ -112,15 +114,23 @@ class KnobsPanel(DataTable):
         """Each knob's current value as text (what the editor starts from)."""
 
     def show_values(self, knobs: Knobs, traffic: dict[str, float],
-                    pending: Knobs | None = None) -> None:
-        """Current values; a knob submitted but not applied yet shows `old → new`."""
+                    pending: Knobs | None = None, weights: WeightsView | None = None) -> None:
+        """Current values; a knob submitted but not applied yet shows `old → new`; the
+        weight and KV formats show their measured quality beside them when it is cached,
+        and the subtitle the weights' bytes."""
         later = dataclasses.asdict(pending) if pending is not None else {}
+        quality = dict(weights.quality) if weights is not None else {}
+        if weights is not None:
+            self.border_subtitle = f"weights {human_bytes(weights.resident_bytes)}" + (
+                f" · {weights.detail}" if weights.detail else "")
         for name, value in {**dataclasses.asdict(knobs), **traffic}.items():
             text = shown(value)
             self.values[name] = text
             cell: object = text
             if name in later and later[name] != value:
                 cell = Text(f"{text} → {shown(later[name])} (next step)", style="bold yellow")
+            elif name in quality:
+                cell = Text.assemble(text, (f"  {quality[name]}", "dim"))
             new_row = name not in self._shown
             if new_row:
                 self.add_row(name, cell, key=name)
@@ -139,7 +149,9 @@ class KnobsPanel(DataTable):
         if not self._shown:
             return
         name_col = self.columns[self._knob_col]
-        value_width = max(len(v) for v in self._shown.values())
+        # A value and a pending change must show whole; quality figures may be cut.
+        value_width = max(len(self.values.get(n, v)) if "top-1" in v else len(v)
+                          for n, v in self._shown.items())
         room = self.scrollable_content_region.width - value_width - 2 * self.cell_padding - 1
         longest = max(len(n) for n in self._shown)
         name_col.auto_width = room >= longest

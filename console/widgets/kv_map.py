@@ -49,7 +49,9 @@ class KVMapPanel(SnapshotPanel):
         kv = snap.kv
         width = max(self.size.width - 4, 8)
         kv_switches = [sw for sw in snap.switches if sw["knob"] == "kv_format"]
-        rows = max(self.size.height - 5 - bool(kv_switches), 1)
+        switch = switch_text(kv_switches[-1]) if kv_switches else ""
+        switch_rows = -(-len(switch) // width) if switch else 0
+        rows = max(self.size.height - 5 - switch_rows, 1)
         cells = width * rows
         per_cell = max(-(-kv.num_blocks // cells), 1)
         highlight: set[int] = set()
@@ -82,7 +84,6 @@ class KVMapPanel(SnapshotPanel):
         sel = f" · highlighted: {self.selected}" if highlight else ""
         self.grid = grid
         lines = [legend, Text(scale + sel, style="dim")]
-        if kv_switches:
-            lines.append(Text(switch_text(kv_switches[-1]), style="yellow", no_wrap=True,
-                              overflow="ellipsis"))
+        if switch:
+            lines.append(Text(switch, style="yellow"))
         self.update(Group(*lines, grid))

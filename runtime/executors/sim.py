@@ -14,9 +14,15 @@ from dataclasses import dataclass
 
 from runtime.config import check_choice, check_float, check_int
 from runtime.errors import ConfigError
-from runtime.models.weight_formats import GROUPS, PARAM_BYTES, parse_weight_format
+from runtime.models.weight_formats import (
+    GROUPS,
+    PARAM_BYTES,
+    format_weight_format,
+    parse_weight_format,
+)
 from runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
 from runtime.profiles import HardwareProfile, ModelProfile, StepFit
+from runtime.snapshot import WeightsView
 
 TIMING_MODES = ("fit", "roofline")
 _MASK = (1 << 64) - 1
@@ -155,6 +161,11 @@ class SimExecutor:
         `measured` is the profile's own (dense) format."""
         formats = parse_weight_format(text, current or self.weight_formats)
         return {g: "dense" if f == "measured" else f for g, f in formats.items()}
+
+    def describe_weights(self, kv_format: str) -> WeightsView:
+        """The weight formats and the matrix bytes each step is priced with."""
+        return WeightsView(format_weight_format(self.weight_formats), self.weight_bytes,
+                           "priced by the bytes read (simulated)")
 
     def set_weight_formats(self, formats: dict[str, str]) -> Conversion:
         """Priced, not performed: matrices are re-packed from a host master copy, so the

@@ -29,12 +29,14 @@ from runtime.models.linear import (
     pack_matrix,
 )
 from runtime.models.transformer import GROUP_MATRICES, Transformer
-from runtime.models.weight_formats import parse_weight_format
+from runtime.models.weight_formats import format_weight_format, parse_weight_format
 from runtime.models.weights import load_tensors
 from runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
 from runtime.profiles import StepFit
+from runtime.quality import QualityCache
 from runtime.resources import cache_dir
 from runtime.sampling import sample
+from runtime.snapshot import WeightsView
 
 log = logging.getLogger("kvdeck.torch")
 
@@ -250,6 +252,28 @@ class TorchExecutor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return Conversion(time.perf_counter() - t0, True, before, self.resident_weight_bytes)
+
+    def describe_weights(self, kv_format: str) -> WeightsView:
+        """The weights as snapshots show them, with cached quality figures for the current
+        weight and KV formats (never computed here: `kvdeck quality` or `make bench` do)."""
+        quant = [f for f in set(self.weight_formats.values()) if f in ("int8", "int4", "auto")]
+        measured = self._kernels is not None or self.weight_activations != "measured"
+        detail = ""
+        if quant and measured:
+            detail = (f"int8 g{self.int8_group_size}/{self.activations_for('int8')}, int4 "
+                      f"g{self.int4_group_size}/{self.activations_for('int4')} activations")
+        quality: list[tuple[str, str]] = []
+        kv = QualityCache.for_executor(self, "kv").get(f"kv {kv_format}")
+        if kv is not None:
+            quality.append(("kv_format", kv.short()))
+        if measured and len(set(self.weight_formats.values())) == 1:
+            fmt = next(iter(self.weight_formats.values()))
+            q = QualityCache.for_executor(self, "weights").get(f"weights {fmt}")
+            if q is not None:
+                quality.append(("weight_format", q.short()))
+        kernels = tuple(describe(self._kernels)) if self._kernels is not None else ()
+        return WeightsView(format_weight_format(self.weight_formats), self.resident_weight_bytes,
+                           detail, kernels, tuple(quality))
 
     @property
     def resident_weight_bytes(self) -> int:

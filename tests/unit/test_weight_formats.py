@@ -1,0 +1,138 @@
+"""Weight formats: each packed matrix equals its dequantize-then-matmul reference (random
+data, Gemma 3's head shape included), byte counts, the knob's grammar, the kernel table's
+rules, and the sim's pricing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.errors import ConfigError
+from runtime.executors.sim import GROUP_SHARES, SimConfig, SimExecutor
+from runtime.models.kernels import KernelTable
+from runtime.models.linear import AutoMatrix, WeightOnlyInt4, WeightOnlyInt8, pack_matrix
+from runtime.models.weight_formats import format_weight_format, parse_weight_format
+
+SHAPES = [(384, 640), (640, 2048), (262_144, 640)]  # attention, FFN down, Gemma 3's head
+
+
+def reference(m, x: torch.Tensor) -> torch.Tensor:
+    """Dequantize, then multiply in float32 (activations rounded as the kernel rounds them)."""
+    return x.to(m.dtype).float() @ m.dequantized().t()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("make", [
+    lambda w, d: WeightOnlyInt8(w, None, d, 0),
+    lambda w, d: WeightOnlyInt8(w, None, d, 64),
+    lambda w, d: WeightOnlyInt4(w, None, d, 32),
+    lambda w, d: WeightOnlyInt4(w, None, d, 128),
+], ids=["int8-per-channel", "int8-g64", "int4-g32", "int4-g128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_packed_matmul_equals_dequantize_then_matmul(shape, make, dtype) -> None:
+    g = torch.Generator().manual_seed(shape[0])
+    w = torch.randn(shape, generator=g) * 0.05
+    m = make(w, dtype)
+    x = torch.randn(5, shape[1], generator=g)
+    y = m(x)
+    assert y.dtype == x.dtype and y.shape == (5, shape[0])
+    ref = reference(m, x)
+    # Tolerance: float32 accumulation order (fp32), or the kernel's bf16 output rounding
+    # (2^-8 relative) plus its accumulation (bf16).
+    tol = 1e-4 if dtype == torch.float32 else 1.5e-2
+    assert (y - ref).abs().max() <= tol * ref.abs().max()
+    # And the codes stand for the weights: within half a quantization step per value.
+    step = {"int8": 1 / 127, "int4": 1 / 15}[m.format]
+    err = (m.dequantized() - w).abs().max()
+    assert err <= step * w.abs().max() * 1.01
+
+
+def test_bytes_per_format() -> None:
+    w = torch.randn(256, 640)
+    assert pack_matrix(w, None, "dense", torch.float32).num_bytes == 256 * 640 * 4
+    assert pack_matrix(w, None, "dense", torch.bfloat16).num_bytes == 256 * 640 * 2
+    # int8: a byte a weight + a bf16 scale per output channel per group of 64 inputs.
+    assert WeightOnlyInt8(w, None, torch.bfloat16, 64).num_bytes == 256 * 640 + 256 * 10 * 2
+    # int4: half a byte a weight + a bf16 scale and zero per 32 inputs.
+    assert WeightOnlyInt4(w, None, torch.bfloat16, 32).num_bytes == 256 * 320 + 256 * 20 * 4
+    with pytest.raises(ValueError, match="does not divide"):
+        WeightOnlyInt4(torch.randn(8, 80), None, torch.float32, 64)
+    # int8 with a group size that does not divide the row falls back to one scale a row.
+    assert len(WeightOnlyInt8(torch.randn(8, 80), None, torch.float32, 64).codes) == 1
+
+
+def test_auto_uses_the_packing_for_the_row_count() -> None:
+    w = torch.randn(64, 128)
+    dense = pack_matrix(w, None, "dense", torch.float32)
+    int8 = WeightOnlyInt8(w, None, torch.float32, 0)
+    auto = AutoMatrix([(4, "int8", int8), (1 << 62, "dense", dense)])
+    auto(torch.randn(3, 128))
+    assert auto.last_format == "int8" and auto.num_bytes == int8.num_bytes
+    auto(torch.randn(9, 128))
+    assert auto.last_format == "dense" and auto.num_bytes == dense.num_bytes
+    assert auto.resident_bytes == int8.num_bytes + dense.num_bytes
+
+
+def test_knob_grammar() -> None:
+    assert parse_weight_format("int8") == {"attn": "int8", "ffn": "int8", "head": "int8"}
+    now = {"attn": "int8", "ffn": "int8", "head": "int8"}
+    assert parse_weight_format("head=bf16", now) == {"attn": "int8", "ffn": "int8",
+                                                     "head": "bf16"}
+    assert format_weight_format({"attn": "int4", "ffn": "int4", "head": "int4"}) == "int4"
+    assert format_weight_format({"attn": "int8", "ffn": "int4", "head": "bf16"}) == \
+        "attn=int8,ffn=int4,head=bf16"
+    with pytest.raises(ConfigError, match=r"weight_format must be one of dense, fp32, bf16, "
+                                          r"fp16, int8, int4, auto, measured"):
+        parse_weight_format("int3")
+    with pytest.raises(ConfigError, match="names group 'mlp'; groups are attn, ffn, head"):
+        parse_weight_format("mlp=int8")
+    with pytest.raises(ConfigError, match="gives head the format 'int2'"):
+        parse_weight_format("head=int2")
+
+
+def table() -> KernelTable:
+    """A made-up measurement: int8 is fastest at one row, dense fp32 from 8 rows."""
+    def row(a: float, b: float, c: float) -> dict:
+        return {"1": a, "8": b, "32": c}
+    times = {g: {"fp32/fp32": row(10, 12, 20), "bf16/bf16": row(6, 9, 30),
+                 "int8/fp32": row(30, 200, 800), "int8/bf16": row(3, 14, 60),
+                 "int4/bf16": row(2, 16, 70)} for g in ("attn", "ffn", "head")}
+    return KernelTable(times, "fp32")
+
+
+def test_kernel_table_rules() -> None:
+    t = table()
+    assert t.best_act("int8") == "bf16"
+    assert t.time("attn", "int8", "bf16", 4) == pytest.approx(3 + (14 - 3) * 3 / 7)
+    assert t.measured_choice() == {"attn": "int8", "ffn": "int8", "head": "int8"}
+    # Linear between measured points: fp32 (10 → 12 ms) meets int8 (3 → 14 ms) at 6.4 rows,
+    # int8 meets int4 (2 → 16 ms) at 3.3 rows.
+    assert t.crossover("attn", "int8", "fp32") == 7
+    assert t.crossover("attn", "int4", "int8") == 4
+    assert t.crossover("attn", "fp32", "int8") is None  # int8 is faster from one row
+    assert t.fastest("head", ("fp32", "int8"), 32) == "fp32"
+    assert t.measured_choice(lambda f: "fp32") == {g: "fp32" for g in ("attn", "ffn", "head")}
+
+
+def test_sim_prices_weight_and_kv_formats_by_their_bytes() -> None:
+    ex = SimExecutor(SimConfig())
+    ex.bind_kv(1000, 16, "bf16")
+    base = ex.estimate_step_seconds(1, 2048, 2048)
+    conv = ex.set_weight_formats(ex.resolve_weight_formats("int8"))
+    per = ex.model.bytes_per_weight
+    assert ex.weight_bytes == int(ex.model.matrix_weight_bytes * 1.0 / per)
+    hw = ex.hardware
+    saved = ex.model.matrix_weight_bytes - ex.weight_bytes
+    assert ex.estimate_step_seconds(1, 2048, 2048) == pytest.approx(
+        base - saved / (hw.bandwidth_bytes_per_s * hw.mbu))
+    assert conv.bytes_read > conv.bytes_written and conv.seconds > 0
+    mixed = ex.resolve_weight_formats("attn=int4,ffn=int8,head=dense")
+    ex.set_weight_formats(mixed)
+    expect = sum(share * {"attn": 0.5, "ffn": 1.0, "head": per}[g] / per
+                 for g, share in GROUP_SHARES.items())
+    assert ex.weight_bytes == int(ex.model.matrix_weight_bytes * expect)
+    # KV: q8_0 reads fewer bytes per context token than bf16.
+    ex.set_weight_formats(ex.resolve_weight_formats("dense"))
+    before = ex.estimate_step_seconds(1, 2048, 8192)
+    ex.convert_kv("q8_0", 1000, [], [])
+    assert ex.estimate_step_seconds(1, 2048, 8192) < before
