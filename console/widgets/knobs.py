@@ -28,6 +28,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "enable_prefix_caching": ("true", "false"), "admission_control": ("true", "false"),
 }
 """Knobs whose values are a fixed list: the editor offers them instead of a text field."""
+HINTS = {"weight_format": "dense, fp32, bf16, fp16, int8, int4, auto or measured — for all "
+                          "groups, or per group like attn=int8,ffn=int4,head=bf16"}
+"""What a typed knob accepts, when a number is not the answer."""
 
 
 def shown(value: object) -> str:
@@ -80,6 +83,8 @@ class KnobEditor(ModalScreen[str | None]):
         choices = self.choices
         with Vertical():
             how = "choose a value" if choices else "type a value"
+            if self.knob in HINTS:
+                how += f" ({HINTS[self.knob]})"
             yield Label(f"[b]{self.knob}[/] is {self.value}: {how}; Enter applies it at the "
                         "next iteration, Esc cancels.")
             if choices:

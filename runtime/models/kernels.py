@@ -9,10 +9,10 @@ guessing per device type: for one matrix of each layer group (`attn`: the Q proj
 dtype) pair, the time of one product at 1, 8 and 32 rows. From the table:
 
 - each quantized format's activation dtype is the one fastest at one row;
-- `measured` (the default weight format) is, per group, the faster at one row of dense
-  weights in the compute dtype and int8 weight-only — decode of one request is what an
-  interactive user feels, and int8 keeps accuracy close to dense (int4 is offered, never
-  chosen for the user);
+- `measured` (the default weight format) is, per group, the fastest at one row of dense
+  weights in the compute dtype, bf16 weights and int8 weight-only — decode of one request
+  is what an interactive user feels, and these keep accuracy close to fp32 (int4 is
+  offered, never chosen for the user);
 - `auto` switches a group from int8 to dense at its crossover: the fewest rows at which
   dense is at least as fast.
 
@@ -95,8 +95,10 @@ class KernelTable:
                                                     rows))
 
     def measured_choice(self, act_for=None) -> dict[str, str]:
-        """Per group, the faster at one row of dense compute-dtype weights and int8."""
-        return {g: self.fastest(g, (self.compute, "int8"), 1, act_for) for g in self.times}
+        """Per group, the fastest at one row of dense weights in the compute dtype, bf16
+        weights and int8 (a tie goes to the earlier, more accurate one)."""
+        candidates = tuple(dict.fromkeys((self.compute, "bf16", "int8")))
+        return {g: self.fastest(g, candidates, 1, act_for) for g in self.times}
 
     def crossover(self, group: str, low: str, high: str, limit: int = 256) -> int | None:
         """The fewest rows at which `high` is at least as fast as `low` (None: never up to

@@ -14,9 +14,9 @@ Formats:
                        int4 is never chosen for you: its accuracy cost is the largest
 
 A knob value is one format for every group (`int8`), or groups named with their formats
-(`attn=int8,ffn=int4,head=bf16`; groups left out stay as they are), or `measured`: the
-fastest single format at batch 1 among the dense compute dtype and int8, as the start-up
-micro-benchmark found it.
+(`attn=int8,ffn=int4,head=bf16`; groups left out stay as they are), or `measured`: per
+group, the fastest at batch 1 among dense (the compute dtype), bf16 and int8, as the
+start-up micro-benchmark found it.
 """
 
 from __future__ import annotations
