@@ -171,7 +171,8 @@ class KvdeckApp(ConsoleApp):
         for panel in SNAPSHOT_PANELS:
             main.query_one(panel).show(snap)
         main.query_one(KnobsPanel).show_values(snap.knobs, self.traffic_values(),
-                                               snap.pending_knobs, snap.weights)
+                                               snap.pending_knobs, snap.weights,
+                                               snap.switches)
         main.query_one(PromptPanel).show_tracked(
             next((t for t in snap.tracked if t.request_id == self.prompt_id), None))
         main.query_one(Banner).show(snap)

@@ -12,6 +12,8 @@ load (`make bench` reports the cost).
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -89,6 +91,8 @@ class WeightsView:
     """The start-up micro-benchmark's figures (`kernels.describe`); empty if not measured."""
     quality: tuple[tuple[str, str], ...] = ()
     """(knob, figure) for the current weight and KV formats whose quality is cached."""
+    auto: str = ""
+    """What `auto` groups used in the latest step, e.g. `head=int8`."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,13 @@ class SnapshotBuilder:
             self._prefix = (key, tuple(kv.tree.summary(limit)))
         return self._prefix[1]
 
+    def _weights(self) -> WeightsView | None:
+        view = self.engine.weights_view
+        choice = getattr(self.engine.executor, "auto_choice", None)
+        if view is None or choice is None or "auto" not in view.formats:
+            return view
+        return dataclasses.replace(view, auto=choice())
+
     def kv_view(self) -> KVView:
         e = self.engine
         kv, tree = e.kv, e.kv.tree
@@ -267,5 +278,5 @@ class SnapshotBuilder:
             recent=e.figures.rolling(), figures=e.figures.view(),
             paused=e.paused, failure=e.failure, lag_s=e.clock.lag_s, pending_knobs=pending,
             tracked=tuple(e.tracked_outputs()), finished=finished, detail=e.watched_detail(),
-            switches=tuple(e.switches), weights=e.weights_view,
+            switches=tuple(e.switches), weights=self._weights(),
         )

@@ -119,15 +119,25 @@ class KnobsPanel(DataTable):
         """Each knob's current value as text (what the editor starts from)."""
 
     def show_values(self, knobs: Knobs, traffic: dict[str, float],
-                    pending: Knobs | None = None, weights: WeightsView | None = None) -> None:
+                    pending: Knobs | None = None, weights: WeightsView | None = None,
+                    switches: tuple[dict, ...] = ()) -> None:
         """Current values; a knob submitted but not applied yet shows `old → new`; the
         weight and KV formats show their measured quality beside them when it is cached,
         and the subtitle the weights' bytes."""
         later = dataclasses.asdict(pending) if pending is not None else {}
         quality = dict(weights.quality) if weights is not None else {}
+        repacks = [sw for sw in switches if sw["knob"] == "weight_format"]
+        if repacks:  # the pause and the bytes before and after stay in sight
+            sw = repacks[-1]
+            self.border_title = (f"{self.BORDER_TITLE} · weights re-packed at step "
+                                 f"{sw.get('step', '?')}: {sw['seconds']:.2f} s, "
+                                 f"{human_bytes(sw['bytes_before'])} → "
+                                 f"{human_bytes(sw['bytes'])}")
         if weights is not None:
-            self.border_subtitle = f"weights {human_bytes(weights.resident_bytes)}" + (
-                f" · {weights.detail}" if weights.detail else "")
+            self.border_subtitle = " · ".join(
+                x for x in (f"weights {human_bytes(weights.resident_bytes)}",
+                            f"auto now {weights.auto}" if weights.auto else "",
+                            weights.detail) if x)
         for name, value in {**dataclasses.asdict(knobs), **traffic}.items():
             text = shown(value)
             self.values[name] = text

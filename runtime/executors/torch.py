@@ -256,12 +256,16 @@ class TorchExecutor:
     def describe_weights(self, kv_format: str) -> WeightsView:
         """The weights as snapshots show them, with cached quality figures for the current
         weight and KV formats (never computed here: `kvdeck quality` or `make bench` do)."""
-        quant = [f for f in set(self.weight_formats.values()) if f in ("int8", "int4", "auto")]
+        used = set(self.weight_formats.values())
         measured = self._kernels is not None or self.weight_activations != "measured"
-        detail = ""
-        if quant and measured:
-            detail = (f"int8 g{self.int8_group_size}/{self.activations_for('int8')}, int4 "
-                      f"g{self.int4_group_size}/{self.activations_for('int4')} activations")
+        parts = []
+        if measured and used & {"int8", "auto"}:
+            parts.append(f"int8: {self.activations_for('int8')} activations, "
+                         f"{self.int8_group_size or 'row'} inputs/scale")
+        if measured and "int4" in used:
+            parts.append(f"int4: {self.activations_for('int4')} activations, "
+                         f"{self.int4_group_size} inputs/scale")
+        detail = "; ".join(parts)
         quality: list[tuple[str, str]] = []
         kv = QualityCache.for_executor(self, "kv").get(f"kv {kv_format}")
         if kv is not None:
@@ -274,6 +278,12 @@ class TorchExecutor:
         kernels = tuple(describe(self._kernels)) if self._kernels is not None else ()
         return WeightsView(format_weight_format(self.weight_formats), self.resident_weight_bytes,
                            detail, kernels, tuple(quality))
+
+    def auto_choice(self) -> str:
+        """What `auto` groups used in the latest step ("" when no group is `auto`)."""
+        chosen = {g: getattr(self.model.group_matrices(g)[0], "last_format", None)
+                  for g in self.weight_formats if self.weight_formats[g] == "auto"}
+        return ",".join(f"{g}={f}" for g, f in chosen.items() if f)
 
     @property
     def resident_weight_bytes(self) -> int:

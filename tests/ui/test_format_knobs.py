@@ -90,6 +90,7 @@ async def test_kv_and_weight_formats_switch_through_the_knobs_mid_run(tiny32, tm
         sw = e.switches[-1]
         assert sw["knob"] == "weight_format" and sw["bytes"] < sw["bytes_before"]
         assert "weights" in str(table.border_subtitle)
+        assert "weights re-packed at step" in str(table.border_title)  # pause and bytes stay
         assert all(r.status is RequestStatus.RUNNING for r in reqs)
         # Back to a smaller pool (fp32: 32 bytes a value): requests still fit, nobody lost.
         await edit_knob(pilot, app, "kv_format", "fp32")

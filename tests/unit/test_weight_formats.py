@@ -137,3 +137,16 @@ def test_sim_prices_weight_and_kv_formats_by_their_bytes() -> None:
     before = ex.estimate_step_seconds(1, 2048, 8192)
     ex.convert_kv("q8_0", 1000, [], [])
     assert ex.estimate_step_seconds(1, 2048, 8192) < before
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_cuda_packed_matmul_equals_its_reference(fmt) -> None:
+    """On CUDA int4 with bf16 activations uses `_weight_int4pack_mm`, int8 the fallback."""
+    w = (torch.randn(4096, 2048) * 0.05).cuda()
+    m = pack_matrix(w, None, fmt, torch.bfloat16, 128, 64)
+    x = torch.randn(7, 2048, device="cuda")
+    ref = x.to(torch.bfloat16).float() @ m.dequantized().float().t()
+    y = m(x)
+    assert (y - ref).abs().max() <= 1.5e-2 * ref.abs().max()
