@@ -169,11 +169,13 @@ class TorchExecutor:
         """The formats per group a `weight_format` knob value names (groups it leaves out
         keep `current`, default the formats now), `measured` resolved; a ConfigError
         sentence for one this model cannot take."""
-        if self.dtype_name.startswith("int8"):
-            raise ConfigError(f"dtype {self.dtype_name} already quantizes every matrix "
-                              "(FBGEMM dynamic int8); weight formats need a float dtype "
-                              "(fp32, bf16 or fp16).")
         formats = parse_weight_format(text, current or self.weight_formats)
+        if self.dtype_name.startswith("int8"):
+            if set(formats.values()) <= {"dense", "measured"}:
+                return dict(self.weight_formats)  # the dtype's own int8 matrices stay
+            raise ConfigError(f"dtype {self.dtype_name} already quantizes matrices (FBGEMM "
+                              "dynamic int8); other weight formats need a float dtype "
+                              "(fp32, bf16 or fp16).")
         if "measured" in formats.values():
             formats = self.kernels.measured_choice(self.activations_for)
         if "int4" in formats.values():

@@ -12,6 +12,7 @@ import torch
 from runtime.config import EngineConfig, Knobs
 from runtime.engine import Engine
 from runtime.errors import ConfigError
+from runtime.executors.kv_codecs import fp8_supported
 from runtime.executors.sim import SimConfig, SimExecutor
 from runtime.executors.torch import TorchExecutor
 from runtime.recording import read_run, record_headless
@@ -151,7 +152,9 @@ def test_widening_fp16_to_fp32_mid_run_changes_no_token_and_moves_blocks(tiny: P
     assert sw["moved"] > 0  # blocks past the smaller pool's end were moved, data and all
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "bf16"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "bf16", pytest.param(
+    "fp8_e4m3", marks=pytest.mark.skipif(not fp8_supported(torch.device("cpu")),
+                                         reason="this torch has no float8 on the CPU"))])
 def test_quantizing_mid_run_keeps_every_request_alive(tiny: Path, fmt: str) -> None:
     e = torch_engine(tiny, "fp32", blocks_at_fp16=128)
     assert e.kv.num_blocks == 64
@@ -160,7 +163,7 @@ def test_quantizing_mid_run_keeps_every_request_alive(tiny: Path, fmt: str) -> N
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in e.completed)
     sw = e.switches[-1]
     # The pool's block count grows by the format's byte ratio against fp32 (4 bytes/value).
-    per_value = {"q8_0": 34 / 32, "q4_0": 18 / 32, "bf16": 2}[fmt]
+    per_value = {"q8_0": 34 / 32, "q4_0": 18 / 32, "bf16": 2, "fp8_e4m3": 1}[fmt]
     assert sw["num_blocks"] == e.kv.num_blocks == int(64 * 4 / per_value)
     pool = e.executor.kv
     assert pool.num_bytes == pool.num_blocks * 4 * e.executor.kv_bytes_per_token(fmt)
@@ -174,3 +177,42 @@ def test_cuda_switch_keeps_tokens(tiny: Path) -> None:
         return Engine(EngineConfig(block_size=4, num_blocks=64, knobs=Knobs(kv_format=fmt)),
                       ex)
     assert run_waves(engine("fp16"), "fp32") == run_waves(engine("fp16"), None)
+
+
+def test_dtype_int8_keeps_its_matrices_and_refuses_other_weight_formats(tiny: Path) -> None:
+    ex = TorchExecutor(tiny, device="cpu", dtype="int8")
+    e = Engine(EngineConfig(num_blocks=32, knobs=Knobs(weight_format="measured")), ex)
+    assert e.config.knobs.weight_format == "dense"
+    with pytest.raises(ConfigError, match=r"dtype int8 already quantizes matrices \(FBGEMM "
+                                          r"dynamic int8\); other weight formats need a float"):
+        e.set_knobs(weight_format="int4")
+    assert e.submitted_knobs.weight_format == "dense"
+
+
+def test_weight_format_switch_mid_run_is_recorded_and_replayed(tiny: Path, tmp_path) -> None:
+    ex = TorchExecutor(tiny, device="cpu", dtype="fp32", kernel_cache=tmp_path / "k")
+    e = Engine(EngineConfig(block_size=4, num_blocks=96, knobs=Knobs(
+        max_num_batched_tokens=64, chunk_size=16)), ex)
+    rec = record_headless(e, tmp_path / "run")
+    for i, p in enumerate(PROMPTS):
+        e.add_request(p, GREEDY, request_id=f"r{i}")
+    for _ in range(4):
+        e.step()
+    before = ex.resident_weight_bytes
+    e.set_knobs(weight_format="head=int4")
+    e.step()
+    e.set_knobs(weight_format="auto")
+    e.run_until_idle()
+    rec.close()
+    e.check_integrity()
+    assert all(len(r.output_token_ids) == 24 for r in e.completed)
+    first, second = [sw for sw in e.switches if sw["knob"] == "weight_format"]
+    assert first["to"] == "attn=dense,ffn=dense,head=int4"
+    assert first["bytes_before"] == before and first["bytes"] < before
+    assert second["to"] == "auto" and ex.auto_choice()
+    replay = Replay(*read_run(tmp_path / "run"))
+    state = replay.initial_state()
+    for record in replay.steps:
+        state.apply(record)
+    assert [sw["to"] for sw in state.snapshot().switches] == [first["to"], "auto"]
+    assert state.snapshot().knobs.weight_format == "auto"
