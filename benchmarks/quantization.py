@@ -139,19 +139,9 @@ def kv_tradeoff(ex: TorchExecutor, bandwidth: float, rows: int = 4, reps: int = 
             pool.write(0, torch.arange(rows * nb * block), values, values)
             tables = torch.arange(rows * nb).view(rows, nb)
 
-            def attend() -> None:
-                k, v = pool.gather(0, tables, torch.float32)
-                F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                               scale=1.0, enable_gqa=True)
-
-            def conv() -> None:
-                codec.decode([t.view(-1, *t.shape[2:])[:rows * ctx] for t in pool.k[0]],
-                             torch.float32)
-                codec.decode([t.view(-1, *t.shape[2:])[:rows * ctx] for t in pool.v[0]],
-                             torch.float32)
-
-            t_step = layers * best_of(attend, reps)
-            t_conv = layers * best_of(conv, reps) if name != "fp32" else 0.0
+            t_step = layers * best_of(lambda p=pool, t=tables: attend_once(p, t, q), reps)
+            t_conv = layers * best_of(lambda p=pool, c=codec, n=rows * ctx: decode_all(p, c, n),
+                                      reps) if name != "fp32" else 0.0
             saved = rows * ctx * (info.kv_bytes_per_token("fp32") -
                                   info.kv_bytes_per_token(name))
             if base is None:
@@ -166,6 +156,19 @@ def kv_tradeoff(ex: TorchExecutor, bandwidth: float, rows: int = 4, reps: int = 
                   f"{saved / 2**20:7.1f} MiB, T_conv {t_conv * 1e3:6.2f} ms → predicted "
                   f"ΔT {predicted * 1e3:+7.2f} ms, measured {(base - t_step) * 1e3:+7.2f} ms")
     return out
+
+
+def attend_once(pool: PagedKVCache, tables: torch.Tensor, q: torch.Tensor) -> None:
+    """One layer of decode attention: gather (and decode) the context, then attend."""
+    k, v = pool.gather(0, tables, torch.float32)
+    F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale=1.0,
+                                   enable_gqa=True)
+
+
+def decode_all(pool: PagedKVCache, codec, n: int) -> None:
+    """The conversion alone: decode `n` stored tokens' K and V of one layer to fp32."""
+    for stored in (pool.k[0], pool.v[0]):
+        codec.decode([t.view(-1, *t.shape[2:])[:n] for t in stored], torch.float32)
 
 
 def best_of(fn, reps: int) -> float:

@@ -13,7 +13,6 @@ load (`make bench` reports the cost).
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from runtime.executors.kv_codecs import KVCodec
 from runtime.plan import SchedulerOutput
 
+
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """Float8 storage as bytes: CPU torch has no index_copy/index_select for float8."""
     return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t

@@ -82,7 +82,8 @@ class TorchExecutor:
         see `WeightOnlyInt8` for why 64). `weight_activations`: the dtype int8/int4 matrices
         take their activations in — `measured` (the fastest here, `kernels.py`) or fp32, bf16,
         fp16 (fp32 is the most accurate: on Gemma 3 270M int8 agrees with fp32 weights on
-        97.0 % of top-1 tokens with fp32 activations, 95.5 % with bf16). `kernel_cache`: where the kernel micro-benchmark is cached (default
+        97.0 % of top-1 tokens with fp32 activations, 95.5 % with bf16). `kernel_cache`:
+        where the kernel micro-benchmark is cached (default
         `$KVDECK_CACHE/kernels`). Weights start dense in the compute dtype; the engine
         applies its `weight_format` knob through `set_weight_formats`."""
         self.device = pick_device(device)
@@ -111,6 +112,8 @@ class TorchExecutor:
                                      int8=dtype == "int8", int8_head=dtype == "int8-head")
             self.greedy_shortlist = greedy_shortlist
             self._update_shortlist()
+            if self.device.type != "cpu":
+                self._masters_to_host()
             self.load_seconds = time.perf_counter() - t0
         finally:
             g.close()
@@ -191,6 +194,16 @@ class TorchExecutor:
                                       "that divides it, or int8.")
         return formats
 
+    def _masters_to_host(self) -> None:
+        """On an accelerator the master copies that re-packing starts from live in host
+        memory, so a compact format frees device memory (the dense matrices on the device
+        are dropped when their group is re-packed)."""
+        m = self.model
+        for layer in m.masters:
+            for name, (w, b) in layer.items():
+                layer[name] = (w.cpu(), b.cpu() if b is not None else None)
+        m.head_master = m.head_master.cpu()
+
     def _masters(self, group: str) -> list[torch.Tensor]:
         if group == "head":
             return [self.model.head_master]
@@ -198,6 +211,8 @@ class TorchExecutor:
 
     def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, group: str):
         compute = DTYPES[self.dtype_name]
+        weight = weight.to(self.device)  # from a host master copy on an accelerator
+        bias = bias.to(self.device) if bias is not None else None
         if fmt == "dense":
             return pack_matrix(weight, bias, "dense", compute)
         if fmt in FLOAT:

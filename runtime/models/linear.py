@@ -173,13 +173,15 @@ class WeightOnlyInt4:
         self.dtype = dtype
         self.bias = bias.to(dtype) if bias is not None else None
         # [k/gs, n, 2]: scale and zero per group, in the activation dtype.
-        self.scales_zeros = torch.stack((scale, lo + 8 * scale), -1).transpose(0, 1)             .contiguous().to(dtype)
+        self.scales_zeros = torch.stack((scale, lo + 8 * scale), -1).transpose(0, 1) \
+            .contiguous().to(dtype)
         codes = q.to(torch.int32).view(n, k)
         self.kernel = None
         if w.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
             self.kernel = "cpu"
-        elif w.device.type == "cuda" and dtype == torch.bfloat16 and n % 8 == 0                 and k % 1024 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm"):
+        elif w.device.type == "cuda" and dtype == torch.bfloat16 and n % 8 == 0 \
+                and k % 1024 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm"):
             nibbles = codes.to(torch.uint8)
             self.packed = torch.ops.aten._convert_weight_to_int4pack(
                 (nibbles[:, ::2] << 4 | nibbles[:, 1::2]).contiguous(), 8)
@@ -257,11 +259,9 @@ class AutoMatrix:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        for limit, name, matrix in self.segments:
-            if rows <= limit:
-                break
-        self.last, self.last_format = matrix, name
-        return matrix(x)
+        segment = next((seg for seg in self.segments if rows <= seg[0]), self.segments[-1])
+        _, self.last_format, self.last = segment
+        return self.last(x)
 
     @property
     def num_params(self) -> int:

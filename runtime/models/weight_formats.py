@@ -6,7 +6,8 @@ Formats:
 
     dense              dense weights in the executor's compute dtype (as loaded)
     fp32, bf16, fp16   dense weights in that dtype (activations cast to it for the product)
-    int8               weight-only, one scale per output channel (`linear.WeightOnlyInt8`)
+    int8               weight-only, a scale per output channel per 64 inputs
+                       (`linear.WeightOnlyInt8`)
     int4               weight-only, group-wise scale and zero (`linear.WeightOnlyInt4`)
     auto               per step, the fastest of dense (compute dtype), bf16 and int8 for
                        the step's row count (its packed tokens), from the crossovers
