@@ -113,6 +113,10 @@ def test_kernel_table_rules() -> None:
     assert t.fastest("head", ("fp32", "int8"), 32) == "fp32"
     # With int8 forced to fp32 activations (30 ms at one row), bf16 weights win.
     assert t.measured_choice(lambda f: "fp32") == {g: "bf16" for g in ("attn", "ffn", "head")}
+    # Within 15 %, the more accurate format listed first wins (noise is not a reason).
+    t.times["ffn"]["fp32/fp32"]["1"] = 3.3
+    assert t.fastest("ffn", ("fp32", "bf16", "int8"), 1, within=0.15) == "fp32"
+    assert t.fastest("ffn", ("fp32", "bf16", "int8"), 1) == "int8"
 
 
 def test_sim_prices_weight_and_kv_formats_by_their_bytes() -> None:
