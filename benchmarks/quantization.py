@@ -37,7 +37,7 @@ from runtime.executors.kv_codecs import get_codec, kv_formats_for
 from runtime.executors.paged_kv import PagedKVCache
 from runtime.executors.torch import TorchExecutor
 from runtime.kv.formats import KV_FORMATS
-from runtime.models.kernels import describe
+from runtime.models.kernels import cpuinfo, describe
 from runtime.models.registry import DEFAULT_MODEL, resolve_model
 from runtime.models.weight_formats import GROUPS
 from runtime.quality import measure_formats
@@ -52,12 +52,8 @@ PROMPT, OUTPUT = 32, 16
 
 
 def cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                      if ln.startswith("flags")), []))
+    """The CPU flags that decide which low-precision kernels are fast."""
+    flags = set((cpuinfo("flags") or "").split())
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16",
               "amx_int8", "avx512_fp16")
     return " ".join(f for f in wanted if f in flags) or "none of " + " ".join(wanted)

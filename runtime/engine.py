@@ -38,7 +38,6 @@ from runtime.errors import (
 )
 from runtime.executors.base import Executor
 from runtime.figures import RunFigures, step_figures
-from runtime.kv.formats import KV_FORMATS
 from runtime.kv.manager import BlockManager
 from runtime.logs import write_failure
 from runtime.metrics import request_metrics
@@ -93,9 +92,6 @@ class Engine:
         """Detokenizes outputs and matches stop strings (None: token ids only)."""
         self.kv_format = config.knobs.kv_format
         """The format the pool holds now (the knob's value once a change has applied)."""
-        self.kv_formats: tuple[str, ...] = tuple(
-            getattr(executor, "kv_formats", None) or KV_FORMATS)
-        """What the `kv_format` knob may become with this executor."""
         self.switches: deque[dict] = deque(maxlen=8)
         """The latest KV format / weight format switches (see `_switch_kv`)."""
         self.kv_bytes_per_token = executor.kv_bytes_per_token(self.kv_format)
@@ -128,9 +124,9 @@ class Engine:
                 c, causal_pairs(c, h), h + c),
             clock=lambda: self.step_count,
         )
-        self.weights_view = None
-        """What snapshots show of the weights (refreshed after every format switch)."""
-        self._refresh_weights_view()
+        self.weights_view = executor.describe_weights(self.kv_format)
+        """What snapshots show of the weights (refreshed after every format switch: it
+        reads cached quality figures from disk)."""
         self.scheduler = Scheduler(config, self.kv, executor.estimate_step_seconds,
                                    self.max_model_len, executor.eos_token_ids)
         self.check_knobs(k)
@@ -353,9 +349,7 @@ class Engine:
             "blocks": len(src), "moved": sum(b != where[b] for b in src),
             "num_blocks": num_blocks, "dropped": dropped,
             "preempted": preempted}
-        record.switches.append(switch)
-        self.switches.append({**switch, "step": self.step_count})
-        self._refresh_weights_view()
+        self._record_switch(switch, record)
         log.info("kv_format %s → %s: %d blocks converted in %.3f s, pool %d blocks",
                  old, kv_format, len(src), conv.seconds, num_blocks)
 
@@ -369,15 +363,16 @@ class Engine:
         switch = {"knob": "weight_format", "from": old, "to": text, "seconds": conv.seconds,
                   "measured": conv.measured, "bytes": conv.bytes_written,
                   "bytes_before": conv.bytes_read}
-        record.switches.append(switch)
-        self.switches.append({**switch, "step": self.step_count})
-        self._refresh_weights_view()
+        self._record_switch(switch, record)
         log.info("weight_format %s → %s: re-packed in %.3f s, %d → %d bytes", old, text,
                  conv.seconds, conv.bytes_read, conv.bytes_written)
 
-    def _refresh_weights_view(self) -> None:
-        describe = getattr(self.executor, "describe_weights", None)
-        self.weights_view = describe(self.kv_format) if describe is not None else None
+    def _record_switch(self, switch: dict, record: StepRecord) -> None:
+        """A format switch goes to the step record, the snapshots' recent switches, and the
+        weights view (its quality figures depend on both formats)."""
+        record.switches.append(switch)
+        self.switches.append({**switch, "step": self.step_count})
+        self.weights_view = self.executor.describe_weights(self.kv_format)
 
     def _pause_clock(self, seconds: float) -> None:
         """A switch's pause takes modelled time on a virtual clock (measured time passes by

@@ -178,68 +178,53 @@ def measure_formats(executor, tokenizer, weight_formats: tuple[str, ...],
     from runtime.config import EngineConfig, Knobs
     from runtime.engine import Engine
     from runtime.executors.kv_codecs import get_codec
-    from runtime.models.weight_formats import GROUPS
+    from runtime.models.weight_formats import GROUPS, format_weight_format
     from runtime.request import SamplingParams
 
-    labels = [f"weights {w}" for w in weight_formats] + [f"kv {k}" for k in kv_formats]
+    # (label, weight format, KV format): each format measured with the other at fp32.
+    cases = [(f"weights {w}", w, "fp32") for w in weight_formats] + \
+        [(f"kv {k}", "dense", k) for k in kv_formats]
     caches = {part: QualityCache.for_executor(executor, part, directory)
               for part in ("weights", "kv")} if use_cache else {}
+    cached = {label: caches[label.split()[0]].get(label)
+              for label, _, _ in cases} if caches else {}
 
-    def cache_of(label: str) -> QualityCache | None:
-        return caches.get(label.split()[0]) if caches else None
+    def usable(q: Quality | None) -> bool:
+        return q is not None and (q.identical_greedy is not None or not greedy)
 
-    cached = {lb: cache_of(lb).get(lb) for lb in labels} if caches else {}
-    if all(q is not None and (q.identical_greedy is not None or not greedy)
-           for q in cached.values()) and cached:
-        return [cached[lb] for lb in labels]
-    text = PASSAGE.read_text(encoding="utf-8")
-    tokens = tokenizer.encode(text)[:QUALITY_TOKENS]
+    if caches and all(usable(q) for q in cached.values()):
+        return [cached[label] for label, _, _ in cases]
+    tokens = tokenizer.encode(PASSAGE.read_text(encoding="utf-8"))[:QUALITY_TOKENS]
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    device = executor.device
+    params = SamplingParams(temperature=0.0, max_tokens=CONTINUATION, ignore_eos=True)
 
     def set_weights(fmt: str) -> None:
         executor.set_weight_formats({g: fmt for g in GROUPS})
 
     def continuations(kv_format: str) -> list[list[int]]:
-        e = Engine(EngineConfig(kv_memory_bytes=64 << 20,
-                                knobs=Knobs(kv_format=kv_format, weight_format=format_now())),
-                   executor)
-        params = SamplingParams(temperature=0.0, max_tokens=CONTINUATION, ignore_eos=True)
+        knobs = Knobs(kv_format=kv_format,
+                      weight_format=format_weight_format(executor.weight_formats))
+        e = Engine(EngineConfig(kv_memory_bytes=64 << 20, knobs=knobs), executor)
         reqs = [e.add_request(p, params, request_id=f"q{i}") for i, p in enumerate(prompts)]
         e.run_until_idle()
         return [list(r.output_token_ids) for r in reqs]
 
-    def format_now() -> str:
-        from runtime.models.weight_formats import format_weight_format
-        return format_weight_format(executor.weight_formats)
-
     set_weights("dense")
     ref = reference_from(teacher_forced_logits(executor.model, tokens).cpu())
-    ref_greedy = continuations("fp32") if greedy else None
+    ref_greedy = continuations("fp32") if greedy else []
     out: list[Quality] = []
-    for w in weight_formats:
-        label = f"weights {w}"
+    for label, weights, kv in cases:
         q = cached.get(label)
-        if q is None or (greedy and q.identical_greedy is None):
-            set_weights(w)
-            q = compare(label, teacher_forced_logits(executor.model, tokens).cpu(), ref)
-            if greedy:
-                q.identical_greedy = [identical_prefix(a, b) for a, b in
-                                      zip(continuations("fp32"), ref_greedy, strict=True)]
-            if caches:
-                cache_of(label).put(q)
-        out.append(q)
-    set_weights("dense")
-    for k in kv_formats:
-        label = f"kv {k}"
-        q = cached.get(label)
-        if q is None or (greedy and q.identical_greedy is None):
-            codec = get_codec(k, executor.cfg.info.head_dim, device)
+        if not usable(q):
+            set_weights(weights)
+            codec = get_codec(kv, executor.cfg.info.head_dim, executor.device) \
+                if kv != "fp32" else None
             q = compare(label, teacher_forced_logits(executor.model, tokens, codec).cpu(), ref)
             if greedy:
                 q.identical_greedy = [identical_prefix(a, b) for a, b in
-                                      zip(continuations(k), ref_greedy, strict=True)]
+                                      zip(continuations(kv), ref_greedy, strict=True)]
             if caches:
-                cache_of(label).put(q)
+                caches[label.split()[0]].put(q)
         out.append(q)
+    set_weights("dense")
     return out

@@ -234,12 +234,11 @@ class SnapshotBuilder:
             self._prefix = (key, tuple(kv.tree.summary(limit)))
         return self._prefix[1]
 
-    def _weights(self) -> WeightsView | None:
+    def _weights(self) -> WeightsView:
         view = self.engine.weights_view
-        choice = getattr(self.engine.executor, "auto_choice", None)
-        if view is None or choice is None or "auto" not in view.formats:
+        if "auto" not in view.formats:
             return view
-        return dataclasses.replace(view, auto=choice())
+        return dataclasses.replace(view, auto=self.engine.executor.auto_choice())
 
     def kv_view(self) -> KVView:
         e = self.engine
@@ -248,7 +247,7 @@ class SnapshotBuilder:
                       bytes(kv.pool.states), kv.pool.num_free, tree.num_evictable,
                       kv.num_reserved, kv.usage, tree.num_nodes, tree.hit_rate,
                       tree.num_evictions, kv.num_cow_copies, tree.num_query_tokens,
-                      tree.num_hit_tokens, e.kv_formats)
+                      tree.num_hit_tokens, e.executor.kv_formats)
 
     def build(self, max_prefix_nodes: int = 256) -> EngineSnapshot:
         """Call from the engine thread (or while it is stopped)."""

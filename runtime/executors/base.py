@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from runtime.plan import Conversion, SchedulerOutput, StepResult
+from runtime.snapshot import WeightsView
 
 
 @runtime_checkable
@@ -29,6 +30,9 @@ class Executor(Protocol):
     eos_token_ids: tuple[int, ...]
     virtual_time: bool
     """True when step times are modelled and the engine runs on a virtual clock."""
+
+    kv_formats: tuple[str, ...]
+    """The KV formats this executor can store (the `kv_format` knob's choices)."""
 
     def kv_bytes_per_token(self, kv_format: str) -> int:
         """Bytes of K and V one token occupies across all layers in `kv_format`."""
@@ -54,6 +58,14 @@ class Executor(Protocol):
     def set_weight_formats(self, formats: dict[str, str]) -> Conversion:
         """Re-pack (or re-price) the matrices of the groups whose format changes; returns
         the pause with the weight bytes before (`bytes_read`) and after (`bytes_written`)."""
+        ...
+
+    def describe_weights(self, kv_format: str) -> WeightsView:
+        """What snapshots show of the weights (formats, bytes, measurements, quality)."""
+        ...
+
+    def auto_choice(self) -> str:
+        """What `auto` weight groups used in the latest step ("" when none is `auto`)."""
         ...
 
     def execute(self, plan: SchedulerOutput) -> StepResult:

@@ -23,6 +23,8 @@ bytes `gguf.quants.quantize` writes (tested bit for bit).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from runtime.errors import ConfigError
@@ -33,8 +35,9 @@ FP8_MAX = 448.0
 FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+@functools.cache
 def fp8_supported(device: torch.device) -> bool:
-    """Whether this torch can store and read float8 e4m3 on `device`."""
+    """Whether this torch can store and read float8 e4m3 on `device` (tried once)."""
     dtype = getattr(torch, "float8_e4m3fn", None)
     if dtype is None:
         return False

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from runtime.config import check_choice, check_float, check_int
 from runtime.errors import ConfigError
+from runtime.kv.formats import KV_FORMATS
 from runtime.models.weight_formats import (
     GROUPS,
     PARAM_BYTES,
@@ -161,6 +162,13 @@ class SimExecutor:
         `measured` is the profile's own (dense) format."""
         formats = parse_weight_format(text, current or self.weight_formats)
         return {g: "dense" if f == "measured" else f for g, f in formats.items()}
+
+    kv_formats = tuple(KV_FORMATS)
+    """Every format: the sim only accounts bytes."""
+
+    def auto_choice(self) -> str:
+        """The sim runs no kernels: `auto` is priced as dense and chooses nothing."""
+        return ""
 
     def describe_weights(self, kv_format: str) -> WeightsView:
         """The weight formats and the matrix bytes each step is priced with."""

@@ -138,6 +138,8 @@ class TorchExecutor:
         self._auto_rules: dict[str, list[tuple[int, str]]] = {}
         self.weight_formats = dict(self.model.weight_formats)
         """The weight format of each group now (`weight_formats.py`)."""
+        self.kv_formats = tuple(kv_formats_for(self.cfg.info.head_dim, self.device))
+        """The KV formats this model's pool can use on this device."""
         self.kv: PagedKVCache | None = None
         self.kv_format = "fp16"
         self._windows = {self.cfg.window(i) for i in range(info.num_layers)}
@@ -159,8 +161,7 @@ class TorchExecutor:
             shapes = {"attn": tuple(m.masters[0]["wq"][0].shape),
                       "ffn": tuple(m.masters[0]["w_up"][0].shape),
                       "head": tuple(m.head_master.shape)}
-            compute = self.dtype_name if self.dtype_name in FLOAT else "fp32"
-            self._kernels = load_or_measure(shapes, self.device, compute, self.kernel_cache,
+            self._kernels = load_or_measure(shapes, self.device, self.compute, self.kernel_cache,
                                             self.int4_group_size, self.int8_group_size)
             verb = "read from cache" if self._kernels.cached else \
                 f"measured in {self._kernels.seconds_spent:.1f} s"
@@ -229,32 +230,30 @@ class TorchExecutor:
             return self.weight_activations
         return self.kernels.best_act(fmt)
 
-    AUTO_CANDIDATES = ("dense", "bf16", "int8")
     AUTO_MAX_ROWS = 4096
+
+    @property
+    def compute(self) -> str:
+        """The float dtype activations are in (fp32 under the int8 FBGEMM dtypes)."""
+        return self.dtype_name if self.dtype_name in FLOAT else "fp32"
 
     def auto_segments(self, group: str) -> list[tuple[int, str]]:
         """`auto`'s rule for a group: (most rows, format) ranges, by measured time — at each
         row count the fastest of dense (compute dtype), bf16 and int8."""
-        cached = self._auto_rules.get(group)
-        if cached is not None:
-            return cached
-        table = self.kernels
-        compute = self.dtype_name if self.dtype_name in FLOAT else "fp32"
-        names = {"dense": compute, "bf16": "bf16", "int8": "int8"}
-        acts = {f: names[f] if names[f] in FLOAT else self.activations_for(names[f])
-                for f in self.AUTO_CANDIDATES}
-        segments: list[tuple[int, str]] = []
-        for rows in range(1, self.AUTO_MAX_ROWS + 1):
-            best = min(self.AUTO_CANDIDATES,
-                       key=lambda f: table.time(group, names[f], acts[f], rows))
-            if segments and segments[-1][1] == best:
-                segments[-1] = (rows, best)
-            else:
-                segments.append((rows, best))
-        segments[-1] = (1 << 62, segments[-1][1])
-        # Formats equal to the compute dtype are one packing ("dense").
-        rule = [(limit, "dense" if names[f] == compute else f) for limit, f in segments]
-        self._auto_rules[group] = rule
+        rule = self._auto_rules.get(group)
+        if rule is None:
+            candidates = tuple(dict.fromkeys((self.compute, "bf16", "int8")))
+            segments: list[tuple[int, str]] = []
+            for rows in range(1, self.AUTO_MAX_ROWS + 1):
+                best = self.kernels.fastest(group, candidates, rows, self.activations_for)
+                if segments and segments[-1][1] == best:
+                    segments[-1] = (rows, best)
+                else:
+                    segments.append((rows, best))
+            segments[-1] = (1 << 62, segments[-1][1])
+            # Dense weights in the compute dtype are the loaded ones ("dense").
+            rule = [(limit, "dense" if f == self.compute else f) for limit, f in segments]
+            self._auto_rules[group] = rule
         return rule
 
     @torch.inference_mode()
@@ -287,8 +286,8 @@ class TorchExecutor:
         kv = QualityCache.for_executor(self, "kv").get(f"kv {kv_format}")
         if kv is not None:
             quality.append(("kv_format", kv.short()))
-        if measured and len(set(self.weight_formats.values())) == 1:
-            fmt = next(iter(self.weight_formats.values()))
+        if measured and len(used) == 1:
+            (fmt,) = used
             q = QualityCache.for_executor(self, "weights").get(f"weights {fmt}")
             if q is not None:
                 quality.append(("weight_format", q.short()))
@@ -320,11 +319,6 @@ class TorchExecutor:
             self.model.shortlist_head = Int8Linear(head.weight)
 
     # -- protocol ---------------------------------------------------------------------------
-
-    @property
-    def kv_formats(self) -> list[str]:
-        """The KV formats this model's pool can use on this device."""
-        return kv_formats_for(self.cfg.info.head_dim, self.device)
 
     def kv_bytes_per_token(self, kv_format: str) -> int:
         get_codec(kv_format, self.cfg.info.head_dim, self.device)  # refuses what cannot be

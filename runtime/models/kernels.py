@@ -120,15 +120,18 @@ class KernelTable:
                 "seconds_spent": self.seconds_spent, "machine": self.machine}
 
 
-def _machine(device: torch.device) -> dict[str, str]:
-    cpu = platform.processor() or platform.machine()
+def cpuinfo(field: str) -> str | None:
+    """The first `field` line of /proc/cpuinfo (None where there is none: not Linux)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        return None
+    return next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                 if ln.startswith(field)), None)
+
+
+def _machine(device: torch.device) -> dict[str, str]:
+    cpu = cpuinfo("model name") or platform.processor() or platform.machine()
     info = {"cpu": cpu, "torch": torch.__version__, "threads": str(torch.get_num_threads()),
             "device": device.type,
             "capability": str(torch.backends.cpu.get_cpu_capability())}
@@ -207,7 +210,7 @@ def load_or_measure(shapes: dict[str, tuple[int, int]], device: torch.device, co
                 return KernelTable(d["times"], d["compute"], d.get("seconds_spent", 0.0), True,
                                    d.get("machine", {}))
         except (OSError, ValueError, KeyError):
-            pass
+            pass  # no cache yet, or an unreadable one: measure again
     table = measure(shapes, device, compute, group_size, int8_group_size)
     if path is not None:
         try:

@@ -32,6 +32,19 @@ async def edit_knob(pilot, app: KvdeckApp, name: str, text: str) -> None:
     await pilot.pause()
 
 
+async def knob_choices(pilot, app: KvdeckApp, name: str) -> list[str]:
+    """Open knob `name`'s editor, read the values it offers, and close it again."""
+    table = app.query_one("#knobs")
+    await pilot.press("k")
+    table.move_cursor(row=table.get_row_index(name))
+    await pilot.press("enter")
+    await pilot.pause()
+    options = app.screen.query_one(OptionList)
+    offered = [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
+    await pilot.press("escape")
+    return offered
+
+
 async def test_knob_change_applies_at_next_iteration(app: KvdeckApp) -> None:
     async with app.run_test(size=(160, 48)) as pilot:
         advance(app, 5)
@@ -71,14 +84,8 @@ async def test_enum_knobs_offer_their_values_and_changes_show_pending(app: Kvdec
     async with app.run_test(size=(160, 48)) as pilot:
         advance(app, 3)
         table = app.query_one("#knobs")
-        await pilot.press("k")
-        table.move_cursor(row=table.get_row_index("queue_policy"))
-        await pilot.press("enter")
-        await pilot.pause()
-        options = app.screen.query_one(OptionList)
-        assert [str(options.get_option_at_index(i).prompt)
-                for i in range(options.option_count)] == ["fcfs", "priority", "sjf", "edf"]
-        await pilot.press("escape")
+        assert await knob_choices(pilot, app, "queue_policy") == ["fcfs", "priority", "sjf",
+                                                                   "edf"]
         await edit_knob(pilot, app, "queue_policy", "sjf")
         app.render_snapshot(app.engine.snapshot())  # before the next iteration
         cell = str(table.get_cell("queue_policy", table._value_col))

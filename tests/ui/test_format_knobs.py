@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from textual.widgets import OptionList
 
 from console.app import KvdeckApp
 from console.widgets.kv_map import KVMapPanel
@@ -17,7 +16,7 @@ from runtime.session import build_session
 from runtime.settings import resolve
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.ui.panel_text import panel_text
-from tests.ui.test_console import edit_knob
+from tests.ui.test_console import edit_knob, knob_choices
 
 SPEC = TinySpec(arch="llama", head_dim=32, num_heads=2, num_kv_heads=1, hidden=64, ffn=128)
 
@@ -60,15 +59,8 @@ async def test_kv_and_weight_formats_switch_through_the_knobs_mid_run(tiny32, tm
         assert e.kv.num_blocks == 96
         # The KV format knob offers what this executor can store, then applies next step.
         table = app.query_one("#knobs")
-        await pilot.press("k")
-        table.move_cursor(row=table.get_row_index("kv_format"))
-        await pilot.press("enter")
-        await pilot.pause()
-        options = app.screen.query_one(OptionList)
-        offered = [str(options.get_option_at_index(i).prompt)
-                   for i in range(options.option_count)]
+        offered = await knob_choices(pilot, app, "kv_format")
         assert {"fp32", "fp16", "bf16", "q8_0", "q4_0"} <= set(offered)
-        await pilot.press("escape")
         await edit_knob(pilot, app, "kv_format", "q8_0")
         advance(app, 1)
         await pilot.pause()
