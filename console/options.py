@@ -37,6 +37,12 @@ def _gib_to_bytes(gib: float) -> int:
     return int(gib * GIB)
 
 
+def _gib_to_bytes_or_zero(gib: float) -> int:
+    if not gib >= 0:
+        raise ConfigError(f"--host-kv-memory-gib must be 0 or more, got {gib!r}.")
+    return int(gib * GIB)
+
+
 def _one_of(knob: str) -> str:
     """A choice knob's help: its values."""
     return f"{', '.join(KNOB_CHOICES[knob])}."
@@ -95,6 +101,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("kv_memory_bytes", ("--kv-memory-gib",), float,
          f"KV pool budget in GiB ({_defaults('kv_memory_bytes', GIB)}).", ENGINE,
          convert=lambda gib: _gib_to_bytes(gib)),
+    Flag("host_kv_memory_bytes", ("--host-kv-memory-gib",), float,
+         "Host KV tier in GiB, for swapped-out requests and demoted prefix blocks (default 0: "
+         "none; pinned memory on CUDA).", ENGINE, convert=lambda gib: _gib_to_bytes_or_zero(gib)),
     Flag("max_num_seqs", ("--max-num-seqs",), int, "Most requests per iteration (default 256).",
          ENGINE),
     Flag("max_num_batched_tokens", ("--max-num-batched-tokens",), int,
@@ -112,7 +121,18 @@ FLAGS: tuple[Flag, ...] = (
     Flag("sjf_max_wait_s", ("--sjf-max-wait-s",), float, "Aging bound for sjf (default 30).",
          KNOBS),
     Flag("reservation", ("--reservation",), str, _one_of("reservation"), KNOBS),
-    Flag("preemption", ("--preemption",), str, _one_of("preemption"), KNOBS),
+    Flag("preemption", ("--preemption",), str, "recompute, swap (to the host tier and back) "
+         "or auto (whichever the timing model says is faster per victim) (default recompute).",
+         KNOBS),
+    Flag("demote_prefixes", ("--demote-prefixes/--no-demote-prefixes",), bool,
+         "Demote evicted prefix-cache blocks to the host tier instead of dropping them "
+         "(default on; needs --host-kv-memory-gib).", KNOBS),
+    Flag("offload_layers", ("--offload-layers",), int,
+         "Keep the FFN weights of the last N layers in host memory, prefetched before each "
+         "runs; the device memory freed goes to the KV pool (default 0).", KNOBS),
+    Flag("offload_buffers", ("--offload-buffers",), int,
+         "Device buffers for offloaded layers: 1 serializes copy and compute, 2 overlap them "
+         "(default 2).", KNOBS),
     Flag("prefix_cache_capacity", ("--prefix-cache-capacity",), int,
          "Most blocks the prefix cache keeps (0: the pool).", KNOBS),
     Flag("eviction_policy", ("--eviction-policy",), str, _one_of("eviction_policy"),

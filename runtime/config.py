@@ -25,8 +25,9 @@ else:  # pragma: no cover - Python 3.10
 SCHEDULING_MODES = ("continuous", "static")
 QUEUE_POLICIES = ("fcfs", "priority", "sjf", "edf")
 RESERVATION_POLICIES = ("full", "lazy")
-PREEMPTION_MODES = ("recompute",)
-"""Preempted requests free their KV and recompute it when readmitted."""
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+"""Preempted requests recompute their KV when readmitted, swap it to the host tier and back,
+or (`auto`) whichever the timing model says is faster for each victim (`scheduler.py`)."""
 EVICTION_POLICIES = ("lru", "value")
 DEADLINE_ACTIONS = ("reject", "wait")
 KNOB_CHOICES: dict[str, tuple[str, ...]] = {
@@ -89,6 +90,15 @@ class Knobs:
     """Matrix weight formats, all groups or per group (`models/weight_formats.py`):
     `int8`, `attn=int8,ffn=int4,head=bf16`, `auto`, `measured`. Re-packed between
     iterations (`Engine._switch_weights`); the engine stores the resolved value."""
+    demote_prefixes: bool = True
+    """With a host tier, evicted prefix-cache blocks are demoted to it instead of dropped
+    (under `value`, only those whose host retention value is positive)."""
+    offload_layers: int = 0
+    """FFN weights of this many layers (the last ones) live in host memory and are copied
+    into a device buffer before their layer runs; the bytes freed go to the KV pool."""
+    offload_buffers: int = 2
+    """Device buffers for offloaded layers: 1 serializes copy and compute, 2 overlap the
+    copy of the next offloaded layer with the compute of this one."""
 
     def __post_init__(self) -> None:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
@@ -100,6 +110,9 @@ class Knobs:
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("prefix_cache_capacity", self.prefix_cache_capacity, 0, 1 << 30)
         check_bool("admission_control", self.admission_control)
+        check_bool("demote_prefixes", self.demote_prefixes)
+        check_int("offload_layers", self.offload_layers, 0, 1 << 12)
+        check_int("offload_buffers", self.offload_buffers, 1, 2)
         parse_weight_format(self.weight_format)  # the syntax; the executor checks the rest
 
     def with_changes(self, **changes: Any) -> Knobs:
@@ -121,6 +134,8 @@ class EngineConfig:
     """KV pool budget; divided by the model's KV bytes per block it sets the block count."""
     num_blocks: int | None = None
     """Overrides the block count derived from `kv_memory_bytes` (tests use tiny pools)."""
+    host_kv_memory_bytes: int = 0
+    """Host tier budget for swapped-out and demoted KV blocks (0: no host tier)."""
     max_model_len: int | None = None
     """Context limit; None takes the executor's model context."""
     max_waiting: int = 4096
@@ -133,6 +148,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1, 256)
         check_int("kv_memory_bytes", self.kv_memory_bytes, 1, 1 << 50)
+        check_int("host_kv_memory_bytes", self.host_kv_memory_bytes, 0, 1 << 50)
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, 1, 1 << 26)
         if self.max_model_len is not None:
@@ -140,17 +156,22 @@ class EngineConfig:
         check_int("max_waiting", self.max_waiting, 1, 1 << 24)
         check_int("seed", self.seed, 0, (1 << 63) - 1)
 
-    def blocks_for_budget(self, kv_bytes_per_token: int) -> int:
-        """Blocks in the pool: the override, or the budget divided by bytes per block."""
+    def blocks_for_budget(self, kv_bytes_per_token: int, extra_bytes: int = 0) -> int:
+        """Blocks in the pool: the override, or the budget (plus `extra_bytes`, device
+        memory freed by weight offload) divided by bytes per block."""
         if self.num_blocks is not None:
             return self.num_blocks
-        n = self.kv_memory_bytes // (self.block_size * kv_bytes_per_token)
+        n = (self.kv_memory_bytes + extra_bytes) // (self.block_size * kv_bytes_per_token)
         if n < 1:
             raise ConfigError(
                 f"kv_memory_bytes {self.kv_memory_bytes:,} holds no block of {self.block_size} "
                 f"tokens at {kv_bytes_per_token:,} bytes per token; raise the budget."
             )
         return int(n)
+
+    def host_blocks(self, kv_bytes_per_token: int) -> int:
+        """Blocks in the host tier: its budget divided by bytes per block."""
+        return self.host_kv_memory_bytes // (self.block_size * kv_bytes_per_token)
 
 
 def field_names(cls: type) -> tuple[str, ...]:

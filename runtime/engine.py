@@ -42,7 +42,7 @@ from runtime.kv.manager import BlockManager
 from runtime.logs import write_failure
 from runtime.metrics import request_metrics
 from runtime.models.weight_formats import format_weight_format, parse_weight_format
-from runtime.plan import SchedulerOutput, StepResult, StepTiming, causal_pairs
+from runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming, causal_pairs
 from runtime.records import (
     Abort,
     AddRequest,
@@ -73,6 +73,7 @@ from runtime.snapshot import (
     TrackedOutput,
 )
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.transfers import TransferLog
 
 log = logging.getLogger("kvdeck.engine")
 MAX_TRACKED = 8
@@ -95,11 +96,16 @@ class Engine:
         self.switches: deque[dict] = deque(maxlen=8)
         """The latest KV format / weight format switches (see `_switch_kv`)."""
         self.kv_bytes_per_token = executor.kv_bytes_per_token(self.kv_format)
-        num_blocks = config.blocks_for_budget(self.kv_bytes_per_token)
-        executor.bind_kv(num_blocks, config.block_size, self.kv_format)
         formats = executor.resolve_weight_formats(config.knobs.weight_format)
         if formats != executor.weight_formats:
             executor.set_weight_formats(formats)
+        if config.knobs.offload_layers:  # before sizing the pool: offload frees memory for it
+            executor.set_offload(config.knobs.offload_layers, config.knobs.offload_buffers)
+        num_blocks = config.blocks_for_budget(self.kv_bytes_per_token,
+                                              executor.offload_gain_bytes)
+        executor.bind_kv(num_blocks, config.block_size, self.kv_format)
+        host_blocks = config.host_blocks(self.kv_bytes_per_token)
+        executor.bind_host_kv(host_blocks)
         text = format_weight_format(formats)
         if text != config.knobs.weight_format:  # knobs hold the resolved value (`measured`)
             config = self.config = dataclasses.replace(
@@ -122,8 +128,10 @@ class Engine:
             bytes_per_block=self.kv_bytes_per_token * config.block_size,
             recompute_cost=lambda h, c: executor.estimate_step_seconds(
                 c, causal_pairs(c, h), h + c),
-            clock=lambda: self.step_count,
+            clock=lambda: self.step_count, host_blocks=host_blocks,
+            link_seconds=lambda nbytes: nbytes / executor.link_bandwidth,
         )
+        self.transfer_log = TransferLog()
         self.weights_view = executor.describe_weights(self.kv_format)
         """What snapshots show of the weights (refreshed after every format switch: it
         reads cached quality figures from disk)."""
@@ -236,6 +244,13 @@ class Engine:
 
     def check_knobs(self, knobs: Knobs) -> None:
         """Bounds that depend on this engine's executor and pool (ConfigError if broken)."""
+        if knobs.preemption != "recompute" and not self.kv.has_host_tier:
+            raise ConfigError(f"preemption {knobs.preemption} needs a host KV tier; set "
+                              "host_kv_memory_bytes (--host-kv-memory-bytes) to at least one "
+                              f"block ({self.kv.bytes_per_block:,} bytes), or use recompute.")
+        if knobs.offload_layers > self.executor.num_layers:
+            raise ConfigError(f"offload_layers must be from 0 to {self.executor.num_layers} "
+                              f"(the model's layers), got {knobs.offload_layers}.")
         pool = self.kv.num_blocks
         if knobs.kv_format != self.kv_format:
             # The executor refuses a format it cannot store; the budget must buy a block.
@@ -285,6 +300,10 @@ class Engine:
                     self._switch_kv(msg.knobs.kv_format, record)
                 if msg.knobs.weight_format != self.scheduler.knobs.weight_format:
                     self._switch_weights(msg.knobs.weight_format, record)
+                old = self.scheduler.knobs
+                if (msg.knobs.offload_layers, msg.knobs.offload_buffers) != \
+                        (old.offload_layers, old.offload_buffers):
+                    self._switch_offload(msg.knobs, record)
                 self.scheduler.apply_knobs(msg.knobs)
                 record.knobs.update(msg.changes)
             elif isinstance(msg, Pause):
@@ -329,29 +348,68 @@ class Engine:
         blocks and requests affected go to the iteration record's `switches` (requests
         preempted here are listed there, not in the record's `preempted`).
         """
-        old, kv, now = self.kv_format, self.kv, self.clock.now()
+        old = self.kv_format
         bpt = self.executor.kv_bytes_per_token(kv_format)
-        num_blocks = self.config.blocks_for_budget(bpt)
+        num_blocks = self.config.blocks_for_budget(bpt, self.executor.offload_gain_bytes)
+        conv, switch = self._relayout(kv_format, num_blocks, f"{old} → {kv_format}")
+        self._pause_clock(conv.seconds)
+        switch.update({"knob": "kv_format", "from": old, "to": kv_format,
+                       "bytes": conv.bytes_read + conv.bytes_written})
+        self._record_switch(switch, record)
+        log.info("kv_format %s → %s: %d blocks converted in %.3f s, pool %d blocks",
+                 old, kv_format, switch["blocks"], conv.seconds, num_blocks)
+
+    def _relayout(self, kv_format: str, num_blocks: int, why: str) -> tuple[Conversion, dict]:
+        """Re-lay the pool as `num_blocks` blocks in `kv_format` (see `_switch_kv`). The host
+        tier is emptied first — swapped requests will recompute, demoted prefixes are
+        dropped — and re-laid at the new block size: its copies are in the old layout.
+        Returns the conversion and the switch record's fields."""
+        kv, now = self.kv, self.clock.now()
+        unswapped = self.scheduler.unswap_all(now, why)
+        kv.drop_host_tier(kv.host.num_blocks)
         preempted = self.scheduler.preempt_to_fit(
-            num_blocks, now, f"the pool shrank to {num_blocks:,} blocks ({old} → {kv_format})")
+            num_blocks, now, f"the pool shrank to {num_blocks:,} blocks ({why})")
         dropped = 0
+        demote, kv.tree.demote = kv.tree.demote, False
         while kv.num_used_blocks > num_blocks and kv.tree.evict_one() is not None:
             dropped += 1
+        kv.tree.demote = demote
+        bpt = self.executor.kv_bytes_per_token(kv_format)
         where = kv.relayout(num_blocks, bpt * self.config.block_size,
                             self._namespace(kv_format))
         src = sorted(where)
         conv = self.executor.convert_kv(kv_format, num_blocks, src, [where[b] for b in src])
-        self._pause_clock(conv.seconds)
+        host_blocks = self.config.host_blocks(bpt)
+        kv.drop_host_tier(host_blocks)
+        self.executor.bind_host_kv(host_blocks)
         self.kv_format, self.kv_bytes_per_token = kv_format, bpt
-        switch = {
-            "knob": "kv_format", "from": old, "to": kv_format, "seconds": conv.seconds,
-            "measured": conv.measured, "bytes": conv.bytes_read + conv.bytes_written,
-            "blocks": len(src), "moved": sum(b != where[b] for b in src),
-            "num_blocks": num_blocks, "dropped": dropped,
-            "preempted": preempted}
+        return conv, {"seconds": conv.seconds, "measured": conv.measured,
+                      "blocks": len(src), "moved": sum(b != where[b] for b in src),
+                      "num_blocks": num_blocks, "dropped": dropped, "preempted": preempted,
+                      **({"unswapped": unswapped} if unswapped else {})}
+
+    def _switch_offload(self, knobs: Knobs, record: StepRecord) -> None:
+        """Move FFN weights to or from the host between iterations and give the device
+        memory that frees (or take back what it needs) to the KV pool, re-laid in place."""
+        old = self.scheduler.knobs
+        conv = self.executor.set_offload(knobs.offload_layers, knobs.offload_buffers)
+        self._pause_clock(conv.seconds)
+        num_blocks = self.config.blocks_for_budget(self.kv_bytes_per_token,
+                                                   self.executor.offload_gain_bytes)
+        switch = {"knob": "offload_layers",
+                  "from": f"{old.offload_layers} layers, {old.offload_buffers} buffers",
+                  "to": f"{knobs.offload_layers} layers, {knobs.offload_buffers} buffers",
+                  "seconds": conv.seconds, "measured": conv.measured,
+                  "bytes": conv.bytes_written, "bytes_before": conv.bytes_read,
+                  "num_blocks": num_blocks, "offload": self.executor.describe_offload(),
+                  "gain": self.executor.offload_gain_bytes}
+        if num_blocks != self.kv.num_blocks:
+            relaid, fields = self._relayout(self.kv_format, num_blocks, "weight offload")
+            self._pause_clock(relaid.seconds)
+            switch.update(fields, seconds=conv.seconds + relaid.seconds)
         self._record_switch(switch, record)
-        log.info("kv_format %s → %s: %d blocks converted in %.3f s, pool %d blocks",
-                 old, kv_format, len(src), conv.seconds, num_blocks)
+        log.info("offload %s → %s: %.3f s, pool %d blocks", switch["from"], switch["to"],
+                 switch["seconds"], num_blocks)
 
     def _switch_weights(self, text: str, record: StepRecord) -> None:
         """Re-pack the matrices whose group changes format, between iterations, from the
@@ -450,6 +508,9 @@ class Engine:
             log.warning("step %d failed: %s", self.step_count, e)
             result = StepResult({}, StepTiming(0.0, True, 0, 0, 0),
                                 {c.request_id: str(e) for c in plan.chunks})
+            if plan.transfers:  # copies out may not have happened: trust no host copy
+                self.scheduler.unswap_all(self.clock.now(), "the step that copied it failed")
+                self.kv.tree.drop_host()
         finally:
             self.kv.end_step()
         resident = self.scheduler.num_waiting + self.scheduler.num_running
@@ -465,6 +526,9 @@ class Engine:
         if t1 != t0 + dt:
             record.end = t1
         record.bytes_read = result.timing.bytes_read
+        if result.transfers:
+            record.transfers = list(result.transfers)
+            self.transfer_log.on_step(plan.step, result.transfers)
         self._collect(record)
         self.step_count += 1
         record.resident = resident
@@ -496,6 +560,7 @@ class Engine:
             record.tokens = list(result.sampled.items())
             record.errors = dict(result.errors)
             record.admitted, record.preempted = list(plan.admitted), list(plan.preempted)
+            record.swapped = list(plan.swapped)
             record.rejected = list(plan.rejected)
             record.cow = list(plan.cow_copies)
             record.num_decode = plan.num_decode_tokens
@@ -648,10 +713,15 @@ class Engine:
             knobs=dataclasses.asdict(sched.knobs), requests=requests,
             tables={rid: list(t) for rid, t in kv.tables.items()},
             reserved=dict(kv.reserved), nodes=nodes, tree=tree_counters,
-            counters={"preemptions": sched.num_preemptions, "cow": kv.num_cow_copies},
+            counters={"preemptions": sched.num_preemptions, "cow": kv.num_cow_copies,
+                      "swapped": sched.num_swapped},
             figures=self.figures.to_json(),
             pool={"num_blocks": kv.num_blocks, "bytes_per_block": kv.bytes_per_block},
-            switches=list(self.switches))
+            switches=list(self.switches),
+            host={"num_blocks": kv.host.num_blocks,
+                  "tables": {rid: list(t) for rid, t in kv.host_tables.items()},
+                  "counters": {"swap_outs": kv.num_swap_outs, "swap_ins": kv.num_swap_ins},
+                  "transfers": self.transfer_log.to_json()})
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
@@ -659,6 +729,8 @@ class Engine:
             assert req.request_id in self.kv.tables
         for req in self.scheduler.waiting:
             assert req.request_id not in self.kv.tables
+            assert (req.status is RequestStatus.SWAPPED) == \
+                (req.request_id in self.kv.host_tables), f"{req.request_id} swap state"
 
     def close(self) -> None:
         self.stop_event.set()

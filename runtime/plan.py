@@ -52,6 +52,12 @@ class SchedulerOutput:
     cow_copies: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) block copies to perform before the forward pass."""
     preempted: list[str] = field(default_factory=list)
+    swapped: list[str] = field(default_factory=list)
+    """Of `preempted`, those whose KV was swapped out to the host tier."""
+    transfers: list[tuple[str, str, str, list[list[int]]]] = field(default_factory=list)
+    """Copies between device and host to perform first, in this order: (kind, direction,
+    what, [[src, dst], ...]) with kind `swap`/`demote`/`promote`, direction `d2h` (device
+    block → host block) or `h2d` (see `kv/manager.py`)."""
     admitted: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
     token_budget: int = 0
@@ -105,3 +111,6 @@ class StepResult:
     """Request id -> error message for requests the executor could not run."""
     logprobs: dict[str, object] = field(default_factory=dict)
     """Request id -> `sampling.TokenLogprobs` for requests that asked for logprobs."""
+    transfers: list = field(default_factory=list)
+    """`records.Transfer` per copy between device and host the step made (the plan's
+    block copies and weight prefetches), with its timing."""

@@ -48,6 +48,11 @@ def engine_header(engine: Engine) -> dict:
         "block_size": engine.kv.block_size,
         "kv_format": engine.kv_format,
         "bytes_per_block": engine.kv.bytes_per_block,
+        "host_blocks": engine.kv.host.num_blocks,
+        "link_bandwidth": engine.executor.link_bandwidth,
+        "link": engine.snapshot().transfers.link_detail,
+        "offload": engine.executor.describe_offload(),
+        "offload_gain_bytes": engine.executor.offload_gain_bytes,
         "max_model_len": engine.max_model_len,
         "config": dataclasses.asdict(engine.config),
     }

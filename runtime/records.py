@@ -18,6 +18,20 @@ KV events (what `BlockManager` and `PrefixTree` did, in order):
     Relayout(num_blocks, bytes_per_block, moves)   the pool was re-laid (a KV format
                                   change): used block `old` now lives at `new` for each
                                   [old, new] in `moves`, and the pool has `num_blocks` blocks
+
+Host-tier events (`kv/tiers.py`; device blocks still come and go by Ref/Unref/Cache/Evict):
+
+    SwapOut(rid, pairs)           rid's computed blocks were copied out, [device, host] per
+                                  table entry in order; Unrefs of its device table follow
+    SwapIn(rid, pairs)            rid's host blocks were copied back, [host, device] each
+                                  (its Refs come first); the host blocks are free again
+    Unswap(rid)                   rid's host copy was dropped: it will recompute instead
+    Demote(node, block, host)     a cached block left the device for host block `host`
+    Promote(node, host, block, hit)   a demoted block came back to device block `block`
+                                  (hit 1: a host hit, copied back; 0: a request computed the
+                                  same block); `Evict` of a host-resident node (block −1)
+                                  frees its host block
+    HostResize(num_blocks)        the host tier (empty) was re-laid at a new block size
 """
 
 from __future__ import annotations
@@ -89,9 +103,49 @@ class Relayout(NamedTuple):
     kind = "relayout"
 
 
-KVEvent = Ref | Unref | Cow | Cache | Evict | Hit | Reserve | Relayout
+class SwapOut(NamedTuple):
+    request_id: str
+    pairs: list[list[int]]
+    kind = "swap_out"
+
+
+class SwapIn(NamedTuple):
+    request_id: str
+    pairs: list[list[int]]
+    kind = "swap_in"
+
+
+class Unswap(NamedTuple):
+    request_id: str
+    kind = "unswap"
+
+
+class Demote(NamedTuple):
+    node_id: int
+    block: int
+    host_block: int
+    kind = "demote"
+
+
+class Promote(NamedTuple):
+    node_id: int
+    host_block: int
+    block: int
+    hit: int
+    """1: a lookup hit it (copied back); 0: a request computed the same block itself."""
+    kind = "promote"
+
+
+class HostResize(NamedTuple):
+    num_blocks: int
+    kind = "host_resize"
+
+
+KVEvent = (Ref | Unref | Cow | Cache | Evict | Hit | Reserve | Relayout | SwapOut | SwapIn
+           | Unswap | Demote | Promote | HostResize)
 KV_EVENTS: dict[str, type] = {c.kind: c for c in (Ref, Unref, Cow, Cache, Evict, Hit, Reserve,
-                                                   Relayout)}
+                                                   Relayout, SwapOut, SwapIn, Unswap, Demote,
+                                                   Promote, HostResize)}
 
 
 def kv_event_to_json(ev: KVEvent) -> list:
@@ -121,6 +175,30 @@ class PlanEntry(NamedTuple):
     num_new_tokens: int
     sampled: int
     """1 when the step sampled a token for the request."""
+
+
+class Transfer(NamedTuple):
+    """One copy between device and host during a step (`StepResult.transfers`)."""
+
+    kind: str
+    """`swap` (a preempted request's KV), `demote` / `promote` (a cached prefix block),
+    `weights` (an offloaded layer's FFN matrices)."""
+    direction: str
+    """`d2h` or `h2d`."""
+    what: str
+    """The request id, `node N`, or `layer N ffn`."""
+    blocks: int
+    """KV blocks copied (0 for weights)."""
+    bytes: int
+    start: float
+    """Seconds from the start of the step (modelled under `sim`, measured otherwise)."""
+    seconds: float
+    bound: float
+    """The lower bound `bytes / link bandwidth`."""
+    stall: float
+    """Seconds the step waited for this copy: all of it for KV copies (they precede the
+    forward pass) and for weights with one buffer; with two, only what the compute of the
+    layer before did not hide."""
 
 
 class Forked(NamedTuple):
@@ -181,6 +259,12 @@ class StepRecord:
     switches: list[dict[str, Any]] = field(default_factory=list)
     """Pauses between iterations to re-encode the KV pool or re-pack weights, each
     {knob, from, to, seconds, bytes, ...} (see `Engine._switch_kv`)."""
+    transfers: list[Transfer] = field(default_factory=list)
+    """Copies between device and host the step made (swaps, demotions, promotions, weight
+    prefetches)."""
+    swapped: list[str] = field(default_factory=list)
+    """Of `preempted`, the requests whose KV was swapped out to the host (the rest
+    recompute)."""
 
     @property
     def t1(self) -> float:
@@ -194,7 +278,7 @@ class StepRecord:
     def is_empty(self) -> bool:
         """Nothing happened: no record is written for such a step."""
         return not (self.plan or self.knobs or self.arrived or self.finished or self.rejected
-                    or self.forked or self.kv or self.switches)
+                    or self.forked or self.kv or self.switches or self.transfers)
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"kind": self.kind, "step": self.step, "t0": self.t0}
@@ -206,7 +290,7 @@ class StepRecord:
             if self.end is not None:
                 d["t1"] = self.end
         for name in ("plan", "tokens", "errors", "admitted", "preempted", "rejected",
-                     "finished", "cow", "knobs", "forked", "switches"):
+                     "finished", "cow", "knobs", "forked", "switches", "transfers", "swapped"):
             value = getattr(self, name)
             if value:
                 d[name] = [list(x) for x in value] if isinstance(value, list) and \
@@ -237,6 +321,8 @@ class StepRecord:
                 kv=[kv_event_from_json(e, where) for e in d.get("kv", [])],
                 queue=tuple(d.get("queue", (0, 0))),
                 switches=[dict(x) for x in d.get("switches", [])],
+                transfers=[Transfer(*x) for x in d.get("transfers", [])],
+                swapped=list(d.get("swapped", [])),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise RunFormatError(f"{where} is not a valid step record ({type(e).__name__}: "
@@ -295,8 +381,9 @@ class Checkpoint:
     tables: dict[str, list[int]]
     reserved: dict[str, int]
     nodes: list[list]
-    """[node id, parent id, block, end token, hits, last access, created lookup] per cached
-    block, parents before children."""
+    """[node id, parent id, block, end token, hits, last access, created lookup, host block]
+    per cached block, parents before children (block −1 for one on the host tier, host
+    block −1 for one on the device; older runs lack the host block)."""
     tree: dict[str, int]
     """Prefix-tree counters: lookups, query tokens, hit tokens, evictions."""
     counters: dict[str, int]
@@ -308,6 +395,9 @@ class Checkpoint:
     None: the run header's."""
     switches: list[dict[str, Any]] = field(default_factory=list)
     """The latest KV/weight format switches before it (what the console still shows)."""
+    host: dict[str, Any] | None = None
+    """The host tier: `num_blocks`, `tables` (swapped requests' host blocks), swap counters
+    and the transfer log (`transfers.TransferLog.to_json`); None in older runs."""
 
     def to_json(self) -> dict:
         d = {"kind": self.kind}
@@ -319,7 +409,7 @@ class Checkpoint:
     @classmethod
     def from_json(cls, d: dict, where: str) -> Checkpoint:
         try:
-            optional = {"pool": None, "switches": []}
+            optional = {"pool": None, "switches": [], "host": None}
             values = {f.name: d[f.name] for f in fields(cls) if f.name not in optional}
             values.update({k: d.get(k, v) for k, v in optional.items()})
             values["requests"] = [RequestState.from_json(r) for r in values["requests"]]

@@ -21,22 +21,30 @@ from runtime.errors import RunFormatError
 from runtime.figures import RunFigures, kv_summary, step_figures, summarize
 from runtime.kv.block_pool import BlockStates
 from runtime.kv.prefix_tree import PrefixTree
+from runtime.kv.tiers import HOST_DEMOTED, HOST_SWAPPED, HostTier
 from runtime.metrics import SLO, RequestMetrics, request_metrics
 from runtime.records import (
     Cache,
     Checkpoint,
     Cow,
+    Demote,
     Evict,
     Hit,
+    HostResize,
+    Promote,
     Ref,
     Relayout,
     RequestState,
     Reserve,
     StepRecord,
+    SwapIn,
+    SwapOut,
     Unref,
+    Unswap,
 )
 from runtime.request import RequestStatus
 from runtime.snapshot import BatchView, EngineSnapshot, KVView, RequestView
+from runtime.transfers import TransferLog, TransfersView
 
 
 class TraceState:
@@ -46,9 +54,16 @@ class TraceState:
         self.header = header
         n, p = header["num_blocks"], header["block_size"]
         self.num_blocks, self.block_size = n, p
-        self.pool = BlockStates(n, p)
-        self.tree = PrefixTree(self.pool)
+        self.host = HostTier(header.get("host_blocks", 0))
+        self.host_tables: dict[str, list[int]] = {}
+        self._new_tree(BlockStates(n, p))
         self.bytes_per_block = header.get("bytes_per_block", 0)
+        self.transfer_log = TransferLog()
+        self.offload: str = header.get("offload", "")
+        self.offload_gain_bytes: int = header.get("offload_gain_bytes", 0)
+        self.num_swapped = 0
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
         self.tables: dict[str, list[int]] = {}
         self.requests: dict[str, RequestState] = {}
         self.reserved: dict[str, int] = {}
@@ -66,19 +81,28 @@ class TraceState:
         """Every request that finished in the applied records, for `summarize_run` (not kept
         in checkpoints: scrubbing back does not need it)."""
 
+    def _new_tree(self, pool: BlockStates) -> None:
+        self.pool = pool
+        self.tree = PrefixTree(pool)
+        self.tree.host = self.host
+
     # -- checkpoints --------------------------------------------------------------------------
 
     def restore(self, cp: Checkpoint) -> None:
         """Start from a mid-run checkpoint (before any step record is applied)."""
         self.step, self.time = cp.step - 1, cp.time
         self.knobs = dict(cp.knobs)
+        if cp.host is not None and cp.host["num_blocks"] != self.host.num_blocks:
+            self.host.resize(cp.host["num_blocks"])
         if cp.pool is not None and cp.pool["num_blocks"] != self.num_blocks:
             self.num_blocks = cp.pool["num_blocks"]
-            self.pool = BlockStates(self.num_blocks, self.block_size)
-            self.tree = PrefixTree(self.pool)
+            self._new_tree(BlockStates(self.num_blocks, self.block_size))
         if cp.pool is not None:
             self.bytes_per_block = cp.pool["bytes_per_block"]
         self.switches = list(cp.switches)
+        for sw in self.switches:
+            if sw["knob"] == "offload_layers":
+                self.offload, self.offload_gain_bytes = sw["offload"], sw["gain"]
         self.tree.load(cp.nodes, cp.tree)
         for rid, table in cp.tables.items():
             self.tables[rid] = list(table)
@@ -89,6 +113,15 @@ class TraceState:
         self.num_reserved = sum(cp.reserved.values())
         self.num_preemptions = cp.counters["preemptions"]
         self.num_cow = cp.counters["cow"]
+        self.num_swapped = cp.counters.get("swapped", 0)
+        if cp.host is not None:
+            for rid, hosts in cp.host["tables"].items():
+                self.host_tables[rid] = list(hosts)
+                for h in hosts:
+                    self.host.occupy(h, HOST_SWAPPED)
+            self.num_swap_outs = cp.host["counters"]["swap_outs"]
+            self.num_swap_ins = cp.host["counters"]["swap_ins"]
+            self.transfer_log.load(cp.host["transfers"])
         self.requests = {r.request_id: r for r in cp.requests}
         self.figures.load(cp.figures)
 
@@ -101,10 +134,15 @@ class TraceState:
                       for r in self.requests.values()],
             tables={rid: list(t) for rid, t in self.tables.items()},
             reserved=dict(self.reserved), nodes=nodes, tree=tree_counters,
-            counters={"preemptions": self.num_preemptions, "cow": self.num_cow},
+            counters={"preemptions": self.num_preemptions, "cow": self.num_cow,
+                      "swapped": self.num_swapped},
             figures=self.figures.to_json(),
             pool={"num_blocks": self.num_blocks, "bytes_per_block": self.bytes_per_block},
-            switches=list(self.switches))
+            switches=list(self.switches),
+            host={"num_blocks": self.host.num_blocks,
+                  "tables": {rid: list(t) for rid, t in self.host_tables.items()},
+                  "counters": {"swap_outs": self.num_swap_outs, "swap_ins": self.num_swap_ins},
+                  "transfers": self.transfer_log.to_json()})
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -136,9 +174,14 @@ class TraceState:
             for rid in sw.get("preempted", ()):
                 self._preempted(rid, rec)
             self.switches = [*self.switches[-7:], {**sw, "step": rec.step}]
+            if sw["knob"] == "offload_layers":
+                self.offload, self.offload_gain_bytes = sw["offload"], sw["gain"]
         for rid in rec.admitted:
             r = self._request(rid, rec)
+            swapped_in = r.status is RequestStatus.SWAPPED
             r.status = RequestStatus.RUNNING
+            if swapped_in:  # resumes where it stopped (the plan says from where)
+                continue
             r.num_computed_tokens = r.num_cached_tokens = 0
             if r.admitted_time is None:
                 r.admitted_time = rec.t0
@@ -153,9 +196,18 @@ class TraceState:
                 r.token_times.append(t1)
                 if r.first_token_time is None:
                     r.first_token_time = t1
+        swapped = set(rec.swapped)
         for rid in rec.preempted:
-            self._preempted(rid, rec)
+            if rid in swapped:
+                r = self._request(rid, rec)
+                r.status = RequestStatus.SWAPPED
+                r.num_preemptions += 1
+                self.num_preemptions += 1
+                self.num_swapped += 1
+            else:
+                self._preempted(rid, rec)
         self.num_cow += len(rec.cow)
+        self.transfer_log.on_step(rec.step, rec.transfers)
         for f in rec.finished:
             r = self.requests.pop(f.request_id, None)
             if r is None:
@@ -230,6 +282,31 @@ class TraceState:
                 self.reserved.pop(ev.request_id, None)
         elif isinstance(ev, Cow):
             pass  # the Ref before it already moved the table entry; counted per step
+        elif isinstance(ev, SwapOut):
+            hosts = [h for _, h in ev.pairs]
+            for h in hosts:
+                self.host.occupy(h, HOST_SWAPPED)
+            self.host_tables[ev.request_id] = hosts
+            self.num_swap_outs += 1
+        elif isinstance(ev, SwapIn):
+            for h in self.host_tables.pop(ev.request_id):
+                self.host.free(h)
+            self.num_swap_ins += 1
+        elif isinstance(ev, Unswap):
+            for h in self.host_tables.pop(ev.request_id):
+                self.host.free(h)
+            r = self.requests.get(ev.request_id)
+            if r is not None and r.status is RequestStatus.SWAPPED:
+                r.status, r.num_computed_tokens = RequestStatus.PREEMPTED, 0
+        elif isinstance(ev, Demote):
+            node = tree.nodes[ev.node_id]
+            assert node.block == ev.block, f"node {ev.node_id} is not in block {ev.block}"
+            self.host.occupy(ev.host_block, HOST_DEMOTED)
+            tree.demote_to(node, ev.host_block)
+        elif isinstance(ev, Promote):
+            tree.promote(tree.nodes[ev.node_id], ev.block, hit=bool(ev.hit))
+        elif isinstance(ev, HostResize):
+            self.host.resize(ev.num_blocks)
         elif isinstance(ev, Relayout):
             moves = {old: new for old, new in ev.moves}
             pool.relayout(ev.num_blocks, moves)
@@ -281,11 +358,27 @@ class TraceState:
             num_rejected=counts.get("rejected", 0), num_aborted=counts.get("aborted", 0),
             num_preemptions=self.num_preemptions,
             recent=self.figures.rolling(), figures=self.figures.view(),
-            switches=tuple(self.switches),
+            switches=tuple(self.switches), transfers=self.transfers_view(),
         )
+
+    def transfers_view(self) -> TransfersView:
+        tree, log = self.tree, self.transfer_log
+        counters = {**log.counters, "swap_outs": self.num_swap_outs,
+                    "swap_ins": self.num_swap_ins, "demotions": tree.num_demotions,
+                    "promotions": tree.num_promotions,
+                    "host_hit_tokens": tree.num_host_hit_tokens}
+        h = self.header
+        link = h.get("link_bandwidth", 0.0)
+        return TransfersView(
+            link, h.get("link", f"{link / 1e9:,.1f} GB/s"), self.host.num_blocks,
+            self.host.num_swapped, self.host.num_demoted, self.bytes_per_block,
+            bytes(self.host.states), tuple(self.host_tables), counters, log.last,
+            tuple(log.recent), self.offload, self.offload_gain_bytes)
 
     def check_integrity(self) -> None:
         """The rebuilt pool and tree agree with each other and with the block tables."""
+        self.host.check_integrity()
+        assert self.host.num_swapped == sum(map(len, self.host_tables.values()))
         self.pool.check_integrity()
         self.tree.check_integrity()
         counts = [0] * self.num_blocks

@@ -15,6 +15,9 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     """Evicted from the batch with its KV freed; waits at the head of the queue to recompute."""
+    SWAPPED = "swapped"
+    """Evicted from the batch with its computed KV copied to the host tier; waits at the head
+    of the queue to be copied back and continue."""
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     ABORTED = "aborted"

@@ -20,6 +20,12 @@ to the head of the queue; its prompt and generated tokens are recomputed when it
 readmitted (reusing whatever the prefix cache still holds). If the request needing blocks is
 itself the only candidate, it is the one preempted. No admissions happen in an iteration
 that preempted.
+
+Preemption mode (the `preemption` knob): `recompute` as above; `swap` copies the victim's
+computed blocks to the host tier instead (`kv/tiers.py`) and it resumes where it stopped
+once they are copied back (`RequestStatus.SWAPPED`); `auto` decides per victim with
+`swap_or_recompute`. A victim with nothing computed, or one the host tier cannot take,
+recomputes.
 """
 
 from __future__ import annotations
@@ -38,6 +44,25 @@ Estimator = Callable[[int, int, int], float]
 """(new tokens, causal pairs, context tokens) -> predicted step seconds."""
 
 
+def swap_or_recompute(num_tokens: int, block_size: int, bytes_per_block: int,
+                      link_seconds: Callable[[int], float], estimate: Estimator
+                      ) -> tuple[str, float, float]:
+    """`auto` preemption's rule for a victim with `num_tokens` computed tokens: swap when
+    copying its blocks out and back, `2 · bytes / link bandwidth`, takes less than
+    recomputing them — the time its tokens add to a step, `estimate(L, pairs, L) −
+    estimate(0, 0, 0)` (a recompute rides in steps that run anyway, so their fixed cost is
+    not its own). Returns (choice, swap seconds, recompute seconds).
+
+    Blocks are copied whole, so a victim with a few tokens pays a whole block each way; on
+    a roofline step model a short recompute is nearly free (it fills a memory-bound step's
+    idle compute), a long one is not (its cost grows with tokens and causal pairs)."""
+    nbytes = -(-num_tokens // block_size) * bytes_per_block
+    swap = 2.0 * link_seconds(nbytes)
+    recompute = estimate(num_tokens, causal_pairs(num_tokens, 0), num_tokens) \
+        - estimate(0, 0, 0)
+    return ("swap" if swap < recompute else "recompute"), swap, recompute
+
+
 class Scheduler:
     """Owns the waiting queue and the running batch; plans and applies iterations."""
 
@@ -54,6 +79,8 @@ class Scheduler:
         self.finished: list[Request] = []
         """Requests that reached a final state since the engine last collected them."""
         self.num_preemptions = 0
+        self.num_swapped = 0
+        """Preemptions that swapped the victim's KV out (the rest recomputed)."""
 
     # -- knobs ------------------------------------------------------------------------------
 
@@ -61,7 +88,7 @@ class Scheduler:
         """Take new knob values (already validated) at an iteration boundary."""
         self.knobs = knobs
         self.kv.configure_cache(knobs.enable_prefix_caching, knobs.prefix_cache_capacity,
-                                knobs.eviction_policy)
+                                knobs.eviction_policy, knobs.demote_prefixes)
 
     # -- intake -----------------------------------------------------------------------------
 
@@ -106,7 +133,7 @@ class Scheduler:
         req.finish_time = now
         req.events.append((now, f"{status.value}: {reason}" if reason and reason !=
                            status.value else status.value))
-        if req.request_id in self.kv.tables:
+        if req.request_id in self.kv.tables or req.request_id in self.kv.host_tables:
             self.kv.release(req)
         self.finished.append(req)
 
@@ -148,6 +175,8 @@ class Scheduler:
         if plan.limit is None and self.waiting:
             plan.limit = "token budget (max_num_batched_tokens) used up" if budget <= 0 \
                 else "sequence limit (max_num_seqs) reached"
+        if self.kv.copies:
+            plan.transfers = self.kv.take_copies()
         return plan
 
     def _schedule_decodes(self, decodes: list[Request], plan: SchedulerOutput, budget: int,
@@ -214,8 +243,31 @@ class Scheduler:
         return candidates[-1][1]
 
     def _preempt(self, req: Request, plan: SchedulerOutput) -> None:
-        self._preempt_now(req, plan.time)
+        if self.preemption_mode(req) == "swap":
+            self.running.remove(req)
+            n = self.kv.swap_out(req)
+            req.status = RequestStatus.SWAPPED
+            req.num_preemptions += 1
+            req.events.append((plan.time, f"preempted: {n:,} blocks swapped out to the host"))
+            self.num_preemptions += 1
+            self.num_swapped += 1
+            self.waiting.appendleft(req)
+            plan.swapped.append(req.request_id)
+        else:
+            self._preempt_now(req, plan.time)
         plan.preempted.append(req.request_id)
+
+    def preemption_mode(self, req: Request) -> str:
+        """How `req` would be preempted now: `swap` or `recompute` (see the module
+        docstring)."""
+        mode = self.knobs.preemption
+        kv = self.kv
+        if mode == "recompute" or not kv.can_swap_out(kv.blocks_needed(req.num_computed_tokens)):
+            return "recompute"
+        if mode == "swap":
+            return "swap"
+        return swap_or_recompute(req.num_computed_tokens, kv.block_size, kv.bytes_per_block,
+                                 kv.link_seconds, self.estimate)[0]
 
     def _preempt_now(self, req: Request, now: float,
                      why: str = "blocks freed, to be recomputed") -> None:
@@ -227,6 +279,19 @@ class Scheduler:
         req.events.append((now, f"preempted: {why}"))
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def unswap_all(self, now: float, why: str) -> list[str]:
+        """Swapped-out requests lose their host copies and will recompute (the host tier
+        is being dropped). Returns their ids."""
+        out = []
+        for req in self.waiting:
+            if req.status is RequestStatus.SWAPPED:
+                self.kv.unswap(req)
+                req.status = RequestStatus.PREEMPTED
+                req.num_computed_tokens = 0
+                req.events.append((now, f"host copy dropped ({why}): to be recomputed"))
+                out.append(req.request_id)
+        return out
 
     def preempt_to_fit(self, num_blocks: int, now: float, why: str) -> list[str]:
         """Between steps: preempt running requests (the scheduler's usual victims, latest
@@ -246,8 +311,9 @@ class Scheduler:
             # Preempted requests were put at the head. Only the front of a long queue can be
             # admitted this iteration, so copy no more than that.
             return list(itertools.islice(self.waiting, self.knobs.max_num_seqs + 256))
-        resumed = [r for r in self.waiting if r.status is RequestStatus.PREEMPTED]
-        fresh = [r for r in self.waiting if r.status is not RequestStatus.PREEMPTED]
+        back = (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+        resumed = [r for r in self.waiting if r.status in back]
+        fresh = [r for r in self.waiting if r.status not in back]
         if policy == "priority":
             fresh.sort(key=lambda r: (r.priority, r.arrival_time))
         elif policy == "edf":
@@ -272,6 +338,12 @@ class Scheduler:
         for req in self._queue_order(now):
             if budget <= 0 or len(scheduled) >= k.max_num_seqs:
                 break
+            if req.status is RequestStatus.SWAPPED:
+                if not self._swap_in(req, plan, budget, full, now):
+                    break
+                scheduled.add(req.request_id)
+                budget -= plan.chunks[-1].num_new_tokens
+                continue
             never = self._never_fits(req, full)
             if never:
                 self.waiting.remove(req)
@@ -313,6 +385,32 @@ class Scheduler:
             scheduled.add(req.request_id)
             budget -= n
         return budget
+
+    def _swap_in(self, req: Request, plan: SchedulerOutput, budget: int, full: bool,
+                 now: float) -> bool:
+        """Readmit a swapped-out request (its blocks come back before the forward pass);
+        False, with `plan.limit` set, when the pool cannot take them yet."""
+        n = min(req.num_tokens - req.num_computed_tokens, self.knobs.chunk_size, budget)
+        kv = self.kv
+        if not kv.can_swap_in(req, n, full):
+            plan.limit = (f"KV pool full: swapped-out {req.request_id} needs "
+                          f"{kv.swap_in_blocks(req, n, full):,} blocks to come back, "
+                          f"{kv.num_available_blocks():,} are available")
+            return False
+        self.waiting.remove(req)
+        num_blocks = len(kv.host_tables[req.request_id])
+        plan.cow_copies.extend(kv.swap_in(req, n, full))
+        req.events.append((now, f"swapped in: {num_blocks:,} blocks copied back"))
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        plan.admitted.append(req.request_id)
+        start = req.num_computed_tokens
+        if n == 1 and req.output_token_ids:  # it was decoding: a decode row again
+            plan.chunks.append(ScheduledChunk(req, 1, start, kv.tables[req.request_id], True))
+            plan.num_decode_tokens += 1
+        else:
+            self._add_prefill(plan, req, n)
+        return True
 
     def _never_fits(self, req: Request, full: bool) -> str | None:
         """A reason the request can never be admitted with this pool, or None."""

@@ -28,6 +28,7 @@ from runtime.kv.block_pool import (
     STATE_NAMES,
 )
 from runtime.kv.prefix_tree import NodeSummary
+from runtime.transfers import TransfersView
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
@@ -197,6 +198,8 @@ class EngineSnapshot:
     switches: tuple[dict, ...] = ()
     """The latest pauses to re-encode the KV pool or re-pack weights, oldest first, each a
     `StepRecord.switches` entry plus the step it happened before."""
+    transfers: TransfersView | None = None
+    """The host tier, the link and what crossed it (`runtime/transfers.py`)."""
 
 
 class SnapshotBuilder:
@@ -249,6 +252,21 @@ class SnapshotBuilder:
                       tree.num_evictions, kv.num_cow_copies, tree.num_query_tokens,
                       tree.num_hit_tokens, e.executor.kv_formats)
 
+    def transfers_view(self) -> TransfersView:
+        e = self.engine
+        kv, log, tree = e.kv, e.transfer_log, e.kv.tree
+        link = getattr(e.executor, "link", None)
+        detail = link.describe() if link is not None else \
+            f"{e.executor.link_bandwidth / 1e9:,.0f} GB/s (hardware profile)"
+        counters = {**log.counters, "swap_outs": kv.num_swap_outs, "swap_ins": kv.num_swap_ins,
+                    "demotions": tree.num_demotions, "promotions": tree.num_promotions,
+                    "host_hit_tokens": tree.num_host_hit_tokens}
+        return TransfersView(
+            e.executor.link_bandwidth, detail, kv.host.num_blocks, kv.host.num_swapped,
+            kv.host.num_demoted, kv.bytes_per_block, bytes(kv.host.states),
+            tuple(kv.host_tables), counters, log.last, tuple(log.recent),
+            e.executor.describe_offload(), e.executor.offload_gain_bytes)
+
     def build(self, max_prefix_nodes: int = 256) -> EngineSnapshot:
         """Call from the engine thread (or while it is stopped)."""
         e = self.engine
@@ -277,4 +295,5 @@ class SnapshotBuilder:
             paused=e.paused, failure=e.failure, lag_s=e.clock.lag_s, pending_knobs=pending,
             tracked=tuple(e.tracked_outputs()), finished=finished, detail=e.watched_detail(),
             switches=tuple(e.switches), weights=self._weights(),
+            transfers=self.transfers_view(),
         )

@@ -26,10 +26,14 @@ KNOB_TYPES = {f.name: f.type for f in dataclasses.fields(Knobs)}
 CHOICES: dict[str, tuple[str, ...]] = {
     **KNOB_CHOICES,
     "enable_prefix_caching": ("true", "false"), "admission_control": ("true", "false"),
+    "demote_prefixes": ("true", "false"), "offload_buffers": ("1", "2"),
 }
 """Knobs whose values are a fixed list: the editor offers them instead of a text field."""
 HINTS = {"weight_format": "dense, fp32, bf16, fp16, int8, int4, auto or measured — for all "
-                          "groups, or per group like attn=int8,ffn=int4,head=bf16"}
+                          "groups, or per group like attn=int8,ffn=int4,head=bf16",
+         "offload_layers": "FFN weights of the last N layers live on the host, prefetched "
+                           "before each runs; the memory freed goes to the KV pool",
+         "preemption": "swap and auto need a host KV tier (--host-kv-memory-gib)"}
 """What a typed knob accepts, when a number is not the answer."""
 
 

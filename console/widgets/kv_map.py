@@ -8,12 +8,28 @@ from rich.text import Text
 
 from console.model_report import human_bytes
 from console.widgets.base import SnapshotPanel
+from runtime.kv.tiers import HOST_DEMOTED, HOST_FREE, HOST_SWAPPED
 from runtime.snapshot import CACHED, CACHED_ACTIVE, FREE, PRIVATE, SHARED, EngineSnapshot
 
 STYLES = {FREE: ("·", "dim"), PRIVATE: ("█", "green"), SHARED: ("█", "magenta"),
           CACHED: ("▒", "blue"), CACHED_ACTIVE: ("█", "cyan")}
 # When several blocks share a cell, the cell shows the "busiest" state among them.
 RANK = {FREE: 0, CACHED: 1, PRIVATE: 2, CACHED_ACTIVE: 3, SHARED: 4}
+HOST_STYLES = {HOST_FREE: ("·", "dim"), HOST_SWAPPED: ("▓", "red"),
+               HOST_DEMOTED: ("░", "yellow")}
+HOST_RANK = {HOST_FREE: 0, HOST_DEMOTED: 1, HOST_SWAPPED: 2}
+
+
+def host_row(states: bytes, width: int) -> Text:
+    """The host tier on one line: swapped ▓ and demoted ░ blocks, grouped to fit."""
+    n = len(states)
+    per_cell = max(-(-n // width), 1)
+    row = Text("host ", style="bold")
+    for start in range(0, n, per_cell):
+        state = max(states[start:start + per_cell], key=lambda s: HOST_RANK[s])
+        char, style = HOST_STYLES[state]
+        row.append(char, style=style)
+    return row
 
 
 def switch_text(sw: dict) -> str:
@@ -21,8 +37,11 @@ def switch_text(sw: dict) -> str:
     text = (f"{sw['knob']} {sw['from']} → {sw['to']} before step {sw.get('step', '?')}: "
             f"paused {sw['seconds'] * 1e3:,.1f} ms{'' if sw.get('measured') else ' (modelled)'}")
     if sw["knob"] != "kv_format":
-        return text + (f", weights {human_bytes(sw.get('bytes_before', 0))} → "
-                       f"{human_bytes(sw['bytes'])}")
+        text += (f", weights on the device {human_bytes(sw.get('bytes_before', 0))} → "
+                 f"{human_bytes(sw['bytes'])}")
+        if sw["knob"] == "offload_layers":
+            text += f", pool {sw['num_blocks']:,} blocks"
+        return text
     text += f", {human_bytes(sw['bytes'])} converted"
     text += f", {sw['blocks']:,} blocks → pool {sw['num_blocks']:,}"
     if sw.get("dropped"):
@@ -51,7 +70,8 @@ class KVMapPanel(SnapshotPanel):
         kv_switches = [sw for sw in snap.switches if sw["knob"] == "kv_format"]
         switch = switch_text(kv_switches[-1]) if kv_switches else ""
         switch_rows = -(-len(switch) // width) if switch else 0
-        rows = max(self.size.height - 5 - switch_rows, 1)
+        host = snap.transfers is not None and snap.transfers.host_blocks > 0
+        rows = max(self.size.height - 5 - switch_rows - (2 if host else 0), 1)
         cells = width * rows
         per_cell = max(-(-kv.num_blocks // cells), 1)
         highlight: set[int] = set()
@@ -86,4 +106,13 @@ class KVMapPanel(SnapshotPanel):
         lines = [legend, Text(scale + sel, style="dim")]
         if switch:
             lines.append(Text(switch, style="yellow"))
+        if host:
+            t = snap.transfers
+            legend = Text("host tier: ", style="dim")
+            for state, name in ((HOST_SWAPPED, "swapped"), (HOST_DEMOTED, "demoted"),
+                                (HOST_FREE, "free")):
+                char, style = HOST_STYLES[state]
+                legend.append(f"{char} {name} {t.host_states.count(state)} ", style=style)
+            self.update(Group(*lines, grid, legend, host_row(t.host_states, width - 5)))
+            return
         self.update(Group(*lines, grid))

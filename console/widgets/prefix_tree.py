@@ -56,13 +56,15 @@ class PrefixTreePanel(Tree[int]):
         branches = {0: self.root}
         parents = {n.parent_id for n in nodes}
         for n in nodes:
-            on_path = n.block in path
+            on_path = n.block >= 0 and n.block in path
             label = Text(f"[{n.start_token}:{n.end_token})",
                          style="bold yellow" if on_path else "bold")
             if n.num_blocks > 1:
                 label.append(f" {n.num_blocks} blocks", style="dim")
             label.append(f" users {n.num_users} hits {n.hits} last step {n.last_access}")
-            if n.evictable:
+            if n.on_host:
+                label.append(" on host (demoted)", style="yellow")
+            elif n.evictable:
                 label.append(" evictable", style="blue")
             if on_path:
                 label.append(f" ◀ {self.selected}", style="bold yellow")

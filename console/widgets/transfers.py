@@ -1,12 +1,57 @@
-"""Transfers panel: device↔host traffic per step. Nothing in the runtime moves KV or weights
-between tiers yet, and the panel says so plainly instead of drawing zeros."""
+"""Transfers panel: what crosses the device↔host link (out: device → host, in: back), live — the link's measured speed, the
+host KV tier (swapped requests, demoted prefix blocks), swaps, demotions and host hits, the
+latest step's copies against their lower bound `bytes / bandwidth`, weight offload and a
+history of bytes moved per step."""
 
 from __future__ import annotations
 
+from rich.console import Group
 from rich.text import Text
 
+from console.model_report import human_bytes
 from console.widgets.base import SnapshotPanel
+from runtime.records import Transfer
 from runtime.snapshot import EngineSnapshot
+from runtime.transfers import TransfersView
+
+BARS = " ▁▂▃▄▅▆▇█"
+KIND_STYLE = {"swap": "red", "demote": "yellow", "promote": "green", "weights": "cyan"}
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f} ms" if seconds < 0.1 else f"{seconds:,.2f} s"
+
+
+def group_text(kind: str, direction: str, items: list[Transfer]) -> list[Text]:
+    """One step's copies of one kind and direction: count, bytes, time against the bound,
+    and how long the step waited for them (less than the time when prefetch overlapped)."""
+    arrow = "→host" if direction == "d2h" else "→dev"
+    nbytes = sum(t.bytes for t in items)
+    seconds = sum(t.seconds for t in items)
+    bound = sum(t.bound for t in items)
+    stall = sum(t.stall for t in items)
+    blocks = sum(t.blocks for t in items)
+    what = f"{blocks} blk" if blocks else f"×{len(items)}"
+    head = Text(f" {kind}{arrow} {what} {human_bytes(nbytes)}",
+                style=KIND_STYLE.get(kind, ""))
+    tail = Text(f"  {ms(seconds)} ≥{ms(bound)}", style="dim")
+    if stall < seconds * 0.999:
+        tail.append(f" wait {ms(stall)}")
+    return [head, tail]
+
+
+def history(view: TransfersView, width: int) -> Text:
+    """Bytes moved per step over the recent steps that moved anything."""
+    steps = view.recent[-width:]
+    if not steps:
+        return Text()
+    peak = max(s.d2h_bytes + s.h2d_bytes for s in steps) or 1
+    text = Text("", style="dim")
+    for s in steps:
+        total = s.d2h_bytes + s.h2d_bytes
+        text.append(BARS[max(1, round(total / peak * (len(BARS) - 1)))], style="cyan")
+    text.append(f" ≤{human_bytes(peak)}", style="dim")
+    return text
 
 
 class TransfersPanel(SnapshotPanel):
@@ -14,5 +59,50 @@ class TransfersPanel(SnapshotPanel):
     BORDER_TITLE = "Transfers"
 
     def draw(self, snap: EngineSnapshot) -> None:
-        self.update(Text("Nothing is configured to move between device and host: no host "
-                         "KV tier, no swap preemption, no weight offload.", style="dim"))
+        view = snap.transfers
+        if view is None:
+            self.update(Text("No transfer figures in this snapshot.", style="dim"))
+            return
+        width = max(self.size.width - 4, 16)
+        c = view.counters
+        self.border_subtitle = f"link {view.link_bandwidth / 1e9:,.1f} GB/s"
+        if not view.host_blocks and not view.offload:
+            self.update(Group(
+                Text(f"link {view.link_detail}", style="dim"),
+                Text("No host KV tier (--host-kv-memory-gib) and no weight offload "
+                     "(--offload-layers): nothing moves.", style="dim")))
+            return
+        lines: list[Text] = []
+        if view.host_blocks:
+            used = view.host_swapped + view.host_demoted
+            lines.append(Text(f"host {used:,}/{view.host_blocks:,} blk "
+                              f"{human_bytes(view.host_bytes)}", style="bold"))
+            lines.append(Text(f" ▓ {view.host_swapped:,} swapped ░ {view.host_demoted:,} "
+                              "demoted"))
+            lines.append(Text(f"swaps {c['swap_outs']:,} out {c['swap_ins']:,} in",
+                              style="red" if view.swapped_requests else ""))
+            if view.swapped_requests:
+                names = ", ".join(view.swapped_requests[:3])
+                more = len(view.swapped_requests) - 3
+                lines.append(Text(f" on host: {names}{f' +{more}' if more > 0 else ''}",
+                                  style="red"))
+            lines.append(Text(f"prefix {c['demotions']:,} demoted", style="yellow"))
+            lines.append(Text(f" {c['promotions']:,} host hits "
+                              f"({c['host_hit_tokens']:,} tok)", style="yellow"))
+        if view.offload:
+            lines.append(Text(f"offload {view.offload}", style="cyan"))
+            lines.append(Text(f" +{human_bytes(view.offload_gain_bytes)} for KV", style="cyan"))
+        last = view.last
+        if last is not None:
+            lines.append(Text(f"step {last.step}: out {human_bytes(last.d2h_bytes)} "
+                              f"in {human_bytes(last.h2d_bytes)}", style="bold"))
+            groups: dict[tuple[str, str], list[Transfer]] = {}
+            for t in last.transfers:
+                groups.setdefault((t.kind, t.direction), []).append(t)
+            for (kind, direction), items in groups.items():
+                lines.extend(group_text(kind, direction, items))
+            lines.append(history(view, width - 10))
+        lines.append(Text(f"all: out {human_bytes(c['d2h_bytes'])} "
+                          f"in {human_bytes(c['h2d_bytes'])}", style="dim"))
+        lines.append(Text(f"link {view.link_detail}", style="dim"))
+        self.update(Group(*lines))

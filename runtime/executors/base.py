@@ -33,6 +33,13 @@ class Executor(Protocol):
 
     kv_formats: tuple[str, ...]
     """The KV formats this executor can store (the `kv_format` knob's choices)."""
+    num_layers: int
+    """Transformer layers (the `offload_layers` knob's bound)."""
+    link_bandwidth: float
+    """Bytes/s one way between device and host: measured at start-up (`executors/link.py`)
+    or, for `sim`, the hardware profile's."""
+    offload_gain_bytes: int
+    """Device bytes weight offload frees for the KV pool (offloaded − buffer bytes)."""
 
     def kv_bytes_per_token(self, kv_format: str) -> int:
         """Bytes of K and V one token occupies across all layers in `kv_format`."""
@@ -40,6 +47,22 @@ class Executor(Protocol):
 
     def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
         """Create (or size) the physical KV pool the block tables index into."""
+        ...
+
+    def bind_host_kv(self, num_blocks: int) -> None:
+        """(Re)create the host tier's storage for `num_blocks` blocks in the pool's current
+        format (0: none). Plans then carry `transfers` — block copies between the pool and
+        the host tier — which `execute` performs first, in order, and reports."""
+        ...
+
+    def set_offload(self, num_layers: int, num_buffers: int) -> Conversion:
+        """Keep the FFN weights of the last `num_layers` layers on the host, prefetched into
+        `num_buffers` device buffers before each runs (0 layers: none); between iterations.
+        Steps then report each prefetch in `StepResult.transfers`."""
+        ...
+
+    def describe_offload(self) -> str:
+        """Weight offload in a line for the transfers panel ("" when none)."""
         ...
 
     def convert_kv(self, kv_format: str, num_blocks: int, src: list[int], dst: list[int]
@@ -69,8 +92,8 @@ class Executor(Protocol):
         ...
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        """Perform the plan's copy-on-write copies, run the forward pass for every chunk,
-        and sample a token for each chunk with `sample` set."""
+        """Perform the plan's tier transfers, then its copy-on-write copies, run the forward
+        pass for every chunk, and sample a token for each chunk with `sample` set."""
         ...
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,

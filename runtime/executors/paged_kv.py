@@ -30,7 +30,9 @@ class PagedKVCache:
     `kv_codecs.py`), every part shaped `[num_blocks, block_size, kv_heads, ...]`."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, codec: KVCodec, device: torch.device):
+                 head_dim: int, codec: KVCodec, device: torch.device, pin: bool = False):
+        """`pin`: page-locked host memory (a host tier beside a CUDA pool: its copies then
+        run at the link's full speed)."""
         self.codec = codec
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -39,7 +41,8 @@ class PagedKVCache:
 
         def parts() -> list[torch.Tensor]:
             return [torch.zeros((num_blocks, block_size, num_kv_heads, *shape), dtype=dtype,
-                                device=device) for shape, dtype in codec.part_shapes(head_dim)]
+                                device=device, pin_memory=pin)
+                    for shape, dtype in codec.part_shapes(head_dim)]
 
         self.k = [parts() for _ in range(num_layers)]
         self.v = [parts() for _ in range(num_layers)]
@@ -63,6 +66,24 @@ class PagedKVCache:
             for t in layer:
                 raw = _raw(t)
                 raw[dst] = raw[src]
+
+    def copy_to(self, other: PagedKVCache, pairs: list[list[int]]) -> int:
+        """Copy block `src` of this pool into block `dst` of `other` (same format and shape,
+        another device: a swap or a demotion out, a swap-in or promotion back) for each
+        [src, dst]; returns the bytes copied. One gather and one scatter per tensor."""
+        if not pairs:
+            return 0
+        src_dev, dst_dev = self.k[0][0].device, other.k[0][0].device
+        src = torch.tensor([p[0] for p in pairs], device=src_dev)
+        dst = torch.tensor([p[1] for p in pairs], device=dst_dev)
+        nbytes = 0
+        for mine, theirs in zip(self.k + self.v, other.k + other.v, strict=True):
+            for a, b in zip(mine, theirs, strict=True):
+                rows = _raw(a).index_select(0, src)
+                rows = rows.to(dst_dev)  # blocking: the scatter below reads it at once
+                _raw(b).index_copy_(0, dst, rows)
+                nbytes += rows.numel() * rows.element_size()
+        return nbytes
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Encode this step's K/V rows `[T, kv_heads, d]` into the token slots named."""
@@ -96,6 +117,12 @@ class PagedKVCache:
         num_kv_heads = self.k[0][0].shape[2]
         new = PagedKVCache(self.num_layers, num_blocks, self.block_size, num_kv_heads,
                            self.head_dim, codec, device)
+        if codec.name == self.codec.name:  # the same format re-laid: bytes move as they are
+            for i in range(0, len(src), batch_blocks):
+                self.copy_to(new, [[a, b] for a, b in zip(src[i:i + batch_blocks],
+                                                          dst[i:i + batch_blocks],
+                                                          strict=True)])
+            return new
         for i in range(0, len(src), batch_blocks):
             s = torch.tensor(src[i:i + batch_blocks], dtype=torch.long, device=device)
             d = torch.tensor(dst[i:i + batch_blocks], dtype=torch.long, device=device)

@@ -23,6 +23,7 @@ from runtime.models.weight_formats import (
 )
 from runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
 from runtime.profiles import HardwareProfile, ModelProfile, StepFit
+from runtime.records import Transfer
 from runtime.snapshot import WeightsView
 
 TIMING_MODES = ("fit", "roofline")
@@ -104,6 +105,13 @@ class SimExecutor:
         """Matrix bytes every step reads in the current weight formats."""
         self._rid_hash: dict[str, int] = {}
         self.num_steps = 0
+        self.num_layers = self.model.num_layers
+        self.link_bandwidth = self.hardware.link_bandwidth_bytes_per_s or \
+            self.hardware.bandwidth_bytes_per_s
+        """Bytes/s one way over the host link (the hardware profile's)."""
+        self.block_size = 16
+        self.offload_layers = 0
+        self.offload_buffers = 2
 
     def _resolve_fit(self) -> StepFit:
         c = self.config
@@ -142,6 +150,80 @@ class SimExecutor:
         hw = self.hardware
         return Conversion((read + written) / (hw.bandwidth_bytes_per_s * hw.mbu), False,
                           read, written)
+
+    def bind_host_kv(self, num_blocks: int) -> None:
+        """Accounting only: host blocks hold no bytes here."""
+
+    # -- weight offload (priced) ------------------------------------------------------------
+
+    @property
+    def ffn_layer_bytes(self) -> int:
+        """FFN matrix bytes of one layer in the current format (`GROUP_SHARES`)."""
+        return int(self.weight_bytes * GROUP_SHARES["ffn"] / self.num_layers)
+
+    @property
+    def offload_gain_bytes(self) -> int:
+        n = self.offload_layers
+        return n * self.ffn_layer_bytes - min(self.offload_buffers, n) * self.ffn_layer_bytes
+
+    def set_offload(self, num_layers: int, num_buffers: int) -> Conversion:
+        """Priced, not performed: moving the weights to the host (or back) crosses the link
+        once."""
+        if not 0 <= num_layers <= self.num_layers:
+            raise ConfigError(f"offload_layers must be from 0 to {self.num_layers} (the "
+                              f"model's layers), got {num_layers}.")
+        moved = abs(num_layers - self.offload_layers) * self.ffn_layer_bytes
+        before = self.weight_bytes - self.offload_gain_bytes
+        self.offload_layers, self.offload_buffers = num_layers, num_buffers
+        return Conversion(moved / self.link_bandwidth, False, before,
+                          self.weight_bytes - self.offload_gain_bytes)
+
+    def describe_offload(self) -> str:
+        n = self.offload_layers
+        if not n:
+            return ""
+        size = self.ffn_layer_bytes
+        return (f"FFN of layers {self.num_layers - n}–{self.num_layers - 1} "
+                f"({n * size / 2**20:,.0f} MiB) on the host, {min(self.offload_buffers, n)} "
+                f"buffer{'s' if min(self.offload_buffers, n) > 1 else ''} of "
+                f"{size / 2**20:,.0f} MiB (priced)")
+
+    def _offload_timeline(self, compute: float, origin: float) -> tuple[float, list[Transfer]]:
+        """The step's length with offloaded layers and each prefetch: layers take
+        `compute / layers` each; a copy takes `bytes / link`; with one buffer it starts when
+        its layer is reached, with two when the offloaded layer before starts (copies in
+        sequence on one copy engine); a layer starts once its weights are in."""
+        n, size = self.offload_layers, self.ffn_layer_bytes
+        t_layer, t_copy = compute / self.num_layers, size / self.link_bandwidth
+        first = self.num_layers - n
+        two = self.offload_buffers > 1 and n > 1
+        t, copy_end, out = 0.0, t_copy if two else 0.0, []
+        copy_start = 0.0
+        for i in range(self.num_layers):
+            if i >= first:
+                if not two:
+                    copy_start, copy_end = t, t + t_copy
+                stall = max(copy_end - t, 0.0)
+                out.append(Transfer("weights", "h2d", f"layer {i} ffn", 0, size,
+                                    origin + copy_start, t_copy, t_copy, min(stall, t_copy)))
+                t = max(t, copy_end)
+                if two and i + 1 < self.num_layers:
+                    copy_start = max(t, copy_end)
+                    copy_end = copy_start + t_copy
+            t += t_layer
+        return t, out
+
+    def _price_transfers(self, copies: list) -> tuple[float, list[Transfer]]:
+        """The plan's block copies, one after another before the forward pass."""
+        per_block = self._kv_bytes_per_token * self.block_size
+        t, out = 0.0, []
+        for kind, direction, what, pairs in copies:
+            nbytes = len(pairs) * per_block
+            seconds = nbytes / self.link_bandwidth
+            out.append(Transfer(kind, direction, what, len(pairs), nbytes, t, seconds,
+                                seconds, seconds))
+            t += seconds
+        return t, out
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
                               num_context_tokens: int) -> float:
@@ -215,6 +297,15 @@ class SimExecutor:
             if chunk.sample:
                 sampled[chunk.request.request_id] = token(chunk.request.request_id, start + n)
         seconds = self.estimate_step_seconds(num_new, num_pairs, context) if plan.chunks else 0.0
+        transfers: list[Transfer] = []
+        if plan.transfers:
+            copy_seconds, transfers = self._price_transfers(plan.transfers)
+        else:
+            copy_seconds = 0.0
+        if self.offload_layers and plan.chunks:
+            seconds, weights = self._offload_timeline(seconds, copy_seconds)
+            transfers.extend(weights)
+        seconds += copy_seconds
         timing = StepTiming(
             seconds=seconds, measured=False,
             num_prefill_tokens=plan.num_prefill_tokens,
@@ -222,7 +313,7 @@ class SimExecutor:
             num_pairs=num_pairs,
             bytes_read=self.weight_bytes + context * self._kv_bytes_per_token,
         )
-        return StepResult(sampled, timing)
+        return StepResult(sampled, timing, transfers=transfers)
 
     def _token(self, request_id: str, position: int) -> int:
         h = self._rid_hash.get(request_id)

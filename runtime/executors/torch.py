@@ -17,6 +17,7 @@ import torch
 from runtime.config import check_int
 from runtime.errors import ConfigError, StepError
 from runtime.executors.kv_codecs import get_codec, kv_formats_for
+from runtime.executors.link import measure_link
 from runtime.executors.paged_kv import PagedBatch, PagedKVCache, paged_attention
 from runtime.models.arch import ModelConfig, model_config
 from runtime.models.gguf import read_gguf
@@ -28,12 +29,14 @@ from runtime.models.linear import (
     Linear,
     pack_matrix,
 )
+from runtime.models.offload import FFNOffload
 from runtime.models.transformer import GROUP_MATRICES, Transformer
 from runtime.models.weight_formats import format_weight_format, parse_weight_format
 from runtime.models.weights import load_tensors
 from runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
 from runtime.profiles import StepFit
 from runtime.quality import QualityCache
+from runtime.records import Transfer
 from runtime.resources import cache_dir
 from runtime.sampling import sample
 from runtime.snapshot import WeightsView
@@ -141,7 +144,15 @@ class TorchExecutor:
         self.kv_formats = tuple(kv_formats_for(self.cfg.info.head_dim, self.device))
         """The KV formats this model's pool can use on this device."""
         self.kv: PagedKVCache | None = None
+        self.host_kv: PagedKVCache | None = None
+        """The host tier's bytes (`bind_host_kv`), same format as the pool."""
         self.kv_format = "fp16"
+        self.num_layers = info.num_layers
+        self.link = measure_link(self.device)
+        self.link_bandwidth = self.link.bandwidth
+        """Bytes/s one way between device and host (measured at start-up)."""
+        log.info("host link %s", self.link.describe())
+        self.offload: FFNOffload | None = None
         self._windows = {self.cfg.window(i) for i in range(info.num_layers)}
         # Until `kvdeck calibrate` supplies a fit: weights read once at ~12 GB/s plus a
         # compute term at ~50 GFLOP/s — rough, used only for admission estimates.
@@ -259,10 +270,16 @@ class TorchExecutor:
     @torch.inference_mode()
     def set_weight_formats(self, formats: dict[str, str]) -> Conversion:
         """Re-pack the groups whose format changes from the host master copies (between
-        iterations); the pause and the weight bytes before and after are returned."""
+        iterations); the pause and the weight bytes before and after are returned. Offloaded
+        layers are offloaded again in the new format."""
         before = self.resident_weight_bytes
         t0 = time.perf_counter()
+        offload = self.offload
+        if offload is not None and formats.get("ffn") != self.weight_formats.get("ffn"):
+            self._set_offload(0, 1)
         self.model.set_weight_formats(formats, self._pack)
+        if offload is not None and self.offload is None:
+            self._set_offload(len(offload.offloaded), offload.num_buffers)
         self.weight_formats = dict(self.model.weight_formats)
         self._update_shortlist()
         if self.device.type == "cuda":
@@ -303,8 +320,55 @@ class TorchExecutor:
 
     @property
     def resident_weight_bytes(self) -> int:
-        """Bytes of every packed matrix held (all of `auto`'s packings)."""
-        return sum(getattr(m, "resident_bytes", m.num_bytes) for m in self.model.matrices())
+        """Bytes of every packed matrix held on the device (all of `auto`'s packings;
+        offloaded layers count only their buffers)."""
+        total = sum(getattr(m, "resident_bytes", m.num_bytes) for m in self.model.matrices())
+        if self.offload is not None:
+            total -= self.offload.offloaded_bytes - self.offload.buffer_bytes
+        return total
+
+    # -- weight offload ---------------------------------------------------------------------
+
+    @property
+    def offload_gain_bytes(self) -> int:
+        """Device bytes weight offload frees for KV: offloaded minus buffer bytes."""
+        if self.offload is None:
+            return 0
+        return self.offload.offloaded_bytes - self.offload.buffer_bytes
+
+    @torch.inference_mode()
+    def set_offload(self, num_layers: int, num_buffers: int) -> Conversion:
+        """Offload the FFN weights of the last `num_layers` layers to host memory, prefetched
+        into `num_buffers` device buffers (0 layers: everything back on the device).
+        Between iterations; returns the pause and the device weight bytes before and
+        after."""
+        if not 0 <= num_layers <= self.num_layers:
+            raise ConfigError(f"offload_layers must be from 0 to {self.num_layers} (the "
+                              f"model's layers), got {num_layers}.")
+        before = self.resident_weight_bytes
+        t0 = time.perf_counter()
+        self._set_offload(num_layers, num_buffers)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return Conversion(time.perf_counter() - t0, True, before, self.resident_weight_bytes)
+
+    def _set_offload(self, num_layers: int, num_buffers: int) -> None:
+        if self.offload is not None:
+            self.offload.restore()
+            self.offload = self.model.offload = None
+        if num_layers:
+            layers = list(range(self.num_layers - num_layers, self.num_layers))
+            self.offload = FFNOffload(self.model.layers, layers, num_buffers, self.device,
+                                      self.link_bandwidth)
+            self.model.offload = self.offload
+
+    def describe_offload(self) -> str:
+        off = self.offload
+        if off is None:
+            return ""
+        return (f"FFN of layers {off.offloaded[0]}–{off.offloaded[-1]} "
+                f"({off.offloaded_bytes / 2**20:,.1f} MiB) on the host, {off.num_buffers} "
+                f"buffer{'s' if off.num_buffers > 1 else ''} of {off.layer_bytes / 2**20:,.1f} MiB")
 
     def _update_shortlist(self) -> None:
         """Greedy decoding over a wide fp32 head shortlists with an int8 copy (see
@@ -324,6 +388,17 @@ class TorchExecutor:
         get_codec(kv_format, self.cfg.info.head_dim, self.device)  # refuses what cannot be
         return self.cfg.info.kv_bytes_per_token(kv_format)
 
+    def bind_host_kv(self, num_blocks: int) -> None:
+        """(Re)create the host tier's storage, `num_blocks` blocks in the pool's format
+        (pinned beside a CUDA pool); its contents start empty."""
+        assert self.kv is not None, "bind_kv must run before bind_host_kv"
+        info = self.cfg.info
+        self.host_kv = None
+        if num_blocks:
+            self.host_kv = PagedKVCache(info.num_layers, num_blocks, self.kv.block_size,
+                                        info.num_kv_heads, info.head_dim, self.kv.codec,
+                                        torch.device("cpu"), pin=self.device.type == "cuda")
+
     def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
         info = self.cfg.info
         codec = get_codec(kv_format, info.head_dim, self.device)
@@ -340,6 +415,7 @@ class TorchExecutor:
         codec = get_codec(kv_format, self.cfg.info.head_dim, self.device)
         t0 = time.perf_counter()
         old = self.kv
+        self.host_kv = None  # emptied by the engine; re-bound in the new format
         self.kv = old.convert(codec, num_blocks, src, dst)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -370,6 +446,7 @@ class TorchExecutor:
     def _execute(self, plan: SchedulerOutput) -> StepResult:
         assert self.kv is not None, "bind_kv must run before execute"
         t0 = time.perf_counter()
+        transfers = self._transfer_blocks(plan.transfers, t0) if plan.transfers else []
         self.kv.copy_blocks(plan.cow_copies)
         batch = PagedBatch.build(plan, self.kv.block_size, self._windows, self.device)
         cfg, kv = self.cfg, self.kv
@@ -402,13 +479,32 @@ class TorchExecutor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
+        if self.offload is not None:
+            transfers.extend(self.offload.transfers())
         kv_read = batch.num_context_tokens * self.cfg.info.kv_bytes_per_token(self.kv_format)
         weights = self.model.matrix_weight_bytes
         if shortlisted:  # the int8 copy of the head was read instead of the float one
             weights += self.model.shortlist_head.num_bytes - self.model.head.num_bytes
         timing = StepTiming(seconds, True, plan.num_prefill_tokens, plan.num_decode_tokens,
                             plan.num_pairs, weights + kv_read)
-        return StepResult(sampled, timing, logprobs=logprobs)
+        return StepResult(sampled, timing, logprobs=logprobs, transfers=transfers)
+
+    def _transfer_blocks(self, copies: list, t0: float) -> list[Transfer]:
+        """Perform the plan's tier copies in order (before copy-on-write and the forward
+        pass), each timed (CUDA-synchronized) against `bytes / link bandwidth`."""
+        assert self.host_kv is not None, "a plan moved KV blocks but no host tier is bound"
+        out = []
+        for kind, direction, what, pairs in copies:
+            src, dst = (self.kv, self.host_kv) if direction == "d2h" else \
+                (self.host_kv, self.kv)
+            start = time.perf_counter()
+            nbytes = src.copy_to(dst, pairs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - start
+            out.append(Transfer(kind, direction, what, len(pairs), nbytes, start - t0,
+                                seconds, nbytes / self.link_bandwidth, seconds))
+        return out
 
     def forget(self, request_id: str) -> None:
         """Nothing is kept per request: KV lives in blocks the engine's tables own, and

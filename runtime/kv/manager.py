@@ -10,6 +10,16 @@ the prefix tree and every block table without a model.
 
 Blocks referenced by a step that is still executing are not reused: a release while
 `in_flight` is set is deferred until `end_step()`.
+
+With a host tier (`kv/tiers.py`, `host_blocks > 0`) a preempted request's computed blocks
+can be swapped out (`swap_out`) and back (`swap_in`), and the prefix tree demotes evicted
+blocks there and promotes them on a hit. Every copy between the tiers is queued in `copies`
+in the order it was decided — `(kind, direction, what, [[src, dst], ...])` — and the
+scheduler hands them to the executor with the next plan, which performs them in that order
+before the plan's copy-on-write copies and its forward pass: a device block freed by a swap
+or a demotion may be handed to another request in the same plan, so its bytes must leave
+before anything writes it, and a host block freed by a swap-in or promotion may be taken by
+a demotion decided after it.
 """
 
 from __future__ import annotations
@@ -19,7 +29,22 @@ from collections.abc import Callable
 from runtime.kv.block_pool import BlockPool
 from runtime.kv.formats import blocks_for_tokens
 from runtime.kv.prefix_tree import PrefixNode, PrefixTree, default_recompute_cost
-from runtime.records import Cache, Cow, Hit, KVEvent, Ref, Relayout, Reserve, Unref
+from runtime.kv.tiers import HOST_SWAPPED, HostTier
+from runtime.records import (
+    Cache,
+    Cow,
+    Hit,
+    HostResize,
+    KVEvent,
+    Promote,
+    Ref,
+    Relayout,
+    Reserve,
+    SwapIn,
+    SwapOut,
+    Unref,
+    Unswap,
+)
 from runtime.request import Request
 
 
@@ -30,7 +55,10 @@ class BlockManager:
                  cache_capacity: int = 0, eviction_policy: str = "lru",
                  namespace: str = "default", bytes_per_block: int = 1,
                  recompute_cost: Callable[[int, int], float] = default_recompute_cost,
-                 clock: Callable[[], int] = lambda: 0):
+                 clock: Callable[[], int] = lambda: 0, host_blocks: int = 0,
+                 link_seconds: Callable[[int], float] = lambda nbytes: 0.0):
+        """`host_blocks`: the host tier's size in blocks (0: none); `link_seconds`: time
+        to copy that many bytes one way between device and host (the measured link)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size)
         self.events: list[KVEvent] = []
@@ -49,14 +77,29 @@ class BlockManager:
         self.in_flight = False
         self._deferred: list[str] = []
         self.num_cow_copies = 0
+        self.host = HostTier(host_blocks)
+        self.host_tables: dict[str, list[int]] = {}
+        """Swapped-out requests' host blocks, in table order."""
+        self.copies: list = []
+        """Pending copies between the tiers, in order (see the module docstring)."""
+        self.tree.host = self.host
+        self.tree.copies = self.copies
+        self.tree.link_seconds = link_seconds
+        self.link_seconds = link_seconds
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
 
     # -- knobs ------------------------------------------------------------------------------
 
-    def configure_cache(self, enable: bool, capacity: int, policy: str) -> None:
+    def configure_cache(self, enable: bool, capacity: int, policy: str,
+                        demote: bool = True) -> None:
         """Apply prefix-cache knobs; shrinking capacity or disabling evicts what it can."""
         self.enable_caching = enable
         self.tree.capacity = capacity
         self.tree.policy = policy
+        self.tree.demote = demote
+        if not demote:
+            self.tree.drop_host()
         if not enable:
             self.tree.clear()
         else:
@@ -94,6 +137,102 @@ class BlockManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.host.num_blocks > 0
+
+    def take_copies(self) -> list:
+        """The pending tier copies, in order (the scheduler puts them in the next plan)."""
+        out = self.copies[:]
+        self.copies.clear()
+        return out
+
+    def drop_host_tier(self, num_host_blocks: int) -> list[str]:
+        """Empty the host tier and re-lay it as `num_host_blocks` blocks (the KV format
+        changes: host copies in the old format are not converted). Swapped requests lose
+        their host copy and recompute; demoted prefixes are dropped; pending copies are
+        moot. Returns the ids of the requests that were swapped out."""
+        swapped = list(self.host_tables)
+        for rid in swapped:
+            self._unswap(rid)
+        self.tree.drop_host()
+        self.copies.clear()
+        if num_host_blocks != self.host.num_blocks:
+            self.host.resize(num_host_blocks)
+            self.events.append(HostResize(num_host_blocks))
+        return swapped
+
+    # -- swapping ---------------------------------------------------------------------------
+
+    def can_swap_out(self, num_blocks: int) -> bool:
+        """Whether the host tier can take `num_blocks` blocks (dropping demoted prefixes)."""
+        return 0 < num_blocks <= self.host.num_free + self.host.num_demoted
+
+    def swap_out(self, req: Request) -> int:
+        """Copy `req`'s computed blocks to the host tier and release its device blocks
+        (between steps: the scheduler preempts while planning). Returns the blocks moved;
+        the caller checks `can_swap_out` first. Its progress (`num_computed_tokens`) stays."""
+        rid = req.request_id
+        table = self.tables[rid]
+        n = self.blocks_needed(req.num_computed_tokens)
+        made = self.tree.make_host_room(n)
+        assert made, "swap_out without room on the host tier"
+        hosts = [self.host.take(HOST_SWAPPED) for _ in range(n)]
+        pairs = [[table[i], h] for i, h in enumerate(hosts)]
+        self.events.append(SwapOut(rid, pairs))
+        self.copies.append(("swap", "d2h", rid, pairs))
+        self._release(rid)
+        self.host_tables[rid] = hosts
+        self.num_swap_outs += 1
+        return n
+
+    def swap_in_blocks(self, req: Request, num_new_tokens: int, reserve_full: bool) -> int:
+        """Device blocks a swap-in of `req` with its next `num_new_tokens` tokens needs."""
+        tokens = req.max_total_tokens if reserve_full else \
+            req.num_computed_tokens + num_new_tokens
+        return self.blocks_needed(tokens)
+
+    def can_swap_in(self, req: Request, num_new_tokens: int, reserve_full: bool) -> bool:
+        return self.swap_in_blocks(req, num_new_tokens, reserve_full) <= \
+            self.num_available_blocks()
+
+    def swap_in(self, req: Request, num_new_tokens: int, reserve_full: bool
+                ) -> list[tuple[int, int]]:
+        """Readmit swapped-out `req`: fresh device blocks receive its host blocks (copied
+        before the next forward pass), then room for `num_new_tokens` more. Its blocks
+        re-enter the prefix cache as they are found there (`cache_computed`)."""
+        rid = req.request_id
+        hosts = self.host_tables.pop(rid)
+        self.tables[rid] = table = []
+        self._chains[rid] = []
+        if reserve_full:
+            promise = self.blocks_needed(req.max_total_tokens) - len(hosts)
+            self.reserved[rid] = promise
+            self.num_reserved += promise
+            self.events.append(Reserve(rid, promise))
+        # Device blocks first, while the host blocks are still held: a demotion decided
+        # while taking them must not land in a host block not yet copied back.
+        for _ in hosts:
+            block = self._take_for(rid)
+            self.events.append(Ref(rid, len(table), block))
+            table.append(block)
+        pairs = [[h, d] for h, d in zip(hosts, table, strict=True)]
+        self.copies.append(("swap", "h2d", rid, pairs))
+        self.events.append(SwapIn(rid, pairs))
+        for h in hosts:
+            self.host.free(h)
+        self.num_swap_ins += 1
+        return self.allocate(req, num_new_tokens)
+
+    def unswap(self, req: Request) -> None:
+        """Drop swapped-out `req`'s host copy (aborted, or it will recompute)."""
+        self._unswap(req.request_id)
+
+    def _unswap(self, rid: str) -> None:
+        for h in self.host_tables.pop(rid):
+            self.host.free(h)
+        self.events.append(Unswap(rid))
 
     def num_available_blocks(self) -> int:
         """Blocks a new allocation could get: free + evictable − promised to reservations."""
@@ -136,9 +275,10 @@ class BlockManager:
             chain = self.prefix_chain(req)
         hit = len(chain) * self.block_size
         target = req.max_total_tokens if reserve_full else hit + num_new_tokens
-        need = self.blocks_needed(target) - len(chain)
+        # Demoted blocks in the chain are promoted into device blocks of their own.
+        need = self.blocks_needed(target) - sum(1 for n in chain if not n.on_host)
         # Reused blocks that are currently evictable stop being available once referenced.
-        evictable = sum(1 for n in chain if self.pool.refcount[n.block] == 1)
+        evictable = sum(1 for n in chain if n.block >= 0 and self.pool.refcount[n.block] == 1)
         return need <= self.num_available_blocks() - evictable
 
     def admit(self, req: Request, num_new_tokens: int, reserve_full: bool) -> list[tuple[int, int]]:
@@ -155,9 +295,15 @@ class BlockManager:
             reusable = self._reusable(req)
             chain = self.tree.match(self.namespace, reusable)
             self.tree.record_lookup(chain, len(reusable), self.clock())
+        on_host = [n for n in chain if n.on_host]
+        # Pinned: no demotion decided while promoting may drop a block this chain needs.
+        self.tree.pin_host(on_host)
         for node in chain:
-            self.pool.incref(node.block)
-            self.tree.on_block_used(node.block)
+            if node.on_host:
+                self._promote(rid, node)
+            else:
+                self.pool.incref(node.block)
+                self.tree.on_block_used(node.block)
             self.events.append(Ref(rid, len(table), node.block))
             table.append(node.block)
         self._chains[rid] = chain
@@ -172,6 +318,15 @@ class BlockManager:
             self.num_reserved += promise
             self.events.append(Reserve(rid, promise))
         return self.allocate(req, num_new_tokens)
+
+    def _promote(self, rid: str, node: PrefixNode) -> None:
+        """Bring a demoted chain block back for `rid`'s admission (a host hit): a device
+        block (the request's reference) receives its host copy."""
+        block = self._take()
+        host_block = node.host_block
+        self.tree.promote(node, block, hit=True)
+        self.copies.append(("promote", "h2d", f"node {node.node_id}", [[host_block, block]]))
+        self.events.append(Promote(node.node_id, host_block, block, 1))
 
     def try_allocate(self, req: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """`allocate` if `can_allocate`, else None — one pass for the scheduler's hot loop.
@@ -279,6 +434,14 @@ class BlockManager:
             key = tuple(req.token_slice(k * p, (k + 1) * p))
             parent = chain[-1] if chain else None
             twin = (parent or self.tree.root(self.namespace)).children.get(key)
+            if twin is not None and twin.on_host:
+                # The same content was demoted: this block becomes its device copy (no
+                # copy needed) and the host block is freed.
+                host_block = twin.host_block
+                self.tree.promote(twin, table[k], hit=False)
+                self.events.append(Promote(twin.node_id, host_block, table[k], 0))
+                chain.append(twin)
+                continue
             if twin is not None and pool.refcount[twin.block] == 1 and \
                     pool.refcount[table[k]] > 1 and \
                     pool.num_free + self.tree.num_evictable - 1 < self.num_reserved:
@@ -342,6 +505,8 @@ class BlockManager:
         self._release(req.request_id)
 
     def _release(self, rid: str) -> None:
+        if rid in self.host_tables:  # swapped out: only the host copy is left
+            self._unswap(rid)
         table = self.tables.pop(rid, None)
         if table is None:
             return
@@ -406,3 +571,11 @@ class BlockManager:
         assert self.num_reserved == sum(self.reserved.values()) >= 0
         assert self.num_reserved <= self.pool.num_free + self.tree.num_evictable, \
             "more blocks promised than exist"
+        # The host tier: every block free, swapped (one request's) or demoted (one node's).
+        self.host.check_integrity()
+        swapped = [h for hosts in self.host_tables.values() for h in hosts]
+        assert len(swapped) == len(set(swapped)) == self.host.num_swapped, \
+            "swapped host blocks disagree with the host tables"
+        assert all(self.host.states[h] == HOST_SWAPPED for h in swapped)
+        assert not set(self.host_tables) & set(self.tables), "a request on both tiers"
+        assert self.pool.num_free + self.pool.num_used == self.pool.num_blocks

@@ -12,13 +12,23 @@ has no used descendants, and every evictable node becomes a leaf once its subtre
 Times (`last_access`) are engine step numbers: what LRU needs is an order, and step numbers
 are in the iteration trace, so replay rebuilds exactly the tree the live engine had.
 
-Eviction policies:
+With a host tier (`kv/tiers.py`) an evicted device block may be *demoted*: its KV is copied
+to a host block and the node stays in the tree, host-resident (`block` −1, `host_block`
+set). A lookup matches host nodes like device ones; the admission that uses them promotes
+them back first (a host hit). Host residency is closed downwards — a host node's children
+are host nodes — so a matched chain is device nodes followed by host nodes, and a device
+node counts as a leaf for eviction when it has no *device* children.
+
+Eviction policies (device victims; the host tier's own victims follow the same policy):
 
 - `lru`: least recently used leaf first (a lazy heap keyed by last access).
 - `value`: lowest retention value first, `V_h = p_h·(T_r − T_f) − T_m` per byte
   (docs/architecture.md, "Prefix retention"), with `p_h` estimated from the node's hits over
-  the lookups since it was created, `T_r` the executor's estimate to recompute the block on
-  top of its prefix, and `T_f = T_m = 0` on the device tier.
+  the lookups since it was created and `T_r` the executor's estimate to recompute the block
+  on top of its prefix. On the device `T_f = T_m = 0`; on the host tier `T_f` is the fetch
+  back and `T_m` the one copy out, each `bytes / link bandwidth` (measured). A device block
+  is demoted only when its host value is positive, and the device victim is the block whose
+  eviction loses least: `V_device − max(V_host, 0)` when it would be demoted.
 """
 
 from __future__ import annotations
@@ -29,7 +39,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from runtime.kv.block_pool import BlockStates
-from runtime.records import Evict
+from runtime.kv.tiers import HOST_DEMOTED, HostTier
+from runtime.records import Demote, Evict
 
 RecomputeCost = Callable[[int, int], float]
 """(tokens before the block, tokens in the block) -> seconds to recompute it."""
@@ -56,6 +67,12 @@ class PrefixNode:
     """Engine step of the last use."""
     hits: int = 0
     children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
+    host_block: int = -1
+    """The host block holding a demoted node's KV (−1: on the device, in `block`)."""
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_block >= 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +94,13 @@ class NodeSummary:
     last_access: int
     """Engine step of the segment's most recent use."""
     evictable: bool
+    on_host: bool = False
+    """The segment is demoted to the host tier."""
+
+
+Copies = list
+"""Pending block copies, each `(kind, direction, what, [[src, dst], ...])`, in the order
+they must run (`BlockManager.copies`)."""
 
 
 class PrefixTree:
@@ -106,6 +130,20 @@ class PrefixTree:
         """Bumped on every change of structure or hits (see BlockStates.cache_version)."""
         self.events = events if events is not None else []
         """Eviction events (`records.Evict`), appended as they happen."""
+        self.host: HostTier | None = None
+        """The host tier demoted blocks go to (None: evicted blocks are dropped)."""
+        self.demote = True
+        """Whether evicted device blocks may be demoted (the `demote_prefixes` knob)."""
+        self.link_seconds: Callable[[int], float] = lambda nbytes: 0.0
+        """Seconds to copy `nbytes` one way over the host link (`T_f`, `T_m`)."""
+        self.copies: Copies = []
+        self.host_nodes: dict[int, PrefixNode] = {}
+        """Host block -> the demoted node in it."""
+        self._host_leaves: set[PrefixNode] = set()
+        self._host_heap: list[tuple[int, int, PrefixNode]] = []
+        self.num_demotions = 0
+        self.num_promotions = 0
+        self.num_host_hit_tokens = 0
 
     # -- lookup -----------------------------------------------------------------------------
 
@@ -187,25 +225,58 @@ class PrefixTree:
 
     def export(self) -> tuple[list[list[int]], dict[str, int]]:
         """The tree as checkpoint data: [node id, parent id, block, end token, hits, last
-        access, created lookup] per node (parents first), and the lookup counters."""
-        nodes = [[n.node_id, n.parent.node_id if n.parent and n.parent.block >= 0 else 0,
-                  n.block, n.depth_tokens, n.hits, n.last_access, n.created_lookup]
+        access, created lookup, host block] per node (parents first), and the counters."""
+        nodes = [[n.node_id, n.parent.node_id if n.parent else 0,
+                  n.block, n.depth_tokens, n.hits, n.last_access, n.created_lookup,
+                  n.host_block]
                  for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]
         counters = {"lookups": self.num_lookups, "query_tokens": self.num_query_tokens,
-                    "hit_tokens": self.num_hit_tokens, "evictions": self.num_evictions}
+                    "hit_tokens": self.num_hit_tokens, "evictions": self.num_evictions,
+                    "demotions": self.num_demotions, "promotions": self.num_promotions,
+                    "host_hit_tokens": self.num_host_hit_tokens}
         return nodes, counters
 
     def load(self, nodes: list[list[int]], counters: dict[str, int]) -> None:
         """Rebuild from `export()` data into an empty tree (replay)."""
-        for node_id, parent_id, block, _end, hits, last_access, created in nodes:
-            self.restore(node_id, parent_id, block, last_access, created).hits = hits
+        for node_id, parent_id, block, _end, hits, last_access, created, *rest in nodes:
+            host_block = rest[0] if rest else -1
+            if host_block >= 0:  # demoted: enters on the device, then moves to the host
+                self.host_nodes_restore(node_id, parent_id, host_block, last_access, created)
+            else:
+                self.restore(node_id, parent_id, block, last_access, created)
+            self.nodes[node_id].hits = hits
         self.num_lookups = counters["lookups"]
         self.num_query_tokens = counters["query_tokens"]
         self.num_hit_tokens = counters["hit_tokens"]
         self.num_evictions = counters["evictions"]
+        self.num_demotions = counters.get("demotions", 0)
+        self.num_promotions = counters.get("promotions", 0)
+        self.num_host_hit_tokens = counters.get("host_hit_tokens", 0)
+
+    def host_nodes_restore(self, node_id: int, parent_id: int, host_block: int, now: int,
+                           created_lookup: int) -> PrefixNode:
+        """Re-create a demoted node in host block `host_block` (checkpoint loading)."""
+        self.host.occupy(host_block, HOST_DEMOTED)
+        parent = self.nodes[parent_id] if parent_id else self.root("replay")
+        node = PrefixNode(node_id, parent, (node_id,), -1,
+                          parent.depth_tokens + self.block_size, created_lookup, now,
+                          host_block=host_block)
+        parent.children[node.key] = node
+        self.nodes[node_id] = node
+        self.host_nodes[host_block] = node
+        self._ids = itertools.count(max(node_id + 1, next(self._ids)))
+        self._note_host_leaf(node)
+        if not parent.on_host:
+            self._leaves.discard(parent)
+            self._note_if_evictable(parent)
+        else:
+            self._host_leaves.discard(parent)
+        self.version += 1
+        return node
 
     def move_blocks(self, moves: dict[int, int], bytes_per_block: int) -> None:
-        """The pool moved cached blocks (`old -> new`) and changed its block size in bytes."""
+        """The pool moved cached blocks (`old -> new`) and changed its block size in bytes
+        (the host tier is empty then: `BlockManager.drop_host_tier`)."""
         for node in self.node_of_block.values():
             node.block = moves.get(node.block, node.block)
         self.node_of_block = {n.block: n for n in self.node_of_block.values()}
@@ -223,7 +294,9 @@ class PrefixTree:
     # -- eviction ---------------------------------------------------------------------------
 
     def _note_if_evictable(self, node: PrefixNode) -> None:
-        if node.children or node.block < 0 or self.pool.refcount[node.block] != 1:
+        if node.block < 0 or self.pool.refcount[node.block] != 1:
+            return  # the root, a host node, or in use
+        if any(c.block >= 0 for c in node.children.values()):
             return
         if node not in self._leaves:
             self._leaves.add(node)
@@ -248,18 +321,33 @@ class PrefixTree:
         """Cached blocks no request uses; all of them can be evicted, leaves first."""
         return self.pool.num_cached_only
 
-    def retention_value(self, node: PrefixNode) -> float:
-        """`V_h` per byte for a device-resident block: hit probability × recompute time."""
+    def retention_value(self, node: PrefixNode, tier: str = "device") -> float:
+        """`V_h = p_h·(T_r − T_f) − T_m` per byte of keeping `node` on `tier`: on the device
+        `T_f = T_m = 0`; on the host both are one copy over the link."""
         lookups = self.num_lookups - node.created_lookup
         p_hit = (node.hits + 1) / (lookups + 2)
         t_recompute = self.recompute_cost(node.depth_tokens - self.block_size, self.block_size)
-        return p_hit * t_recompute / self.bytes_per_block
+        if tier == "device":
+            return p_hit * t_recompute / self.bytes_per_block
+        t_link = self.link_seconds(self.bytes_per_block)
+        return (p_hit * (t_recompute - t_link) - t_link) / self.bytes_per_block
+
+    def _can_demote(self) -> bool:
+        return self.host is not None and self.demote and self.host.num_blocks > 0
+
+    def _eviction_loss(self, node: PrefixNode) -> float:
+        """What evicting device `node` loses per byte: all its value when dropped, the
+        difference when demoted (a host copy keeps `V_host`)."""
+        value = self.retention_value(node)
+        if self._can_demote():
+            value -= max(self.retention_value(node, "host"), 0.0)
+        return value
 
     def _pick_victim(self) -> PrefixNode | None:
         if not self._leaves:
             return None
         if self.policy == "value":
-            return min(self._leaves, key=lambda n: (self.retention_value(n), n.node_id))
+            return min(self._leaves, key=lambda n: (self._eviction_loss(n), n.node_id))
         while self._heap:
             stamp, _, node = heapq.heappop(self._heap)
             if node in self._leaves and stamp == node.last_access:
@@ -270,32 +358,165 @@ class PrefixTree:
         return self._pick_victim()
 
     def evict_one(self) -> int | None:
-        """Evict one evictable leaf; returns the freed block, or None if none is evictable."""
+        """Evict one evictable device leaf — demoted to the host tier when that is worth it
+        and possible, dropped otherwise; returns the freed device block, or None if none is
+        evictable."""
         node = self._pick_victim()
         if node is None:
             return None
-        self.evict(node)
-        return node.block
+        block = node.block
+        if self._can_demote() and (self.policy != "value"
+                                   or self.retention_value(node, "host") > 0) \
+                and self._host_room(node):
+            self._demote(node)
+        else:
+            self._drop_host_subtree(node)
+            self.evict(node)
+        return block
+
+    def _host_room(self, node: PrefixNode) -> bool:
+        """Make a host block free for demoting `node`, dropping the host tier's victim if
+        it is full (under `value`, only one worth less than `node` on the host)."""
+        host = self.host
+        if host.num_free:
+            return True
+        victim = self._pick_host_victim()
+        if victim is None:
+            return False
+        if self.policy == "value" and \
+                self.retention_value(victim, "host") >= self.retention_value(node, "host"):
+            return False
+        self.evict(victim)
+        return True
+
+    def make_host_room(self, num_blocks: int) -> bool:
+        """Drop demoted blocks (the host tier's victims first) until `num_blocks` host blocks
+        are free (a swap-out needs them); False when not enough can be freed."""
+        host = self.host
+        while host.num_free < num_blocks:
+            victim = self._pick_host_victim()
+            if victim is None:
+                return False
+            self.evict(victim)
+        return True
+
+    def _pick_host_victim(self) -> PrefixNode | None:
+        if not self._host_leaves:
+            return None
+        if self.policy == "value":
+            return min(self._host_leaves,
+                       key=lambda n: (self.retention_value(n, "host"), n.node_id))
+        while self._host_heap:
+            stamp, _, node = heapq.heappop(self._host_heap)
+            if node in self._host_leaves and stamp == node.last_access:
+                return node
+        self._host_heap = [(n.last_access, n.node_id, n) for n in self._host_leaves]
+        heapq.heapify(self._host_heap)
+        return self._pick_host_victim()
+
+    def _note_host_leaf(self, node: PrefixNode) -> None:
+        if node.on_host and not node.children and node not in self._host_leaves:
+            self._host_leaves.add(node)
+            heapq.heappush(self._host_heap, (node.last_access, node.node_id, node))
+
+    def _demote(self, node: PrefixNode) -> None:
+        """Move device leaf `node` to a free host block: its device block is freed now, the
+        copy out runs before the next forward pass (`copies`)."""
+        block = node.block
+        host_block = self.host.take(HOST_DEMOTED)
+        self.demote_to(node, host_block)
+        self.copies.append(("demote", "d2h", f"node {node.node_id}", [[block, host_block]]))
+        self.events.append(Demote(node.node_id, block, host_block))
+
+    def demote_to(self, node: PrefixNode, host_block: int) -> None:
+        """Account `node` as living in `host_block` (live, or replaying a Demote)."""
+        self._leaves.discard(node)
+        del self.node_of_block[node.block]
+        freed = self.pool.unmark_cached(node.block)
+        assert freed, "a demoted block must have no other reference"
+        node.block, node.host_block = -1, host_block
+        self.host_nodes[host_block] = node
+        self._note_host_leaf(node)
+        parent = node.parent
+        self._host_leaves.discard(parent)
+        self._note_if_evictable(parent)
+        self.num_demotions += 1
+        self.version += 1
+
+    def pin_host(self, nodes: list[PrefixNode]) -> None:
+        """Host nodes about to be promoted: not host victims meanwhile."""
+        for n in nodes:
+            self._host_leaves.discard(n)
+
+    def promote(self, node: PrefixNode, block: int, hit: bool = True) -> None:
+        """Bring demoted `node` back to device block `block` (its parent is on the device),
+        which the caller holds one reference to; the host block is freed. `hit`: a lookup
+        found it (a host hit: the caller queues the copy back); otherwise a request computed
+        the same content into `block` itself and nothing is copied."""
+        host_block = node.host_block
+        self._host_leaves.discard(node)
+        del self.host_nodes[host_block]
+        self.host.free(host_block)
+        node.block, node.host_block = block, -1
+        self.node_of_block[block] = node
+        self.pool.mark_cached(block)
+        self._note_if_evictable(node)
+        self._leaves.discard(node.parent)
+        if hit:
+            self.num_promotions += 1
+            self.num_host_hit_tokens += self.block_size
+        self.version += 1
+
+    def _drop_host_subtree(self, node: PrefixNode) -> None:
+        """Drop every host-resident descendant of `node`, deepest first."""
+        for child in list(node.children.values()):
+            if child.on_host:
+                self._drop_host_subtree(child)
+                self.evict(child)
 
     def evict(self, node: PrefixNode) -> None:
-        """Remove leaf `node` (its block only the cache holds) and free its block."""
-        self._leaves.discard(node)
+        """Remove leaf `node` and free its block: a device block only the cache holds, or
+        a host block (a demoted node)."""
         parent = node.parent
         assert parent is not None and not node.children
         del parent.children[node.key]
-        del self.node_of_block[node.block]
         del self.nodes[node.node_id]
-        freed = self.pool.unmark_cached(node.block)
-        assert freed, "an evictable block must have no other reference"
+        if node.on_host:
+            self._host_leaves.discard(node)
+            del self.host_nodes[node.host_block]
+            self.host.free(node.host_block)
+            self.events.append(Evict(node.node_id, -1))
+        else:
+            self._leaves.discard(node)
+            del self.node_of_block[node.block]
+            freed = self.pool.unmark_cached(node.block)
+            assert freed, "an evictable block must have no other reference"
+            self.events.append(Evict(node.node_id, node.block))
         self.num_evictions += 1
         self.version += 1
-        self.events.append(Evict(node.node_id, node.block))
-        self._note_if_evictable(parent)
+        if parent.on_host:
+            self._note_host_leaf(parent)
+        else:
+            self._note_if_evictable(parent)
 
     def clear(self) -> int:
-        """Evict everything evictable; returns how many blocks were freed."""
+        """Drop everything evictable, host tier included (no demotion); returns how many
+        device blocks were freed."""
+        demote, self.demote = self.demote, False
         n = 0
-        while self.evict_one() is not None:
+        try:
+            while self.evict_one() is not None:
+                n += 1
+            self.drop_host()
+        finally:
+            self.demote = demote
+        return n
+
+    def drop_host(self) -> int:
+        """Drop every demoted block; returns how many."""
+        n = 0
+        while (victim := self._pick_host_victim()) is not None:
+            self.evict(victim)
             n += 1
         return n
 
@@ -319,17 +540,20 @@ class PrefixTree:
         budget = max_nodes
 
         def order(nodes: Iterable[PrefixNode]) -> list[PrefixNode]:
-            return sorted(nodes, key=lambda n: (-rc[n.block], -n.hits, n.node_id))
+            return sorted(nodes, key=lambda n: (-users(n), -n.hits, n.node_id))
+
+        def users(n: PrefixNode) -> int:
+            return rc[n.block] if n.block >= 0 else 0  # a host node: no user, no cache ref
 
         stack = [(c, 0) for r in self.roots.values() for c in reversed(order(r.children.values()))]
         while stack and len(out) < limit and budget > 0:
             first, parent_id = stack.pop()
-            count = rc[first.block]
+            count = users(first)
             last, n, access = first, 1, first.last_access
             children = last.children
             while len(children) == 1 and n < budget:
                 (child,) = children.values()
-                if rc[child.block] != count:
+                if users(child) != count:
                     break
                 last, n, children = child, n + 1, child.children
                 if child.last_access > access:
@@ -339,16 +563,30 @@ class PrefixTree:
             # chain: the segment's first node has the most.
             out.append(NodeSummary(first.node_id, parent_id, first.block,
                                    first.depth_tokens - p, last.depth_tokens, n,
-                                   count - 1, first.hits, access, count == 1))
+                                   max(count - 1, 0), first.hits, access, count <= 1,
+                                   first.on_host))
             stack.extend((c, first.node_id) for c in reversed(order(children.values())))
         return out
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless tree, block map, pool flags and leaf set agree."""
         seen: set[int] = set()
+        on_host: set[int] = set()
         stack = [c for r in self.roots.values() for c in r.children.values()]
         while stack:
             n = stack.pop()
+            assert n.parent is not None and n.parent.children.get(n.key) is n
+            if n.on_host:
+                assert n.block == -1 and self.host_nodes.get(n.host_block) is n, \
+                    f"host node {n.node_id} not indexed"
+                assert self.host.states[n.host_block] == HOST_DEMOTED
+                assert all(c.on_host for c in n.children.values()), \
+                    f"host node {n.node_id} has a device child"
+                assert (n in self._host_leaves) == (not n.children)
+                assert self.nodes.get(n.node_id) is n
+                on_host.add(n.host_block)
+                stack.extend(n.children.values())
+                continue
             assert n.block not in seen, f"block {n.block} appears twice in the tree"
             seen.add(n.block)
             assert self.node_of_block.get(n.block) is n, f"node {n.node_id} not indexed"
@@ -358,15 +596,18 @@ class PrefixTree:
             assert n.parent is not None and n.parent.children.get(n.key) is n
             assert n.depth_tokens == n.parent.depth_tokens + self.block_size
             rc = self.pool.refcount[n.block]
-            if rc > 1 and n.parent.block >= 0:
+            if rc > 1 and n.parent.parent is not None:
                 # A used node's ancestors are used too (requests hold whole chains).
                 assert self.pool.refcount[n.parent.block] > 1, \
                     f"node {n.node_id} is used but its parent is cache-only"
-            is_leaf = rc == 1 and not n.children
+            is_leaf = rc == 1 and not any(c.block >= 0 for c in n.children.values())
             assert (n in self._leaves) == is_leaf, f"node {n.node_id} leaf-set mismatch"
             stack.extend(n.children.values())
         assert seen == set(self.node_of_block), "block index holds nodes not in the tree"
-        assert len(self.nodes) == len(seen), "id index holds nodes not in the tree"
+        assert on_host == set(self.host_nodes), "host index holds nodes not in the tree"
+        assert len(self.nodes) == len(seen) + len(on_host), "id index holds stray nodes"
+        if self.host is not None:
+            assert self.host.num_demoted == len(on_host), "demoted count disagrees"
         flagged = {b for b in range(self.pool.num_blocks) if self.pool.cached[b]}
         assert flagged == seen, "pool cache flags disagree with the tree"
         if self.capacity and len(seen) > self.capacity:

@@ -87,6 +87,8 @@ class Transformer:
                 inv = inv / rope_scale.float().cpu()
             self._inv_freq[base] = inv.to(self.device)
         self.embed_scale = info.hidden_size ** 0.5 if cfg.arch.embed_scale else None
+        self.offload = None
+        """An `offload.FFNOffload` whose hooks run around each layer, or None."""
 
     def _layer(self, t: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"blk.{i}."
@@ -219,9 +221,16 @@ class Transformer:
                 ) -> torch.Tensor:
         """Final hidden states [T, hidden] for a packed batch of tokens at `positions`."""
         x = self.embed(tokens)
+        off = self.offload
+        if off is not None:
+            off.begin()
         for i in range(len(self.layers)):
+            if off is not None:
+                off.before(i)
             q, k, v = self.qkv(i, x, positions)
             x = self.finish_layer(i, x, attend(i, q, k, v))
+            if off is not None:
+                off.after(i)
         return x
 
     def matrices(self) -> list[Matmul]:

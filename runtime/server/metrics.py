@@ -17,6 +17,7 @@ from prometheus_client.core import (
 )
 
 from runtime.engine_loop import EngineLoop
+from runtime.kv.tiers import HOST_STATE_NAMES
 from runtime.snapshot import STATE_NAMES
 
 HISTOGRAMS = (
@@ -89,12 +90,44 @@ class SnapshotCollector:
         yield blocks
         yield counter("kvdeck:kv_evictions", "Prefix-cache blocks evicted.", kv.num_evictions)
         yield counter("kvdeck:kv_cow_copies", "Copy-on-write block copies.", kv.num_cow_copies)
+        t = snap.transfers
+        if t is not None:
+            yield from self._transfers(t, gauge, counter)
         yield gauge("kvdeck:engine_paused", "1 while the operator has paused the engine.",
                     int(snap.paused))
         yield gauge("kvdeck:engine_failed", "1 once the engine stopped on an error.",
                     int(snap.failure is not None))
         yield gauge("kvdeck:sim_lag_seconds", "How far a paced simulation is behind the "
                     "wall clock (0 when keeping up).", snap.lag_s)
+
+
+    def _transfers(self, t, gauge, counter):
+        """The host tier and the device↔host link."""
+        c = t.counters
+        yield gauge("kvdeck:host_tier_bytes", "KV bytes held in the host tier.", t.host_bytes)
+        host = GaugeMetricFamily("kvdeck:host_tier_blocks", "Host-tier KV blocks by state.",
+                                 labels=["model_name", "state"])
+        for code, name in enumerate(HOST_STATE_NAMES):
+            host.add_metric([self.model, name], t.host_states.count(code))
+        yield host
+        yield gauge("kvdeck:swapped_requests", "Requests whose KV is swapped out to the host.",
+                    len(t.swapped_requests))
+        yield counter("kvdeck:swap_outs", "Preemptions that swapped KV out to the host.",
+                      c["swap_outs"])
+        yield counter("kvdeck:swap_ins", "Swapped-out requests copied back.", c["swap_ins"])
+        yield counter("kvdeck:prefix_demotions", "Prefix-cache blocks demoted to the host.",
+                      c["demotions"])
+        yield counter("kvdeck:prefix_host_hits", "Demoted prefix blocks brought back by a hit.",
+                      c["promotions"])
+        moved = CounterMetricFamily("kvdeck:transfer_bytes", "Bytes copied over the host link.",
+                                    labels=["model_name", "direction"])
+        moved.add_metric([self.model, "d2h"], c["d2h_bytes"])
+        moved.add_metric([self.model, "h2d"], c["h2d_bytes"])
+        yield moved
+        yield counter("kvdeck:transfer_seconds", "Time spent copying over the host link.",
+                      c["copy_seconds"])
+        yield gauge("kvdeck:link_bandwidth_bytes_per_second",
+                    "Host link bandwidth, one way (measured at start-up).", t.link_bandwidth)
 
 
 class ServerMetrics:
