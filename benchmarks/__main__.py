@@ -1,6 +1,6 @@
 """`python -m benchmarks`: run every benchmark in turn."""
 
-from benchmarks import engine_overhead, quantization, torch_vs_llama
+from benchmarks import engine_overhead, host_tier, quantization, torch_vs_llama
 
 if __name__ == "__main__":
     engine_overhead.main()
@@ -8,3 +8,5 @@ if __name__ == "__main__":
     torch_vs_llama.main()
     print()
     quantization.main()
+    print()
+    host_tier.main()

@@ -25,6 +25,8 @@ ROWS: list[tuple[str, tuple[str, ...], float, str, bool | None]] = [
     ("prefix hit rate (%)", ("prefix_hit_rate",), 100, "{:,.1f}", True),
     ("preemptions", ("num_preemptions",), 1, "{:,.0f}", False),
     ("evictions", ("num_evictions",), 1, "{:,.0f}", None),
+    ("prefix blocks demoted to host", ("prefix_demotions",), 1, "{:,.0f}", None),
+    ("prefix tokens hit on host", ("prefix_host_hit_tokens",), 1, "{:,.0f}", True),
     ("steps", ("steps", "count"), 1, "{:,.0f}", None),
     ("mean batch size", ("steps", "mean_batch_size"), 1, "{:,.1f}", None),
     ("mean step (ms)", ("steps", "mean_step_s"), 1e3, "{:,.2f}", None),

@@ -362,4 +362,7 @@ def kv_summary(executor: str, model: str, num_blocks: int, block_size: int,
         "prefix_query_tokens": tree.num_query_tokens,
         "num_evictions": tree.num_evictions,
         "num_cow_copies": num_cow_copies,
+        "prefix_demotions": tree.num_demotions,
+        "prefix_host_hit_tokens": tree.num_host_hit_tokens,
+        "prefix_device_hit_tokens": tree.num_hit_tokens - tree.num_host_hit_tokens,
     }

@@ -99,6 +99,19 @@ class NodeSummary:
 
 
 Copies = list
+
+
+def _oldest(heap: list[tuple[int, int, PrefixNode]], leaves: set[PrefixNode]) -> PrefixNode:
+    """Pop the least recently used of (non-empty) `leaves` from their lazy heap of (last
+    access, id, node) entries: entries of nodes touched or gone since are skipped, and when
+    every entry was stale the heap is rebuilt in place."""
+    while True:
+        while heap:
+            stamp, _, node = heapq.heappop(heap)
+            if node in leaves and stamp == node.last_access:
+                return node
+        heap[:] = [(n.last_access, n.node_id, n) for n in leaves]
+        heapq.heapify(heap)
 """Pending block copies, each `(kind, direction, what, [[src, dst], ...])`, in the order
 they must run (`BlockManager.copies`)."""
 
@@ -348,14 +361,7 @@ class PrefixTree:
             return None
         if self.policy == "value":
             return min(self._leaves, key=lambda n: (self._eviction_loss(n), n.node_id))
-        while self._heap:
-            stamp, _, node = heapq.heappop(self._heap)
-            if node in self._leaves and stamp == node.last_access:
-                return node
-        # Every leaf's heap entry was stale (touched after being pushed): rebuild.
-        self._heap = [(n.last_access, n.node_id, n) for n in self._leaves]
-        heapq.heapify(self._heap)
-        return self._pick_victim()
+        return _oldest(self._heap, self._leaves)
 
     def evict_one(self) -> int | None:
         """Evict one evictable device leaf — demoted to the host tier when that is worth it
@@ -406,13 +412,7 @@ class PrefixTree:
         if self.policy == "value":
             return min(self._host_leaves,
                        key=lambda n: (self.retention_value(n, "host"), n.node_id))
-        while self._host_heap:
-            stamp, _, node = heapq.heappop(self._host_heap)
-            if node in self._host_leaves and stamp == node.last_access:
-                return node
-        self._host_heap = [(n.last_access, n.node_id, n) for n in self._host_leaves]
-        heapq.heapify(self._host_heap)
-        return self._pick_host_victim()
+        return _oldest(self._host_heap, self._host_leaves)
 
     def _note_host_leaf(self, node: PrefixNode) -> None:
         if node.on_host and not node.children and node not in self._host_leaves:
@@ -468,11 +468,16 @@ class PrefixTree:
         self.version += 1
 
     def _drop_host_subtree(self, node: PrefixNode) -> None:
-        """Drop every host-resident descendant of `node`, deepest first."""
-        for child in list(node.children.values()):
-            if child.on_host:
-                self._drop_host_subtree(child)
-                self.evict(child)
+        """Drop every host-resident descendant of `node`, deepest first (iteratively:
+        demoted chains can be thousands of blocks deep)."""
+        order: list[PrefixNode] = []
+        stack = [c for c in node.children.values() if c.on_host]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())  # a host node's children are host nodes
+        for n in reversed(order):  # children before their parents
+            self.evict(n)
 
     def evict(self, node: PrefixNode) -> None:
         """Remove leaf `node` and free its block: a device block only the cache holds, or
