@@ -1,7 +1,7 @@
-"""Transfers panel: what crosses the device↔host link (out: device → host, in: back), live — the link's measured speed, the
-host KV tier (swapped requests, demoted prefix blocks), swaps, demotions and host hits, the
-latest step's copies against their lower bound `bytes / bandwidth`, weight offload and a
-history of bytes moved per step."""
+"""Transfers panel: what crosses the device↔host link (out: device → host, in: back), live —
+the link's measured speed, the host KV tier (swapped requests, demoted prefix blocks), swaps,
+demotions and host hits, the latest step's copies against their lower bound
+`bytes / bandwidth`, weight offload and a history of bytes moved per step."""
 
 from __future__ import annotations
 
