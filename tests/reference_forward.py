@@ -16,7 +16,7 @@ from runtime.models.transformer import Transformer
 def contiguous_logits(model: Transformer, tokens: list[int]) -> torch.Tensor:
     """Logits [L, vocab] for every position of `tokens`, computed in one pass."""
     n = len(tokens)
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=model.device)
     group = model.num_heads // model.num_kv_heads
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -30,5 +30,5 @@ def contiguous_logits(model: Transformer, tokens: list[int]) -> torch.Tensor:
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
 
-    hidden = model.forward(torch.tensor(tokens), pos, attend)
+    hidden = model.forward(torch.tensor(tokens, device=model.device), pos, attend)
     return model.logits(hidden)

@@ -181,25 +181,66 @@ def test_offload_switched_mid_run_keeps_tokens_and_resizes_the_pool(
         e.set_knobs(offload_layers=5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_two_buffers_beat_one_on_cuda(tiny: Path) -> None:
-    from tests.paths import gemma_path
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-    times = {}
+
+@pytest.mark.cuda
+@CUDA
+def test_two_buffers_beat_one_on_cuda(tmp_path: Path) -> None:
+    """A model whose FFN copies (201 MB per layer in bf16, ~3.7 ms over PCIe Gen5) and FFN
+    compute (8K-token prefill steps, 1.65 TFLOP per layer) are of the same order: with two
+    buffers each copy hides behind the layer before, so the step is shorter than with one
+    (median of several rounds). Small models do not show it: their steps are bound by
+    kernel launches, which hide a serialized copy as well."""
+    spec = TinySpec(arch="llama", num_layers=4, hidden=2048, num_heads=16, num_kv_heads=4,
+                    head_dim=128, ffn=16384, vocab=512, context=4096)
+    path = write_tiny_gguf(tmp_path / "wide.gguf", spec)
+    prompts = [[(i * 31 + j) % 500 + 1 for j in range(1000)] for i in range(8)]
+    times: dict[int, list[float]] = {1: [], 2: []}
+    stalls: dict[int, list[float]] = {1: [], 2: []}
+    engines = {}
     for buffers in (1, 2):
-        ex = TorchExecutor(gemma_path(), device="cuda")
-        e = Engine(EngineConfig(knobs=Knobs(offload_layers=16, offload_buffers=buffers,
-                                            weight_format="dense")), ex)
-        for i in range(4):
-            e.add_request(list(range(10 + i, 74 + i)), GREEDY, request_id=f"r{i}")
-        steps = []
-        while e.has_work:
-            rec = e.step()
-            if rec is not None and rec.dt and rec.num_decode == len(rec.plan):
-                steps.append(rec.dt)
-        times[buffers] = statistics.median(steps)
-        e.close()
-    assert times[2] < times[1]
+        ex = TorchExecutor(path, device="cuda", dtype="bf16")
+        engines[buffers] = Engine(EngineConfig(block_size=16, num_blocks=1024, knobs=Knobs(
+            offload_layers=3, offload_buffers=buffers, max_num_batched_tokens=8192,
+            chunk_size=1024, enable_prefix_caching=False)), ex)
+    for round_ in range(4):  # interleaved, the first round a warm-up
+        for buffers, e in engines.items():
+            for i, p in enumerate(prompts):
+                e.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                              request_id=f"{round_}-{i}")
+            while e.has_work:
+                rec = e.step()
+                if round_ and rec is not None and rec.dt and rec.num_prefill >= 4096:
+                    times[buffers].append(rec.dt)
+                    weights = [t for t in rec.transfers if t.kind == "weights"]
+                    assert len(weights) == 3 and all(t.bytes > 200e6 for t in weights)
+                    stalls[buffers].append(sum(t.stall for t in weights))
+    one, two = statistics.median(times[1]), statistics.median(times[2])
+    print(f"median prefill step: one buffer {one * 1e3:.2f} ms, two {two * 1e3:.2f} ms; "
+          f"compute waited {statistics.median(stalls[1]) * 1e3:.2f} ms and "
+          f"{statistics.median(stalls[2]) * 1e3:.2f} ms for the copies")
+    assert two < one
+
+
+@pytest.mark.cuda
+@CUDA
+def test_swap_demotion_and_offload_keep_tokens_on_cuda(tiny: Path) -> None:
+    def engine(**kw) -> Engine:
+        ex = TorchExecutor(tiny, device="cuda", dtype="fp32")
+        per_block = BLOCK * ex.kv_bytes_per_token("fp16")
+        return Engine(EngineConfig(block_size=BLOCK, num_blocks=kw.pop("num_blocks", 400),
+                                   host_kv_memory_bytes=80 * per_block,
+                                   knobs=Knobs(max_num_batched_tokens=64, chunk_size=16,
+                                               **kw)), ex)
+    reference = run_all(engine())
+    swapped = engine(num_blocks=24, preemption="swap")
+    assert run_all(swapped) == reference
+    assert swapped.scheduler.num_swapped > 0 and swapped.kv.num_swap_ins > 0
+    assert swapped.executor.host_kv.k[0][0].is_pinned()
+    assert swapped.executor.link.what.startswith("cuda")
+    for buffers in (1, 2):
+        assert run_all(engine(offload_layers=3, offload_buffers=buffers)) == reference
 
 
 # -- the sim: priced transfers, recorded and replayed ----------------------------------------
