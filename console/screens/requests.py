@@ -22,9 +22,11 @@ from runtime.snapshot import EngineSnapshot, RequestView
 FILTERS = ("all", "running", "waiting", "finished")
 COLUMNS = ("id", "state", "prompt", "out", "cached", "waited s", "prio", "preempt")
 SORTS = ("state", "arrival", "prompt", "out", "prio")
-STATE_ORDER = {"running": 0, "preempted": 1, "waiting": 2}
+STATE_ORDER = {"running": 0, "preempted": 1, "swapped": 1, "waiting": 2}
 """Sorting by state puts the live requests first, finished ones last."""
-STATE_STYLE = {"running": "green", "waiting": "yellow", "preempted": "red",
+LIVE = ("running", "waiting", "preempted", "swapped")
+"""States of a request still in the engine (the rest are final)."""
+STATE_STYLE = {"running": "green", "waiting": "yellow", "preempted": "red", "swapped": "magenta",
                "finished_stopped": "dim", "finished_length": "dim", "aborted": "red",
                "rejected": "red"}
 
@@ -33,9 +35,9 @@ def in_filter(view: RequestView, which: str) -> bool:
     if which == "all":
         return True
     if which == "waiting":
-        return view.status in ("waiting", "preempted")
+        return view.status in ("waiting", "preempted", "swapped")
     if which == "finished":
-        return view.status not in ("running", "waiting", "preempted")
+        return view.status not in LIVE
     return view.status == which
 
 
@@ -169,7 +171,7 @@ class RequestsScreen(Screen):
     def action_abort(self) -> None:
         rid = self.selected()
         view = self.views.get(rid) if rid else None
-        if view is None or view.status not in ("running", "waiting", "preempted"):
+        if view is None or view.status not in LIVE:
             self.notify("Select a running or waiting request to abort.", severity="warning")
             return
         self.app.engine.abort(rid, "aborted by the operator")
@@ -178,7 +180,7 @@ class RequestsScreen(Screen):
     def action_priority(self, delta: int) -> None:
         rid = self.selected()
         view = self.views.get(rid) if rid else None
-        if view is None or view.status not in ("running", "waiting", "preempted"):
+        if view is None or view.status not in LIVE:
             self.notify("Select a running or waiting request.", severity="warning")
             return
         self.app.set_priority(rid, view.priority + delta)

@@ -76,7 +76,8 @@ class QueuePanel(SnapshotPanel):
     def _short_row(v: RequestView) -> tuple[str, ...]:
         """id, state, prompt progress (a share until computed, then its size), tokens out."""
         state = {"running": "[green]run[/]", "waiting": "[yellow]wait[/]",
-                 "preempted": "[red]pre[/]"}.get(v.status, v.status[:4])
+                 "preempted": "[red]pre[/]", "swapped": "[magenta]swap[/]"
+                 }.get(v.status, v.status[:4])
         done = min(v.computed_tokens, v.prompt_tokens)
         progress = compact(v.prompt_tokens) if done >= v.prompt_tokens else \
             f"{done / max(v.prompt_tokens, 1):.0%}"
@@ -85,7 +86,8 @@ class QueuePanel(SnapshotPanel):
     @staticmethod
     def _row(v: RequestView, now: float) -> tuple[str, ...]:
         state = {"running": "[green]run[/]", "waiting": "[yellow]wait[/]",
-                 "preempted": "[red]preempt[/]"}.get(v.status, v.status)
+                 "preempted": "[red]preempt[/]", "swapped": "[magenta]swapped[/]"
+                 }.get(v.status, v.status)
         progress = f"{min(v.computed_tokens, v.prompt_tokens)}/{v.prompt_tokens}"
         waited = (v.admitted_time if v.admitted_time is not None else now) - v.arrival_time
         slack = f"{v.deadline - now:.1f}" if v.deadline is not None else "—"

@@ -173,7 +173,8 @@ KNOB_VALUES = {
     "enable_prefix_caching": ("false", False), "prefix_cache_capacity": ("100", 100),
     "eviction_policy": ("value", "value"), "admission_control": ("true", True),
     "on_deadline_miss": ("wait", "wait"), "kv_format": ("q8_0", "q8_0"),
-    "weight_format": ("int8", "int8"),
+    "weight_format": ("int8", "int8"), "demote_prefixes": ("false", False),
+    "offload_layers": ("4", 4), "offload_buffers": ("1", 1),
 }
 
 
