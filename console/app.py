@@ -30,7 +30,7 @@ from console.screens.requests import RequestsScreen
 from console.widgets.banner import Banner
 from console.widgets.footer import KeysFooter
 from console.widgets.hardware import HardwareStrip
-from console.widgets.knobs import TRAFFIC_KNOBS, KnobEditor, KnobsPanel, parse_knob
+from console.widgets.knobs import TRAFFIC_KNOBS, KnobEditor, KnobsPanel, parse_knob, shown
 from console.widgets.kv_map import KVMapPanel, switch_text
 from console.widgets.prefix_tree import PrefixTreePanel
 from console.widgets.prompt import (
@@ -178,7 +178,9 @@ class KvdeckApp(ConsoleApp):
         main.query_one(Banner).show(snap)
         if snap.switches and snap.switches[-1] != self._last_switch:
             self._last_switch = snap.switches[-1]
-            self.notify(switch_text(self._last_switch), title="Format switched")
+            knob = self._last_switch["knob"]
+            title = "Weight offload" if knob == "offload_layers" else "Format switched"
+            self.notify(switch_text(self._last_switch), title=title)
         if isinstance(self.screen, (RequestsScreen, ChartsScreen)):
             self.screen.show(snap)
         state = "failed" if snap.failure else "paused" if snap.paused else "running"
@@ -225,7 +227,7 @@ class KvdeckApp(ConsoleApp):
         except KvdeckError as e:
             self.notify(str(e), title="Invalid knob", severity="error")
             return False
-        self.notify(f"{name} = {value!r} from the next iteration", title="Knob")
+        self.notify(f"{name} = {shown(value)} from the next iteration", title="Knob")
         return True
 
     # -- interactive prompt -----------------------------------------------------------------

@@ -60,7 +60,21 @@ def settings_line(session) -> str:
             f"max_num_seqs {k.max_num_seqs}, max_num_batched_tokens "
             f"{k.max_num_batched_tokens}, chunk_size {k.chunk_size}, prefix caching "
             f"{'on' if k.enable_prefix_caching else 'off'}, weights {k.weight_format}"
-            + weights_lines(snap))
+            + weights_lines(snap) + transfers_line(snap))
+
+
+def transfers_line(snap) -> str:
+    """The host tier, preemption mode and weight offload, when any is configured."""
+    t, k = snap.transfers, snap.knobs
+    parts = []
+    if t is not None and t.host_blocks:
+        parts.append(f"host KV tier {t.host_blocks:,} blocks, preemption {k.preemption}, "
+                     f"prefix demotion {'on' if k.demote_prefixes else 'off'}")
+    if t is not None and t.offload:
+        parts.append(f"offload {t.offload.replace('; ', ', ')}")
+    if t is not None and parts:
+        parts.append(f"link {t.link_detail}")
+    return "".join(f"\n  {p}" for p in parts)
 
 
 def weights_lines(snap) -> str:

@@ -122,7 +122,8 @@ FLAGS: tuple[Flag, ...] = (
          KNOBS),
     Flag("reservation", ("--reservation",), str, _one_of("reservation"), KNOBS),
     Flag("preemption", ("--preemption",), str, "recompute, swap (to the host tier and back) "
-         "or auto (whichever the timing model says is faster per victim) (default recompute).",
+         "or auto (whichever the timing model says is faster per victim); swap and auto need "
+         "--host-kv-memory-gib (default recompute).",
          KNOBS),
     Flag("demote_prefixes", ("--demote-prefixes/--no-demote-prefixes",), bool,
          "Demote evicted prefix-cache blocks to the host tier instead of dropping them "

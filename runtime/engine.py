@@ -245,9 +245,10 @@ class Engine:
     def check_knobs(self, knobs: Knobs) -> None:
         """Bounds that depend on this engine's executor and pool (ConfigError if broken)."""
         if knobs.preemption != "recompute" and not self.kv.has_host_tier:
-            raise ConfigError(f"preemption {knobs.preemption} needs a host KV tier; set "
-                              "host_kv_memory_bytes (--host-kv-memory-bytes) to at least one "
-                              f"block ({self.kv.bytes_per_block:,} bytes), or use recompute.")
+            raise ConfigError(f"preemption {knobs.preemption} needs a host KV tier; give it "
+                              "--host-kv-memory-gib (setting host_kv_memory_bytes) of at least "
+                              f"one block ({self.kv.bytes_per_block:,} bytes), or use "
+                              "recompute.")
         if knobs.offload_layers > self.executor.num_layers:
             raise ConfigError(f"offload_layers must be from 0 to {self.executor.num_layers} "
                               f"(the model's layers), got {knobs.offload_layers}.")

@@ -257,7 +257,7 @@ class SnapshotBuilder:
         kv, log, tree = e.kv, e.transfer_log, e.kv.tree
         link = getattr(e.executor, "link", None)
         detail = link.describe() if link is not None else \
-            f"{e.executor.link_bandwidth / 1e9:,.0f} GB/s (hardware profile)"
+            f"{e.executor.link_bandwidth / 1e9:,.0f} GB/s (profile)"
         counters = {**log.counters, "swap_outs": kv.num_swap_outs, "swap_ins": kv.num_swap_ins,
                     "demotions": tree.num_demotions, "promotions": tree.num_promotions,
                     "host_hit_tokens": tree.num_host_hit_tokens}

@@ -48,8 +48,8 @@ class TransfersView:
     swapped_requests: tuple[str, ...]
     """Requests whose KV is on the host now."""
     counters: dict
-    """Since start: swap_outs, swap_ins, demotions, promotions, host_hit_tokens, d2h_bytes,
-    h2d_bytes, weight_bytes, copy_seconds, stall_seconds."""
+    """Since start: swap_outs, swap_ins, demotions, promotions, host_hit_tokens, d2h_bytes
+    and h2d_bytes (KV), weight_bytes (prefetched weights), copy_seconds, stall_seconds."""
     last: StepTransfers | None
     """The latest step that moved anything."""
     recent: tuple[StepTransfers, ...]
@@ -78,6 +78,7 @@ class TransferLog:
             return
         d2h = sum(t.bytes for t in transfers if t.direction == "d2h")
         h2d = sum(t.bytes for t in transfers if t.direction == "h2d")
+        weights = sum(t.bytes for t in transfers if t.kind == "weights")
         seconds = sum(t.seconds for t in transfers)
         stall = sum(t.stall for t in transfers)
         entry = StepTransfers(step, d2h, h2d, seconds, sum(t.bound for t in transfers),
@@ -85,9 +86,9 @@ class TransferLog:
         self.last = entry
         self.recent.append(entry)
         c = self.counters
-        c["d2h_bytes"] += d2h
-        c["h2d_bytes"] += h2d
-        c["weight_bytes"] += sum(t.bytes for t in transfers if t.kind == "weights")
+        c["d2h_bytes"] += d2h  # KV only: weights are only ever copied in
+        c["h2d_bytes"] += h2d - weights
+        c["weight_bytes"] += weights
         c["copy_seconds"] += seconds
         c["stall_seconds"] += stall
 

@@ -33,7 +33,9 @@ HINTS = {"weight_format": "dense, fp32, bf16, fp16, int8, int4, auto or measured
                           "groups, or per group like attn=int8,ffn=int4,head=bf16",
          "offload_layers": "FFN weights of the last N layers live on the host, prefetched "
                            "before each runs; the memory freed goes to the KV pool",
-         "preemption": "swap and auto need a host KV tier (--host-kv-memory-gib)"}
+         "preemption": "swap and auto need a host KV tier (--host-kv-memory-gib)",
+         "demote_prefixes": "with a host KV tier, evicted prefix blocks are copied there "
+                            "instead of dropped; false drops the ones there now"}
 """What a typed knob accepts, when a number is not the answer."""
 
 

@@ -36,12 +36,18 @@ def switch_text(sw: dict) -> str:
     """One line for a format switch: what changed, the pause and what it moved."""
     text = (f"{sw['knob']} {sw['from']} → {sw['to']} before step {sw.get('step', '?')}: "
             f"paused {sw['seconds'] * 1e3:,.1f} ms{'' if sw.get('measured') else ' (modelled)'}")
-    if sw["knob"] != "kv_format":
-        text += (f", weights on the device {human_bytes(sw.get('bytes_before', 0))} → "
-                 f"{human_bytes(sw['bytes'])}")
-        if sw["knob"] == "offload_layers":
-            text += f", pool {sw['num_blocks']:,} blocks"
+    if sw["knob"] == "offload_layers":
+        text = (f"offload {sw['from']} → {sw['to']} before step {sw.get('step', '?')}: "
+                f"paused {sw['seconds'] * 1e3:,.1f} ms"
+                f"{'' if sw.get('measured') else ' (modelled)'}, weights on the device "
+                f"{human_bytes(sw.get('bytes_before', 0))} → {human_bytes(sw['bytes'])}, "
+                f"pool {sw['num_blocks']:,} blocks")
+        if sw.get("preempted"):
+            text += f", {len(sw['preempted']):,} preempted"
         return text
+    if sw["knob"] != "kv_format":
+        return text + (f", weights {human_bytes(sw.get('bytes_before', 0))} → "
+                       f"{human_bytes(sw['bytes'])}")
     text += f", {human_bytes(sw['bytes'])} converted"
     text += f", {sw['blocks']:,} blocks → pool {sw['num_blocks']:,}"
     if sw.get("dropped"):
@@ -108,7 +114,9 @@ class KVMapPanel(SnapshotPanel):
             lines.append(Text(switch, style="yellow"))
         if host:
             t = snap.transfers
-            legend = Text("host tier: ", style="dim")
+            per = max(-(-t.host_blocks // max(width - 5, 1)), 1)
+            legend = Text(f"host tier (1 cell = {per} block{'s' if per > 1 else ''}): ",
+                          style="dim")
             for state, name in ((HOST_SWAPPED, "swapped"), (HOST_DEMOTED, "demoted"),
                                 (HOST_FREE, "free")):
                 char, style = HOST_STYLES[state]

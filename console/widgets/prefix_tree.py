@@ -40,8 +40,10 @@ class PrefixTreePanel(Tree[int]):
     def show(self, snap: EngineSnapshot) -> None:
         self._snapshot = snap
         kv = snap.kv
+        demoted = snap.transfers.counters["demotions"] if snap.transfers is not None else 0
         self.border_subtitle = (f"{kv.num_cached_blocks} cached blocks · "
-                                f"hit rate {kv.hit_rate:.0%} · {kv.num_evictions} evicted")
+                                f"hit rate {kv.hit_rate:.0%} · {kv.num_evictions} dropped"
+                                + (f" · {demoted} demoted" if demoted else ""))
         cursor = self.cursor_node.data if self.cursor_node is not None else None
         self.clear()
         nodes = snap.prefix_nodes

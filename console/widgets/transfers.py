@@ -34,10 +34,10 @@ def group_text(kind: str, direction: str, items: list[Transfer]) -> list[Text]:
     what = f"{blocks} blk" if blocks else f"×{len(items)}"
     head = Text(f" {kind}{arrow} {what} {human_bytes(nbytes)}",
                 style=KIND_STYLE.get(kind, ""))
-    tail = Text(f"  {ms(seconds)} ≥{ms(bound)}", style="dim")
+    out = [head, Text(f"  {ms(seconds)} (bound {ms(bound)})", style="dim")]
     if stall < seconds * 0.999:
-        tail.append(f" wait {ms(stall)}")
-    return [head, tail]
+        out.append(Text(f"  compute waited {ms(stall)}", style="dim"))
+    return out
 
 
 def history(view: TransfersView, width: int) -> Text:
@@ -46,11 +46,11 @@ def history(view: TransfersView, width: int) -> Text:
     if not steps:
         return Text()
     peak = max(s.d2h_bytes + s.h2d_bytes for s in steps) or 1
-    text = Text("", style="dim")
+    text = Text("")
     for s in steps:
         total = s.d2h_bytes + s.h2d_bytes
         text.append(BARS[max(1, round(total / peak * (len(BARS) - 1)))], style="cyan")
-    text.append(f" ≤{human_bytes(peak)}", style="dim")
+    text.append(f" max {human_bytes(peak)}", style="dim")
     return text
 
 
@@ -65,7 +65,8 @@ class TransfersPanel(SnapshotPanel):
             return
         width = max(self.size.width - 4, 16)
         c = view.counters
-        self.border_subtitle = f"link {view.link_bandwidth / 1e9:,.1f} GB/s"
+        k = snap.knobs
+        self.border_subtitle = ""
         if not view.host_blocks and not view.offload:
             self.update(Group(
                 Text(f"link {view.link_detail}", style="dim"),
@@ -86,11 +87,15 @@ class TransfersPanel(SnapshotPanel):
                 more = len(view.swapped_requests) - 3
                 lines.append(Text(f" on host: {names}{f' +{more}' if more > 0 else ''}",
                                   style="red"))
+            lines.append(Text(f"mode: {k.preemption}, demotion "
+                              f"{'on' if k.demote_prefixes else 'off'}", style="dim"))
             lines.append(Text(f"prefix {c['demotions']:,} demoted", style="yellow"))
             lines.append(Text(f" {c['promotions']:,} host hits "
                               f"({c['host_hit_tokens']:,} tok)", style="yellow"))
         if view.offload:
-            lines.append(Text(f"offload {view.offload}", style="cyan"))
+            first, *rest = view.offload.split("; ")
+            lines.append(Text(f"offload {first}", style="cyan"))
+            lines.extend(Text(f" {part}", style="cyan") for part in rest)
             lines.append(Text(f" +{human_bytes(view.offload_gain_bytes)} for KV", style="cyan"))
         last = view.last
         if last is not None:
@@ -101,8 +106,10 @@ class TransfersPanel(SnapshotPanel):
                 groups.setdefault((t.kind, t.direction), []).append(t)
             for (kind, direction), items in groups.items():
                 lines.extend(group_text(kind, direction, items))
-            lines.append(history(view, width - 10))
-        lines.append(Text(f"all: out {human_bytes(c['d2h_bytes'])} "
+            lines.append(history(view, width - 13))
+        lines.append(Text(f"KV out {human_bytes(c['d2h_bytes'])} "
                           f"in {human_bytes(c['h2d_bytes'])}", style="dim"))
+        if c["weight_bytes"]:
+            lines.append(Text(f"weights in {human_bytes(c['weight_bytes'])}", style="dim"))
         lines.append(Text(f"link {view.link_detail}", style="dim"))
         self.update(Group(*lines))

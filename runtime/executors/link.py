@@ -33,8 +33,7 @@ class LinkSpeed:
         return min(self.h2d, self.d2h)
 
     def describe(self) -> str:
-        return (f"{self.what}: {self.h2d / 1e9:.1f} GB/s to the device, "
-                f"{self.d2h / 1e9:.1f} GB/s back")
+        return f"{self.h2d / 1e9:.1f}/{self.d2h / 1e9:.1f} GB/s in/out, {self.what}"
 
 
 def _best(copy, sync, nbytes: int) -> float:

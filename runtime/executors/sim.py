@@ -183,10 +183,10 @@ class SimExecutor:
         if not n:
             return ""
         size = self.ffn_layer_bytes
-        return (f"FFN of layers {self.num_layers - n}–{self.num_layers - 1} "
-                f"({n * size / 2**20:,.0f} MiB) on the host, {min(self.offload_buffers, n)} "
-                f"buffer{'s' if min(self.offload_buffers, n) > 1 else ''} of "
-                f"{size / 2**20:,.0f} MiB (priced)")
+        buffers = min(self.offload_buffers, n)
+        return (f"layers {self.num_layers - n}–{self.num_layers - 1} FFN; "
+                f"{n * size / 2**20:,.0f} MiB per step; "
+                f"{buffers} buffer{'s' if buffers > 1 else ''} × {size / 2**20:,.0f} MiB")
 
     def _offload_timeline(self, compute: float, origin: float) -> tuple[float, list[Transfer]]:
         """The step's length with offloaded layers and each prefetch: layers take

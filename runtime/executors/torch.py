@@ -363,12 +363,13 @@ class TorchExecutor:
             self.model.offload = self.offload
 
     def describe_offload(self) -> str:
+        """Weight offload in a line for the transfers panel ("; " separates its parts)."""
         off = self.offload
         if off is None:
             return ""
-        return (f"FFN of layers {off.offloaded[0]}–{off.offloaded[-1]} "
-                f"({off.offloaded_bytes / 2**20:,.1f} MiB) on the host, {off.num_buffers} "
-                f"buffer{'s' if off.num_buffers > 1 else ''} of {off.layer_bytes / 2**20:,.1f} MiB")
+        return (f"layers {off.offloaded[0]}–{off.offloaded[-1]} FFN; "
+                f"{off.offloaded_bytes / 2**20:,.1f} MiB per step; {off.num_buffers} "
+                f"buffer{'s' if off.num_buffers > 1 else ''} × {off.layer_bytes / 2**20:,.1f} MiB")
 
     def _update_shortlist(self) -> None:
         """Greedy decoding over a wide fp32 head shortlists with an int8 copy (see

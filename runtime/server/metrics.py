@@ -120,14 +120,16 @@ class SnapshotCollector:
         yield counter("kvdeck:prefix_host_hits", "Demoted prefix blocks brought back by a hit.",
                       c["promotions"])
         moved = CounterMetricFamily("kvdeck:transfer_bytes", "Bytes copied over the host link.",
-                                    labels=["model_name", "direction"])
-        moved.add_metric([self.model, "d2h"], c["d2h_bytes"])
-        moved.add_metric([self.model, "h2d"], c["h2d_bytes"])
+                                    labels=["model_name", "direction", "kind"])
+        moved.add_metric([self.model, "d2h", "kv"], c["d2h_bytes"])
+        moved.add_metric([self.model, "h2d", "kv"], c["h2d_bytes"])
+        moved.add_metric([self.model, "h2d", "weights"], c["weight_bytes"])
         yield moved
         yield counter("kvdeck:transfer_seconds", "Time spent copying over the host link.",
                       c["copy_seconds"])
         yield gauge("kvdeck:link_bandwidth_bytes_per_second",
-                    "Host link bandwidth, one way (measured at start-up).", t.link_bandwidth)
+                    "Host link bandwidth, one way (measured at start-up; the hardware "
+                    "profile's under the sim executor).", t.link_bandwidth)
 
 
 class ServerMetrics:
