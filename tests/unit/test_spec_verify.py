@@ -1,0 +1,88 @@
+"""Speculative verification is lossless: emitted tokens are distributed exactly as the
+target's, which a chi-square test over 20,000 draws cannot tell apart — and it does tell a
+deliberately broken acceptance rule apart. Greedy verification emits what greedy decoding
+would. The n-gram proposer proposes what followed the latest match."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.spec.ngram import propose_ngram
+from runtime.spec.verify import verify_greedy, verify_sampled
+
+P = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05])
+Q = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30])  # a poor draft: mostly wrong
+K = 3
+DRAWS = 20_000
+# Chi-square critical value, 5 degrees of freedom, significance 0.001.
+CRITICAL = 20.515
+
+
+def chi_square(counts: torch.Tensor, p: torch.Tensor) -> float:
+    expected = p * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def emitted(verify, q: torch.Tensor | None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of the first emitted token over all rounds, and of the second over the rounds
+    that emitted at least two, with drafts drawn from `q` (None: always token 4)."""
+    g = torch.Generator().manual_seed(seed)
+    p = P.expand(K + 1, -1)
+    qs = q.expand(K, -1) if q is not None else None
+    first, second = torch.zeros(6), torch.zeros(6)
+    for _ in range(DRAWS):
+        draft = torch.multinomial(q, K, replacement=True, generator=g).tolist() \
+            if q is not None else [4] * K
+        tokens, _ = verify(p, draft, qs, g)
+        first[tokens[0]] += 1
+        if len(tokens) > 1:
+            second[tokens[1]] += 1
+    return first, second
+
+
+def test_sampled_verification_reproduces_the_target_distribution() -> None:
+    for q in (Q, None):  # a draft model's distribution, and a deterministic proposer
+        first, second = emitted(verify_sampled, q)
+        assert chi_square(first, P) < CRITICAL
+        assert second.sum() > 1000 and chi_square(second, P) < CRITICAL
+
+
+def broken(p, draft, q, g):
+    """Accepts by the right rule but, on rejection, samples from the target instead of the
+    residual (p − q)⁺ — a classic mistake that over-weights the draft's tokens."""
+    out = []
+    for i, x in enumerate(draft):
+        if float(torch.rand((), generator=g)) < min(1.0, float(p[i, x] / q[i, x])):
+            out.append(x)
+            continue
+        out.append(int(torch.multinomial(p[i], 1, generator=g)))
+        return out, i
+    out.append(int(torch.multinomial(p[-1], 1, generator=g)))
+    return out, len(draft)
+
+
+def test_a_broken_acceptance_rule_is_detected() -> None:
+    first, _ = emitted(broken, Q)
+    assert chi_square(first, P) > 10 * CRITICAL
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted() -> None:
+    g = torch.Generator().manual_seed(1)
+    p = P.expand(K + 1, -1)
+    accepted = [verify_sampled(p, torch.multinomial(P, K, True, generator=g).tolist(),
+                               P.expand(K, -1), g)[1] for _ in range(200)]
+    assert accepted == [K] * 200  # p/q = 1 everywhere: every draft token kept, plus a bonus
+
+
+def test_greedy_keeps_the_matching_prefix_and_the_targets_token() -> None:
+    assert verify_greedy([5, 6, 7, 8], [5, 6, 7]) == ([5, 6, 7, 8], 3)  # all + bonus
+    assert verify_greedy([5, 6, 7, 8], [5, 9, 7]) == ([5, 6], 1)  # the target's 6 replaces 9
+    assert verify_greedy([5, 6], [4]) == ([5], 0)
+
+
+def test_ngram_proposes_what_followed_the_latest_match() -> None:
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 7, 1, 2, 3]
+    assert propose_ngram(tokens, 2, n_max=3) == [5, 6]  # latest "1 2 3" was followed by 5 6
+    assert propose_ngram([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert propose_ngram([7, 8, 7], 4, n_max=2) == [8, 7]  # falls back to a 1-gram
+    assert propose_ngram(tokens, 0) == []
