@@ -131,6 +131,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("offload_layers", ("--offload-layers",), int,
          "Keep the FFN weights of the last N layers in host memory, prefetched before each "
          "runs; the device memory freed goes to the KV pool (default 0).", KNOBS),
+    Flag("speculative_method", ("--speculative-method",), str,
+         "Speculative decoding: off or ngram (prompt lookup: propose what followed the "
+         "latest match of the last tokens; verified losslessly in one pass) (default off).",
+         KNOBS),
+    Flag("num_speculative_tokens", ("--num-speculative-tokens",), int,
+         "Most draft tokens per request per step (default 4).", KNOBS),
+    Flag("prompt_lookup_max", ("--prompt-lookup-max",), int,
+         "ngram: the longest n-gram looked up (default 3).", KNOBS),
     Flag("offload_buffers", ("--offload-buffers",), int,
          "Device buffers for offloaded layers: 1 serializes copy and compute, 2 overlap them "
          "(default 2).", KNOBS),
@@ -157,6 +165,8 @@ FLAGS: tuple[Flag, ...] = (
          SIM),
     Flag("eos_probability", ("--eos-probability",), float,
          "Chance a simulated token ends the request (default 0).", SIM),
+    Flag("spec_acceptance", ("--spec-acceptance",), float, "Speculation what-ifs: the chance "
+         "each draft token is accepted given the ones before were (default 0.7).", SIM),
     Flag("fail_at_step", ("--fail-at-step",), int, "Fault injection: the simulated executor "
          "fails for good on this step.", SIM),
 )

@@ -26,6 +26,7 @@ NAMES = {
         "preemptions": "vllm:num_preemptions_total",
         "spec_drafts": "vllm:spec_decode_num_drafts_total",
         "spec_accepted": "vllm:spec_decode_num_accepted_tokens_total",
+        "spec_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
         "ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds",
         "e2e": "vllm:e2e_request_latency_seconds",
         "requests_done": "vllm:request_success_total",
@@ -101,6 +102,8 @@ class RemoteStatus:
     preemptions: float | None = None
     spec_acceptance: float | None = None
     """Accepted draft tokens per draft (vLLM) or mean accepted length (SGLang)."""
+    spec_acceptance_rate: float | None = None
+    """Accepted / proposed draft tokens (vLLM, kvdeck), when the server counts both."""
     ttft: Histogram | None = None
     itl: Histogram | None = None
     e2e: Histogram | None = None
@@ -183,6 +186,9 @@ def parse_metrics(text: str) -> RemoteStatus:
     drafts, accepted = pick("spec_drafts", scalars), pick("spec_accepted", scalars)
     if drafts:
         st.spec_acceptance = (accepted or 0.0) / drafts
+    proposed = pick("spec_draft_tokens", scalars)
+    if proposed:
+        st.spec_acceptance_rate = (accepted or 0.0) / proposed
     st.spec_acceptance = st.spec_acceptance or pick("spec_accept_length", scalars)
     blocks = {state: v for (name, state), v in labelled.items() if name == "kvdeck:kv_blocks"}
     st.kv_blocks = blocks or None

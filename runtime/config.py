@@ -30,11 +30,13 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 or (`auto`) whichever the timing model says is faster for each victim (`scheduler.py`)."""
 EVICTION_POLICIES = ("lru", "value")
 DEADLINE_ACTIONS = ("reject", "wait")
+SPECULATIVE_METHODS = ("off", "ngram")
+"""Speculative decoding: off, or n-gram prompt lookup (`runtime/spec/`)."""
 KNOB_CHOICES: dict[str, tuple[str, ...]] = {
     "scheduling": SCHEDULING_MODES, "queue_policy": QUEUE_POLICIES,
     "reservation": RESERVATION_POLICIES, "preemption": PREEMPTION_MODES,
     "eviction_policy": EVICTION_POLICIES, "on_deadline_miss": DEADLINE_ACTIONS,
-    "kv_format": tuple(KV_FORMATS),
+    "kv_format": tuple(KV_FORMATS), "speculative_method": SPECULATIVE_METHODS,
 }
 """The knobs whose values are a fixed list, and the list."""
 
@@ -99,6 +101,13 @@ class Knobs:
     offload_buffers: int = 2
     """Device buffers for offloaded layers: 1 serializes copy and compute, 2 overlap the
     copy of the next offloaded layer with the compute of this one."""
+    speculative_method: str = "off"
+    """Speculative decoding: `ngram` proposes the tokens that followed the latest match of
+    the last tokens in the request's own context; the target verifies them in one pass."""
+    num_speculative_tokens: int = 4
+    """Most draft tokens proposed per request per step."""
+    prompt_lookup_max: int = 3
+    """The n-gram proposer tries the last n tokens for n from this down to 1."""
 
     def __post_init__(self) -> None:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
@@ -113,6 +122,8 @@ class Knobs:
         check_bool("demote_prefixes", self.demote_prefixes)
         check_int("offload_layers", self.offload_layers, 0, 1 << 12)
         check_int("offload_buffers", self.offload_buffers, 1, 2)
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 16)
+        check_int("prompt_lookup_max", self.prompt_lookup_max, 1, 16)
         parse_weight_format(self.weight_format)  # the syntax; the executor checks the rest
 
     def with_changes(self, **changes: Any) -> Knobs:

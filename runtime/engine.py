@@ -137,6 +137,7 @@ class Engine:
         reads cached quality figures from disk)."""
         self.scheduler = Scheduler(config, self.kv, executor.estimate_step_seconds,
                                    self.max_model_len, executor.eos_token_ids)
+        self.scheduler.propose = lambda req, k: executor.propose(req, k, self.scheduler.knobs)
         self.check_knobs(k)
         self.inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -556,9 +557,13 @@ class Engine:
         """Complete the record, update the figures, write the record, tell `after_step`
         listeners (output streams), then attach or detach a recorder if asked."""
         if plan is not None and result is not None:
-            record.plan = [PlanEntry(c.request_id, c.start, c.num_new_tokens, int(c.sample))
-                           for c in plan.chunks]
+            record.plan = [PlanEntry(c.request_id, c.start, c.num_new_tokens, c.emitted,
+                                     len(c.draft)) for c in plan.chunks]
             record.tokens = list(result.sampled.items())
+            for c in plan.chunks:  # speculating requests: the tokens they took, in order
+                if c.draft and c.emitted:
+                    record.tokens.extend((c.request_id, t)
+                                         for t in result.spec[c.request_id][:c.emitted])
             record.errors = dict(result.errors)
             record.admitted, record.preempted = list(plan.admitted), list(plan.preempted)
             record.swapped = list(plan.swapped)
@@ -722,7 +727,8 @@ class Engine:
             host={"num_blocks": kv.host.num_blocks,
                   "tables": {rid: list(t) for rid, t in kv.host_tables.items()},
                   "counters": {"swap_outs": kv.num_swap_outs, "swap_ins": kv.num_swap_ins},
-                  "transfers": self.transfer_log.to_json()})
+                  "transfers": self.transfer_log.to_json()},
+            spec=sched.spec.to_json())
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

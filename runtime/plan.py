@@ -32,6 +32,13 @@ class ScheduledChunk:
     """The request's block table as the KV manager holds it; executors must not modify it."""
     sample: bool
     """True when the chunk reaches the request's last known token, so a token is sampled."""
+    draft: tuple[int, ...] = ()
+    """Speculative draft tokens following the request's last token: the chunk then scores
+    `1 + len(draft)` positions (its last token, then the draft) and the executor verifies
+    the draft (`runtime/spec/verify.py`), returning the tokens to emit in `StepResult.spec`."""
+    emitted: int = 0
+    """Set by the scheduler's update: tokens the request took from the step (0 or 1, up to
+    `1 + len(draft)` when speculating)."""
 
     @property
     def request_id(self) -> str:
@@ -114,3 +121,7 @@ class StepResult:
     transfers: list = field(default_factory=list)
     """`records.Transfer` per copy between device and host the step made (the plan's
     block copies and weight prefetches), with its timing."""
+    spec: dict[str, list[int]] = field(default_factory=dict)
+    """Request id -> the tokens a speculating chunk emits, in order: the accepted draft
+    tokens, then the target's own token (a correction, or the bonus when all were accepted).
+    Such a request has no entry in `sampled`."""

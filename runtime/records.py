@@ -174,7 +174,10 @@ class PlanEntry(NamedTuple):
     start: int
     num_new_tokens: int
     sampled: int
-    """1 when the step sampled a token for the request."""
+    """Tokens the step emitted for the request: 0 or 1, or up to `draft + 1` when it
+    speculated."""
+    draft: int = 0
+    """Draft tokens verified (then `num_new_tokens = 1 + draft`); written only when > 0."""
 
 
 class Transfer(NamedTuple):
@@ -289,7 +292,9 @@ class StepRecord:
                 d["limit"] = self.limit
             if self.end is not None:
                 d["t1"] = self.end
-        for name in ("plan", "tokens", "errors", "admitted", "preempted", "rejected",
+        if self.plan:
+            d["plan"] = [list(e) if e.draft else list(e[:4]) for e in self.plan]
+        for name in ("tokens", "errors", "admitted", "preempted", "rejected",
                      "finished", "cow", "knobs", "forked", "switches", "transfers", "swapped"):
             value = getattr(self, name)
             if value:
@@ -398,6 +403,9 @@ class Checkpoint:
     host: dict[str, Any] | None = None
     """The host tier: `num_blocks`, `tables` (swapped requests' host blocks), swap counters
     and the transfer log (`transfers.TransferLog.to_json`); None in older runs."""
+    spec: dict[str, Any] | None = None
+    """Speculative decoding's counters (`spec.stats.SpecStats.to_json`); None in older
+    runs."""
 
     def to_json(self) -> dict:
         d = {"kind": self.kind}
@@ -409,7 +417,7 @@ class Checkpoint:
     @classmethod
     def from_json(cls, d: dict, where: str) -> Checkpoint:
         try:
-            optional = {"pool": None, "switches": [], "host": None}
+            optional = {"pool": None, "switches": [], "host": None, "spec": None}
             values = {f.name: d[f.name] for f in fields(cls) if f.name not in optional}
             values.update({k: d.get(k, v) for k, v in optional.items()})
             values["requests"] = [RequestState.from_json(r) for r in values["requests"]]

@@ -44,6 +44,7 @@ from runtime.records import (
 )
 from runtime.request import RequestStatus
 from runtime.snapshot import BatchView, EngineSnapshot, KVView, RequestView
+from runtime.spec.stats import SpecStats
 from runtime.transfers import TransferLog, TransfersView
 
 
@@ -62,6 +63,7 @@ class TraceState:
         self.offload: str = header.get("offload", "")
         self.offload_gain_bytes: int = header.get("offload_gain_bytes", 0)
         self.num_swapped = 0
+        self.spec = SpecStats()
         self.num_swap_outs = 0
         self.num_swap_ins = 0
         self.tables: dict[str, list[int]] = {}
@@ -114,6 +116,8 @@ class TraceState:
         self.num_preemptions = cp.counters["preemptions"]
         self.num_cow = cp.counters["cow"]
         self.num_swapped = cp.counters.get("swapped", 0)
+        if cp.spec is not None:
+            self.spec.load(cp.spec)
         if cp.host is not None:
             for rid, hosts in cp.host["tables"].items():
                 self.host_tables[rid] = list(hosts)
@@ -142,7 +146,8 @@ class TraceState:
             host={"num_blocks": self.host.num_blocks,
                   "tables": {rid: list(t) for rid, t in self.host_tables.items()},
                   "counters": {"swap_outs": self.num_swap_outs, "swap_ins": self.num_swap_ins},
-                  "transfers": self.transfer_log.to_json()})
+                  "transfers": self.transfer_log.to_json()},
+            spec=self.spec.to_json())
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -188,12 +193,15 @@ class TraceState:
         for ev in rec.kv:
             self._apply_kv(ev, rec)
         t1 = rec.t1
-        for rid, start, n, sample in rec.plan:
+        for rid, start, n, sample, draft in rec.plan:
             r = self._request(rid, rec)
-            r.num_computed_tokens = start + n
+            # A speculating entry keeps the KV of its input token and accepted drafts.
+            r.num_computed_tokens = start + (sample if draft else n)
+            if draft:
+                self.spec.on_round(draft, min(sample - 1, draft), sample, rec.dt or 0.0)
             if sample and rid not in rec.errors:
-                r.num_output_tokens += 1
-                r.token_times.append(t1)
+                r.num_output_tokens += sample
+                r.token_times.extend([t1] * sample)
                 if r.first_token_time is None:
                     r.first_token_time = t1
         swapped = set(rec.swapped)
@@ -347,10 +355,11 @@ class TraceState:
                     tree.num_hit_tokens)
         live = [r for r in self.requests.values() if r.arrival_time <= self.time]
         counts = self.figures.status_counts
+        knobs = Knobs(**self.knobs) if self.knobs else Knobs()
         return EngineSnapshot(
             step=self.step + 1, time=self.time, model_name=h.get("model", "?"),
             executor=f"replay of {h.get('executor', '?')}",
-            knobs=Knobs(**self.knobs) if self.knobs else Knobs(),
+            knobs=knobs,
             waiting=tuple(self._view(r) for r in live if r.status is not RequestStatus.RUNNING),
             running=tuple(self._view(r) for r in live if r.status is RequestStatus.RUNNING),
             batch=self.last_batch, kv=kv, prefix_nodes=tuple(tree.summary()),
@@ -359,6 +368,7 @@ class TraceState:
             num_preemptions=self.num_preemptions,
             recent=self.figures.rolling(), figures=self.figures.view(),
             switches=tuple(self.switches), transfers=self.transfers_view(),
+            speculation=self.spec.view(knobs.speculative_method, knobs.num_speculative_tokens),
         )
 
     def transfers_view(self) -> TransfersView:

@@ -76,3 +76,20 @@ def sample(logits: torch.Tensor, requests: list[Request], base_seed: int = 0
             alts = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
         logprobs.append(TokenLogprobs(float(lp[token]), alts))
     return tokens, logprobs
+
+
+def sample_draft(logits: torch.Tensor, req: Request, draft: list[int], base_seed: int = 0
+                 ) -> list[int]:
+    """The tokens a speculating request emits: `logits` [1 + len(draft), vocab] score its
+    last token and each draft token; a sampling request keeps draft tokens by speculative
+    sampling under its temperature, top-k and top-p (`runtime/spec/verify.py`), drawing from
+    its own generator, so a seeded request stays reproducible. Greedy requests are verified
+    by the caller from the same argmax plain decoding uses."""
+    from runtime.spec.verify import verify_sampled
+
+    sp = req.sampling
+    logits = logits.float().cpu()
+    p = torch.stack([torch.softmax(filter_logits(row, sp.temperature, sp.top_k, sp.top_p),
+                                   dim=-1) for row in logits])
+    tokens, _ = verify_sampled(p, draft, None, _generator(req, base_seed))
+    return tokens

@@ -39,9 +39,12 @@ from runtime.config import EngineConfig, Knobs
 from runtime.kv.manager import BlockManager
 from runtime.plan import ScheduledChunk, SchedulerOutput, StepResult, causal_pairs
 from runtime.request import Request, RequestStatus
+from runtime.spec.stats import SpecStats
 
 Estimator = Callable[[int, int, int], float]
 """(new tokens, causal pairs, context tokens) -> predicted step seconds."""
+Proposer = Callable[[Request, int], list[int]]
+"""(request, most tokens) -> draft tokens to follow its last token (speculative decoding)."""
 
 
 def swap_or_recompute(num_tokens: int, block_size: int, bytes_per_block: int,
@@ -81,6 +84,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped = 0
         """Preemptions that swapped the victim's KV out (the rest recomputed)."""
+        self.propose: Proposer | None = None
+        """Drafts for speculative decoding (set by the engine from its executor)."""
+        self.spec = SpecStats()
 
     # -- knobs ------------------------------------------------------------------------------
 
@@ -192,12 +198,27 @@ class Scheduler:
         max_seqs = self.knobs.max_num_seqs
         chunks = plan.chunks
         running = RequestStatus.RUNNING
+        speculate = self.knobs.speculative_method != "off" and self.propose is not None
+        drafted = 0
         for req in decodes:
             if budget <= 0 or len(scheduled) >= max_seqs:
                 break
             if req.status is not running:
                 continue  # preempted to make room for an earlier decode
             rid = req.request_id
+            draft = self._draft(req, budget) if speculate else None
+            if draft:
+                n = 1 + len(draft)
+                cows = self._make_room(req, n, scheduled, plan)
+                if cows is None:
+                    continue
+                plan.cow_copies.extend(cows)
+                chunks.append(ScheduledChunk(req, n, req.num_computed_tokens, tables[rid],
+                                             True, tuple(draft)))
+                scheduled.add(rid)
+                budget -= n
+                drafted += len(draft)
+                continue
             table = tables[rid]
             c = req.num_computed_tokens
             if c % p == 0 or refcount[table[c // p]] != 1:
@@ -208,8 +229,19 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, 1, c, table, True))
             scheduled.add(rid)
             budget -= 1
-        plan.num_decode_tokens += len(chunks)
+        # Verify rows are decode work: one step scores a decoding request's next positions.
+        plan.num_decode_tokens += len(chunks) + drafted
         return budget
+
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, or [] when it should decode one token: it
+        asked for logprobs (they come a token a step), or has no room left for more."""
+        sp = req.sampling
+        if sp.logprobs is not None:
+            return []
+        k = min(self.knobs.num_speculative_tokens, sp.max_tokens - len(req.output_token_ids) - 1,
+                self.max_model_len - req.num_tokens - 1, budget - 1)
+        return self.propose(req, k)[:k] if k > 0 else []
 
     def _add_prefill(self, plan: SchedulerOutput, req: Request, n: int) -> None:
         """A prefill chunk of `n` tokens (decodes are planned inline, in _schedule_decodes)."""
@@ -465,7 +497,11 @@ class Scheduler:
             end = start + chunk.num_new_tokens
             req.num_computed_tokens = end
             status = None
-            if chunk.sample:
+            if chunk.draft:
+                status, end = self._apply_draft(chunk, result.spec[req.request_id], now,
+                                                result.timing.seconds)
+            elif chunk.sample:
+                chunk.emitted = 1
                 token = sampled[req.request_id]
                 out = req.output_token_ids
                 out.append(token)
@@ -494,6 +530,43 @@ class Scheduler:
                 self._finish(req, status, status.value, now)
                 done.append(req)
         return done
+
+    def _apply_draft(self, chunk: ScheduledChunk, tokens: list[int], now: float,
+                     seconds: float) -> tuple[RequestStatus | None, int]:
+        """Append a speculating chunk's emitted tokens (accepted drafts, then the target's
+        token) until one stops the request; roll the KV back to the positions that hold
+        accepted tokens, releasing blocks past them. Returns (final status or None, tokens
+        whose KV is valid)."""
+        req = chunk.request
+        out = req.output_token_ids
+        sp = req.sampling
+        status = None
+        emitted = 0
+        for token in tokens:
+            out.append(token)
+            req.token_times.append(now)
+            emitted += 1
+            if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif len(out) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            det = req.detokenizer
+            if det is not None:
+                det.push(token)
+                if det.stopped_by is not None:
+                    status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                break  # tokens after a stop are never emitted, as without speculation
+        chunk.emitted = emitted
+        accepted = min(emitted - 1, len(chunk.draft))
+        self.spec.on_round(len(chunk.draft), accepted, emitted, seconds)
+        chunk_result = chunk.start + emitted  # the input token and the accepted drafts
+        if status is None:
+            # Rejected positions' KV is garbage past `chunk_result`: whole blocks past it
+            # are released; slots inside the kept tail block are overwritten when used.
+            self.kv.truncate(req, chunk_result)
+        req.num_computed_tokens = chunk_result
+        return status, chunk_result
 
     # -- views ------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from runtime.kv.block_pool import (
     STATE_NAMES,
 )
 from runtime.kv.prefix_tree import NodeSummary
+from runtime.spec.stats import SpeculationView
 from runtime.transfers import TransfersView
 
 if TYPE_CHECKING:
@@ -200,6 +201,8 @@ class EngineSnapshot:
     `StepRecord.switches` entry plus the step it happened before."""
     transfers: TransfersView | None = None
     """The host tier, the link and what crossed it (`runtime/transfers.py`)."""
+    speculation: SpeculationView | None = None
+    """Speculative decoding's method and acceptance (`runtime/spec/stats.py`)."""
 
 
 class SnapshotBuilder:
@@ -296,4 +299,6 @@ class SnapshotBuilder:
             tracked=tuple(e.tracked_outputs()), finished=finished, detail=e.watched_detail(),
             switches=tuple(e.switches), weights=self._weights(),
             transfers=self.transfers_view(),
+            speculation=sched.spec.view(sched.knobs.speculative_method,
+                                        sched.knobs.num_speculative_tokens),
         )

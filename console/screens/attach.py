@@ -156,6 +156,8 @@ class AttachApp(ConsoleApp):
         self.query_one("#latency", Static).update("\n".join(lines))
         self.query_one("#spec", Static).update(
             f"acceptance {st.spec_acceptance:.2f} tokens per draft"
+            + (f", {st.spec_acceptance_rate:.0%} of draft tokens"
+               if st.spec_acceptance_rate is not None else "")
             if st.spec_acceptance is not None
             else f"{st.engine} reports no speculative decoding")
 

@@ -1,12 +1,16 @@
-"""Speculation panel: draft acceptance per position and tokens per round. Speculative
-decoding is not configured in this runtime yet; the panel says so plainly."""
+"""Speculation panel: the method and draft length, drafts verified, acceptance overall and
+per draft position (a bar each), tokens emitted per verify pass, and the mean time per
+token over speculation rounds (ΣT/ΣN)."""
 
 from __future__ import annotations
 
+from rich.console import Group
 from rich.text import Text
 
 from console.widgets.base import SnapshotPanel
 from runtime.snapshot import EngineSnapshot
+
+BAR = 12
 
 
 class SpeculationPanel(SnapshotPanel):
@@ -14,5 +18,25 @@ class SpeculationPanel(SnapshotPanel):
     BORDER_TITLE = "Speculation"
 
     def draw(self, snap: EngineSnapshot) -> None:
-        self.update(Text("Speculative decoding is off: no draft model is configured.",
-                         style="dim"))
+        v = snap.speculation
+        if v is None or (v.method == "off" and not v.drafts):
+            self.update(Text("Speculative decoding is off (knob speculative_method, "
+                             "--speculative-method ngram).", style="dim"))
+            return
+        self.border_subtitle = f"{v.method}, k = {v.num_speculative_tokens}"
+        lines = [Text(f"{v.drafts:,} drafts · {v.draft_tokens:,} draft tokens"),
+                 Text(f"accepted {v.accepted_tokens:,} ({v.acceptance_rate:.0%})", style="bold"),
+                 Text(f"{v.mean_accepted_length:.2f} tokens per verify pass")]
+        if v.seconds_per_token:
+            lines.append(Text(f"{v.seconds_per_token * 1e3:,.2f} ms per token (ΣT/ΣN)",
+                              style="dim"))
+        for i, rate in enumerate(v.per_position):
+            filled = round(rate * BAR)
+            bar = Text(f"pos {i + 1:>2} ")
+            bar.append("█" * filled, style="green")
+            bar.append("·" * (BAR - filled), style="dim")
+            bar.append(f" {rate:.0%}")
+            lines.append(bar)
+        if v.method == "off":
+            lines.insert(0, Text("off now; figures since start", style="dim"))
+        self.update(Group(*lines))

@@ -96,6 +96,12 @@ class Executor(Protocol):
         pass for every chunk, and sample a token for each chunk with `sample` set."""
         ...
 
+    def propose(self, req, k: int, knobs) -> list[int]:
+        """Up to `k` draft tokens to follow `req`'s last token under `knobs`'
+        `speculative_method` (speculative decoding; a plan chunk then carries them in
+        `draft` and `execute` returns the verified tokens in `StepResult.spec`)."""
+        ...
+
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
                               num_context_tokens: int) -> float:
         """Predicted time of a step with these totals (admission control, eviction value)."""

@@ -162,6 +162,9 @@ class PagedBatch:
     slots: torch.Tensor
     sample_rows: torch.Tensor
     sample_ids: list[str]
+    verify: list[tuple[int, int]] = field(default_factory=list)
+    """(chunk index, first row) of each speculating chunk: its `1 + len(draft)` rows are
+    all scored (`runtime/spec/verify.py`)."""
     decode_rows: torch.Tensor | None = None
     decode_blocks: torch.Tensor | None = None
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
@@ -180,17 +183,23 @@ class PagedBatch:
         dec_tables: list[list[int]] = []
         dec_pos: list[int] = []
         prefills: list[PrefillChunk] = []
+        verify: list[tuple[int, int]] = []
         context = 0
         p = block_size
-        for c in plan.chunks:
+        for index, c in enumerate(plan.chunks):
             row = len(tokens)
             req, table, start, n = c.request, c.block_table, c.start, c.num_new_tokens
-            tokens.extend(req.token_slice(start, start + n))
+            if c.draft:  # the last known token, then the draft: a causal chunk of 1 + k
+                tokens.extend(req.token_slice(start, start + 1))
+                tokens.extend(c.draft)
+                verify.append((index, row))
+            else:
+                tokens.extend(req.token_slice(start, start + n))
             for pos in range(start, start + n):
                 positions.append(pos)
                 slots.append(table[pos // p] * p + pos % p)
             context += start + n
-            if c.sample:
+            if c.sample and not c.draft:
                 sample_rows.append(row + n - 1)
                 sample_ids.append(c.request_id)
             nb = -(-(start + n) // p)
@@ -206,7 +215,7 @@ class PagedBatch:
             return torch.tensor(values, dtype=torch.long, device=device)
 
         batch = cls(t(tokens), t(positions), t(slots), t(sample_rows), sample_ids,
-                    prefills=prefills, num_context_tokens=context)
+                    verify=verify, prefills=prefills, num_context_tokens=context)
         if dec_rows:
             width = max(len(tb) for tb in dec_tables)
             padded = [tb + [tb[0]] * (width - len(tb)) for tb in dec_tables]

@@ -53,6 +53,9 @@ class SimConfig:
     eos_probability: float = 0.0
     """Chance that any sampled token is end-of-sequence (0: requests run to max_tokens)."""
     eos_token_id: int = 2
+    spec_acceptance: float = 0.7
+    """Speculation what-ifs: the chance each draft token is accepted, given the ones before
+    it were (a geometric acceptance profile)."""
     fail_at_step: int | None = None
     """Fault injection: the executor fails for good (as a lost device would) on its n-th
     executed step, so clients, dashboards and the console can be tested against a dying
@@ -66,6 +69,7 @@ class SimConfig:
                 check_float(name, value, 0.0, 1e9)
         check_int("vocab_size", self.vocab_size, 2, 1 << 24)
         check_float("eos_probability", self.eos_probability, 0.0, 1.0)
+        check_float("spec_acceptance", self.spec_acceptance, 0.0, 1.0)
         check_int("eos_token_id", self.eos_token_id, 0, self.vocab_size - 1)
         if self.fail_at_step is not None:
             check_int("fail_at_step", self.fail_at_step, 1, 1 << 40)
@@ -288,13 +292,16 @@ class SimExecutor:
             raise RuntimeError(f"injected failure at step {self.num_steps} (fail_at_step)")
         num_new = num_pairs = context = 0
         sampled: dict[str, int] = {}
+        spec: dict[str, list[int]] = {}
         token = self._token
         for chunk in plan.chunks:
             n, start = chunk.num_new_tokens, chunk.start
             num_new += n
             num_pairs += n * start + n * (n + 1) // 2  # causal_pairs, inlined: hot loop
             context += start + n
-            if chunk.sample:
+            if chunk.draft:
+                spec[chunk.request.request_id] = self._verify(chunk)
+            elif chunk.sample:
                 sampled[chunk.request.request_id] = token(chunk.request.request_id, start + n)
         seconds = self.estimate_step_seconds(num_new, num_pairs, context) if plan.chunks else 0.0
         transfers: list[Transfer] = []
@@ -313,7 +320,27 @@ class SimExecutor:
             num_pairs=num_pairs,
             bytes_read=self.weight_bytes + context * self._kv_bytes_per_token,
         )
-        return StepResult(sampled, timing, transfers=transfers)
+        return StepResult(sampled, timing, transfers=transfers, spec=spec)
+
+    def propose(self, req, k: int, knobs) -> list[int]:
+        """Modelled drafts: always `k` tokens (their values do not matter here; acceptance
+        follows `spec_acceptance` in `execute`)."""
+        return [0] * k
+
+    def _verify(self, chunk) -> list[int]:
+        """Accept each draft position with probability `spec_acceptance` (a hash of seed,
+        request and position: deterministic), stop at the first rejection, and emit the
+        tokens the request generates at those positions — the same tokens as without
+        speculation, as lossless verification must."""
+        rid, start = chunk.request.request_id, chunk.start
+        alpha = self.config.spec_acceptance
+        accepted = 0
+        for i in range(len(chunk.draft)):
+            u = splitmix64((self.seed << 40) ^ zlib.crc32(rid.encode()) ^ ((start + i) << 8))
+            if (u >> 11) / float(1 << 53) >= alpha:
+                break
+            accepted += 1
+        return [self._token(rid, start + 1 + j) for j in range(accepted + 1)]
 
     def _token(self, request_id: str, position: int) -> int:
         h = self._rid_hash.get(request_id)

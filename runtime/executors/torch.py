@@ -38,8 +38,10 @@ from runtime.profiles import StepFit
 from runtime.quality import QualityCache
 from runtime.records import Transfer
 from runtime.resources import cache_dir
-from runtime.sampling import sample
+from runtime.sampling import sample, sample_draft
 from runtime.snapshot import WeightsView
+from runtime.spec.ngram import propose_ngram
+from runtime.spec.verify import verify_greedy
 
 log = logging.getLogger("kvdeck.torch")
 
@@ -460,7 +462,7 @@ class TorchExecutor:
         logprobs: dict = {}
         shortlisted = False
         if batch.sample_ids:
-            reqs = [c.request for c in plan.chunks if c.sample]
+            reqs = [c.request for c in plan.chunks if c.sample and not c.draft]
             rows = hidden[batch.sample_rows]
             plain_greedy = not self.record_logits and all(
                 r.sampling.temperature == 0.0 and r.sampling.logprobs is None for r in reqs)
@@ -477,6 +479,7 @@ class TorchExecutor:
                 sampled = dict(zip(batch.sample_ids, tokens, strict=True))
                 logprobs = {rid: lp for rid, lp in zip(batch.sample_ids, lps, strict=True)
                             if lp is not None}
+        spec = self._verify(plan, batch, hidden) if batch.verify else {}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
@@ -488,7 +491,33 @@ class TorchExecutor:
             weights += self.model.shortlist_head.num_bytes - self.model.head.num_bytes
         timing = StepTiming(seconds, True, plan.num_prefill_tokens, plan.num_decode_tokens,
                             plan.num_pairs, weights + kv_read)
-        return StepResult(sampled, timing, logprobs=logprobs, transfers=transfers)
+        return StepResult(sampled, timing, logprobs=logprobs, transfers=transfers, spec=spec)
+
+    def _verify(self, plan: SchedulerOutput, batch: PagedBatch, hidden: torch.Tensor
+                ) -> dict[str, list[int]]:
+        """Each speculating chunk's emitted tokens: its `1 + k` rows scored, the draft kept
+        by the lossless rule. Greedy takes the argmax exactly as plain decoding does (the
+        int8 shortlist rescored in float where there is one)."""
+        out: dict[str, list[int]] = {}
+        for index, row in batch.verify:
+            chunk = plan.chunks[index]
+            req, draft = chunk.request, list(chunk.draft)
+            rows = hidden[row:row + 1 + len(draft)]
+            if req.sampling.temperature == 0.0:
+                best = self.model.greedy_tokens(rows)
+                if best is None:
+                    best = self.model.logits(rows).argmax(-1).tolist()
+                out[req.request_id] = verify_greedy(best, draft)[0]
+            else:
+                out[req.request_id] = sample_draft(self.model.logits(rows), req, draft,
+                                                   self.seed)
+        return out
+
+    def propose(self, req, k: int, knobs) -> list[int]:
+        """Draft tokens under the knobs' speculative method: n-gram prompt lookup over the
+        request's latest tokens."""
+        n = req.num_tokens
+        return propose_ngram(req.token_slice(max(n - 4096, 0), n), k, knobs.prompt_lookup_max)
 
     def _transfer_blocks(self, copies: list, t0: float) -> list[Transfer]:
         """Perform the plan's tier copies in order (before copy-on-write and the forward

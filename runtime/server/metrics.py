@@ -3,8 +3,8 @@ plus `kvdeck:` metrics for what vLLM does not export.
 
 Everything is read from the engine loop's latest snapshot — counters, gauges, and the
 latency histograms the engine keeps (`runtime/figures.py`) — at scrape time; nothing here
-touches the scheduler or the KV manager. Speculative-decoding metrics are not exported:
-this runtime has no speculative decoding yet (vLLM omits them too when it is off).
+touches the scheduler or the KV manager. Speculative-decoding counters use vLLM's names and,
+as in vLLM, appear only once speculation has been on.
 """
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ class SnapshotCollector:
         t = snap.transfers
         if t is not None:
             yield from self._transfers(t, gauge, counter)
+        v = snap.speculation
+        if v is not None and (v.method != "off" or v.drafts):
+            yield from self._speculation(v, counter)
         yield gauge("kvdeck:engine_paused", "1 while the operator has paused the engine.",
                     int(snap.paused))
         yield gauge("kvdeck:engine_failed", "1 once the engine stopped on an error.",
@@ -100,6 +103,22 @@ class SnapshotCollector:
         yield gauge("kvdeck:sim_lag_seconds", "How far a paced simulation is behind the "
                     "wall clock (0 when keeping up).", snap.lag_s)
 
+
+    def _speculation(self, v, counter):
+        """vLLM's speculative-decoding counters (exported, as vLLM does, only when on)."""
+        yield counter("vllm:spec_decode_num_drafts", "Speculation rounds (drafts verified).",
+                      v.drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                      v.draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      v.accepted_tokens)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by draft position.",
+                                      labels=["model_name", "position"])
+        for i, n in enumerate(v.accepted_per_pos[:max(v.num_speculative_tokens,
+                                                      len(v.per_position))]):
+            per_pos.add_metric([self.model, str(i)], n)
+        yield per_pos
 
     def _transfers(self, t, gauge, counter):
         """The host tier and the device↔host link."""

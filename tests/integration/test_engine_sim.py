@@ -186,7 +186,7 @@ def test_knob_change_applies_next_iteration_and_is_recorded() -> None:
     e.step()
     assert e.scheduler.knobs.chunk_size == 32
     assert trace[-1].knobs == {"chunk_size": 32, "max_num_batched_tokens": 64}
-    assert sum(n for _, _, n, _ in trace[-1].plan) <= 64
+    assert sum(e.num_new_tokens for e in trace[-1].plan) <= 64
     e.run_until_idle()
     e.check_integrity()
 

@@ -55,7 +55,7 @@ async def test_knob_change_applies_at_next_iteration(app: KvdeckApp) -> None:
         advance(app, 1)
         assert app.engine.scheduler.knobs.max_num_batched_tokens == 512
         assert trace[0].knobs == {"max_num_batched_tokens": 512}
-        assert sum(n for _, _, n, _ in trace[0].plan) <= 512
+        assert sum(e.num_new_tokens for e in trace[0].plan) <= 512
         await pilot.pause()
         assert str(app.query_one("#knobs").get_cell("max_num_batched_tokens",
                                                     app.query_one("#knobs")._value_col)) == "512"
@@ -175,6 +175,8 @@ KNOB_VALUES = {
     "on_deadline_miss": ("wait", "wait"), "kv_format": ("q8_0", "q8_0"),
     "weight_format": ("int8", "int8"), "demote_prefixes": ("false", False),
     "offload_layers": ("4", 4), "offload_buffers": ("1", 1),
+    "speculative_method": ("ngram", "ngram"), "num_speculative_tokens": ("6", 6),
+    "prompt_lookup_max": ("2", 2),
 }
 
 

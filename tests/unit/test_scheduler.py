@@ -55,7 +55,7 @@ def test_budgets_never_exceeded(reservation: str) -> None:
     assert records
     for rec in records:
         plan = rec.plan
-        assert sum(n for _, _, n, _ in plan) <= 256
+        assert sum(e.num_new_tokens for e in plan) <= 256
         assert len(plan) <= 8
     assert len(e.completed) == 60
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in e.completed)
@@ -73,10 +73,10 @@ def test_decodes_first_and_long_prompts_chunked() -> None:
     long_chunks = []
     for rec in records:
         plan = rec.plan
-        is_decode = [start >= prompt_len[rid] for rid, start, n, _ in plan]
+        is_decode = [e.start >= prompt_len[e.request_id] for e in plan]
         # Every decode chunk comes before any prefill chunk in the plan.
         assert is_decode == sorted(is_decode, reverse=True)
-        long_chunks += [n for rid, start, n, _ in plan if rid == "long" and start < 397]
+        long_chunks += [e.num_new_tokens for e in plan if e.request_id == "long" and e.start < 397]
     assert max(long_chunks) <= 48 and sum(long_chunks) == 397
     assert len(long_chunks) == -(-397 // 48)  # 9 chunks: the decode never crowds it out here
     assert_drained(e)

@@ -1,0 +1,51 @@
+"""Speculative decoding on the real embedded model: n-gram speculation on Gemma 3 270M gives
+token for token the greedy output of plain decoding, inside a continuous batch with a
+request that does not speculate, in fewer target passes."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.config import EngineConfig, Knobs
+from runtime.engine import Engine
+from runtime.executors.torch import TorchExecutor
+from runtime.request import SamplingParams
+from runtime.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+]
+
+
+def run(path, method: str) -> tuple[dict[str, list[int]], Engine]:
+    ex = TorchExecutor(path, device="cpu", dtype="fp32", weight_activations="fp32")
+    tok = Tokenizer(path)
+    e = Engine(EngineConfig(knobs=Knobs(speculative_method=method, weight_format="dense",
+                                        max_num_batched_tokens=256, chunk_size=128)), ex)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for i, text in enumerate(TEXTS):
+        e.add_request(tok.encode(text), greedy, request_id=f"t{i}")
+    # A request with logprobs decodes one token a step beside the speculating ones.
+    e.add_request(tok.encode("The capital of France is"),
+                  SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1),
+                  request_id="plain")
+    while e.has_work:
+        e.step()
+        e.check_integrity()
+    return {r.request_id: list(r.output_token_ids) for r in e.completed}, e
+
+
+def test_ngram_speculation_on_gemma_is_lossless(gemma_path) -> None:
+    expected, off = run(gemma_path, "off")
+    got, on = run(gemma_path, "ngram")
+    assert got == expected
+    stats = on.scheduler.spec
+    assert stats.num_accepted_tokens > 10
+
+    def passes(e: Engine) -> int:  # steps that gave the speculating requests their tokens
+        return sum(len(set(r.token_times)) for r in e.completed if r.request_id != "plain")
+    assert passes(on) < passes(off)
