@@ -137,6 +137,10 @@ FLAGS: tuple[Flag, ...] = (
          KNOBS),
     Flag("num_speculative_tokens", ("--num-speculative-tokens",), int,
          "Most draft tokens per request per step (default 4).", KNOBS),
+    Flag("draft_length", ("--draft-length",), str,
+         "adaptive (per request, lengthen the draft while an extra verify row costs less "
+         "per expected token than the step's time per token) or fixed (always "
+         "--num-speculative-tokens) (default adaptive).", KNOBS),
     Flag("prompt_lookup_max", ("--prompt-lookup-max",), int,
          "ngram: the longest n-gram looked up (default 3).", KNOBS),
     Flag("offload_buffers", ("--offload-buffers",), int,

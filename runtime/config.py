@@ -32,11 +32,14 @@ EVICTION_POLICIES = ("lru", "value")
 DEADLINE_ACTIONS = ("reject", "wait")
 SPECULATIVE_METHODS = ("off", "ngram")
 """Speculative decoding: off, or n-gram prompt lookup (`runtime/spec/`)."""
+DRAFT_LENGTHS = ("adaptive", "fixed")
+"""Draft length per request: chosen each step by the marginal-cost rule, or always the most."""
 KNOB_CHOICES: dict[str, tuple[str, ...]] = {
     "scheduling": SCHEDULING_MODES, "queue_policy": QUEUE_POLICIES,
     "reservation": RESERVATION_POLICIES, "preemption": PREEMPTION_MODES,
     "eviction_policy": EVICTION_POLICIES, "on_deadline_miss": DEADLINE_ACTIONS,
     "kv_format": tuple(KV_FORMATS), "speculative_method": SPECULATIVE_METHODS,
+    "draft_length": DRAFT_LENGTHS,
 }
 """The knobs whose values are a fixed list, and the list."""
 
@@ -106,6 +109,10 @@ class Knobs:
     the last tokens in the request's own context; the target verifies them in one pass."""
     num_speculative_tokens: int = 4
     """Most draft tokens proposed per request per step."""
+    draft_length: str = "adaptive"
+    """`adaptive`: per request and step, lengthen the draft only while the extra verify
+    row's cost per expected extra token is below the step's cost per token (`ΔT/ΔN < T/N`,
+    from the request's measured per-position acceptance); `fixed`: always the most."""
     prompt_lookup_max: int = 3
     """The n-gram proposer tries the last n tokens for n from this down to 1."""
 

@@ -39,7 +39,7 @@ from runtime.config import EngineConfig, Knobs
 from runtime.kv.manager import BlockManager
 from runtime.plan import ScheduledChunk, SchedulerOutput, StepResult, causal_pairs
 from runtime.request import Request, RequestStatus
-from runtime.spec.stats import SpecStats
+from runtime.spec.stats import MAX_POSITIONS, SpecStats
 
 Estimator = Callable[[int, int, int], float]
 """(new tokens, causal pairs, context tokens) -> predicted step seconds."""
@@ -87,6 +87,10 @@ class Scheduler:
         self.propose: Proposer | None = None
         """Drafts for speculative decoding (set by the engine from its executor)."""
         self.spec = SpecStats()
+        self._acceptance: dict[str, tuple[list[int], list[int]]] = {}
+        """Per speculating request: (accepted, tried) per draft position."""
+        self._last_step = (0.0, 0)
+        """(seconds, tokens emitted) of the latest step: T and N of the draft-length rule."""
 
     # -- knobs ------------------------------------------------------------------------------
 
@@ -141,6 +145,7 @@ class Scheduler:
                            status.value else status.value))
         if req.request_id in self.kv.tables or req.request_id in self.kv.host_tables:
             self.kv.release(req)
+        self._acceptance.pop(req.request_id, None)
         self.finished.append(req)
 
     # -- planning ---------------------------------------------------------------------------
@@ -241,7 +246,35 @@ class Scheduler:
             return []
         k = min(self.knobs.num_speculative_tokens, sp.max_tokens - len(req.output_token_ids) - 1,
                 self.max_model_len - req.num_tokens - 1, budget - 1)
-        return self.propose(req, k)[:k] if k > 0 else []
+        if k <= 0:
+            return []
+        draft = self.propose(req, k)[:k]
+        if draft and self.knobs.draft_length == "adaptive":
+            draft = draft[:self.draft_length(req, len(draft))]
+        return draft
+
+    def draft_length(self, req: Request, most: int) -> int:
+        """How many draft tokens `req` should verify this step, at most `most`: lengthen
+        while `ΔT/ΔN < T/N` — ΔT the time one more verify row adds to a step (the timing
+        model at the request's context), ΔN the chance that row's token is kept (the
+        product of the request's acceptance rates up to it, Laplace-smoothed:
+        `(accepted + 1)/(tried + 2)` per position), and T/N the latest step's time per
+        token emitted.
+        A request whose drafts keep failing early gets shorter drafts, or none."""
+        seconds, tokens = self._last_step
+        if not tokens:
+            return most  # nothing measured yet
+        ctx = req.num_tokens
+        row = self.estimate(1, causal_pairs(1, ctx), ctx) - self.estimate(0, 0, 0)
+        per_token = seconds / tokens
+        accepted, tried = self._acceptance.get(req.request_id, ((), ()))
+        keep = 1.0
+        for i in range(most):
+            a, t = (accepted[i], tried[i]) if i < len(tried) else (0, 0)
+            keep *= (a + 1) / (t + 2)
+            if row / keep >= per_token:
+                return i
+        return most
 
     def _add_prefill(self, plan: SchedulerOutput, req: Request, n: int) -> None:
         """A prefill chunk of `n` tokens (decodes are planned inline, in _schedule_decodes)."""
@@ -529,6 +562,9 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req, status, status.value, now)
                 done.append(req)
+        emitted = sum(c.emitted for c in plan.chunks)
+        if emitted:
+            self._last_step = (result.timing.seconds, emitted)
         return done
 
     def _apply_draft(self, chunk: ScheduledChunk, tokens: list[int], now: float,
@@ -560,6 +596,11 @@ class Scheduler:
         chunk.emitted = emitted
         accepted = min(emitted - 1, len(chunk.draft))
         self.spec.on_round(len(chunk.draft), accepted, emitted, seconds)
+        acc, tried = self._acceptance.setdefault(req.request_id, ([0] * MAX_POSITIONS,
+                                                                  [0] * MAX_POSITIONS))
+        for i in range(min(accepted + 1, len(chunk.draft))):  # positions actually judged
+            tried[i] += 1
+            acc[i] += i < accepted
         chunk_result = chunk.start + emitted  # the input token and the accepted drafts
         if status is None:
             # Rejected positions' KV is garbage past `chunk_result`: whole blocks past it

@@ -62,10 +62,12 @@ def test_greedy_speculation_is_token_for_token_lossless_in_a_mixed_batch(tiny: P
     assert view.per_position[0] >= view.per_position[-1]
 
 
-def test_fewer_steps_with_speculation(tiny: Path) -> None:
+@pytest.mark.parametrize("length", ["adaptive", "fixed"])
+def test_fewer_steps_with_speculation(tiny: Path, length: str) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     requests = [("a", PROMPTS[3], greedy)]
-    off, on = engine(tiny, "off"), engine(tiny, "ngram", num_speculative_tokens=6)
+    off = engine(tiny, "off")
+    on = engine(tiny, "ngram", num_speculative_tokens=6, draft_length=length)
     assert run(off, requests) == run(on, requests)
     assert on.step_count < off.step_count
 

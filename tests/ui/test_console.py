@@ -176,7 +176,7 @@ KNOB_VALUES = {
     "weight_format": ("int8", "int8"), "demote_prefixes": ("false", False),
     "offload_layers": ("4", 4), "offload_buffers": ("1", 1),
     "speculative_method": ("ngram", "ngram"), "num_speculative_tokens": ("6", 6),
-    "prompt_lookup_max": ("2", 2),
+    "prompt_lookup_max": ("2", 2), "draft_length": ("fixed", "fixed"),
 }
 
 

@@ -86,3 +86,33 @@ def test_ngram_proposes_what_followed_the_latest_match() -> None:
     assert propose_ngram([1, 2, 3, 4], 3) == []  # nothing repeats
     assert propose_ngram([7, 8, 7], 4, n_max=2) == [8, 7]  # falls back to a 1-gram
     assert propose_ngram(tokens, 0) == []
+
+
+def test_adaptive_draft_length_follows_the_marginal_cost_rule() -> None:
+    """ΔT/ΔN < T/N with hand-worked numbers: a step of 10 ms that emitted 10 tokens (1 ms a
+    token); a verify row costs 0.2 ms (the fitted model's per-token time)."""
+    from runtime.config import EngineConfig, Knobs
+    from runtime.kv.manager import BlockManager
+    from runtime.request import Request, SamplingParams
+    from runtime.scheduler import Scheduler
+
+    def estimate(new: int, pairs: int, ctx: int) -> float:
+        return 0.005 + 0.0002 * new
+
+    s = Scheduler(EngineConfig(knobs=Knobs(speculative_method="ngram")), BlockManager(8, 4),
+                  estimate, 1024)
+    s._last_step = (0.010, 10)
+    req = Request("r", [1, 2, 3], SamplingParams())
+    # Unmeasured: each position is kept with (0 + 1)/(0 + 2) = 1/2, so ΔN = 1/2, 1/4, 1/8,
+    # 1/16 and ΔT/ΔN = 0.4, 0.8, 1.6, 3.2 ms: lengthen while below 1 ms — two tokens.
+    assert s.draft_length(req, 6) == 2
+    # A request whose first draft token failed 8 times in 8: ΔN = 1/10, ΔT/ΔN = 2 ms: none.
+    s._acceptance["r"] = ([0] * 16, [8] + [0] * 15)
+    assert s.draft_length(req, 6) == 0
+    # One that keeps succeeding at every position: 40/40 → ΔN ≈ 0.98^i, always worth it.
+    s._acceptance["r"] = ([40] * 16, [40] * 16)
+    assert s.draft_length(req, 6) == 6
+    # A slower step (40 ms for 10 tokens, 4 ms a token) makes longer drafts worth it.
+    s._last_step = (0.040, 10)
+    s._acceptance.clear()
+    assert s.draft_length(req, 6) == 4
