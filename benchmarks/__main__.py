@@ -1,6 +1,6 @@
 """`python -m benchmarks`: run every benchmark in turn."""
 
-from benchmarks import engine_overhead, host_tier, quantization, torch_vs_llama
+from benchmarks import engine_overhead, host_tier, quantization, speculation, torch_vs_llama
 
 if __name__ == "__main__":
     engine_overhead.main()
@@ -10,3 +10,5 @@ if __name__ == "__main__":
     quantization.main()
     print()
     host_tier.main()
+    print()
+    speculation.main()

@@ -1,0 +1,46 @@
+"""The speculation panel, live on the sim with n-gram speculation, and the same panel drawn
+from a recording of it."""
+
+from __future__ import annotations
+
+from console.screenshots import advance, make_demo_app
+from console.widgets.speculation import SpeculationPanel
+from tests.ui.panel_text import panel_text
+from tests.ui.test_replay import record_live, replay_equals_live
+
+SETTINGS = {"speculative_method": "ngram", "num_speculative_tokens": 3,
+            "spec_acceptance": 0.6}
+
+
+async def test_acceptance_shows_live_per_position(tmp_path) -> None:
+    app = make_demo_app(tmp_path / "runs", **SETTINGS)
+    async with app.run_test(size=(160, 48)) as pilot:
+        advance(app, 80)
+        await pilot.pause()
+        v = app.engine.snapshot().speculation
+        assert v.drafts > 0 and 0 < v.accepted_tokens < v.draft_tokens
+        text = " ".join(panel_text(app.query_one(SpeculationPanel)).split())
+        assert f"{v.drafts:,} drafts · {v.draft_tokens:,} draft tokens" in text
+        assert f"accepted {v.accepted_tokens:,} ({v.acceptance_rate:.0%})" in text
+        assert f"{v.mean_accepted_length:.2f} tokens per verify pass" in text
+        assert "ngram, k = 3" in text
+        for i, rate in enumerate(v.per_position):
+            assert f"pos {i + 1} " in text and f"{rate:.0%}" in text
+        assert v.per_position[0] > v.per_position[-1]  # later positions need all before
+
+
+async def test_off_says_how_to_turn_it_on(tmp_path) -> None:
+    app = make_demo_app(tmp_path / "runs")
+    async with app.run_test(size=(160, 48)) as pilot:
+        advance(app, 3)
+        await pilot.pause()
+        text = " ".join(panel_text(app.query_one(SpeculationPanel)).split())
+        assert "Speculative decoding is off" in text and "--speculative-method ngram" in text
+
+
+async def test_a_recording_with_speculation_replays_panel_for_panel(tmp_path) -> None:
+    live = make_demo_app(tmp_path / "runs", **SETTINGS)
+    shown = await record_live(live, steps_before=60, steps=40)
+    assert all(s.speculation.drafts for s in shown.values())
+    (run,) = (tmp_path / "runs").iterdir()
+    await replay_equals_live(run, shown)
