@@ -8,7 +8,8 @@ threads. Two prompt sets, 8 prompts each, 64 greedy output tokens per request:
 - *fresh*: open questions (little for a lookup to find).
 
 Each set runs at concurrency 1 (one request at a time) and 8 (all at once), with speculation
-off and with `ngram` (k = 4, adaptive draft length), in one process run, side by side:
+off, with `ngram` k = 4 at adaptive draft length and at fixed length, in one process run,
+side by side:
 output tokens/s (wall), per-token latency ΣT/ΣN over each request's decode (its decode
 time over the tokens it generated), target forward passes per output token, and for
 speculation the acceptance rate and tokens per verify pass. Outputs are checked token for
@@ -58,10 +59,11 @@ FRESH = [
 OUTPUT = 64
 
 
-def run(ex: TorchExecutor, reqs: list[list[int]], concurrency: int, method: str) -> dict:
+def run(ex: TorchExecutor, reqs: list[list[int]], concurrency: int, method: str,
+        length: str = "adaptive") -> dict:
     e = Engine(EngineConfig(knobs=Knobs(speculative_method=method, num_speculative_tokens=4,
-                                        weight_format="dense", max_num_batched_tokens=512,
-                                        chunk_size=256)), ex)
+                                        draft_length=length, weight_format="dense",
+                                        max_num_batched_tokens=512, chunk_size=256)), ex)
     sp = SamplingParams(temperature=0, max_tokens=OUTPUT, ignore_eos=True)
     t0 = time.perf_counter()
     steps = 0
@@ -77,7 +79,8 @@ def run(ex: TorchExecutor, reqs: list[list[int]], concurrency: int, method: str)
     tokens = sum(len(r.output_token_ids) - 1 for r in done)
     passes = sum(len(set(r.token_times)) for r in done)
     s = e.scheduler.spec
-    return {"concurrency": concurrency, "method": method, "wall_s": wall,
+    return {"concurrency": concurrency, "method": method if method == "off" else
+            f"{method} {length}", "wall_s": wall,
             "tokens_per_s": sum(len(r.output_token_ids) for r in done) / wall,
             "ms_per_token": 1e3 * decode / tokens, "steps": steps,
             "passes_per_token": passes / sum(len(r.output_token_ids) for r in done),
@@ -91,20 +94,21 @@ def main(out_dir: Path = Path("bench-results")) -> dict:
     tok = Tokenizer(path)
     ex = TorchExecutor(path, device="cpu", dtype="fp32")
     print(f"{path.name}, torch fp32 dense weights, {OUTPUT} greedy tokens per request, "
-          "8 prompts per set, ngram k = 4 adaptive")
-    print(f"{'set':>6} {'conc':>4} {'method':>6} {'tok/s':>7} {'ms/tok':>7} {'passes/tok':>10} "
+          "8 prompts per set, ngram k = 4")
+    print(f"{'set':>6} {'conc':>4} {'method':>14} {'tok/s':>7} {'ms/tok':>7} {'passes/tok':>10} "
           f"{'accept':>7} {'tok/pass':>8} {'speedup':>8}")
     rows = []
     for name, texts in (("edit", EDIT), ("fresh", FRESH)):
         reqs = [tok.encode(t) for t in texts]
         for conc in (1, 8):
             off = run(ex, reqs, conc, "off")
-            on = run(ex, reqs, conc, "ngram")
-            assert on["outputs"] == off["outputs"], "speculative greedy output differs"
-            for r in (off, on):
+            runs = [off, run(ex, reqs, conc, "ngram"), run(ex, reqs, conc, "ngram", "fixed")]
+            for r in runs[1:]:
+                assert r["outputs"] == off["outputs"], "speculative greedy output differs"
+            for r in runs:
                 r["set"] = name
                 r["speedup"] = r["tokens_per_s"] / off["tokens_per_s"]
-                print(f"{name:>6} {conc:>4} {r['method']:>6} {r['tokens_per_s']:>7.1f} "
+                print(f"{name:>6} {conc:>4} {r['method']:>14} {r['tokens_per_s']:>7.1f} "
                       f"{r['ms_per_token']:>7.1f} {r['passes_per_token']:>10.2f} "
                       f"{r['acceptance']:>7.0%} {r['tokens_per_pass']:>8.2f} "
                       f"{r['speedup']:>7.2f}x")

@@ -18,6 +18,7 @@ from runtime.config import check_int
 from runtime.errors import ConfigError, StepError
 from runtime.executors.kv_codecs import get_codec, kv_formats_for
 from runtime.executors.link import measure_link
+from runtime.executors.online_fit import OnlineFit
 from runtime.executors.paged_kv import PagedBatch, PagedKVCache, paged_attention
 from runtime.models.arch import ModelConfig, model_config
 from runtime.models.gguf import read_gguf
@@ -156,12 +157,12 @@ class TorchExecutor:
         log.info("host link %s", self.link.describe())
         self.offload: FFNOffload | None = None
         self._windows = {self.cfg.window(i) for i in range(info.num_layers)}
-        # Until `kvdeck calibrate` supplies a fit: weights read once at ~12 GB/s plus a
-        # compute term at ~50 GFLOP/s — rough, used only for admission estimates.
+        # A prior until the executor's own steps pin the model down (`online_fit.py`):
+        # weights read once at ~12 GB/s plus a compute term at ~50 GFLOP/s.
         flops_per_token = 2.0 * self.model.matrix_params
         pair_flops = 4.0 * info.num_heads * info.head_dim * info.num_layers
-        self.fit = StepFit(self.model.matrix_weight_bytes / 12e9, flops_per_token / 50e9,
-                           pair_flops / 50e9)
+        self.timing = OnlineFit(StepFit(self.model.matrix_weight_bytes / 12e9,
+                                        flops_per_token / 50e9, pair_flops / 50e9))
 
     # -- weight formats ---------------------------------------------------------------------
 
@@ -431,7 +432,12 @@ class TorchExecutor:
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
                               num_context_tokens: int) -> float:
-        return self.fit.seconds(num_new_tokens, num_pairs)
+        return self.timing.seconds(num_new_tokens, num_pairs)
+
+    @property
+    def fit(self) -> StepFit:
+        """The step-time model now (learned from measured steps, `online_fit.py`)."""
+        return self.timing.fit
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         """Run the plan; running out of memory fails this step only (a `StepError`)."""
@@ -491,6 +497,8 @@ class TorchExecutor:
             weights += self.model.shortlist_head.num_bytes - self.model.head.num_bytes
         timing = StepTiming(seconds, True, plan.num_prefill_tokens, plan.num_decode_tokens,
                             plan.num_pairs, weights + kv_read)
+        if not transfers:  # copies would blur the compute model
+            self.timing.observe(batch.tokens.numel(), timing.num_pairs, seconds)
         return StepResult(sampled, timing, logprobs=logprobs, transfers=transfers, spec=spec)
 
     def _verify(self, plan: SchedulerOutput, batch: PagedBatch, hidden: torch.Tensor
