@@ -13,7 +13,7 @@ def test_recovers_a_linear_step_model_from_noisy_steps_and_keeps_the_prior_until
     fit = OnlineFit(prior)
     truth = StepFit(0.020, 0.0004, 2e-9)
     rng = random.Random(1)
-    for i in range(15):
+    for _ in range(15):
         fit.observe(8, 8 * 300, truth.seconds(8, 8 * 300))
     assert fit.fit == prior  # too few steps: the prior stands
     for _ in range(400):
