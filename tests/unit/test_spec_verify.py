@@ -116,3 +116,24 @@ def test_adaptive_draft_length_follows_the_marginal_cost_rule() -> None:
     s._last_step = (0.040, 10)
     s._acceptance.clear()
     assert s.draft_length(req, 6) == 4
+
+
+def test_ngram_search_agrees_with_a_plain_scan() -> None:
+    """The byte search (C speed) against the obvious loop, on random contexts where hits
+    across 4-byte word boundaries occur (small and large token ids)."""
+    import random
+
+    def scan(tokens: list[int], k: int, n_max: int) -> list[int]:
+        for n in range(min(n_max, len(tokens) - 1), 0, -1):
+            tail = tokens[len(tokens) - n:]
+            for i in range(len(tokens) - n - 1, -1, -1):
+                if tokens[i:i + n] == tail:
+                    return tokens[i + n:i + n + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        vocab = rng.choice((2, 3, 5, 300, 70_000, 262_144))
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        k, n = rng.randrange(1, 5), rng.randrange(1, 4)
+        assert propose_ngram(tokens, k, n) == scan(tokens, k, n), (tokens, k, n)
