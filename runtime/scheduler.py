@@ -516,8 +516,6 @@ class Scheduler:
         errors = result.errors
         sampled = result.sampled
         p = self.kv.block_size
-        eos = self.eos_token_ids
-        max_len = self.max_model_len
         for chunk in plan.chunks:
             req = chunk.request
             if errors and req.request_id in errors:
@@ -546,16 +544,7 @@ class Scheduler:
                 if req.first_token_time is None:
                     req.first_token_time = now
                     req.events.append((now, "first token"))
-                sp = req.sampling  # the stop rules, inlined: this runs for every request
-                if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
-                    status = RequestStatus.FINISHED_STOPPED
-                elif len(out) >= sp.max_tokens or len(req.prompt_token_ids) + len(out) >= max_len:
-                    status = RequestStatus.FINISHED_LENGTH
-                det = req.detokenizer
-                if det is not None:
-                    det.push(token)
-                    if det.stopped_by is not None:
-                        status = RequestStatus.FINISHED_STOPPED
+                status = self._stop_after(req, token)
             if end // p != start // p:  # a block was completed: it may enter the cache
                 self.kv.cache_computed(req)
             if status is not None:
@@ -567,6 +556,25 @@ class Scheduler:
             self._last_step = (result.timing.seconds, emitted)
         return done
 
+    def _stop_after(self, req: Request, token: int) -> RequestStatus | None:
+        """The stop rules for `token`, just appended to `req`'s output: end of sequence or a
+        stop token id, `max_tokens` or the context limit, or a stop string (the detokenizer
+        takes the token here). None: the request goes on."""
+        sp = req.sampling
+        out = req.output_token_ids
+        status = None
+        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif len(out) >= sp.max_tokens or len(req.prompt_token_ids) + len(out) >= \
+                self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        det = req.detokenizer
+        if det is not None:
+            det.push(token)
+            if det.stopped_by is not None:
+                status = RequestStatus.FINISHED_STOPPED
+        return status
+
     def _apply_draft(self, chunk: ScheduledChunk, tokens: list[int], now: float,
                      seconds: float) -> tuple[RequestStatus | None, int]:
         """Append a speculating chunk's emitted tokens (accepted drafts, then the target's
@@ -575,22 +583,13 @@ class Scheduler:
         whose KV is valid)."""
         req = chunk.request
         out = req.output_token_ids
-        sp = req.sampling
         status = None
         emitted = 0
         for token in tokens:
             out.append(token)
             req.token_times.append(now)
             emitted += 1
-            if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif len(out) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
-            det = req.detokenizer
-            if det is not None:
-                det.push(token)
-                if det.stopped_by is not None:
-                    status = RequestStatus.FINISHED_STOPPED
+            status = self._stop_after(req, token)
             if status is not None:
                 break  # tokens after a stop are never emitted, as without speculation
         chunk.emitted = emitted
