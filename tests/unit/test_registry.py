@@ -56,3 +56,33 @@ def test_embedded_model_assembles_once_and_is_reused(isolated_dirs: Path) -> Non
     rebuilt = resolve_model("gemma3-270m")
     assert rebuilt.stat().st_size == sum(p.stat().st_size for p in model.chunk_paths())
     assert not [p for p in os.listdir(path.parent) if p.endswith(".part")]
+
+
+@pytest.mark.parametrize("pin", ["right", "wrong"])
+def test_a_pinned_checksum_guards_packages_that_publish_none(
+        monkeypatch, isolated_dirs: Path, tiny_llama: Path, pin: str) -> None:
+    """The Qwen chunk packages ship no checksum; kvdeck pins the SHA-256 of the file it was
+    tested with, and an assembly that does not match is refused, never cached."""
+    import hashlib
+
+    from runtime.errors import ModelFileError
+
+    data = tiny_llama.read_bytes()
+    chunks = [isolated_dirs / "part1.bin", isolated_dirs / "part2.bin"]
+    chunks[0].write_bytes(data[:1000])
+    chunks[1].write_bytes(data[1000:])
+    sha = hashlib.sha256(data).hexdigest() if pin == "right" else "0" * 64
+    fake = registry.ChunkedModel("pinned", "a chunked test model", ("json", "os"),
+                                 lambda module, i: chunks[i], "draft-models", sha256=sha)
+    monkeypatch.setitem(CHUNKED_MODELS, "pinned", fake)
+    if pin == "right":
+        path = resolve_model("pinned")
+        assert path.read_bytes() == data
+    else:
+        with pytest.raises(ModelFileError, match=r"does not match its expected SHA-256 "
+                                                 r"\(pinned by kvdeck\).*"
+                                                 r"kvdeck\[draft-models\]"):
+            resolve_model("pinned")
+        assert not list((isolated_dirs / "cache").rglob("*.gguf"))
+    assert CHUNKED_MODELS["qwen2.5-coder-0.5b"].expected_sha256() and \
+        CHUNKED_MODELS["qwen2.5-coder-1.5b"].expected_sha256()
