@@ -249,7 +249,9 @@ class Scheduler:
         if k <= 0:
             return []
         draft = self.propose(req, k)[:k]
-        if draft and self.knobs.draft_length == "adaptive":
+        # Adaptive lengths follow measured step times; a seeded request promises the same
+        # output every run, so it keeps the fixed length (its draws depend on it).
+        if draft and self.knobs.draft_length == "adaptive" and sp.seed is None:
             draft = draft[:self.draft_length(req, len(draft))]
         return draft
 

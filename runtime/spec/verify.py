@@ -6,7 +6,9 @@ the target's distribution `p_i` at each of the `k + 1` positions. The emitted to
 - **greedy** (temperature 0): the longest prefix of the draft equal to the target's argmax at
   each position, then the target's own argmax at the first mismatch — or, when every draft
   token matched, at position `k` (the bonus token). Token for token what plain greedy
-  decoding would have produced.
+  decoding would have produced from the same logits (logits computed in a chunk of other
+  shape can differ in the last bits, so a near-tie may break the other way, as it can
+  between batch compositions without speculation).
 - **sampling**: draft token `x_i` (drawn from the proposer's `q_i`) is accepted with
   probability `min(1, p_i(x_i)/q_i(x_i))`; at the first rejection the token is drawn from the
   normalized positive part `(p_i − q_i)⁺` and verification stops; when all are accepted a
