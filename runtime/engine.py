@@ -73,7 +73,7 @@ from runtime.snapshot import (
     TrackedOutput,
 )
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-from runtime.transfers import TransferLog
+from runtime.transfers import TransferLog, host_checkpoint
 
 log = logging.getLogger("kvdeck.engine")
 MAX_TRACKED = 8
@@ -724,10 +724,8 @@ class Engine:
             figures=self.figures.to_json(),
             pool={"num_blocks": kv.num_blocks, "bytes_per_block": kv.bytes_per_block},
             switches=list(self.switches),
-            host={"num_blocks": kv.host.num_blocks,
-                  "tables": {rid: list(t) for rid, t in kv.host_tables.items()},
-                  "counters": {"swap_outs": kv.num_swap_outs, "swap_ins": kv.num_swap_ins},
-                  "transfers": self.transfer_log.to_json()},
+            host=host_checkpoint(kv.host.num_blocks, kv.host_tables, kv.num_swap_outs,
+                                 kv.num_swap_ins, self.transfer_log),
             spec=sched.spec.to_json())
 
     def check_integrity(self) -> None:

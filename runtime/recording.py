@@ -50,7 +50,7 @@ def engine_header(engine: Engine) -> dict:
         "bytes_per_block": engine.kv.bytes_per_block,
         "host_blocks": engine.kv.host.num_blocks,
         "link_bandwidth": engine.executor.link_bandwidth,
-        "link": engine.snapshot().transfers.link_detail,
+        "link": engine.executor.link_detail,
         "offload": engine.executor.describe_offload(),
         "offload_gain_bytes": engine.executor.offload_gain_bytes,
         "max_model_len": engine.max_model_len,

@@ -45,7 +45,7 @@ from runtime.records import (
 from runtime.request import RequestStatus
 from runtime.snapshot import BatchView, EngineSnapshot, KVView, RequestView
 from runtime.spec.stats import SpecStats
-from runtime.transfers import TransferLog, TransfersView
+from runtime.transfers import TransferLog, TransfersView, host_checkpoint
 
 
 class TraceState:
@@ -143,10 +143,8 @@ class TraceState:
             figures=self.figures.to_json(),
             pool={"num_blocks": self.num_blocks, "bytes_per_block": self.bytes_per_block},
             switches=list(self.switches),
-            host={"num_blocks": self.host.num_blocks,
-                  "tables": {rid: list(t) for rid, t in self.host_tables.items()},
-                  "counters": {"swap_outs": self.num_swap_outs, "swap_ins": self.num_swap_ins},
-                  "transfers": self.transfer_log.to_json()},
+            host=host_checkpoint(self.host.num_blocks, self.host_tables, self.num_swap_outs,
+                                 self.num_swap_ins, self.transfer_log),
             spec=self.spec.to_json())
 
     # -- steps --------------------------------------------------------------------------------
@@ -372,11 +370,8 @@ class TraceState:
         )
 
     def transfers_view(self) -> TransfersView:
-        tree, log = self.tree, self.transfer_log
-        counters = {**log.counters, "swap_outs": self.num_swap_outs,
-                    "swap_ins": self.num_swap_ins, "demotions": tree.num_demotions,
-                    "promotions": tree.num_promotions,
-                    "host_hit_tokens": tree.num_host_hit_tokens}
+        log = self.transfer_log
+        counters = log.view_counters(self.num_swap_outs, self.num_swap_ins, self.tree)
         h = self.header
         link = h.get("link_bandwidth", 0.0)
         return TransfersView(

@@ -310,18 +310,10 @@ class Scheduler:
         return candidates[-1][1]
 
     def _preempt(self, req: Request, plan: SchedulerOutput) -> None:
-        if self.preemption_mode(req) == "swap":
-            self.running.remove(req)
-            n = self.kv.swap_out(req)
-            req.status = RequestStatus.SWAPPED
-            req.num_preemptions += 1
-            req.events.append((plan.time, f"preempted: {n:,} blocks swapped out to the host"))
-            self.num_preemptions += 1
-            self.num_swapped += 1
-            self.waiting.appendleft(req)
+        swap = self.preemption_mode(req) == "swap"
+        self._preempt_now(req, plan.time, swap=swap)
+        if swap:
             plan.swapped.append(req.request_id)
-        else:
-            self._preempt_now(req, plan.time)
         plan.preempted.append(req.request_id)
 
     def preemption_mode(self, req: Request) -> str:
@@ -337,11 +329,20 @@ class Scheduler:
                                  kv.link_seconds, self.estimate)[0]
 
     def _preempt_now(self, req: Request, now: float,
-                     why: str = "blocks freed, to be recomputed") -> None:
+                     why: str = "blocks freed, to be recomputed", swap: bool = False) -> None:
+        """Take `req` out of the batch to the head of the queue: its blocks freed (it
+        recomputes), or with `swap` its computed blocks copied to the host tier first (it
+        resumes where it stopped)."""
         self.running.remove(req)
-        self.kv.release(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        if swap:
+            n = self.kv.swap_out(req)
+            req.status = RequestStatus.SWAPPED
+            why = f"{n:,} blocks swapped out to the host"
+            self.num_swapped += 1
+        else:
+            self.kv.release(req)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.events.append((now, f"preempted: {why}"))
         self.num_preemptions += 1
@@ -518,6 +519,7 @@ class Scheduler:
         errors = result.errors
         sampled = result.sampled
         p = self.kv.block_size
+        emitted = 0
         for chunk in plan.chunks:
             req = chunk.request
             if errors and req.request_id in errors:
@@ -547,13 +549,13 @@ class Scheduler:
                     req.first_token_time = now
                     req.events.append((now, "first token"))
                 status = self._stop_after(req, token)
+            emitted += chunk.emitted
             if end // p != start // p:  # a block was completed: it may enter the cache
                 self.kv.cache_computed(req)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status, status.value, now)
                 done.append(req)
-        emitted = sum(c.emitted for c in plan.chunks)
         if emitted:
             self._last_step = (result.timing.seconds, emitted)
         return done

@@ -258,16 +258,11 @@ class SnapshotBuilder:
     def transfers_view(self) -> TransfersView:
         e = self.engine
         kv, log, tree = e.kv, e.transfer_log, e.kv.tree
-        link = getattr(e.executor, "link", None)
-        detail = link.describe() if link is not None else \
-            f"{e.executor.link_bandwidth / 1e9:,.0f} GB/s (profile)"
-        counters = {**log.counters, "swap_outs": kv.num_swap_outs, "swap_ins": kv.num_swap_ins,
-                    "demotions": tree.num_demotions, "promotions": tree.num_promotions,
-                    "host_hit_tokens": tree.num_host_hit_tokens}
         return TransfersView(
-            e.executor.link_bandwidth, detail, kv.host.num_blocks, kv.host.num_swapped,
-            kv.host.num_demoted, kv.bytes_per_block, bytes(kv.host.states),
-            tuple(kv.host_tables), counters, log.last, tuple(log.recent),
+            e.executor.link_bandwidth, e.executor.link_detail, kv.host.num_blocks,
+            kv.host.num_swapped, kv.host.num_demoted, kv.bytes_per_block, bytes(kv.host.states),
+            tuple(kv.host_tables), log.view_counters(kv.num_swap_outs, kv.num_swap_ins, tree),
+            log.last, tuple(log.recent),
             e.executor.describe_offload(), e.executor.offload_gain_bytes)
 
     def build(self, max_prefix_nodes: int = 256) -> EngineSnapshot:

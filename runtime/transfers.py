@@ -64,6 +64,15 @@ class TransfersView:
         return (self.host_swapped + self.host_demoted) * self.host_bytes_per_block
 
 
+def host_checkpoint(num_blocks: int, tables: dict[str, list[int]], swap_outs: int,
+                    swap_ins: int, log: TransferLog) -> dict:
+    """A checkpoint's `host` entry (`records.Checkpoint.host`), the same from the live
+    engine and from replay."""
+    return {"num_blocks": num_blocks, "tables": {rid: list(t) for rid, t in tables.items()},
+            "counters": {"swap_outs": swap_outs, "swap_ins": swap_ins},
+            "transfers": log.to_json()}
+
+
 class TransferLog:
     """Running counters and recent history of transfers."""
 
@@ -91,6 +100,13 @@ class TransferLog:
         c["weight_bytes"] += weights
         c["copy_seconds"] += seconds
         c["stall_seconds"] += stall
+
+    def view_counters(self, swap_outs: int, swap_ins: int, tree) -> dict:
+        """`TransfersView.counters`: this log's, the swaps and the prefix tree's host-tier
+        counts (a `PrefixTree`, live or replayed)."""
+        return {**self.counters, "swap_outs": swap_outs, "swap_ins": swap_ins,
+                "demotions": tree.num_demotions, "promotions": tree.num_promotions,
+                "host_hit_tokens": tree.num_host_hit_tokens}
 
     def to_json(self) -> dict:
         """Counters and recent history (a checkpoint's, so a replay starting mid-run shows

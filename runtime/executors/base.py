@@ -38,6 +38,8 @@ class Executor(Protocol):
     link_bandwidth: float
     """Bytes/s one way between device and host: measured at start-up (`executors/link.py`)
     or, for `sim`, the hardware profile's."""
+    link_detail: str
+    """Where `link_bandwidth` comes from, in a few words (shown beside it)."""
     offload_gain_bytes: int
     """Device bytes weight offload frees for the KV pool (offloaded − buffer bytes)."""
 

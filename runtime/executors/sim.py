@@ -113,6 +113,7 @@ class SimExecutor:
         self.link_bandwidth = self.hardware.link_bandwidth_bytes_per_s or \
             self.hardware.bandwidth_bytes_per_s
         """Bytes/s one way over the host link (the hardware profile's)."""
+        self.link_detail = f"{self.link_bandwidth / 1e9:,.0f} GB/s (profile)"
         self.block_size = 16
         self.offload_layers = 0
         self.offload_buffers = 2

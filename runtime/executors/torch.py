@@ -154,6 +154,7 @@ class TorchExecutor:
         self.link = measure_link(self.device)
         self.link_bandwidth = self.link.bandwidth
         """Bytes/s one way between device and host (measured at start-up)."""
+        self.link_detail = self.link.describe()
         log.info("host link %s", self.link.describe())
         self.offload: FFNOffload | None = None
         self._windows = {self.cfg.window(i) for i in range(info.num_layers)}

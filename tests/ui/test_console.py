@@ -14,13 +14,18 @@ from runtime.recording import read_run
 from tests.ui.panel_text import panel_text
 
 
-async def edit_knob(pilot, app: KvdeckApp, name: str, text: str) -> None:
-    """What an operator does: k, move to the knob, Enter, then choose or type, Enter."""
+async def open_editor(pilot, app: KvdeckApp, name: str) -> None:
+    """k, move to the knob, Enter: its editor is open."""
     table = app.query_one("#knobs")
     await pilot.press("k")
     table.move_cursor(row=table.get_row_index(name))
     await pilot.press("enter")
     await pilot.pause()
+
+
+async def edit_knob(pilot, app: KvdeckApp, name: str, text: str) -> None:
+    """What an operator does: k, move to the knob, Enter, then choose or type, Enter."""
+    await open_editor(pilot, app, name)
     choices = app.screen.query(OptionList)
     if choices:
         options = choices.first()
@@ -34,11 +39,7 @@ async def edit_knob(pilot, app: KvdeckApp, name: str, text: str) -> None:
 
 async def knob_choices(pilot, app: KvdeckApp, name: str) -> list[str]:
     """Open knob `name`'s editor, read the values it offers, and close it again."""
-    table = app.query_one("#knobs")
-    await pilot.press("k")
-    table.move_cursor(row=table.get_row_index(name))
-    await pilot.press("enter")
-    await pilot.pause()
+    await open_editor(pilot, app, name)
     options = app.screen.query_one(OptionList)
     offered = [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
     await pilot.press("escape")
