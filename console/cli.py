@@ -60,7 +60,22 @@ def settings_line(session) -> str:
             f"max_num_seqs {k.max_num_seqs}, max_num_batched_tokens "
             f"{k.max_num_batched_tokens}, chunk_size {k.chunk_size}, prefix caching "
             f"{'on' if k.enable_prefix_caching else 'off'}, weights {k.weight_format}"
-            + weights_lines(snap) + transfers_line(snap))
+            + weights_lines(snap) + transfers_line(snap) + speculation_line(snap))
+
+
+def speculation_line(snap) -> str:
+    """Speculative decoding and the draft model, when either is configured."""
+    v, k = snap.speculation, snap.knobs
+    if v is None or (k.speculative_method == "off" and not v.draft_model):
+        return ""
+    text = f"speculation {k.speculative_method}"
+    if k.speculative_method != "off":
+        text += f", k = {k.num_speculative_tokens} ({k.draft_length})"
+    if v.draft_model:
+        kv = snap.kv
+        text += (f", draft model {v.draft_model} (twin KV {human_bytes(kv.draft_bytes_per_block)}"
+                 f" per block beside {human_bytes(kv.bytes_per_block)})")
+    return f"\n  {text}"
 
 
 def transfers_line(snap) -> str:

@@ -91,6 +91,10 @@ FLAGS: tuple[Flag, ...] = (
          "fp16 (torch; default measured).", EXECUTOR),
     Flag("pace", ("--pace",), float, "Sim behind the console or API: virtual seconds per wall "
          "second (default 1).", EXECUTOR),
+    Flag("draft_model", ("--draft-model",), str,
+         "Draft model for speculative decoding (name or GGUF path; torch): a smaller model "
+         "with the model's tokenizer, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b. Use "
+         "with --speculative-method draft.", EXECUTOR),
     Flag("served_model_name", ("--served-model-name",), str,
          "Model id the API serves (default: the model's name).", EXECUTOR),
     Flag("max_model_len", ("--max-model-len",), int, "Context limit (default: the model's).",
@@ -132,8 +136,9 @@ FLAGS: tuple[Flag, ...] = (
          "Keep the FFN weights of the last N layers in host memory, prefetched before each "
          "runs; the device memory freed goes to the KV pool (default 0).", KNOBS),
     Flag("speculative_method", ("--speculative-method",), str,
-         "Speculative decoding: off or ngram (prompt lookup: propose what followed the "
-         "latest match of the last tokens; verified losslessly in one pass) (default off).",
+         "Speculative decoding: off, ngram (prompt lookup: propose what followed the "
+         "latest match of the last tokens) or draft (a smaller model, --draft-model, drafts "
+         "in the step); verified losslessly in one pass (default off).",
          KNOBS),
     Flag("num_speculative_tokens", ("--num-speculative-tokens",), int,
          "Most draft tokens per request per step (default 4).", KNOBS),
@@ -171,6 +176,16 @@ FLAGS: tuple[Flag, ...] = (
          "Chance a simulated token ends the request (default 0).", SIM),
     Flag("spec_acceptance", ("--spec-acceptance",), float, "Speculation what-ifs: the chance "
          "each draft token is accepted given the ones before were (default 0.7).", SIM),
+    Flag("spec_acceptance_profile", ("--spec-acceptance-profile",), str,
+         "Speculation what-ifs per draft position, like 0.9,0.8,0.7 (overrides "
+         "--spec-acceptance).", SIM),
+    Flag("draft_cost", ("--draft-cost",), float, "A modelled draft model: one draft pass "
+         "costs this fraction of a target step (default 0: none; enables "
+         "--speculative-method draft).", SIM),
+    Flag("draft_kv_ratio", ("--draft-kv-ratio",), float, "The modelled draft's KV per token "
+         "as a fraction of the target's (default 0).", SIM),
+    Flag("drafting", ("--drafting",), str, "sequential (one draft pass per position) or "
+         "parallel (one pass for all; default sequential).", SIM),
     Flag("fail_at_step", ("--fail-at-step",), int, "Fault injection: the simulated executor "
          "fails for good on this step.", SIM),
 )

@@ -30,7 +30,7 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 or (`auto`) whichever the timing model says is faster for each victim (`scheduler.py`)."""
 EVICTION_POLICIES = ("lru", "value")
 DEADLINE_ACTIONS = ("reject", "wait")
-SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
 """Speculative decoding: off, or n-gram prompt lookup (`runtime/spec/`)."""
 DRAFT_LENGTHS = ("adaptive", "fixed")
 """Draft length per request: chosen each step by the marginal-cost rule, or always the most."""
@@ -106,7 +106,9 @@ class Knobs:
     copy of the next offloaded layer with the compute of this one."""
     speculative_method: str = "off"
     """Speculative decoding: `ngram` proposes the tokens that followed the latest match of
-    the last tokens in the request's own context; the target verifies them in one pass."""
+    the last tokens in the request's own context; `draft` has a smaller model with the same
+    tokenizer (`--draft-model`) draft them in the step; the target verifies them in one
+    pass."""
     num_speculative_tokens: int = 4
     """Most draft tokens proposed per request per step."""
     draft_length: str = "adaptive"

@@ -101,8 +101,7 @@ class Engine:
             executor.set_weight_formats(formats)
         if config.knobs.offload_layers:  # before sizing the pool: offload frees memory for it
             executor.set_offload(config.knobs.offload_layers, config.knobs.offload_buffers)
-        num_blocks = config.blocks_for_budget(self.kv_bytes_per_token,
-                                              executor.offload_gain_bytes)
+        num_blocks = self.pool_blocks(self.kv_format)
         executor.bind_kv(num_blocks, config.block_size, self.kv_format)
         host_blocks = config.host_blocks(self.kv_bytes_per_token)
         executor.bind_host_kv(host_blocks)
@@ -138,6 +137,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv, executor.estimate_step_seconds,
                                    self.max_model_len, executor.eos_token_ids)
         self.scheduler.propose = lambda req, k: executor.propose(req, k, self.scheduler.knobs)
+        if executor.draft_model_name:
+            self.scheduler.draft_estimate = executor.estimate_draft_seconds
         self.check_knobs(k)
         self.inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -243,6 +244,14 @@ class Engine:
         self.post(SetKnobs(new, changes))
         return new
 
+    def pool_blocks(self, kv_format: str) -> int:
+        """Blocks the pool holds in `kv_format`: the budget (plus what weight offload frees)
+        over the bytes a block takes — the target's KV and, with a draft model, its twin's."""
+        e = self.executor
+        return self.config.blocks_for_budget(
+            e.kv_bytes_per_token(kv_format) + e.draft_kv_bytes_per_token(kv_format),
+            e.offload_gain_bytes)
+
     def check_knobs(self, knobs: Knobs) -> None:
         """Bounds that depend on this engine's executor and pool (ConfigError if broken)."""
         if knobs.preemption != "recompute" and not self.kv.has_host_tier:
@@ -250,14 +259,17 @@ class Engine:
                               "--host-kv-memory-gib (setting host_kv_memory_bytes) of at least "
                               f"one block ({self.kv.bytes_per_block:,} bytes), or use "
                               "recompute.")
+        if knobs.speculative_method == "draft" and not self.executor.draft_model_name:
+            raise ConfigError("speculative_method draft needs a draft model; start with "
+                              "--draft-model PATH (a GGUF sharing the model's tokenizer), or "
+                              "use ngram.")
         if knobs.offload_layers > self.executor.num_layers:
             raise ConfigError(f"offload_layers must be from 0 to {self.executor.num_layers} "
                               f"(the model's layers), got {knobs.offload_layers}.")
         pool = self.kv.num_blocks
         if knobs.kv_format != self.kv_format:
             # The executor refuses a format it cannot store; the budget must buy a block.
-            pool = self.config.blocks_for_budget(
-                self.executor.kv_bytes_per_token(knobs.kv_format))
+            pool = self.pool_blocks(knobs.kv_format)
         if knobs.prefix_cache_capacity > pool:
             raise ConfigError(f"prefix_cache_capacity must be from 0 to {pool:,} (the pool's "
                               f"blocks), got {knobs.prefix_cache_capacity:,}.")
@@ -351,8 +363,7 @@ class Engine:
         preempted here are listed there, not in the record's `preempted`).
         """
         old = self.kv_format
-        bpt = self.executor.kv_bytes_per_token(kv_format)
-        num_blocks = self.config.blocks_for_budget(bpt, self.executor.offload_gain_bytes)
+        num_blocks = self.pool_blocks(kv_format)
         conv, switch = self._relayout(kv_format, num_blocks, f"{old} → {kv_format}")
         self._pause_clock(conv.seconds)
         switch.update({"knob": "kv_format", "from": old, "to": kv_format,
@@ -396,8 +407,7 @@ class Engine:
         old = self.scheduler.knobs
         conv = self.executor.set_offload(knobs.offload_layers, knobs.offload_buffers)
         self._pause_clock(conv.seconds)
-        num_blocks = self.config.blocks_for_budget(self.kv_bytes_per_token,
-                                                   self.executor.offload_gain_bytes)
+        num_blocks = self.pool_blocks(self.kv_format)
         switch = {"knob": "offload_layers",
                   "from": f"{old.offload_layers} layers, {old.offload_buffers} buffers",
                   "to": f"{knobs.offload_layers} layers, {knobs.offload_buffers} buffers",
@@ -525,6 +535,9 @@ class Engine:
                                     len(plan.chunks), plan.token_budget, plan.max_num_seqs,
                                     dt, len(plan.preempted), plan.limit)
         record.dt, record.measured = dt, result.timing.measured
+        if result.draft_seconds:
+            record.draft_s = result.draft_seconds
+            self.scheduler.spec.on_draft_step(result.draft_seconds, dt)
         if t1 != t0 + dt:
             record.end = t1
         record.bytes_read = result.timing.bytes_read
@@ -558,10 +571,10 @@ class Engine:
         listeners (output streams), then attach or detach a recorder if asked."""
         if plan is not None and result is not None:
             record.plan = [PlanEntry(c.request_id, c.start, c.num_new_tokens, c.emitted,
-                                     len(c.draft)) for c in plan.chunks]
+                                     c.num_draft) for c in plan.chunks]
             record.tokens = list(result.sampled.items())
             for c in plan.chunks:  # speculating requests: the tokens they took, in order
-                if c.draft and c.emitted:
+                if c.num_draft and c.emitted:
                     record.tokens.extend((c.request_id, t)
                                          for t in result.spec[c.request_id][:c.emitted])
             record.errors = dict(result.errors)

@@ -35,7 +35,12 @@ class ScheduledChunk:
     draft: tuple[int, ...] = ()
     """Speculative draft tokens following the request's last token: the chunk then scores
     `1 + len(draft)` positions (its last token, then the draft) and the executor verifies
-    the draft (`runtime/spec/verify.py`), returning the tokens to emit in `StepResult.spec`."""
+    the draft (`runtime/spec/verify.py`), returning the tokens to emit in `StepResult.spec`.
+    A draft model's tokens are filled in by the executor at the start of the step (they
+    cost part of it); a proposer without a model (n-gram) gives them at planning."""
+    num_draft: int = 0
+    """Draft positions this chunk verifies (`num_new_tokens = 1 + num_draft`); 0: not
+    speculating."""
     emitted: int = 0
     """Set by the scheduler's update: tokens the request took from the step (0 or 1, up to
     `1 + len(draft)` when speculating)."""
@@ -72,6 +77,9 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     """Kept by the scheduler as it adds chunks (summing per step would cost a pass each)."""
     num_prefill_tokens: int = 0
+    speculative_method: str = "off"
+    """The knob's value for this step: under `draft` an executor's draft model also keeps up
+    with every chunk the target computes (so its KV is ready when a request drafts)."""
     limit: str | None = None
     """Why no more waiting requests joined this step (None: nobody was left waiting)."""
 
@@ -121,6 +129,8 @@ class StepResult:
     transfers: list = field(default_factory=list)
     """`records.Transfer` per copy between device and host the step made (the plan's
     block copies and weight prefetches), with its timing."""
+    draft_seconds: float = 0.0
+    """Of the step's time, what a draft model spent drafting (measured or modelled)."""
     spec: dict[str, list[int]] = field(default_factory=dict)
     """Request id -> the tokens a speculating chunk emits, in order: the accepted draft
     tokens, then the target's own token (a correction, or the bonus when all were accepted).

@@ -51,6 +51,10 @@ def engine_header(engine: Engine) -> dict:
         "host_blocks": engine.kv.host.num_blocks,
         "link_bandwidth": engine.executor.link_bandwidth,
         "link": engine.executor.link_detail,
+        "draft_model": engine.executor.draft_model_name,
+        "draft_kv_bytes_per_token": {f: engine.executor.draft_kv_bytes_per_token(f)
+                                     for f in engine.executor.kv_formats}
+        if engine.executor.draft_model_name else {},
         "offload": engine.executor.describe_offload(),
         "offload_gain_bytes": engine.executor.offload_gain_bytes,
         "max_model_len": engine.max_model_len,

@@ -268,6 +268,8 @@ class StepRecord:
     swapped: list[str] = field(default_factory=list)
     """Of `preempted`, the requests whose KV was swapped out to the host (the rest
     recompute)."""
+    draft_s: float = 0.0
+    """Of `dt`, the time a draft model spent drafting (speculative decoding)."""
 
     @property
     def t1(self) -> float:
@@ -292,6 +294,8 @@ class StepRecord:
                 d["limit"] = self.limit
             if self.end is not None:
                 d["t1"] = self.end
+            if self.draft_s:
+                d["draft_s"] = self.draft_s
         if self.plan:
             d["plan"] = [list(e) if e.draft else list(e[:4]) for e in self.plan]
         for name in ("tokens", "errors", "admitted", "preempted", "rejected",
@@ -327,7 +331,7 @@ class StepRecord:
                 queue=tuple(d.get("queue", (0, 0))),
                 switches=[dict(x) for x in d.get("switches", [])],
                 transfers=[Transfer(*x) for x in d.get("transfers", [])],
-                swapped=list(d.get("swapped", [])),
+                swapped=list(d.get("swapped", [])), draft_s=d.get("draft_s", 0.0),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise RunFormatError(f"{where} is not a valid step record ({type(e).__name__}: "

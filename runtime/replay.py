@@ -191,6 +191,8 @@ class TraceState:
         for ev in rec.kv:
             self._apply_kv(ev, rec)
         t1 = rec.t1
+        if rec.draft_s:
+            self.spec.on_draft_step(rec.draft_s, rec.dt or 0.0)
         for rid, start, n, sample, draft in rec.plan:
             r = self._request(rid, rec)
             # A speculating entry keeps the KV of its input token and accepted drafts.
@@ -350,7 +352,9 @@ class TraceState:
                     self.bytes_per_block, self.block_states(), self.pool.num_free,
                     self.pool.num_cached_only, self.num_reserved, self.usage, tree.num_nodes,
                     tree.hit_rate, tree.num_evictions, self.num_cow, tree.num_query_tokens,
-                    tree.num_hit_tokens)
+                    tree.num_hit_tokens, (),
+                    h.get("draft_kv_bytes_per_token", {}).get(kv_format, 0) * self.block_size,
+                    h.get("draft_model", ""))
         live = [r for r in self.requests.values() if r.arrival_time <= self.time]
         counts = self.figures.status_counts
         knobs = Knobs(**self.knobs) if self.knobs else Knobs()
@@ -366,7 +370,8 @@ class TraceState:
             num_preemptions=self.num_preemptions,
             recent=self.figures.rolling(), figures=self.figures.view(),
             switches=tuple(self.switches), transfers=self.transfers_view(),
-            speculation=self.spec.view(knobs.speculative_method, knobs.num_speculative_tokens),
+            speculation=self.spec.view(knobs.speculative_method, knobs.num_speculative_tokens,
+                                       h.get("draft_model", "")),
         )
 
     def transfers_view(self) -> TransfersView:

@@ -25,11 +25,14 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
 
 
-def _generator(req: Request, base_seed: int) -> torch.Generator:
+def request_generator(req: Request, base_seed: int, salt: int = 0) -> torch.Generator:
+    """The generator a request's draws come from at its current position: seeded from its
+    seed (or `base_seed` and its id), its output length and `salt` (a draft model's draws
+    use their own)."""
     seed = req.sampling.seed if req.sampling.seed is not None \
         else base_seed ^ zlib.crc32(req.request_id.encode())
     g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + req.num_output_tokens) & ((1 << 63) - 1))
+    g.manual_seed(((seed ^ salt) * 1_000_003 + req.num_output_tokens) & ((1 << 63) - 1))
     return g
 
 
@@ -64,7 +67,7 @@ def sample(logits: torch.Tensor, requests: list[Request], base_seed: int = 0
         else:
             x = filter_logits(logits[row], sp.temperature, sp.top_k, sp.top_p)
             probs = torch.softmax(x, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=_generator(req, base_seed)))
+            token = int(torch.multinomial(probs, 1, generator=request_generator(req, base_seed)))
         tokens.append(token)
         if sp.logprobs is None:
             logprobs.append(None)
@@ -78,18 +81,19 @@ def sample(logits: torch.Tensor, requests: list[Request], base_seed: int = 0
     return tokens, logprobs
 
 
-def sample_draft(logits: torch.Tensor, req: Request, draft: list[int], base_seed: int = 0
-                 ) -> list[int]:
+def sample_draft(logits: torch.Tensor, req: Request, draft: list[int], base_seed: int = 0,
+                 q: torch.Tensor | None = None) -> list[int]:
     """The tokens a speculating request emits: `logits` [1 + len(draft), vocab] score its
     last token and each draft token; a sampling request keeps draft tokens by speculative
     sampling under its temperature, top-k and top-p (`runtime/spec/verify.py`), drawing from
-    its own generator, so a seeded request stays reproducible. Greedy requests are verified
-    by the caller from the same argmax plain decoding uses."""
+    its own generator, so a seeded request stays reproducible. `q` [len(draft), vocab]: the
+    draft model's distributions the draft was drawn from (None: a deterministic proposer).
+    Greedy requests are verified by the caller from the same argmax plain decoding uses."""
     from runtime.spec.verify import verify_sampled
 
     sp = req.sampling
     logits = logits.float().cpu()
     p = torch.stack([torch.softmax(filter_logits(row, sp.temperature, sp.top_k, sp.top_p),
                                    dim=-1) for row in logits])
-    tokens, _ = verify_sampled(p, draft, None, _generator(req, base_seed))
+    tokens, _ = verify_sampled(p, draft, q, request_generator(req, base_seed))
     return tokens

@@ -45,6 +45,8 @@ Estimator = Callable[[int, int, int], float]
 """(new tokens, causal pairs, context tokens) -> predicted step seconds."""
 Proposer = Callable[[Request, int], list[int]]
 """(request, most tokens) -> draft tokens to follow its last token (speculative decoding)."""
+DraftEstimator = Callable[[int], float]
+"""(rows) -> predicted seconds of one draft-model pass over that many rows."""
 
 
 def swap_or_recompute(num_tokens: int, block_size: int, bytes_per_block: int,
@@ -86,6 +88,9 @@ class Scheduler:
         """Preemptions that swapped the victim's KV out (the rest recomputed)."""
         self.propose: Proposer | None = None
         """Drafts for speculative decoding (set by the engine from its executor)."""
+        self.draft_estimate: DraftEstimator | None = None
+        """A draft-model pass's predicted time (set by the engine when the executor has a
+        draft model): the draft's share of the draft-length rule's ΔT."""
         self.spec = SpecStats()
         self._acceptance: dict[str, tuple[list[int], list[int]]] = {}
         """Per speculating request: (accepted, tried) per draft position."""
@@ -153,7 +158,8 @@ class Scheduler:
     def schedule(self, step: int, now: float) -> SchedulerOutput:
         k = self.knobs
         plan = SchedulerOutput(step=step, time=now, token_budget=k.max_num_batched_tokens,
-                               max_num_seqs=k.max_num_seqs)
+                               max_num_seqs=k.max_num_seqs,
+                               speculative_method=k.speculative_method)
         budget = k.max_num_batched_tokens
         scheduled: set[str] = set()
         # Decodes first, then running prefills, each in admission order.
@@ -211,18 +217,20 @@ class Scheduler:
             if req.status is not running:
                 continue  # preempted to make room for an earlier decode
             rid = req.request_id
-            draft = self._draft(req, budget) if speculate else None
+            draft = self._draft(req, budget, len(decodes)) if speculate else None
             if draft:
-                n = 1 + len(draft)
-                cows = self._make_room(req, n, scheduled, plan)
+                # A draft model's tokens come in the step (`ScheduledChunk.draft`).
+                k = draft if isinstance(draft, int) else len(draft)
+                cows = self._make_room(req, 1 + k, scheduled, plan)
                 if cows is None:
                     continue
                 plan.cow_copies.extend(cows)
-                chunks.append(ScheduledChunk(req, n, req.num_computed_tokens, tables[rid],
-                                             True, tuple(draft)))
+                chunks.append(ScheduledChunk(req, 1 + k, req.num_computed_tokens, tables[rid],
+                                             True, () if isinstance(draft, int) else
+                                             tuple(draft), k))
                 scheduled.add(rid)
-                budget -= n
-                drafted += len(draft)
+                budget -= 1 + k
+                drafted += k
                 continue
             table = tables[rid]
             c = req.num_computed_tokens
@@ -238,9 +246,11 @@ class Scheduler:
         plan.num_decode_tokens += len(chunks) + drafted
         return budget
 
-    def _draft(self, req: Request, budget: int) -> list[int]:
+    def _draft(self, req: Request, budget: int, num_decodes: int) -> list[int] | int:
         """Draft tokens for a decoding request, or [] when it should decode one token: it
-        asked for logprobs (they come a token a step), or has no room left for more."""
+        asked for logprobs (they come a token a step), or has no room left for more. Under
+        `speculative_method = draft` the number of draft positions instead: the executor's
+        draft model writes them in the step."""
         sp = req.sampling
         if sp.logprobs is not None:
             return []
@@ -248,32 +258,47 @@ class Scheduler:
                 self.max_model_len - req.num_tokens - 1, budget - 1)
         if k <= 0:
             return []
-        draft = self.propose(req, k)[:k]
+        model = self.knobs.speculative_method == "draft"
+        draft = [] if model else self.propose(req, k)[:k]
+        most = k if model else len(draft)
         # Adaptive lengths follow measured step times; a seeded request promises the same
         # output every run, so it keeps the fixed length (its draws depend on it).
-        if draft and self.knobs.draft_length == "adaptive" and sp.seed is None:
-            draft = draft[:self.draft_length(req, len(draft))]
-        return draft
+        if most and self.knobs.draft_length == "adaptive" and sp.seed is None:
+            most = self.draft_length(req, most, num_decodes if model else 0)
+        return most if model else draft[:most]
 
-    def draft_length(self, req: Request, most: int) -> int:
+    def draft_length(self, req: Request, most: int, num_drafting: int = 0) -> int:
         """How many draft tokens `req` should verify this step, at most `most`: lengthen
         while `ΔT/ΔN < T/N` — ΔT the time one more verify row adds to a step (the timing
         model at the request's context), ΔN the chance that row's token is kept (the
-        product of the request's acceptance rates up to it, Laplace-smoothed:
-        `(accepted + 1)/(tried + 2)` per position), and T/N the latest step's time per
-        token emitted.
+        product of the request's acceptance rates up to it, smoothed toward a prior:
+        `(accepted + 2·prior)/(tried + 2)` per position, the prior being all requests'
+        rate at that position, or where none was tried the rate at the one before), and T/N
+        the latest step's time per token emitted.
+        With a draft model (`num_drafting` requests drafting this step) ΔT also holds the
+        draft's share of one more sequential draft pass: `pass(m)/m` over those requests.
         A request whose drafts keep failing early gets shorter drafts, or none."""
         seconds, tokens = self._last_step
         if not tokens:
             return most  # nothing measured yet
         ctx = req.num_tokens
         row = self.estimate(1, causal_pairs(1, ctx), ctx) - self.estimate(0, 0, 0)
+        if num_drafting and self.draft_estimate is not None:
+            row += self.draft_estimate(num_drafting) / num_drafting
         per_token = seconds / tokens
         accepted, tried = self._acceptance.get(req.request_id, ((), ()))
-        keep = 1.0
+        spec = self.spec
+        keep, prior = 1.0, 0.5
         for i in range(most):
+            # The prior for position i: every request's rate there, else the rate at i − 1.
+            # (A fixed 1/2 for untried positions never lets a short draft grow: a position
+            # that is never drafted is never tried.)
+            if spec.drafts_per_pos[i]:
+                prior = (spec.accepted_per_pos[i] + 1) / (spec.drafts_per_pos[i] + 2)
             a, t = (accepted[i], tried[i]) if i < len(tried) else (0, 0)
-            keep *= (a + 1) / (t + 2)
+            rate = (a + 2 * prior) / (t + 2)
+            keep *= rate
+            prior = rate
             if row / keep >= per_token:
                 return i
         return most
@@ -532,7 +557,7 @@ class Scheduler:
             end = start + chunk.num_new_tokens
             req.num_computed_tokens = end
             status = None
-            if chunk.draft:
+            if chunk.num_draft:
                 status, end = self._apply_draft(chunk, result.spec[req.request_id], now,
                                                 result.timing.seconds)
             elif chunk.sample:
@@ -597,11 +622,12 @@ class Scheduler:
             if status is not None:
                 break  # tokens after a stop are never emitted, as without speculation
         chunk.emitted = emitted
-        accepted = min(emitted - 1, len(chunk.draft))
-        self.spec.on_round(len(chunk.draft), accepted, emitted, seconds)
+        k = chunk.num_draft
+        accepted = min(emitted - 1, k)
+        self.spec.on_round(k, accepted, emitted, seconds)
         acc, tried = self._acceptance.setdefault(req.request_id, ([0] * MAX_POSITIONS,
                                                                   [0] * MAX_POSITIONS))
-        for i in range(min(accepted + 1, len(chunk.draft))):  # positions actually judged
+        for i in range(min(accepted + 1, k)):  # positions actually judged
             tried[i] += 1
             acc[i] += i < accepted
         chunk_result = chunk.start + emitted  # the input token and the accepted drafts

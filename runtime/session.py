@@ -62,7 +62,8 @@ def build_executor(settings: Settings, sim: SimConfig | None = None,
                          dtype=s.dtype, threads=s.threads, seed=settings.engine.seed,
                          int4_group_size=s.int4_group_size,
                          int8_group_size=s.int8_group_size,
-                         weight_activations=s.weight_activations)
+                         weight_activations=s.weight_activations,
+                         draft_model=resolve_model(s.draft_model) if s.draft_model else None)
 
 
 def _real_tokenizer(model: str | Path):

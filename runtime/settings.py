@@ -63,12 +63,18 @@ class SessionOptions:
     """Sim behind the console or the API: virtual seconds per wall second."""
     served_model_name: str | None = None
     """The model id the API serves (default: the model's name)."""
+    draft_model: str | None = None
+    """Torch: a smaller model (name or GGUF path) sharing the model's tokenizer, loaded
+    for `speculative_method = draft`."""
 
     def __post_init__(self) -> None:
         check_choice("executor", self.executor, EXECUTORS)
         if self.threads is not None:
             check_int("threads", self.threads, 1, 1024)
         check_float("pace", self.pace, 1e-3, 1e6)
+        if self.draft_model and self.executor == "sim":
+            raise ConfigError("--draft-model loads a real draft model (torch executor); the "
+                              "sim models one with --draft-cost and --drafting.")
 
 
 @dataclass(frozen=True)

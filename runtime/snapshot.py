@@ -116,6 +116,9 @@ class KVView:
     num_hit_tokens: int = 0
     formats: tuple[str, ...] = ()
     """The KV formats the executor can switch the pool to (the `kv_format` knob's choices)."""
+    draft_bytes_per_block: int = 0
+    """Bytes of each block's twin in the draft model's pool (0 without a draft model)."""
+    draft_model: str = ""
 
     @property
     def cached_fraction(self) -> float:
@@ -253,7 +256,9 @@ class SnapshotBuilder:
                       bytes(kv.pool.states), kv.pool.num_free, tree.num_evictable,
                       kv.num_reserved, kv.usage, tree.num_nodes, tree.hit_rate,
                       tree.num_evictions, kv.num_cow_copies, tree.num_query_tokens,
-                      tree.num_hit_tokens, e.executor.kv_formats)
+                      tree.num_hit_tokens, e.executor.kv_formats,
+                      e.executor.draft_kv_bytes_per_token(e.kv_format) * kv.block_size,
+                      e.executor.draft_model_name)
 
     def transfers_view(self) -> TransfersView:
         e = self.engine
@@ -295,5 +300,6 @@ class SnapshotBuilder:
             switches=tuple(e.switches), weights=self._weights(),
             transfers=self.transfers_view(),
             speculation=sched.spec.view(sched.knobs.speculative_method,
-                                        sched.knobs.num_speculative_tokens),
+                                        sched.knobs.num_speculative_tokens,
+                                        e.executor.draft_model_name),
         )

@@ -39,3 +39,16 @@ def chat_model_path() -> Path:
         return resolve_model("qwen2.5-coder-0.5b")
     except ModelNotFoundError as e:  # a bare install without the extra
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def qwen_pair() -> tuple[Path, Path]:
+    """(target, draft): Qwen2.5-Coder-1.5B-Instruct and 0.5B, one tokenizer (the
+    `draft-models` extra, which make test installs)."""
+    from runtime.errors import ModelNotFoundError
+    from runtime.models.registry import resolve_model
+
+    try:
+        return resolve_model("qwen2.5-coder-1.5b"), resolve_model("qwen2.5-coder-0.5b")
+    except ModelNotFoundError as e:  # a bare install without the extra
+        pytest.skip(str(e))

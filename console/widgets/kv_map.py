@@ -9,7 +9,15 @@ from rich.text import Text
 from console.model_report import human_bytes
 from console.widgets.base import SnapshotPanel
 from runtime.kv.tiers import HOST_DEMOTED, HOST_FREE, HOST_SWAPPED
-from runtime.snapshot import CACHED, CACHED_ACTIVE, FREE, PRIVATE, SHARED, EngineSnapshot
+from runtime.snapshot import (
+    CACHED,
+    CACHED_ACTIVE,
+    FREE,
+    PRIVATE,
+    SHARED,
+    EngineSnapshot,
+    KVView,
+)
 
 STYLES = {FREE: ("·", "dim"), PRIVATE: ("█", "green"), SHARED: ("█", "magenta"),
           CACHED: ("▒", "blue"), CACHED_ACTIVE: ("█", "cyan")}
@@ -30,6 +38,14 @@ def host_row(states: bytes, width: int) -> Text:
         char, style = HOST_STYLES[state]
         row.append(char, style=style)
     return row
+
+
+def draft_text(kv: KVView) -> str:
+    """The draft model's share of the pool: every block has a twin in its pool."""
+    target = kv.bytes_per_block
+    share = kv.draft_bytes_per_block / (target + kv.draft_bytes_per_block)
+    return (f"each block + draft twin: {human_bytes(target)} + "
+            f"{human_bytes(kv.draft_bytes_per_block)} ({share:.0%} draft: {kv.draft_model})")
 
 
 def switch_text(sw: dict) -> str:
@@ -77,7 +93,8 @@ class KVMapPanel(SnapshotPanel):
         switch = switch_text(kv_switches[-1]) if kv_switches else ""
         switch_rows = -(-len(switch) // width) if switch else 0
         host = snap.transfers is not None and snap.transfers.host_blocks > 0
-        rows = max(self.size.height - 5 - switch_rows - (2 if host else 0), 1)
+        rows = max(self.size.height - 5 - switch_rows - (2 if host else 0)
+                   - (1 if kv.draft_bytes_per_block else 0), 1)
         cells = width * rows
         per_cell = max(-(-kv.num_blocks // cells), 1)
         highlight: set[int] = set()
@@ -110,6 +127,8 @@ class KVMapPanel(SnapshotPanel):
         sel = f" · highlighted: {self.selected}" if highlight else ""
         self.grid = grid
         lines = [legend, Text(scale + sel, style="dim")]
+        if kv.draft_bytes_per_block:
+            lines.append(Text(draft_text(kv), style="dim"))
         if switch:
             lines.append(Text(switch, style="yellow"))
         if host:

@@ -1,6 +1,6 @@
 """Speculation panel: the method and draft length, drafts verified, acceptance overall and
-per draft position (a bar each), tokens emitted per verify pass, and the mean time per
-token over speculation rounds (ΣT/ΣN)."""
+per draft position (a bar each), tokens emitted per verify pass, the mean time per token
+over speculation rounds (ΣT/ΣN), and a draft model's name and share of the step time."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ class SpeculationPanel(SnapshotPanel):
     def draw(self, snap: EngineSnapshot) -> None:
         v = snap.speculation
         if v is None or (v.method == "off" and not v.drafts):
-            self.update(Text("Speculative decoding is off (knob speculative_method, "
-                             "--speculative-method ngram).", style="dim"))
+            hint = "ngram or draft" if v is not None and v.draft_model else "ngram"
+            self.update(Text(f"Speculative decoding is off (knob speculative_method, "
+                             f"--speculative-method {hint}).", style="dim"))
             return
         self.border_subtitle = f"{v.method}, k = {v.num_speculative_tokens}"
         lines = [Text(f"{v.drafts:,} drafts · {v.draft_tokens:,} draft tokens"),
@@ -30,6 +31,12 @@ class SpeculationPanel(SnapshotPanel):
         if v.seconds_per_token:
             lines.append(Text(f"{v.seconds_per_token * 1e3:,.2f} ms per token (ΣT/ΣN)",
                               style="dim"))
+        if v.draft_model:
+            share = v.draft_seconds / v.step_seconds if v.step_seconds else 0.0
+            lines.append(Text(f"draft: {v.draft_model}", style="dim"))
+            if v.draft_seconds:
+                lines.append(Text(f"drafting {v.draft_seconds:,.1f} s, {share:.0%} of its "
+                                  "steps' time", style="dim"))
         for i, rate in enumerate(v.per_position):
             filled = round(rate * BAR)
             bar = Text(f"pos {i + 1:>2} ")

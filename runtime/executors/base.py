@@ -42,13 +42,26 @@ class Executor(Protocol):
     """Where `link_bandwidth` comes from, in a few words (shown beside it)."""
     offload_gain_bytes: int
     """Device bytes weight offload frees for the KV pool (offloaded − buffer bytes)."""
+    draft_model_name: str
+    """The draft model `speculative_method = draft` uses ("" without one)."""
 
     def kv_bytes_per_token(self, kv_format: str) -> int:
         """Bytes of K and V one token occupies across all layers in `kv_format`."""
         ...
 
+    def draft_kv_bytes_per_token(self, kv_format: str) -> int:
+        """Bytes of the draft model's KV per token (0 without one). Each block id also
+        names a twin block of this size in the draft's pool, so the engine sizes the pool
+        from the sum."""
+        ...
+
+    def estimate_draft_seconds(self, num_rows: int) -> float:
+        """Predicted time of one draft-model pass over `num_rows` rows (draft length rule)."""
+        ...
+
     def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
-        """Create (or size) the physical KV pool the block tables index into."""
+        """Create (or size) the physical KV pool the block tables index into (and the draft
+        model's twin pool, if any)."""
         ...
 
     def bind_host_kv(self, num_blocks: int) -> None:
@@ -101,7 +114,9 @@ class Executor(Protocol):
     def propose(self, req, k: int, knobs) -> list[int]:
         """Up to `k` draft tokens to follow `req`'s last token under `knobs`'
         `speculative_method` (speculative decoding; a plan chunk then carries them in
-        `draft` and `execute` returns the verified tokens in `StepResult.spec`)."""
+        `draft` and `execute` returns the verified tokens in `StepResult.spec`). Not called
+        under `draft`: a chunk then plans `num_draft` positions and `execute` drafts them
+        with the draft model first, filling `draft`."""
         ...
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,

@@ -153,6 +153,20 @@ class PrefillChunk:
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class BatchRow:
+    """One sequence's rows in a step: `tokens` at positions `start, start + 1, …` of the
+    sequence whose block table is `table`."""
+
+    tokens: list[int]
+    start: int
+    table: list[int]
+    sample_id: str | None = None
+    """Sample at the last row, reported under this id (None: no sample)."""
+    verify: bool = False
+    """Every row is scored (a speculating chunk: `PagedBatch.verify`)."""
+
+
 @dataclass
 class PagedBatch:
     """Index tensors for one step, built once and used by every layer."""
@@ -174,6 +188,25 @@ class PagedBatch:
     @classmethod
     def build(cls, plan: SchedulerOutput, block_size: int, windows: set[int | None],
               device: torch.device) -> PagedBatch:
+        """The batch for a plan: each chunk's tokens from its request, a speculating chunk's
+        last known token followed by its draft."""
+        rows = []
+        for c in plan.chunks:
+            req, start, n = c.request, c.start, c.num_new_tokens
+            if c.num_draft:  # the last known token, then the draft: a causal chunk of 1 + k
+                assert len(c.draft) == c.num_draft, "a speculating chunk reached the " \
+                    "executor without its draft"
+                toks = [*req.token_slice(start, start + 1), *c.draft]
+                rows.append(BatchRow(toks, start, c.block_table, None, True))
+            else:
+                rows.append(BatchRow(req.token_slice(start, start + n), start, c.block_table,
+                                     c.request_id if c.sample else None))
+        return cls.from_rows(rows, block_size, windows, device)
+
+    @classmethod
+    def from_rows(cls, batch_rows: list[BatchRow], block_size: int, windows: set[int | None],
+                  device: torch.device) -> PagedBatch:
+        """The batch for explicit rows (a draft model's passes use this directly)."""
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -186,22 +219,19 @@ class PagedBatch:
         verify: list[tuple[int, int]] = []
         context = 0
         p = block_size
-        for index, c in enumerate(plan.chunks):
+        for index, r in enumerate(batch_rows):
             row = len(tokens)
-            req, table, start, n = c.request, c.block_table, c.start, c.num_new_tokens
-            if c.draft:  # the last known token, then the draft: a causal chunk of 1 + k
-                tokens.extend(req.token_slice(start, start + 1))
-                tokens.extend(c.draft)
+            table, start, n = r.table, r.start, len(r.tokens)
+            tokens.extend(r.tokens)
+            if r.verify:
                 verify.append((index, row))
-            else:
-                tokens.extend(req.token_slice(start, start + n))
             for pos in range(start, start + n):
                 positions.append(pos)
                 slots.append(table[pos // p] * p + pos % p)
             context += start + n
-            if c.sample and not c.draft:
+            if r.sample_id is not None:
                 sample_rows.append(row + n - 1)
-                sample_ids.append(c.request_id)
+                sample_ids.append(r.sample_id)
             nb = -(-(start + n) // p)
             if n == 1:
                 dec_rows.append(row)

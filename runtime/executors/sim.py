@@ -27,6 +27,7 @@ from runtime.records import Transfer
 from runtime.snapshot import WeightsView
 
 TIMING_MODES = ("fit", "roofline")
+DRAFTING = ("sequential", "parallel")
 _MASK = (1 << 64) - 1
 
 
@@ -56,6 +57,18 @@ class SimConfig:
     spec_acceptance: float = 0.7
     """Speculation what-ifs: the chance each draft token is accepted, given the ones before
     it were (a geometric acceptance profile)."""
+    spec_acceptance_profile: str = ""
+    """Per-position acceptance instead, comma-separated: `a_1,a_2,…` the chance draft token
+    j is accepted given the ones before were (positions past the list take its last)."""
+    draft_cost: float = 0.0
+    """A modelled draft model (`speculative_method = draft`): one draft pass costs this
+    fraction of a target step over the same rows (0: no draft model)."""
+    draft_kv_ratio: float = 0.0
+    """The modelled draft's KV bytes per token as a fraction of the target's (its twin
+    blocks take pool memory)."""
+    drafting: str = "sequential"
+    """`sequential`: k draft passes per step, each one token per speculating request;
+    `parallel`: one pass drafts all k positions (a parallel-draft network)."""
     fail_at_step: int | None = None
     """Fault injection: the executor fails for good (as a lost device would) on its n-th
     executed step, so clients, dashboards and the console can be tested against a dying
@@ -70,9 +83,27 @@ class SimConfig:
         check_int("vocab_size", self.vocab_size, 2, 1 << 24)
         check_float("eos_probability", self.eos_probability, 0.0, 1.0)
         check_float("spec_acceptance", self.spec_acceptance, 0.0, 1.0)
+        self.acceptance_profile()  # refuses a malformed list
+        check_float("draft_cost", self.draft_cost, 0.0, 100.0)
+        check_float("draft_kv_ratio", self.draft_kv_ratio, 0.0, 100.0)
+        check_choice("drafting", self.drafting, DRAFTING)
         check_int("eos_token_id", self.eos_token_id, 0, self.vocab_size - 1)
         if self.fail_at_step is not None:
             check_int("fail_at_step", self.fail_at_step, 1, 1 << 40)
+
+    def acceptance_profile(self) -> tuple[float, ...]:
+        """Conditional acceptance per draft position (one entry: every position)."""
+        text = self.spec_acceptance_profile.strip()
+        if not text:
+            return (self.spec_acceptance,)
+        try:
+            values = tuple(float(x) for x in text.split(","))
+        except ValueError:
+            values = (-1.0,)
+        if not values or any(not 0.0 <= v <= 1.0 for v in values):
+            raise ConfigError(f"spec_acceptance_profile must be comma-separated chances from 0 "
+                              f"to 1, like 0.9,0.8,0.7; got {text!r}.")
+        return values
 
 
 GROUP_SHARES = {"attn": 0.25, "ffn": 0.65, "head": 0.10}
@@ -117,6 +148,9 @@ class SimExecutor:
         self.block_size = 16
         self.offload_layers = 0
         self.offload_buffers = 2
+        self._acceptance = config.acceptance_profile()
+        self.draft_model_name = (f"modelled draft ({config.draft_cost:g}× a target step, "
+                                 f"{config.drafting})") if config.draft_cost else ""
 
     def _resolve_fit(self) -> StepFit:
         c = self.config
@@ -295,12 +329,13 @@ class SimExecutor:
         sampled: dict[str, int] = {}
         spec: dict[str, list[int]] = {}
         token = self._token
+        draft_seconds = self._draft_seconds(plan) if self.draft_model_name else 0.0
         for chunk in plan.chunks:
             n, start = chunk.num_new_tokens, chunk.start
             num_new += n
             num_pairs += n * start + n * (n + 1) // 2  # causal_pairs, inlined: hot loop
             context += start + n
-            if chunk.draft:
+            if chunk.num_draft:
                 spec[chunk.request.request_id] = self._verify(chunk)
             elif chunk.sample:
                 sampled[chunk.request.request_id] = token(chunk.request.request_id, start + n)
@@ -313,7 +348,7 @@ class SimExecutor:
         if self.offload_layers and plan.chunks:
             seconds, weights = self._offload_timeline(seconds, copy_seconds)
             transfers.extend(weights)
-        seconds += copy_seconds
+        seconds += copy_seconds + draft_seconds
         timing = StepTiming(
             seconds=seconds, measured=False,
             num_prefill_tokens=plan.num_prefill_tokens,
@@ -321,24 +356,67 @@ class SimExecutor:
             num_pairs=num_pairs,
             bytes_read=self.weight_bytes + context * self._kv_bytes_per_token,
         )
-        return StepResult(sampled, timing, transfers=transfers, spec=spec)
+        return StepResult(sampled, timing, transfers=transfers, draft_seconds=draft_seconds,
+                          spec=spec)
 
     def propose(self, req, k: int, knobs) -> list[int]:
         """Modelled drafts: always `k` tokens (their values do not matter here; acceptance
-        follows `spec_acceptance` in `execute`)."""
+        follows the acceptance profile in `execute`)."""
         return [0] * k
 
+    def draft_kv_bytes_per_token(self, kv_format: str) -> int:
+        """The modelled draft's twin KV per token (`draft_kv_ratio` of the target's)."""
+        if not self.draft_model_name:
+            return 0
+        return round(self.config.draft_kv_ratio * self.model.kv_bytes_per_token(kv_format))
+
+    def estimate_draft_seconds(self, num_rows: int) -> float:
+        """One modelled draft pass over `num_rows` short rows."""
+        return self.config.draft_cost * self.estimate_step_seconds(num_rows, num_rows, num_rows)
+
+    def _draft_seconds(self, plan: SchedulerOutput) -> float:
+        """The modelled draft model's time in this step: it fills the drafts of chunks that
+        plan positions without tokens, and under `speculative_method = draft` keeps up with
+        the step's other chunks (their tokens ride in its first pass). Sequential drafting
+        runs one pass per draft position; parallel drafting one pass for all of them. Each
+        pass costs `draft_cost` × the target's step time over the same rows."""
+        drafting = [c for c in plan.chunks if c.num_draft and not c.draft]
+        for c in drafting:
+            c.draft = (0,) * c.num_draft
+        keep_up = [c for c in plan.chunks if not c.num_draft] \
+            if plan.speculative_method == "draft" else []
+        if not drafting and not keep_up:
+            return 0.0
+        new = sum(c.num_new_tokens for c in keep_up)
+        pairs = sum(c.num_pairs for c in keep_up)
+        ctx = sum(c.start + c.num_new_tokens for c in keep_up)
+        est, cost = self.estimate_step_seconds, self.config.draft_cost
+        if self.config.drafting == "parallel":
+            n = sum(c.num_draft for c in drafting)
+            return cost * est(new + n, pairs + sum(c.num_draft * (c.start + 1)
+                                                   for c in drafting),
+                              ctx + sum(c.start + c.num_draft for c in drafting))
+        total = 0.0
+        for j in range(1, max((c.num_draft for c in drafting), default=1) + 1):
+            rows = [c for c in drafting if c.num_draft >= j]
+            if j > 1 and not rows:
+                break
+            total += cost * est(new + len(rows), pairs + sum(c.start + j for c in rows),
+                                ctx + sum(c.start + j for c in rows))
+            new = pairs = ctx = 0  # the kept-up chunks ride in the first pass only
+        return total
+
     def _verify(self, chunk) -> list[int]:
-        """Accept each draft position with probability `spec_acceptance` (a hash of seed,
+        """Accept each draft position with its profile's probability (a hash of seed,
         request and position: deterministic), stop at the first rejection, and emit the
         tokens the request generates at those positions — the same tokens as without
         speculation, as lossless verification must."""
         rid, start = chunk.request.request_id, chunk.start
-        alpha = self.config.spec_acceptance
+        profile = self._acceptance
         accepted = 0
-        for i in range(len(chunk.draft)):
+        for i in range(chunk.num_draft):
             u = splitmix64((self.seed << 40) ^ zlib.crc32(rid.encode()) ^ ((start + i) << 8))
-            if (u >> 11) / float(1 << 53) >= alpha:
+            if (u >> 11) / float(1 << 53) >= profile[min(i, len(profile) - 1)]:
                 break
             accepted += 1
         return [self._token(rid, start + 1 + j) for j in range(accepted + 1)]

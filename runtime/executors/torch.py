@@ -41,6 +41,7 @@ from runtime.records import Transfer
 from runtime.resources import cache_dir
 from runtime.sampling import sample, sample_draft
 from runtime.snapshot import WeightsView
+from runtime.spec.draft_model import DraftModel
 from runtime.spec.ngram import propose_ngram
 from runtime.spec.verify import verify_greedy
 
@@ -82,7 +83,7 @@ class TorchExecutor:
                  threads: int | None = None, seed: int = 0, record_logits: bool = False,
                  greedy_shortlist: bool = True, int4_group_size: int = 32,
                  int8_group_size: int = 64, weight_activations: str = "measured",
-                 kernel_cache: Path | None = None):
+                 kernel_cache: Path | None = None, draft_model: str | Path | None = None):
         """`int4_group_size`: inputs per scale/zero pair of int4 weights (32, 64, 128 or
         256); `int8_group_size`: inputs per scale of int8 weights (0: one per output channel;
         see `WeightOnlyInt8` for why 64). `weight_activations`: the dtype int8/int4 matrices
@@ -91,7 +92,9 @@ class TorchExecutor:
         97.0 % of top-1 tokens with fp32 activations, 95.5 % with bf16). `kernel_cache`:
         where the kernel micro-benchmark is cached (default
         `$KVDECK_CACHE/kernels`). Weights start dense in the compute dtype; the engine
-        applies its `weight_format` knob through `set_weight_formats`."""
+        applies its `weight_format` knob through `set_weight_formats`. `draft_model`: a
+        GGUF with the same tokenizer, loaded beside the target for `speculative_method =
+        draft` (`runtime/spec/draft_model.py`)."""
         self.device = pick_device(device)
         dtype = dtype or default_dtype(self.device)
         if dtype not in DTYPES:
@@ -120,9 +123,12 @@ class TorchExecutor:
             self._update_shortlist()
             if self.device.type != "cpu":
                 self._masters_to_host()
+            self.draft = DraftModel(draft_model, g, self.device, DTYPES[dtype], seed) \
+                if draft_model is not None else None
             self.load_seconds = time.perf_counter() - t0
         finally:
             g.close()
+        self.draft_model_name = self.draft.name if self.draft is not None else ""
         info = self.cfg.info
         self.model_name = info.name
         self.max_model_len = info.context_length
@@ -393,6 +399,17 @@ class TorchExecutor:
         get_codec(kv_format, self.cfg.info.head_dim, self.device)  # refuses what cannot be
         return self.cfg.info.kv_bytes_per_token(kv_format)
 
+    def draft_kv_bytes_per_token(self, kv_format: str) -> int:
+        """Bytes of the draft model's twin KV per token (0 without a draft model)."""
+        if self.draft is None:
+            return 0
+        get_codec(kv_format, self.draft.cfg.info.head_dim, self.device)
+        return self.draft.kv_bytes_per_token(kv_format)
+
+    def estimate_draft_seconds(self, num_rows: int) -> float:
+        """One draft-model pass over `num_rows` rows (0 without a draft model)."""
+        return self.draft.pass_seconds(num_rows) if self.draft is not None else 0.0
+
     def bind_host_kv(self, num_blocks: int) -> None:
         """(Re)create the host tier's storage, `num_blocks` blocks in the pool's format
         (pinned beside a CUDA pool); its contents start empty."""
@@ -410,6 +427,9 @@ class TorchExecutor:
         self.kv_format = kv_format
         self.kv = PagedKVCache(info.num_layers, num_blocks, block_size, info.num_kv_heads,
                                info.head_dim, codec, self.device)
+        if self.draft is not None:
+            self.draft.bind(num_blocks, block_size,
+                            get_codec(kv_format, self.draft.cfg.info.head_dim, self.device))
 
     @torch.inference_mode()
     def convert_kv(self, kv_format: str, num_blocks: int, src: list[int], dst: list[int]
@@ -422,6 +442,9 @@ class TorchExecutor:
         old = self.kv
         self.host_kv = None  # emptied by the engine; re-bound in the new format
         self.kv = old.convert(codec, num_blocks, src, dst)
+        if self.draft is not None:  # block ids moved: the twins are recomputed as needed
+            self.draft.bind(num_blocks, old.block_size,
+                            get_codec(kv_format, self.draft.cfg.info.head_dim, self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
@@ -458,6 +481,10 @@ class TorchExecutor:
         t0 = time.perf_counter()
         transfers = self._transfer_blocks(plan.transfers, t0) if plan.transfers else []
         self.kv.copy_blocks(plan.cow_copies)
+        draft_seconds, q = 0.0, {}
+        if self.draft is not None:
+            self.draft.copy_blocks(plan.cow_copies)
+            draft_seconds, q = self.draft.run(plan)
         batch = PagedBatch.build(plan, self.kv.block_size, self._windows, self.device)
         cfg, kv = self.cfg, self.kv
 
@@ -469,7 +496,7 @@ class TorchExecutor:
         logprobs: dict = {}
         shortlisted = False
         if batch.sample_ids:
-            reqs = [c.request for c in plan.chunks if c.sample and not c.draft]
+            reqs = [c.request for c in plan.chunks if c.sample and not c.num_draft]
             rows = hidden[batch.sample_rows]
             plain_greedy = not self.record_logits and all(
                 r.sampling.temperature == 0.0 and r.sampling.logprobs is None for r in reqs)
@@ -486,7 +513,7 @@ class TorchExecutor:
                 sampled = dict(zip(batch.sample_ids, tokens, strict=True))
                 logprobs = {rid: lp for rid, lp in zip(batch.sample_ids, lps, strict=True)
                             if lp is not None}
-        spec = self._verify(plan, batch, hidden) if batch.verify else {}
+        spec = self._verify(plan, batch, hidden, q) if batch.verify else {}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
@@ -496,17 +523,21 @@ class TorchExecutor:
         weights = self.model.matrix_weight_bytes
         if shortlisted:  # the int8 copy of the head was read instead of the float one
             weights += self.model.shortlist_head.num_bytes - self.model.head.num_bytes
+        if draft_seconds:
+            weights += self.draft.weight_bytes * self.draft.last_passes
         timing = StepTiming(seconds, True, plan.num_prefill_tokens, plan.num_decode_tokens,
                             plan.num_pairs, weights + kv_read)
-        if not transfers:  # copies would blur the compute model
-            self.timing.observe(batch.tokens.numel(), timing.num_pairs, seconds)
-        return StepResult(sampled, timing, logprobs=logprobs, transfers=transfers, spec=spec)
+        if not transfers:  # copies would blur the compute model; drafting has its own
+            self.timing.observe(batch.tokens.numel(), timing.num_pairs, seconds - draft_seconds)
+        return StepResult(sampled, timing, logprobs=logprobs, transfers=transfers,
+                          draft_seconds=draft_seconds, spec=spec)
 
-    def _verify(self, plan: SchedulerOutput, batch: PagedBatch, hidden: torch.Tensor
-                ) -> dict[str, list[int]]:
+    def _verify(self, plan: SchedulerOutput, batch: PagedBatch, hidden: torch.Tensor,
+                q: dict[str, torch.Tensor]) -> dict[str, list[int]]:
         """Each speculating chunk's emitted tokens: its `1 + k` rows scored, the draft kept
-        by the lossless rule. Greedy takes the argmax exactly as plain decoding does (the
-        int8 shortlist rescored in float where there is one)."""
+        by the lossless rule (`q`: the draft model's distributions per sampling request).
+        Greedy takes the argmax exactly as plain decoding does (the int8 shortlist rescored
+        in float where there is one)."""
         out: dict[str, list[int]] = {}
         for index, row in batch.verify:
             chunk = plan.chunks[index]
@@ -519,7 +550,7 @@ class TorchExecutor:
                 out[req.request_id] = verify_greedy(best, draft)[0]
             else:
                 out[req.request_id] = sample_draft(self.model.logits(rows), req, draft,
-                                                   self.seed)
+                                                   self.seed, q.get(req.request_id))
         return out
 
     def propose(self, req, k: int, knobs) -> list[int]:
@@ -546,11 +577,15 @@ class TorchExecutor:
         return out
 
     def forget(self, request_id: str) -> None:
-        """Nothing is kept per request: KV lives in blocks the engine's tables own, and
-        samplers are seeded afresh from (seed, position) for every token."""
+        """KV lives in blocks the engine's tables own, and samplers are seeded afresh from
+        (seed, position) for every token; only a draft model's progress is kept."""
+        if self.draft is not None:
+            self.draft.forget(request_id)
 
     def close(self) -> None:
         self.kv = None
+        if self.draft is not None:
+            self.draft.kv = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -49,6 +49,9 @@ class LazyArray:
     value_type: int
     count: int
     offset: int
+    """Where the array's elements start in the file."""
+    end: int = 0
+    """Where they end."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,16 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
+    def strings(self, key: str) -> list[str]:
+        """A string-array metadata value in full (a large one is read from the file now)."""
+        value = self.get(key)
+        if not isinstance(value, LazyArray):
+            return list(value or [])
+        assert self._mmap is not None and value.value_type == _STRING
+        cur = _Cursor(memoryview(self._mmap)[:value.end], self.path)
+        cur.pos = value.offset
+        return [cur.string() for _ in range(value.count)]
+
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The raw bytes of one tensor as a read-only uint8 view into the memory map."""
         info = self.tensors[name]
@@ -156,13 +169,13 @@ def _read_value(cur: _Cursor, value_type: int) -> Any:
         if elem_type not in _SCALARS and elem_type != _STRING:  # nested arrays: not in models
             raise ModelFileError(f"{cur.path} has a metadata array of unknown type {elem_type}.")
         if count > MAX_EAGER_ARRAY:
-            lazy = LazyArray(elem_type, count, cur.pos)
+            start = cur.pos
             if elem_type == _STRING:
                 for _ in range(count):
                     cur.skip_string()
             else:
                 cur.take(count * _SCALARS[elem_type][1])
-            return lazy
+            return LazyArray(elem_type, count, start, cur.pos)
         return [_read_value(cur, elem_type) for _ in range(count)]
     raise ModelFileError(f"{cur.path} has a metadata value of unknown type {value_type}.")
 

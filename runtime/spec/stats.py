@@ -30,6 +30,12 @@ class SpeculationView:
     accepted_per_pos: tuple[int, ...]
     seconds_per_token: float
     """ΣT/ΣN over speculation rounds: each round's step time over the tokens it emitted."""
+    draft_seconds: float = 0.0
+    """Time a draft model spent drafting, in all (part of the steps' times)."""
+    step_seconds: float = 0.0
+    """Time of the steps it drafted in, in all (the draft's share is the ratio)."""
+    draft_model: str = ""
+    """The draft model's name ("" without one)."""
 
 
 class SpecStats:
@@ -45,6 +51,13 @@ class SpecStats:
         self.drafts_per_pos = [0] * MAX_POSITIONS
         """How often a draft reached position i (had at least i + 1 tokens)."""
         self.round_seconds = 0.0
+        self.draft_seconds = 0.0
+        self.draft_step_seconds = 0.0
+
+    def on_draft_step(self, draft_seconds: float, step_seconds: float) -> None:
+        """A step in which a draft model ran for `draft_seconds` of its `step_seconds`."""
+        self.draft_seconds += draft_seconds
+        self.draft_step_seconds += step_seconds
 
     def on_round(self, num_draft: int, accepted: int, emitted: int, seconds: float) -> None:
         """One request's round: `seconds` is the step's time (every request in a step waits
@@ -73,19 +86,22 @@ class SpecStats:
         return [a / d for a, d in zip(self.accepted_per_pos, self.drafts_per_pos, strict=True)
                 if d]
 
-    def view(self, method: str, k: int) -> SpeculationView:
+    def view(self, method: str, k: int, draft_model: str = "") -> SpeculationView:
         emitted = self.num_emitted_tokens
         return SpeculationView(
             method, k, self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
             emitted, self.acceptance_rate, self.mean_accepted_length,
             tuple(self.per_position()), tuple(self.accepted_per_pos),
-            self.round_seconds / emitted if emitted else 0.0)
+            self.round_seconds / emitted if emitted else 0.0,
+            self.draft_seconds, self.draft_step_seconds, draft_model)
 
     def to_json(self) -> dict:
         return {"drafts": self.num_drafts, "draft_tokens": self.num_draft_tokens,
                 "accepted": self.num_accepted_tokens, "emitted": self.num_emitted_tokens,
                 "accepted_per_pos": list(self.accepted_per_pos),
-                "drafts_per_pos": list(self.drafts_per_pos), "seconds": self.round_seconds}
+                "drafts_per_pos": list(self.drafts_per_pos), "seconds": self.round_seconds,
+                "draft_seconds": self.draft_seconds,
+                "draft_step_seconds": self.draft_step_seconds}
 
     def load(self, d: dict) -> None:
         self.num_drafts, self.num_draft_tokens = d["drafts"], d["draft_tokens"]
@@ -93,3 +109,5 @@ class SpecStats:
         self.accepted_per_pos = list(d["accepted_per_pos"])
         self.drafts_per_pos = list(d["drafts_per_pos"])
         self.round_seconds = d["seconds"]
+        self.draft_seconds = d.get("draft_seconds", 0.0)
+        self.draft_step_seconds = d.get("draft_step_seconds", 0.0)

@@ -45,3 +45,36 @@ async def test_a_recording_with_speculation_replays_panel_for_panel(tmp_path) ->
     assert all(s.speculation.drafts for s in shown.values())
     (run,) = (tmp_path / "runs").iterdir()
     await replay_equals_live(run, shown)
+
+
+DRAFT = {"speculative_method": "draft", "num_speculative_tokens": 3,
+         "spec_acceptance_profile": "0.9,0.7,0.5", "draft_cost": 0.1, "draft_kv_ratio": 0.25}
+
+
+async def test_a_draft_model_shows_in_the_panel_and_the_kv_map(tmp_path) -> None:
+    from console.widgets.kv_map import KVMapPanel
+
+    app = make_demo_app(tmp_path / "runs", **DRAFT)
+    async with app.run_test(size=(160, 48)) as pilot:
+        advance(app, 80)
+        await pilot.pause()
+        snap = app.engine.snapshot()
+        v = snap.speculation
+        assert v.drafts > 0 and v.draft_seconds > 0
+        text = " ".join(panel_text(app.query_one(SpeculationPanel)).split())
+        assert "draft, k = 3" in text
+        assert "draft: modelled draft (0.1× a target step, sequential)" in text
+        share = v.draft_seconds / v.step_seconds
+        assert f"drafting {v.draft_seconds:,.1f} s, {share:.0%} of its steps' time" in text
+        kv = " ".join(panel_text(app.query_one(KVMapPanel)).split())
+        # Qwen3-8B: 144 KiB of KV per token; the modelled draft's twin is a quarter of it.
+        assert snap.kv.draft_bytes_per_block == snap.kv.bytes_per_block // 4
+        assert "each block + draft twin:" in kv and "(20% draft: modelled draft" in kv
+
+
+async def test_a_recording_with_a_draft_model_replays_panel_for_panel(tmp_path) -> None:
+    live = make_demo_app(tmp_path / "runs", **DRAFT)
+    shown = await record_live(live, steps_before=60, steps=30)
+    assert all(s.speculation.draft_seconds for s in shown.values())
+    (run,) = (tmp_path / "runs").iterdir()
+    await replay_equals_live(run, shown)

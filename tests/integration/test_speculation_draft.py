@@ -1,0 +1,195 @@
+"""Speculative decoding with a draft model (`runtime/spec/draft_model.py`) on tiny models:
+lossless greedy output inside a mixed batch; a draft identical to the target has every
+greedy draft accepted — through prefix-cache hits, preemption, copy-on-write and rollback,
+so the draft's twin KV is right after each of them; no block leaks under random stops and
+aborts; seeded sampling reproducible; the pool sized from target + draft bytes; a draft
+with another vocabulary, or `draft` without a draft model, refused with a sentence. The
+sim's modelled draft: sequential drafting costs more than parallel, and a run with it
+replays record for record."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from runtime.config import EngineConfig, Knobs
+from runtime.engine import Engine
+from runtime.errors import ConfigError
+from runtime.executors.sim import SimConfig, SimExecutor
+from runtime.executors.torch import TorchExecutor
+from runtime.plan import ScheduledChunk, SchedulerOutput
+from runtime.recording import read_run, record_headless
+from runtime.replay import Replay
+from runtime.request import Request, SamplingParams
+from tests.factories import TinySpec, write_tiny_gguf
+from tests.integration.test_engine_sim import drive, view_of
+
+TARGET = TinySpec(arch="llama", head_dim=32, num_heads=2, num_kv_heads=1, hidden=64, vocab=64)
+DRAFT = TinySpec(arch="llama", num_layers=1, head_dim=16, num_heads=2, num_kv_heads=1,
+                 hidden=32, ffn=64, vocab=64, seed=3)
+PROMPTS = [[3 + (j * (i + 2)) % 50 for j in range(20 + 7 * i)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("draft")
+    return write_tiny_gguf(d / "target.gguf", TARGET), write_tiny_gguf(d / "draft.gguf", DRAFT)
+
+
+def engine(target: Path, draft: Path | None, method: str, num_blocks: int = 200,
+           **knobs) -> Engine:
+    ex = TorchExecutor(target, device="cpu", dtype="fp32", weight_activations="fp32",
+                       draft_model=draft)
+    return Engine(EngineConfig(block_size=4, num_blocks=num_blocks, knobs=Knobs(
+        speculative_method=method, max_num_batched_tokens=96, chunk_size=32,
+        weight_format="dense", **knobs)), ex)
+
+
+def run(e: Engine, requests) -> dict:
+    for rid, prompt, sp in requests:
+        e.add_request(prompt, sp, request_id=rid)
+    while e.has_work:
+        e.step()
+        e.check_integrity()
+    return {r.request_id: list(r.output_token_ids) for r in e.completed}
+
+
+def test_draft_model_greedy_is_lossless_in_a_mixed_batch(models) -> None:
+    target, draft = models
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0)
+    requests = [(f"r{i}", p, greedy if i % 2 == 0 else plain) for i, p in enumerate(PROMPTS)]
+    expected = run(engine(target, None, "off"), requests)
+    e = engine(target, draft, "draft", draft_length="fixed")
+    assert run(e, requests) == expected
+    stats = e.scheduler.spec
+    # Fixed length: 4 positions a round, fewer only where max_tokens leaves less room.
+    assert stats.num_drafts > 10
+    assert 3 * stats.num_drafts < stats.num_draft_tokens <= 4 * stats.num_drafts
+    assert stats.draft_seconds > 0 and stats.draft_step_seconds > stats.draft_seconds
+    view = e.snapshot().speculation
+    assert view.draft_model == "tiny-llama" and view.drafts == stats.num_drafts
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted_through_hits_and_preemption(
+        models) -> None:
+    """The draft's KV must be exactly the target's computation for every position it
+    keeps: after prefix-cache hits (a shared prompt), preemption in a small pool, and
+    rollback. A wrong twin block would show as a rejected draft."""
+    target, _ = models
+    shared = PROMPTS[3][:16]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    requests = [(f"s{i}", shared + [5 + i, 7 + i], greedy) for i in range(6)]
+    expected = run(engine(target, None, "off", num_blocks=40), requests)
+    e = engine(target, target, "draft", num_blocks=40, draft_length="fixed",
+               num_speculative_tokens=3)
+    assert run(e, requests) == expected
+    assert e.kv.tree.num_hit_tokens > 0 and e.scheduler.num_preemptions > 0
+    stats = e.scheduler.spec
+    assert stats.num_draft_tokens > 50
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_draft_rollback_leaks_nothing_under_stops_and_aborts(models) -> None:
+    target, draft = models
+    rng = random.Random(3)
+    e = engine(target, draft, "draft", num_blocks=60, num_speculative_tokens=5)
+    for i in range(100):
+        prompt = PROMPTS[i % 4][:rng.randrange(8, 24)]
+        sp = SamplingParams(temperature=rng.choice((0.0, 0.8)), max_tokens=rng.randrange(4, 30),
+                            stop_token_ids=(rng.randrange(3, 12),), seed=i)
+        e.add_request(prompt, sp, request_id=f"q{i}")
+    steps = 0
+    while e.has_work:
+        e.step()
+        e.check_integrity()
+        steps += 1
+        if steps % 7 == 0 and e.scheduler.running:
+            e.abort(rng.choice(e.scheduler.running).request_id)
+    assert len(e.completed) == 100 and e.scheduler.spec.num_drafts > 50
+    assert not e.executor.draft.done  # per-request draft progress is forgotten at the end
+    kv = e.kv
+    assert not kv.tables and kv.pool.num_used == kv.tree.num_nodes
+    kv.clear_cache()
+    assert kv.pool.num_free == kv.num_blocks
+
+
+def test_seeded_sampling_with_a_draft_model_is_reproducible(models) -> None:
+    target, draft = models
+    sp = SamplingParams(temperature=0.9, top_k=20, max_tokens=24, seed=5, ignore_eos=True)
+    requests = [(f"s{i}", p, sp) for i, p in enumerate(PROMPTS)]
+    first = run(engine(target, draft, "draft"), requests)
+    assert run(engine(target, draft, "draft"), requests) == first
+    assert all(len(t) == 24 for t in first.values())
+
+
+def test_the_pool_holds_target_and_draft_kv(models) -> None:
+    target, draft = models
+    ex = TorchExecutor(target, device="cpu", dtype="fp32", draft_model=draft)
+    budget = 1 << 20
+    e = Engine(EngineConfig(block_size=4, kv_memory_bytes=budget), ex)
+    kt, kd = ex.kv_bytes_per_token("fp16"), ex.draft_kv_bytes_per_token("fp16")
+    assert kd == 2 * DRAFT.num_layers * DRAFT.num_kv_heads * DRAFT.head_dim * 2
+    assert e.kv.num_blocks == budget // (4 * (kt + kd))
+    view = e.snapshot().kv
+    assert view.draft_bytes_per_block == 4 * kd and view.bytes_per_block == 4 * kt
+    assert ex.draft.kv.num_blocks == e.kv.num_blocks
+
+
+def test_mismatched_vocabularies_and_a_missing_draft_are_refused(models, tmp_path) -> None:
+    target, _ = models
+    other = write_tiny_gguf(tmp_path / "other.gguf", TinySpec(vocab=96))
+    with pytest.raises(ConfigError, match=r"^The draft model tiny-llama \(other.gguf\) and the "
+                       r"target tiny-llama \(target.gguf\) have different vocabularies "
+                       r"\(96 tokens against 64\); a draft model must share"):
+        TorchExecutor(target, device="cpu", draft_model=other)
+    e = engine(target, None, "off")
+    with pytest.raises(ConfigError, match="speculative_method draft needs a draft model; "
+                                          "start with --draft-model"):
+        e.set_knobs(speculative_method="draft")
+
+
+def _sim_draft_seconds(drafting: str, k: int) -> float:
+    ex = SimExecutor(SimConfig(draft_cost=0.1, drafting=drafting))
+    plan = SchedulerOutput(step=1, time=0.0, speculative_method="draft")
+    for i in range(8):
+        req = Request(f"r{i}", list(range(100)), SamplingParams(max_tokens=50))
+        req.num_computed_tokens = 99
+        plan.chunks.append(ScheduledChunk(req, 1 + k, 99, list(range(7)), True, (), k))
+    return ex._draft_seconds(plan)
+
+
+def test_sim_sequential_drafting_costs_a_pass_per_position() -> None:
+    one = _sim_draft_seconds("sequential", 1)
+    assert _sim_draft_seconds("sequential", 4) == pytest.approx(4 * one, rel=0.05)
+    # One pass for all positions: on the fitted model, the fixed cost is paid once.
+    assert _sim_draft_seconds("parallel", 4) < 1.2 * one
+
+
+def test_sim_draft_model_what_if_is_recorded_and_replayed(tmp_path: Path) -> None:
+    ex = SimExecutor(SimConfig(eos_probability=0.02, spec_acceptance_profile="0.9,0.7,0.5",
+                               draft_cost=0.15, draft_kv_ratio=0.25), seed=3)
+    e = Engine(EngineConfig(block_size=8, kv_memory_bytes=2 << 30, seed=3, knobs=Knobs(
+        max_num_batched_tokens=512, chunk_size=128, speculative_method="draft",
+        num_speculative_tokens=3, draft_length="fixed")), ex)
+    assert e.kv.num_blocks == (2 << 30) // (8 * round(1.25 * ex.kv_bytes_per_token("fp16")))
+    rec = record_headless(e, tmp_path)
+    for i in range(12):
+        e.add_request(list(range(5 + i, 70 + i)), SamplingParams(max_tokens=30),
+                      request_id=f"r{i}", arrival_time=0.01 * i)
+    live: list[dict] = []
+    drive(e, 100_000, live)
+    rec.close()
+    stats = e.scheduler.spec
+    rates = stats.per_position()
+    assert rates[0] > rates[1] > rates[2]  # the profile, position by position
+    assert stats.draft_seconds > 0
+    replay = Replay(*read_run(tmp_path))
+    state = replay.initial_state()
+    for record, expected in zip(replay.steps, live, strict=True):
+        state.apply(record)
+        assert view_of(state.snapshot()) == expected
+    assert state.snapshot().speculation == e.snapshot().speculation
+    assert state.snapshot().kv.draft_bytes_per_block == e.snapshot().kv.draft_bytes_per_block
