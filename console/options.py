@@ -80,7 +80,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("device", ("--device",), str, "auto, cpu, cuda, cuda:N or mps (torch).", EXECUTOR),
     Flag("dtype", ("--dtype",), str, "fp32, bf16, fp16, int8, int8-head (torch; default per "
          "device).", EXECUTOR),
-    Flag("threads", ("--threads",), int, "CPU threads (torch).", EXECUTOR),
+    Flag("threads", ("--threads",), int, "CPU threads (torch, llama_cpp).", EXECUTOR),
+    Flag("n_gpu_layers", ("--n-gpu-layers",), int, "Layers offloaded to the GPU (llama_cpp "
+         "with a Metal or CUDA build; -1: all; default 0).", EXECUTOR),
     Flag("int4_group_size", ("--int4-group-size",), int,
          "Inputs per scale of int4 weights: 32, 64, 128, 256 (torch; default 32).", EXECUTOR),
     Flag("int8_group_size", ("--int8-group-size",), int,

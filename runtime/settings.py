@@ -29,7 +29,7 @@ from runtime.config import (
 from runtime.errors import ConfigError
 from runtime.executors.sim import SimConfig
 
-EXECUTORS = ("sim", "torch")
+EXECUTORS = ("sim", "torch", "llama_cpp")
 GIB = 1 << 30
 
 EXECUTOR_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -40,6 +40,9 @@ EXECUTOR_DEFAULTS: dict[str, dict[str, Any]] = {
     # micro-benchmark finds fastest for one request (`runtime/models/kernels.py`).
     "torch": {"kv_memory_bytes": GIB // 2, "kv_format": "fp16",
               "max_num_batched_tokens": 512, "chunk_size": 256, "weight_format": "measured"},
+    # llama.cpp runs the GGUF's own quantized weights; its batches take more tokens.
+    "llama_cpp": {"kv_memory_bytes": GIB // 2, "kv_format": "fp16",
+                  "max_num_batched_tokens": 512, "chunk_size": 256, "weight_format": "dense"},
 }
 """Per-executor defaults that differ from the dataclasses' own."""
 
@@ -63,6 +66,8 @@ class SessionOptions:
     """Sim behind the console or the API: virtual seconds per wall second."""
     served_model_name: str | None = None
     """The model id the API serves (default: the model's name)."""
+    n_gpu_layers: int = 0
+    """llama_cpp: layers offloaded to the GPU (a Metal or CUDA build; -1: all)."""
     draft_model: str | None = None
     """Torch: a smaller model (name or GGUF path) sharing the model's tokenizer, loaded
     for `speculative_method = draft`."""
