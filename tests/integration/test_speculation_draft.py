@@ -176,3 +176,11 @@ def test_sim_draft_model_what_if_is_recorded_and_replayed(tmp_path: Path) -> Non
         assert view_of(state.snapshot()) == expected
     assert state.snapshot().speculation == e.snapshot().speculation
     assert state.snapshot().kv.draft_bytes_per_block == e.snapshot().kv.draft_bytes_per_block
+
+
+def test_sim_draft_settings_without_a_draft_are_refused() -> None:
+    with pytest.raises(ConfigError, match="give it a cost with --draft-cost C too"):
+        SimConfig(drafting="parallel")
+    e = Engine(EngineConfig(num_blocks=64), SimExecutor(SimConfig()))
+    with pytest.raises(ConfigError, match="needs a draft model; start with --draft-cost C"):
+        e.set_knobs(speculative_method="draft")
