@@ -179,7 +179,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("spec_acceptance", ("--spec-acceptance",), float, "Speculation what-ifs: the chance "
          "each draft token is accepted given the ones before were (default 0.7).", SIM),
     Flag("spec_acceptance_profile", ("--spec-acceptance-profile",), str,
-         "Speculation what-ifs per draft position, like 0.9,0.8,0.7 (overrides "
+         "Speculation what-ifs per draft position, like 0.9,0.8,0.7: the chance each is "
+         "accepted given the ones before were; later positions take the last (overrides "
          "--spec-acceptance).", SIM),
     Flag("draft_cost", ("--draft-cost",), float, "A modelled draft model: one draft pass "
          "costs this fraction of a target step (default 0: none; enables "

@@ -260,9 +260,10 @@ class Engine:
                               f"one block ({self.kv.bytes_per_block:,} bytes), or use "
                               "recompute.")
         if knobs.speculative_method == "draft" and not self.executor.draft_model_name:
-            raise ConfigError("speculative_method draft needs a draft model; start with "
-                              "--draft-model PATH (a GGUF sharing the model's tokenizer), or "
-                              "use ngram.")
+            how = "--draft-cost C (a modelled draft)" if self.executor.name == "sim" else \
+                "--draft-model NAME|PATH (a GGUF sharing the model's tokenizer)"
+            raise ConfigError(f"speculative_method draft needs a draft model; start with "
+                              f"{how}, or use ngram.")
         if knobs.offload_layers > self.executor.num_layers:
             raise ConfigError(f"offload_layers must be from 0 to {self.executor.num_layers} "
                               f"(the model's layers), got {knobs.offload_layers}.")

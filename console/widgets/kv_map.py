@@ -45,7 +45,7 @@ def draft_text(kv: KVView) -> str:
     target = kv.bytes_per_block
     share = kv.draft_bytes_per_block / (target + kv.draft_bytes_per_block)
     return (f"each block + draft twin: {human_bytes(target)} + "
-            f"{human_bytes(kv.draft_bytes_per_block)} ({share:.0%} draft: {kv.draft_model})")
+            f"{human_bytes(kv.draft_bytes_per_block)} ({share:.0%} for the draft)")
 
 
 def switch_text(sw: dict) -> str:

@@ -33,10 +33,9 @@ class SpeculationPanel(SnapshotPanel):
                               style="dim"))
         if v.draft_model:
             share = v.draft_seconds / v.step_seconds if v.step_seconds else 0.0
-            lines.append(Text(f"draft: {v.draft_model}", style="dim"))
+            lines.append(Text(f"draft model: {v.draft_model}", style="dim"))
             if v.draft_seconds:
-                lines.append(Text(f"drafting {v.draft_seconds:,.1f} s, {share:.0%} of its "
-                                  "steps' time", style="dim"))
+                lines.append(Text(f"drafting: {share:.0%} of step time", style="dim"))
         for i, rate in enumerate(v.per_position):
             filled = round(rate * BAR)
             bar = Text(f"pos {i + 1:>2} ")

@@ -87,6 +87,9 @@ class SimConfig:
         check_float("draft_cost", self.draft_cost, 0.0, 100.0)
         check_float("draft_kv_ratio", self.draft_kv_ratio, 0.0, 100.0)
         check_choice("drafting", self.drafting, DRAFTING)
+        if not self.draft_cost and (self.drafting != "sequential" or self.draft_kv_ratio):
+            raise ConfigError("drafting and draft_kv_ratio describe a modelled draft model; "
+                              "give it a cost with --draft-cost C too.")
         check_int("eos_token_id", self.eos_token_id, 0, self.vocab_size - 1)
         if self.fail_at_step is not None:
             check_int("fail_at_step", self.fail_at_step, 1, 1 << 40)
@@ -149,8 +152,8 @@ class SimExecutor:
         self.offload_layers = 0
         self.offload_buffers = 2
         self._acceptance = config.acceptance_profile()
-        self.draft_model_name = (f"modelled draft ({config.draft_cost:g}× a target step, "
-                                 f"{config.drafting})") if config.draft_cost else ""
+        self.draft_model_name = (f"modelled, {config.draft_cost:g}× target, "
+                                 f"{config.drafting}") if config.draft_cost else ""
 
     def _resolve_fit(self) -> StepFit:
         c = self.config

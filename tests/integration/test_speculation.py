@@ -83,13 +83,17 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny: Path) -> None:
     assert all(len(t) == 32 for t in first.values())
 
 
-def test_rollback_keeps_integrity_and_leaks_nothing_under_stops_and_aborts(tiny: Path) -> None:
-    rng = random.Random(5)
-    e = engine(tiny, "ngram", num_blocks=60, num_speculative_tokens=5)
-    aborted = set()
+def stop_and_abort_storm(e: Engine, prompts: list[list[int]], seed: int,
+                         temperatures: tuple[float, ...]) -> None:
+    """100 speculating requests with random stop tokens, temperatures and lengths, one
+    aborted every 7 steps; integrity after every step; afterwards no block is left but the
+    prefix cache's, and a stop token always ends its request (nothing emitted after it,
+    even mid-draft)."""
+    rng = random.Random(seed)
     for i in range(100):
-        prompt = PROMPTS[i % 4][:rng.randrange(8, 24)]
-        sp = SamplingParams(temperature=rng.choice((0.0, 0.7)), max_tokens=rng.randrange(4, 30),
+        prompt = prompts[i % len(prompts)][:rng.randrange(8, 24)]
+        sp = SamplingParams(temperature=rng.choice(temperatures),
+                            max_tokens=rng.randrange(4, 30),
                             stop_token_ids=(rng.randrange(3, 12),), seed=i)
         e.add_request(prompt, sp, request_id=f"q{i}")
     steps = 0
@@ -98,12 +102,9 @@ def test_rollback_keeps_integrity_and_leaks_nothing_under_stops_and_aborts(tiny:
         e.check_integrity()
         steps += 1
         if steps % 7 == 0 and e.scheduler.running:
-            victim = rng.choice(e.scheduler.running).request_id
-            e.abort(victim)
-            aborted.add(victim)
+            e.abort(rng.choice(e.scheduler.running).request_id)
     assert len(e.completed) == 100 and e.scheduler.spec.num_drafts > 50
     stopped = [r for r in e.completed if r.status.value == "finished_stopped"]
-    # A stop token ends the request even mid-draft: nothing after it was emitted.
     stops = set(e.executor.eos_token_ids)
     assert stopped and all(r.output_token_ids[-1] in set(r.sampling.stop_token_ids) | stops
                            for r in stopped)
@@ -114,6 +115,11 @@ def test_rollback_keeps_integrity_and_leaks_nothing_under_stops_and_aborts(tiny:
     assert not kv.tables and kv.pool.num_used == kv.tree.num_nodes
     kv.clear_cache()
     assert kv.pool.num_free == kv.num_blocks
+
+
+def test_rollback_keeps_integrity_and_leaks_nothing_under_stops_and_aborts(tiny: Path) -> None:
+    stop_and_abort_storm(engine(tiny, "ngram", num_blocks=60, num_speculative_tokens=5),
+                         PROMPTS, 5, (0.0, 0.7))
 
 
 def test_sim_speculation_is_priced_recorded_and_replayed(tmp_path: Path) -> None:

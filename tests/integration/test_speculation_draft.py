@@ -9,7 +9,6 @@ replays record for record."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from runtime.replay import Replay
 from runtime.request import Request, SamplingParams
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.integration.test_engine_sim import drive, view_of
+from tests.integration.test_speculation import stop_and_abort_storm
 
 TARGET = TinySpec(arch="llama", head_dim=32, num_heads=2, num_kv_heads=1, hidden=64, vocab=64)
 DRAFT = TinySpec(arch="llama", num_layers=1, head_dim=16, num_heads=2, num_kv_heads=1,
@@ -94,26 +94,9 @@ def test_a_draft_equal_to_the_target_is_always_accepted_through_hits_and_preempt
 
 def test_draft_rollback_leaks_nothing_under_stops_and_aborts(models) -> None:
     target, draft = models
-    rng = random.Random(3)
     e = engine(target, draft, "draft", num_blocks=60, num_speculative_tokens=5)
-    for i in range(100):
-        prompt = PROMPTS[i % 4][:rng.randrange(8, 24)]
-        sp = SamplingParams(temperature=rng.choice((0.0, 0.8)), max_tokens=rng.randrange(4, 30),
-                            stop_token_ids=(rng.randrange(3, 12),), seed=i)
-        e.add_request(prompt, sp, request_id=f"q{i}")
-    steps = 0
-    while e.has_work:
-        e.step()
-        e.check_integrity()
-        steps += 1
-        if steps % 7 == 0 and e.scheduler.running:
-            e.abort(rng.choice(e.scheduler.running).request_id)
-    assert len(e.completed) == 100 and e.scheduler.spec.num_drafts > 50
+    stop_and_abort_storm(e, PROMPTS, 3, (0.0, 0.8))
     assert not e.executor.draft.done  # per-request draft progress is forgotten at the end
-    kv = e.kv
-    assert not kv.tables and kv.pool.num_used == kv.tree.num_nodes
-    kv.clear_cache()
-    assert kv.pool.num_free == kv.num_blocks
 
 
 def test_seeded_sampling_with_a_draft_model_is_reproducible(models) -> None:
@@ -193,3 +176,11 @@ def test_sim_draft_model_what_if_is_recorded_and_replayed(tmp_path: Path) -> Non
         assert view_of(state.snapshot()) == expected
     assert state.snapshot().speculation == e.snapshot().speculation
     assert state.snapshot().kv.draft_bytes_per_block == e.snapshot().kv.draft_bytes_per_block
+
+
+def test_sim_draft_settings_without_a_draft_are_refused() -> None:
+    with pytest.raises(ConfigError, match="give it a cost with --draft-cost C too"):
+        SimConfig(drafting="parallel")
+    e = Engine(EngineConfig(num_blocks=64), SimExecutor(SimConfig()))
+    with pytest.raises(ConfigError, match="needs a draft model; start with --draft-cost C"):
+        e.set_knobs(speculative_method="draft")

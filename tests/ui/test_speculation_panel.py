@@ -63,13 +63,13 @@ async def test_a_draft_model_shows_in_the_panel_and_the_kv_map(tmp_path) -> None
         assert v.drafts > 0 and v.draft_seconds > 0
         text = " ".join(panel_text(app.query_one(SpeculationPanel)).split())
         assert "draft, k = 3" in text
-        assert "draft: modelled draft (0.1× a target step, sequential)" in text
+        assert "draft model: modelled, 0.1× target, sequential" in text
         share = v.draft_seconds / v.step_seconds
-        assert f"drafting {v.draft_seconds:,.1f} s, {share:.0%} of its steps' time" in text
+        assert f"drafting: {share:.0%} of step time" in text
         kv = " ".join(panel_text(app.query_one(KVMapPanel)).split())
         # Qwen3-8B: 144 KiB of KV per token; the modelled draft's twin is a quarter of it.
         assert snap.kv.draft_bytes_per_block == snap.kv.bytes_per_block // 4
-        assert "each block + draft twin:" in kv and "(20% draft: modelled draft" in kv
+        assert "each block + draft twin:" in kv and "(20% for the draft)" in kv
 
 
 async def test_a_recording_with_a_draft_model_replays_panel_for_panel(tmp_path) -> None:
