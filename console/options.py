@@ -83,6 +83,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("threads", ("--threads",), int, "CPU threads (torch, llama_cpp).", EXECUTOR),
     Flag("n_gpu_layers", ("--n-gpu-layers",), int, "Layers offloaded to the GPU (llama_cpp "
          "with a Metal or CUDA build; -1: all; default 0).", EXECUTOR),
+    Flag("batch_invariant", ("--batch-invariant/--no-batch-invariant",), bool,
+         "llama_cpp: decode each request alone, so batching never changes an output "
+         "(llama.cpp's kernels are not batch-invariant); as slow as serial (default off).",
+         EXECUTOR),
+    Flag("n_parallel", ("--n-parallel",), int, "Slots: the most requests running at once "
+         "(llama_cpp; each gets the KV budget's tokens / N; default 8, and max_num_seqs "
+         "may not exceed it).", EXECUTOR),
     Flag("int4_group_size", ("--int4-group-size",), int,
          "Inputs per scale of int4 weights: 32, 64, 128, 256 (torch; default 32).", EXECUTOR),
     Flag("int8_group_size", ("--int8-group-size",), int,

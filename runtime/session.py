@@ -61,7 +61,9 @@ def build_executor(settings: Settings, sim: SimConfig | None = None,
         from runtime.executors.llama_cpp import LlamaCppExecutor
 
         return LlamaCppExecutor(resolve_model(s.model or DEFAULT_MODEL), threads=s.threads,
-                                n_gpu_layers=s.n_gpu_layers, seed=settings.engine.seed)
+                                n_gpu_layers=s.n_gpu_layers, n_parallel=s.n_parallel,
+                                batch_invariant=s.batch_invariant,
+                                seed=settings.engine.seed)
     from runtime.executors.torch import TorchExecutor
 
     return TorchExecutor(resolve_model(s.model or DEFAULT_MODEL), device=s.device,

@@ -41,7 +41,7 @@ EXECUTOR_DEFAULTS: dict[str, dict[str, Any]] = {
     "torch": {"kv_memory_bytes": GIB // 2, "kv_format": "fp16",
               "max_num_batched_tokens": 512, "chunk_size": 256, "weight_format": "measured"},
     # llama.cpp runs the GGUF's own quantized weights; its batches take more tokens.
-    "llama_cpp": {"kv_memory_bytes": GIB // 2, "kv_format": "fp16",
+    "llama_cpp": {"kv_memory_bytes": GIB // 2, "kv_format": "fp16", "max_num_seqs": 8,
                   "max_num_batched_tokens": 512, "chunk_size": 256, "weight_format": "dense"},
 }
 """Per-executor defaults that differ from the dataclasses' own."""
@@ -68,6 +68,12 @@ class SessionOptions:
     """The model id the API serves (default: the model's name)."""
     n_gpu_layers: int = 0
     """llama_cpp: layers offloaded to the GPU (a Metal or CUDA build; -1: all)."""
+    batch_invariant: bool = False
+    """llama_cpp: decode each request in a call of its own, so batching never changes its
+    output (llama.cpp's kernels are not batch-invariant); as slow as serial decoding."""
+    n_parallel: int = 8
+    """llama_cpp: slots, the most requests running at once (each a KV stream of the pool's
+    tokens / n_parallel)."""
     draft_model: str | None = None
     """Torch: a smaller model (name or GGUF path) sharing the model's tokenizer, loaded
     for `speculative_method = draft`."""

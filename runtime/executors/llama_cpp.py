@@ -6,28 +6,36 @@ sequences, with logits requested only for the rows that sample (or verify). kvde
 sampler (`runtime/sampling.py`) picks tokens from those logits, so seeds, stop strings,
 logprobs and speculation behave as with the torch executor.
 
-**KV: blocks and cells.** kvdeck's block manager stays the source of truth for admission,
-capacity, sharing and the block map; llama.cpp keeps K and V in *cells*, one per (token
-position, set of sequences), in one unified buffer. The context is sized from the pool:
-`n_ctx = num_blocks × block_size` cells, so whatever the block manager admits fits (a
-token the manager counts occupies at most one cell, and shared blocks share cells). Block
-`b` of a request's table covers positions `[b·p, (b+1)·p)` of its sequence. The executor
-remembers, per block id, the sequence whose cells hold that block's positions (its
-*holder*):
+**KV: blocks, slots and cells.** kvdeck's block manager stays the source of truth for
+admission, capacity, sharing and the block map. llama.cpp keeps K and V in *cells*, one
+per token position of a sequence. The context is laid out as llama.cpp's own server lays
+it out: `n_parallel` *slots*, each a sequence id with a stream of its own, and sized from
+the pool: `n_ctx = num_blocks × block_size` cells in all, `n_ctx / n_parallel` per slot,
+which becomes the engine's context limit. A running request owns one slot (so
+`max_num_seqs` may not exceed `n_parallel`); block `b` of its table covers positions
+`[b·p, (b+1)·p)` of its slot's stream.
 
+Why one stream per sequence, not one pool for all (`kv_unified`): llama.cpp's CPU kernels
+are not batch-invariant. In a unified pool a sequence's logits depend on where its cells
+sit among other sequences' cells (by up to half a logit on Gemma 3 270M), and the rows of
+one prefill batch depend on the other prompts in it. With a stream per sequence, each
+prefill or verify chunk decoded in a `llama_decode` of its own, a request's prompt gives
+exactly the logits it gives alone. Decode rows batched in one `llama_decode` still differ
+from a row alone (by up to ~0.02 nats at the first step on Gemma 3 270M with 8 rows; a
+known property of llama.cpp's CPU kernels, ggml-org/llama.cpp#6583): `batch_invariant`
+decodes every request in a call of its own, exact and as slow as one request after
+another; by default decode rows are batched (`docs/llama_cpp_findings.md`).
+
+- The executor remembers, per block id, the slot whose stream last wrote it (its
+  *holder*).
 - A request that starts past position 0 (a prefix-cache hit, a fork, a resumed request)
-  gets those positions from the holders of its table's blocks with `llama_memory_seq_cp`,
-  which shares the cells (no copy). Positions with no holder left are recomputed in the
-  same batch (rows without logits), as a recompute would.
-- Writing positions into a block makes the writing sequence its holder; a stale holder's
-  cells for that block are dropped first (`llama_memory_seq_rm`), so dead cells never
-  take room the manager has handed out again.
-- A finished or preempted request's sequence is *retired*, not cleared: it holds the
-  blocks the prefix cache may still hand out. It is cleared and its id reused once it
-  holds no block; when ids run out, the retired sequence holding fewest blocks goes
-  first (a later hit on its blocks recomputes them).
+  takes a holder's whole stream (`llama_memory_seq_cp`; llama.cpp copies whole streams
+  only) and cuts it at its start, when one slot holds every block it shares; otherwise it
+  recomputes those positions in its own decode (as a recompute would).
+- A finished or preempted request's slot is *retired*, not cleared: it holds the blocks the
+  prefix cache may hand out, until a new request needs the slot (oldest first).
 - Rolled-back speculative positions, and anything past a chunk's `start`, are removed
-  from the sequence before the step writes there.
+  from the stream before the step writes there.
 
 Sliding-window models keep full-length KV in every layer (`swa_full`), so a cached
 prefix's cells stay valid for any request that shares it.
@@ -53,7 +61,7 @@ from runtime.errors import ConfigError, ModelFileError, StepError
 from runtime.executors.online_fit import OnlineFit
 from runtime.models.gguf import read_gguf
 from runtime.models.info import model_info_from_gguf
-from runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
+from runtime.plan import Conversion, ScheduledChunk, SchedulerOutput, StepResult, StepTiming
 from runtime.profiles import StepFit
 from runtime.sampling import sample, sample_draft
 from runtime.snapshot import WeightsView
@@ -65,13 +73,17 @@ log = logging.getLogger("kvdeck.llama_cpp")
 
 KV_TYPES = {"fp16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
 """kvdeck KV format -> llama.cpp ggml type of K and V."""
-SWA_FULL = True
-"""Keep every layer's KV at full length, so a cached prefix's cells stay valid in
-sliding-window layers for any request that shares it."""
-EXTRA_BUFTS = True
-KV_UNIFIED = True
-MAX_SEQUENCES = 256
+REPACK = True
+MAX_SLOTS = 256
 """llama.cpp's limit on sequence ids in one context (LLAMA_MAX_SEQ)."""
+
+
+Row = tuple[int, int, int, int]
+"""(token, position, slot, logits row or -1) of one batch row."""
+
+
+class NoSlotError(Exception):
+    """A request needed a slot and every slot runs a request."""
 
 
 def _lib():
@@ -89,10 +101,19 @@ class LlamaCppExecutor:
     num_layers: int
 
     def __init__(self, model_path: str | Path, *, threads: int | None = None,
-                 n_gpu_layers: int = 0, seed: int = 0, n_batch: int = 2048):
+                 n_gpu_layers: int = 0, n_parallel: int = 8, batch_invariant: bool = False,
+                 seed: int = 0, n_batch: int = 2048):
         """`n_gpu_layers`: layers offloaded to the GPU (Metal or CUDA builds; -1 all);
-        `threads`: CPU threads (default: the machine's cores); `n_batch`: most tokens in
-        one llama_batch (a step with more is decoded in several)."""
+        `n_parallel`: slots, the most requests running at once; `batch_invariant`: decode
+        each request in a call of its own, so its output is exactly what it gives alone
+        (at the cost of batching: see the module docstring); `threads`: CPU threads
+        (default: the machine's cores); `n_batch`: most tokens in one llama_batch (a chunk
+        with more is decoded in several)."""
+        if not 1 <= n_parallel <= MAX_SLOTS:
+            raise ConfigError(f"n_parallel must be from 1 to {MAX_SLOTS} (llama.cpp's "
+                              f"sequences), got {n_parallel}.")
+        self.n_parallel = self.max_sequences = n_parallel
+        self.batch_invariant = batch_invariant
         L = _lib()
         self.model_path = Path(model_path)
         g = read_gguf(self.model_path)
@@ -103,7 +124,9 @@ class LlamaCppExecutor:
             g.close()
         self.info = info
         self.model_name = info.name
-        self.max_model_len = info.context_length or 4096
+        self.model_context = info.context_length or 4096
+        self.max_model_len = self.model_context
+        """The model's context until `bind_kv` sets it to a slot's cells."""
         self.num_layers = info.num_layers
         self.seed = seed
         self.threads = threads or os.cpu_count() or 1
@@ -111,7 +134,7 @@ class LlamaCppExecutor:
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
-        mp.use_extra_bufts = EXTRA_BUFTS
+        mp.use_extra_bufts = REPACK
         self.n_gpu_layers = n_gpu_layers
         t0 = time.perf_counter()
         with quiet_stderr():
@@ -138,15 +161,16 @@ class LlamaCppExecutor:
         self.kv_format = "fp16"
         self.block_size = 16
         self.num_blocks = 0
-        # Sequences: request id -> seq id; seq id -> positions held; block id -> holder.
         self._seq_of: dict[str, int] = {}
+        """Request id -> its slot (sequence id)."""
         self._length: dict[int, int] = {}
+        """Slot -> positions its stream holds."""
         self._holder: dict[int, int] = {}
-        """Block id -> the sequence whose cells hold its positions."""
-        self._holds: dict[int, set[int]] = {}
-        """Seq id -> the block ids it holds (the inverse of `_holder`)."""
+        """Block id -> the slot whose stream last wrote its positions."""
+        self._blocks: dict[int, list[int]] = {}
+        """Slot -> the block ids it wrote, by table index."""
         self._retired: dict[int, None] = {}
-        """Sequences of finished or preempted requests, oldest first."""
+        """Slots of finished or preempted requests, oldest first."""
         self._free_ids: list[int] = []
         self.timing = OnlineFit(StepFit(self.weight_bytes / 12e9,
                                         2.0 * self.weight_bytes / 0.6 / 50e9, 1e-9))
@@ -166,18 +190,24 @@ class LlamaCppExecutor:
         return 0.0
 
     def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
-        """(Re)create the context: `num_blocks × block_size` cells of `kv_format`, as many
-        sequence ids as llama.cpp allows; every sequence starts empty."""
+        """(Re)create the context: `num_blocks × block_size` cells of `kv_format` in
+        `n_parallel` streams; every slot starts empty. A slot's cells cap a request's
+        tokens (`max_model_len`)."""
         L = _lib()
         self.kv_bytes_per_token(kv_format)  # refuses what llama.cpp cannot store
         self._free_context()
         cp = L.llama_context_default_params()
-        cp.n_ctx = num_blocks * block_size
+        per_slot = num_blocks * block_size // self.n_parallel
+        if per_slot < 2 * block_size:
+            raise ConfigError(f"The KV budget holds {num_blocks * block_size:,} tokens, "
+                              f"{per_slot:,} for each of {self.n_parallel} slots; raise "
+                              "--kv-memory-gib or lower --n-parallel.")
+        cp.n_ctx = per_slot * self.n_parallel
         cp.n_batch = cp.n_ubatch = min(self.n_batch, cp.n_ctx)
-        cp.n_seq_max = MAX_SEQUENCES
+        cp.n_seq_max = self.n_parallel
         cp.n_threads = cp.n_threads_batch = self.threads
-        cp.kv_unified = KV_UNIFIED  # one pool for all sequences, as kvdeck's block pool is
-        cp.swa_full = SWA_FULL
+        cp.kv_unified = False  # a stream per slot: see the module docstring
+        cp.swa_full = True  # cached prefixes stay valid in sliding-window layers
         cp.no_perf = True
         t = getattr(L, KV_TYPES[kv_format])
         cp.type_k = cp.type_v = t
@@ -196,9 +226,10 @@ class LlamaCppExecutor:
         self._seq_of.clear()
         self._length.clear()
         self._holder.clear()
-        self._holds.clear()
+        self._blocks.clear()
         self._retired.clear()
-        self._free_ids = list(range(MAX_SEQUENCES - 1, -1, -1))
+        self._free_ids = list(range(self.n_parallel - 1, -1, -1))
+        self.max_model_len = min(self.model_context, per_slot)
 
     def _free_context(self) -> None:
         L = _lib()
@@ -265,19 +296,20 @@ class LlamaCppExecutor:
 
     # -- sequences --------------------------------------------------------------------------
 
-    def _new_seq(self) -> int:
+    def _new_seq(self) -> int | None:
+        """A free slot, else the oldest retired one; None when every slot runs a request."""
         if not self._free_ids:
-            # Out of ids: give up the retired sequence holding fewest blocks.
-            victim = min(self._retired, key=lambda s: len(self._holds.get(s, ())))
-            self._drop(victim)
+            if not self._retired:
+                return None
+            self._drop(next(iter(self._retired)))
         seq = self._free_ids.pop()
         self._length[seq] = 0
         return seq
 
     def _drop(self, seq: int) -> None:
-        """Clear a retired sequence's cells and free its id."""
+        """Clear a retired slot's stream and free it."""
         _lib().llama_memory_seq_rm(self._mem, seq, -1, -1)
-        for block in self._holds.pop(seq, ()):
+        for block in self._blocks.pop(seq, ()):
             if self._holder.get(block) == seq:
                 del self._holder[block]
         self._retired.pop(seq, None)
@@ -286,145 +318,154 @@ class LlamaCppExecutor:
 
     def _retire(self, request_id: str) -> None:
         seq = self._seq_of.pop(request_id, None)
-        if seq is None:
-            return
-        if self._holds.get(seq):
+        if seq is not None:
             self._retired[seq] = None
-        else:
-            self._drop(seq)
 
-    def _hold(self, seq: int, block: int, start: int) -> None:
-        """`seq` now holds block `block` (positions from `start`); a stale holder's cells
-        for it go first."""
-        old = self._holder.get(block)
-        if old == seq:
-            return
-        if old is not None:
-            _lib().llama_memory_seq_rm(self._mem, old, start, start + self.block_size)
-            held = self._holds[old]
-            held.discard(block)
-            if not held and old in self._retired:
-                self._drop(old)
-        self._holder[block] = seq
-        self._holds.setdefault(seq, set()).add(block)
+    def _write(self, seq: int, table: list[int], start: int, end: int) -> None:
+        """`seq` wrote positions `[start, end)`: it now holds their blocks."""
+        p = self.block_size
+        held = self._blocks.setdefault(seq, [])
+        first = start // p
+        del held[first:]
+        for b in range(first, -(-end // p)):
+            held.append(table[b])
+            self._holder[table[b]] = seq
 
-    def _prepare(self, chunk, rows: list[tuple[int, int, int, bool]]) -> int:
-        """Bring the chunk's sequence to exactly `chunk.start` positions: cut what is past
-        it, share what holders have, and queue rows (token, position, seq, no logits) for
-        what nobody has. Returns the seq id."""
+    def _prepare(self, chunk) -> tuple[int, list[int]]:
+        """Bring the chunk's slot to exactly `chunk.start` positions: cut what is past it,
+        or take a holder's stream. Returns (slot, the tokens it must recompute first, which
+        end at `chunk.start`)."""
         L = _lib()
         rid = chunk.request_id
         seq = self._seq_of.get(rid)
         if seq is None:
-            seq = self._seq_of[rid] = self._new_seq()
-        have, start, p = self._length[seq], chunk.start, self.block_size
+            seq = self._new_seq()
+            if seq is None:
+                raise NoSlotError(f"all {self.n_parallel} llama.cpp slots are running "
+                                  "requests (max_num_seqs may not exceed n_parallel)")
+            self._seq_of[rid] = seq
+        have, start = self._length[seq], chunk.start
         if have > start:  # rolled back (speculation) or recomputing from earlier
             L.llama_memory_seq_rm(self._mem, seq, start, -1)
             have = start
-        table = chunk.block_table
-        while have < start:
-            b = have // p
-            holder = self._holder.get(table[b])
-            end = min((b + 1) * p, start)
-            if holder is None or holder == seq or self._length.get(holder, 0) < end:
-                break
-            L.llama_memory_seq_cp(self._mem, holder, seq, have, end)
-            have = end
-        if have < start:  # nobody holds these positions any more: recompute them
-            tokens = chunk.request.token_slice(have, start)
-            rows.extend((t, pos, seq, False) for pos, t in enumerate(tokens, have))
-            for b in range(have // p, -(-start // p)):
-                self._hold(seq, table[b], b * p)
+        if 0 == have < start:
+            holder = self._holder_of(chunk.block_table, start)
+            if holder is not None:
+                L.llama_memory_seq_cp(self._mem, holder, seq, -1, -1)  # whole streams only
+                L.llama_memory_seq_rm(self._mem, seq, start, -1)
+                self._write(seq, chunk.block_table, 0, start)
+                have = start
+        redo = chunk.request.token_slice(have, start) if have < start else []
+        if redo:
+            self._write(seq, chunk.block_table, have, start)
         self._length[seq] = start
-        return seq
+        return seq, redo
+
+    def _holder_of(self, table: list[int], start: int) -> int | None:
+        """The slot holding every block of `table` up to position `start`, if one does."""
+        nb = -(-start // self.block_size)
+        holder = self._holder.get(table[0])
+        if holder is None or self._length.get(holder, 0) < start:
+            return None
+        return holder if self._blocks.get(holder, [])[:nb] == table[:nb] else None
 
     # -- the step ---------------------------------------------------------------------------
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
+        """One `llama_decode` per prefill or verify chunk (with the positions its slot
+        must recompute first), then one for all decode rows: see the module docstring for
+        why. Logits come back only for rows that sample or verify."""
         assert self._ctx is not None, "bind_kv must run before execute"
-        L = _lib()
         t0 = time.perf_counter()
         for rid in plan.preempted:
             self._retire(rid)
-        rows: list[tuple[int, int, int, bool]] = []
-        wants: list[tuple[object, int, int]] = []
-        """(chunk, first output index, outputs) per chunk that samples or verifies."""
-        num_out = 0
-        p = self.block_size
+        groups: list[list[Row]] = []
+        decodes: list[Row] = []
+        wants: list[tuple[ScheduledChunk, int, int]] = []
+        """(chunk, its first logits row, rows) per chunk that samples or verifies."""
+        errors: dict[str, str] = {}
+        num_out = num_rows = 0
         for chunk in plan.chunks:
-            seq = self._prepare(chunk, rows)
-            start, n = chunk.start, chunk.num_new_tokens
-            req = chunk.request
+            try:
+                seq, redo = self._prepare(chunk)
+            except NoSlotError as e:
+                errors[chunk.request_id] = str(e)
+                continue
+            start, n, req = chunk.start, chunk.num_new_tokens, chunk.request
             tokens = [*req.token_slice(start, start + 1), *chunk.draft] if chunk.num_draft \
                 else req.token_slice(start, start + n)
-            for b in range(start // p, (start + n - 1) // p + 1):
-                self._hold(seq, chunk.block_table[b], b * p)
             outputs = n if chunk.num_draft else (1 if chunk.sample else 0)
+            rows = [(t, pos, seq, -1) for pos, t in enumerate(redo, start - len(redo))]
             for i, tok in enumerate(tokens):
-                rows.append((tok, start + i, seq, i >= n - outputs))
+                out = num_out + i - (n - outputs) if i >= n - outputs else -1
+                rows.append((tok, start + i, seq, out))
             if outputs:
                 wants.append((chunk, num_out, outputs))
                 num_out += outputs
+            self._write(seq, chunk.block_table, start, start + n)
             self._length[seq] = start + n
-        logits = self._decode(rows, num_out)
+            num_rows += len(rows)
+            if len(rows) == 1 and not self.batch_invariant:
+                decodes.append(rows[0])
+            else:
+                groups.append(rows)
+        if decodes:
+            groups.append(decodes)
+        logits = self._decode(groups, num_out)
         sampled: dict[str, int] = {}
         logprobs: dict = {}
         spec: dict[str, list[int]] = {}
         plain = [(c, i) for c, i, _ in wants if not c.num_draft]
         if plain:
-            reqs = [c.request for c, _ in plain]
-            toks, lps = sample(logits[[i for _, i in plain]], reqs, self.seed)
+            toks, lps = sample(logits[[i for _, i in plain]], [c.request for c, _ in plain],
+                               self.seed)
             for (c, _), tok, lp in zip(plain, toks, lps, strict=True):
                 sampled[c.request_id] = tok
                 if lp is not None:
                     logprobs[c.request_id] = lp
         for c, i, k in wants:
-            if not c.num_draft:
-                continue
-            rows_logits = logits[i:i + k]
-            if c.request.sampling.temperature == 0.0:
+            if c.num_draft:
+                rows_logits = logits[i:i + k]
                 spec[c.request_id] = verify_greedy(rows_logits.argmax(-1).tolist(),
-                                                   list(c.draft))[0]
-            else:
-                spec[c.request_id] = sample_draft(rows_logits, c.request, list(c.draft),
-                                                  self.seed)
+                                                   list(c.draft))[0] \
+                    if c.request.sampling.temperature == 0.0 else \
+                    sample_draft(rows_logits, c.request, list(c.draft), self.seed)
         seconds = time.perf_counter() - t0
         context = sum(c.start + c.num_new_tokens for c in plan.chunks)
         timing = StepTiming(seconds, True, plan.num_prefill_tokens, plan.num_decode_tokens,
                             plan.num_pairs,
                             self.weight_bytes + context * self.kv_bytes_per_token(self.kv_format))
-        self.timing.observe(len(rows), timing.num_pairs, seconds)
-        del L
-        return StepResult(sampled, timing, logprobs=logprobs, spec=spec)
+        self.timing.observe(num_rows, timing.num_pairs, seconds)
+        return StepResult(sampled, timing, errors=errors, logprobs=logprobs, spec=spec)
 
-    def _decode(self, rows: list[tuple[int, int, int, bool]], num_out: int) -> torch.Tensor:
-        """Decode `rows` (token, position, seq, logits wanted) in batches of at most
-        `n_batch` tokens; the wanted logits, in row order, as a float32 tensor."""
+    def _decode(self, groups: list[list[Row]], num_out: int) -> torch.Tensor:
+        """Decode each group of rows (token, position, slot, logits row or -1) in its own
+        `llama_decode` (a group longer than `n_batch` in several); the logits rows as a
+        float32 tensor [num_out, vocab]."""
         L = _lib()
         out = np.empty((num_out, self.vocab_size), dtype=np.float32)
-        filled = 0
         batch = self._batch
-        for first in range(0, len(rows), self._batch_size):
-            part = rows[first:first + self._batch_size]
-            batch.n_tokens = len(part)
-            outs = []
-            for i, (tok, pos, seq, want) in enumerate(part):
-                batch.token[i] = tok
-                batch.pos[i] = pos
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = seq
-                batch.logits[i] = want
-                if want:
-                    outs.append(i)
-            rc = L.llama_decode(self._ctx, batch)
-            if rc != 0:
-                raise StepError(f"llama.cpp could not decode the step (llama_decode returned "
-                                f"{rc}: {'no free cells' if rc == 1 else 'error'}).")
-            for i in outs:
-                ptr = L.llama_get_logits_ith(self._ctx, i)
-                out[filled] = np.ctypeslib.as_array(
-                    ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.vocab_size,))
-                filled += 1
+        for rows in groups:
+            for first in range(0, len(rows), self._batch_size):
+                part = rows[first:first + self._batch_size]
+                batch.n_tokens = len(part)
+                for i, (tok, pos, seq, dst) in enumerate(part):
+                    batch.token[i] = tok
+                    batch.pos[i] = pos
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = seq
+                    batch.logits[i] = dst >= 0
+                rc = L.llama_decode(self._ctx, batch)
+                if rc != 0:
+                    raise StepError(f"llama.cpp could not decode the step (llama_decode "
+                                    f"returned {rc}: "
+                                    f"{'no free cells' if rc == 1 else 'an error'}).")
+                for i, (_, _, _, dst) in enumerate(part):
+                    if dst >= 0:
+                        ptr = L.llama_get_logits_ith(self._ctx, i)
+                        out[dst] = np.ctypeslib.as_array(
+                            ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                            shape=(self.vocab_size,))
         return torch.from_numpy(out)
 
     def propose(self, req, k: int, knobs) -> list[int]:
