@@ -170,8 +170,16 @@ def test_sim_draft_model_what_if_is_recorded_and_replayed(tmp_path: Path) -> Non
 
 
 def test_sim_draft_settings_without_a_draft_are_refused() -> None:
+    from runtime.settings import resolve
+
     with pytest.raises(ConfigError, match="give it a cost with --draft-cost C too"):
         SimConfig(drafting="parallel")
+    with pytest.raises(ConfigError, match=r"^spec_acceptance_profile must be comma-separated "
+                       r"chances from 0 to 1, like 0.9,0.8,0.7; got '0.9,x'.$"):
+        SimConfig(spec_acceptance_profile="0.9,x")
+    with pytest.raises(ConfigError, match=r"^--draft-model loads a real draft model \(torch "
+                       r"executor\); the sim models one with --draft-cost and --drafting.$"):
+        resolve({"executor": "sim", "draft_model": "qwen2.5-coder-0.5b"})
     e = Engine(EngineConfig(num_blocks=64), SimExecutor(SimConfig()))
     with pytest.raises(ConfigError, match="needs a draft model; start with --draft-cost C"):
         e.set_knobs(speculative_method="draft")
