@@ -53,6 +53,11 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return x
 
 
+def sampling_probs(logits: torch.Tensor, sp) -> torch.Tensor:
+    """The distribution a sampling request draws from: softmax of its filtered logits."""
+    return torch.softmax(filter_logits(logits, sp.temperature, sp.top_k, sp.top_p), dim=-1)
+
+
 def sample(logits: torch.Tensor, requests: list[Request], base_seed: int = 0
            ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of `logits` [N, vocab] (float32) for the matching request."""
@@ -65,8 +70,7 @@ def sample(logits: torch.Tensor, requests: list[Request], base_seed: int = 0
         if sp.temperature == 0.0:
             token = greedy[row]
         else:
-            x = filter_logits(logits[row], sp.temperature, sp.top_k, sp.top_p)
-            probs = torch.softmax(x, dim=-1)
+            probs = sampling_probs(logits[row], sp)
             token = int(torch.multinomial(probs, 1, generator=request_generator(req, base_seed)))
         tokens.append(token)
         if sp.logprobs is None:
@@ -93,7 +97,6 @@ def sample_draft(logits: torch.Tensor, req: Request, draft: list[int], base_seed
 
     sp = req.sampling
     logits = logits.float().cpu()
-    p = torch.stack([torch.softmax(filter_logits(row, sp.temperature, sp.top_k, sp.top_p),
-                                   dim=-1) for row in logits])
+    p = torch.stack([sampling_probs(row, sp) for row in logits])
     tokens, _ = verify_sampled(p, draft, q, request_generator(req, base_seed))
     return tokens

@@ -217,17 +217,15 @@ class Scheduler:
             if req.status is not running:
                 continue  # preempted to make room for an earlier decode
             rid = req.request_id
-            draft = self._draft(req, budget, len(decodes)) if speculate else None
-            if draft:
+            k, draft = self._draft(req, budget, len(decodes)) if speculate else (0, ())
+            if k:
                 # A draft model's tokens come in the step (`ScheduledChunk.draft`).
-                k = draft if isinstance(draft, int) else len(draft)
                 cows = self._make_room(req, 1 + k, scheduled, plan)
                 if cows is None:
                     continue
                 plan.cow_copies.extend(cows)
                 chunks.append(ScheduledChunk(req, 1 + k, req.num_computed_tokens, tables[rid],
-                                             True, () if isinstance(draft, int) else
-                                             tuple(draft), k))
+                                             True, draft, k))
                 scheduled.add(rid)
                 budget -= 1 + k
                 drafted += k
@@ -246,26 +244,27 @@ class Scheduler:
         plan.num_decode_tokens += len(chunks) + drafted
         return budget
 
-    def _draft(self, req: Request, budget: int, num_decodes: int) -> list[int] | int:
-        """Draft tokens for a decoding request, or [] when it should decode one token: it
-        asked for logprobs (they come a token a step), or has no room left for more. Under
-        `speculative_method = draft` the number of draft positions instead: the executor's
-        draft model writes them in the step."""
+    def _draft(self, req: Request, budget: int, num_decodes: int
+               ) -> tuple[int, tuple[int, ...]]:
+        """(draft positions, draft tokens) for a decoding request; (0, ()) when it should
+        decode one token: it asked for logprobs (they come a token a step), or has no room
+        left for more. Under `speculative_method = draft` the tokens are left empty: the
+        executor's draft model writes them in the step."""
         sp = req.sampling
         if sp.logprobs is not None:
-            return []
+            return 0, ()
         k = min(self.knobs.num_speculative_tokens, sp.max_tokens - len(req.output_token_ids) - 1,
                 self.max_model_len - req.num_tokens - 1, budget - 1)
         if k <= 0:
-            return []
+            return 0, ()
         model = self.knobs.speculative_method == "draft"
-        draft = [] if model else self.propose(req, k)[:k]
+        draft = () if model else tuple(self.propose(req, k)[:k])
         most = k if model else len(draft)
         # Adaptive lengths follow measured step times; a seeded request promises the same
         # output every run, so it keeps the fixed length (its draws depend on it).
         if most and self.knobs.draft_length == "adaptive" and sp.seed is None:
             most = self.draft_length(req, most, num_decodes if model else 0)
-        return most if model else draft[:most]
+        return most, draft[:most]
 
     def draft_length(self, req: Request, most: int, num_drafting: int = 0) -> int:
         """How many draft tokens `req` should verify this step, at most `most`: lengthen

@@ -26,8 +26,6 @@ from runtime.models.kernels import FLOAT, KernelTable, describe, load_or_measure
 from runtime.models.linear import (
     INT4_GROUP_SIZES,
     AutoMatrix,
-    Int8Linear,
-    Linear,
     pack_matrix,
 )
 from runtime.models.offload import FFNOffload
@@ -383,16 +381,9 @@ class TorchExecutor:
                 f"buffer{'s' if off.num_buffers > 1 else ''} × {off.layer_bytes / 2**20:,.1f} MiB")
 
     def _update_shortlist(self) -> None:
-        """Greedy decoding over a wide fp32 head shortlists with an int8 copy (see
-        `Transformer.greedy_tokens`); other head formats are fast enough on their own."""
-        head = self.model.head
-        wanted = (self.greedy_shortlist and self.device.type == "cpu"
-                  and isinstance(head, Linear) and head.weight.dtype == torch.float32
-                  and head.weight.shape[0] >= Linear.WIDE)
-        if not wanted:
-            self.model.shortlist_head = None
-        elif self.model.shortlist_head is None:
-            self.model.shortlist_head = Int8Linear(head.weight)
+        """Greedy decoding over a wide fp32 head shortlists with an int8 copy on the CPU
+        (`Transformer.update_shortlist`)."""
+        self.model.update_shortlist(self.greedy_shortlist and self.device.type == "cpu")
 
     # -- protocol ---------------------------------------------------------------------------
 
@@ -402,10 +393,7 @@ class TorchExecutor:
 
     def draft_kv_bytes_per_token(self, kv_format: str) -> int:
         """Bytes of the draft model's twin KV per token (0 without a draft model)."""
-        if self.draft is None:
-            return 0
-        get_codec(kv_format, self.draft.cfg.info.head_dim, self.device)
-        return self.draft.kv_bytes_per_token(kv_format)
+        return self.draft.kv_bytes_per_token(kv_format) if self.draft is not None else 0
 
     def estimate_draft_seconds(self, num_rows: int) -> float:
         """One draft-model pass over `num_rows` rows (0 without a draft model)."""
@@ -429,8 +417,7 @@ class TorchExecutor:
         self.kv = PagedKVCache(info.num_layers, num_blocks, block_size, info.num_kv_heads,
                                info.head_dim, codec, self.device)
         if self.draft is not None:
-            self.draft.bind(num_blocks, block_size,
-                            get_codec(kv_format, self.draft.cfg.info.head_dim, self.device))
+            self.draft.bind(num_blocks, block_size, kv_format)
 
     @torch.inference_mode()
     def convert_kv(self, kv_format: str, num_blocks: int, src: list[int], dst: list[int]
@@ -444,8 +431,7 @@ class TorchExecutor:
         self.host_kv = None  # emptied by the engine; re-bound in the new format
         self.kv = old.convert(codec, num_blocks, src, dst)
         if self.draft is not None:  # block ids moved: the twins are recomputed as needed
-            self.draft.bind(num_blocks, old.block_size,
-                            get_codec(kv_format, self.draft.cfg.info.head_dim, self.device))
+            self.draft.bind(num_blocks, old.block_size, kv_format)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
@@ -545,10 +531,7 @@ class TorchExecutor:
             req, draft = chunk.request, list(chunk.draft)
             rows = hidden[row:row + 1 + len(draft)]
             if req.sampling.temperature == 0.0:
-                best = self.model.greedy_tokens(rows)
-                if best is None:
-                    best = self.model.logits(rows).argmax(-1).tolist()
-                out[req.request_id] = verify_greedy(best, draft)[0]
+                out[req.request_id] = verify_greedy(self.model.argmax_tokens(rows), draft)[0]
             else:
                 out[req.request_id] = sample_draft(self.model.logits(rows), req, draft,
                                                    self.seed, q.get(req.request_id))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from runtime.errors import ModelFileError
 from runtime.models.arch import ModelConfig
-from runtime.models.linear import Int8Linear, make_linear
+from runtime.models.linear import Int8Linear, Linear, make_linear
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(layer, q [T, H, d], k [T, KVH, d], v [T, KVH, d]) -> attention output [T, H, d]."""
@@ -176,6 +176,24 @@ class Transformer:
         return self.head(rms_norm(hidden, self.out_norm, self.cfg.rms_eps)).float()
 
     SHORTLIST = 64
+
+    def update_shortlist(self, allowed: bool) -> None:
+        """Give a wide fp32 head an int8 shortlist copy for greedy decoding where `allowed`
+        (the CPU; see `greedy_tokens`), and drop it otherwise; other head formats are fast
+        enough on their own."""
+        head = self.head
+        wanted = allowed and isinstance(head, Linear) and \
+            head.weight.dtype == torch.float32 and head.weight.shape[0] >= Linear.WIDE
+        if not wanted:
+            self.shortlist_head = None
+        elif self.shortlist_head is None:
+            self.shortlist_head = Int8Linear(head.weight)
+
+    def argmax_tokens(self, hidden: torch.Tensor) -> list[int]:
+        """Greedy tokens: through the int8 shortlist where there is one, else the float
+        logits' argmax."""
+        tokens = self.greedy_tokens(hidden)
+        return tokens if tokens is not None else self.logits(hidden).argmax(-1).tolist()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
         """Argmax tokens via an int8 shortlist rescored exactly in float, or None when the

@@ -35,17 +35,16 @@ from pathlib import Path
 import torch
 
 from runtime.errors import ConfigError
-from runtime.executors.kv_codecs import KVCodec
+from runtime.executors.kv_codecs import get_codec
 from runtime.executors.online_fit import OnlineFit
 from runtime.executors.paged_kv import BatchRow, PagedBatch, PagedKVCache, paged_attention
 from runtime.models.arch import model_config
 from runtime.models.gguf import GGUFFile, read_gguf
-from runtime.models.linear import Int8Linear, Linear
 from runtime.models.transformer import Transformer
 from runtime.models.weights import load_tensors
 from runtime.plan import SchedulerOutput
 from runtime.profiles import StepFit
-from runtime.sampling import filter_logits, request_generator
+from runtime.sampling import request_generator, sampling_probs
 
 DRAFT_SALT = 0x5DEECE66D
 """Keeps the draft's random draws apart from the verifier's for the same request."""
@@ -85,11 +84,8 @@ class DraftModel:
             self.model = Transformer(self.cfg, load_tensors(g, dtype, device))
         finally:
             g.close()
-        head = self.model.head
-        if device.type == "cpu" and isinstance(head, Linear) and \
-                head.weight.dtype == torch.float32 and head.weight.shape[0] >= Linear.WIDE:
-            # Greedy drafts take the int8-shortlisted argmax, as the target's decoding does.
-            self.model.shortlist_head = Int8Linear(head.weight)
+        # Greedy drafts take the int8-shortlisted argmax, as the target's decoding does.
+        self.model.update_shortlist(device.type == "cpu")
         self.device = device
         self.base_seed = base_seed
         info = self.cfg.info
@@ -106,15 +102,19 @@ class DraftModel:
         self.last_seconds = 0.0
 
     def kv_bytes_per_token(self, kv_format: str) -> int:
+        """Bytes of the twin KV per token in `kv_format` (refusing one the draft's head
+        size cannot store)."""
+        get_codec(kv_format, self.cfg.info.head_dim, self.device)
         return self.cfg.info.kv_bytes_per_token(kv_format)
 
-    def bind(self, num_blocks: int, block_size: int, codec: KVCodec) -> None:
-        """(Re)create the twin pool: `num_blocks` blocks like the target's; draft progress
-        is forgotten (block ids no longer mean what they did)."""
+    def bind(self, num_blocks: int, block_size: int, kv_format: str) -> None:
+        """(Re)create the twin pool: `num_blocks` blocks like the target's, in `kv_format`;
+        draft progress is forgotten (block ids no longer mean what they did)."""
         info = self.cfg.info
         self.kv = None
         self.kv = PagedKVCache(info.num_layers, num_blocks, block_size, info.num_kv_heads,
-                               info.head_dim, codec, self.device)
+                               info.head_dim, get_codec(kv_format, info.head_dim, self.device),
+                               self.device)
         self.done.clear()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -140,6 +140,10 @@ class DraftModel:
             self.done.pop(rid, None)
         drafting = [c for c in plan.chunks if c.num_draft and not c.draft]
         keep_up = plan.speculative_method == "draft"
+        self.last_passes = 0
+        if not drafting and not keep_up:
+            self.last_seconds = 0.0
+            return 0.0, {}
         rows: list[BatchRow] = []
         for c in plan.chunks:
             wants = c.num_draft and not c.draft
@@ -152,7 +156,6 @@ class DraftModel:
                 rows.append(BatchRow(c.request.token_slice(done, end), done, c.block_table,
                                      rid if wants else None))
             self.done[rid] = end
-        self.last_passes = 0
         if not rows:
             self.last_seconds = 0.0
             return 0.0, {}
@@ -206,11 +209,7 @@ class DraftModel:
         greedy = [i for i, rid in enumerate(ids) if rid not in q]
         out = [0] * len(ids)
         if greedy:
-            rows = hidden[greedy]
-            tokens = self.model.greedy_tokens(rows)
-            if tokens is None:
-                tokens = self.model.logits(rows).argmax(-1).tolist()
-            for i, t in zip(greedy, tokens, strict=True):
+            for i, t in zip(greedy, self.model.argmax_tokens(hidden[greedy]), strict=True):
                 out[i] = t
         sampling = [i for i, rid in enumerate(ids) if rid in q]
         if sampling:
@@ -218,8 +217,7 @@ class DraftModel:
             for row, i in zip(logits, sampling, strict=True):
                 rid = ids[i]
                 sp = by_id[rid].request.sampling
-                probs = torch.softmax(filter_logits(row, sp.temperature, sp.top_k, sp.top_p),
-                                      dim=-1)
+                probs = sampling_probs(row, sp)
                 out[i] = int(torch.multinomial(probs, 1, generator=gens[rid]))
                 q[rid].append(probs)
         return out

@@ -24,7 +24,7 @@ from runtime.replay import Replay
 from runtime.request import Request, SamplingParams
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.integration.test_engine_sim import drive, view_of
-from tests.integration.test_speculation import stop_and_abort_storm
+from tests.integration.test_speculation import run, stop_and_abort_storm
 
 TARGET = TinySpec(arch="llama", head_dim=32, num_heads=2, num_kv_heads=1, hidden=64, vocab=64)
 DRAFT = TinySpec(arch="llama", num_layers=1, head_dim=16, num_heads=2, num_kv_heads=1,
@@ -45,15 +45,6 @@ def engine(target: Path, draft: Path | None, method: str, num_blocks: int = 200,
     return Engine(EngineConfig(block_size=4, num_blocks=num_blocks, knobs=Knobs(
         speculative_method=method, max_num_batched_tokens=96, chunk_size=32,
         weight_format="dense", **knobs)), ex)
-
-
-def run(e: Engine, requests) -> dict:
-    for rid, prompt, sp in requests:
-        e.add_request(prompt, sp, request_id=rid)
-    while e.has_work:
-        e.step()
-        e.check_integrity()
-    return {r.request_id: list(r.output_token_ids) for r in e.completed}
 
 
 def test_draft_model_greedy_is_lossless_in_a_mixed_batch(models) -> None:
@@ -179,8 +170,16 @@ def test_sim_draft_model_what_if_is_recorded_and_replayed(tmp_path: Path) -> Non
 
 
 def test_sim_draft_settings_without_a_draft_are_refused() -> None:
+    from runtime.settings import resolve
+
     with pytest.raises(ConfigError, match="give it a cost with --draft-cost C too"):
         SimConfig(drafting="parallel")
+    with pytest.raises(ConfigError, match=r"^spec_acceptance_profile must be comma-separated "
+                       r"chances from 0 to 1, like 0.9,0.8,0.7; got '0.9,x'.$"):
+        SimConfig(spec_acceptance_profile="0.9,x")
+    with pytest.raises(ConfigError, match=r"^--draft-model loads a real draft model \(torch "
+                       r"executor\); the sim models one with --draft-cost and --drafting.$"):
+        resolve({"executor": "sim", "draft_model": "qwen2.5-coder-0.5b"})
     e = Engine(EngineConfig(num_blocks=64), SimExecutor(SimConfig()))
     with pytest.raises(ConfigError, match="needs a draft model; start with --draft-cost C"):
         e.set_knobs(speculative_method="draft")
