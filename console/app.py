@@ -120,6 +120,8 @@ class KvdeckApp(ConsoleApp):
             self.set_interval(1.0, self.query_one(HardwareStrip).refresh_readings)
         snap = self.engine.snapshot()
         self.render_snapshot(snap)
+        if self.settings is not None and self.settings.executor_choice:
+            self.notify(self.settings.executor_choice, title="Executor", timeout=8)
         if snap.weights is not None and snap.weights.kernels:
             self.notify(f"weights {snap.knobs.weight_format}, measured at start-up (ms at "
                         "1/8/32 rows):\n" + "\n".join(snap.weights.kernels),

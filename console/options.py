@@ -72,7 +72,11 @@ class Flag:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("executor", ("--executor",), str, f"{' or '.join(EXECUTORS)}.", EXECUTOR),
+    Flag("executor", ("--executor",), str, f"{', '.join(EXECUTORS)}. The console and serve "
+         "choose the faster real one for this machine when none is given (llama_cpp where "
+         "llama-cpp-python is installed, unless a torch-only setting is given or torch "
+         "sees a CUDA GPU that llama.cpp cannot use); the start-up line says which.",
+         EXECUTOR),
     Flag("model", ("--model",), str, "Model name (kvdeck models) or GGUF path (torch).",
          EXECUTOR),
     Flag("tokenizer", ("--tokenizer",), str, "Sim: decode simulated tokens with this model's "

@@ -95,6 +95,9 @@ class Settings:
     session: SessionOptions = field(default_factory=SessionOptions)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    executor_choice: str = ""
+    """Why this executor, when none was named and the machine chose it
+    (`runtime.executors.choice`); printed at start-up."""
 
     @property
     def executor(self) -> str:
@@ -123,8 +126,15 @@ def defaults_for(executor: str) -> dict[str, Any]:
 def resolve(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
             *, default_executor: str = "torch") -> Settings:
     """Layer the executor's defaults, a config file's values and flag overrides (later
-    wins) into validated settings."""
+    wins) into validated settings. `default_executor = "auto"`: where neither names an
+    executor, the faster one for this machine (`runtime.executors.choice`)."""
     values = {**(file_values or {}), **(overrides or {})}
+    why = ""
+    if "executor" not in values and default_executor == "auto":
+        from runtime.executors.choice import choose_executor
+
+        default_executor, extra, why = choose_executor(values)
+        values.update(extra)
     executor = values.get("executor", default_executor)
     check_choice("executor", executor, EXECUTORS)
     values = {**defaults_for(executor), **values, "executor": executor}
@@ -133,7 +143,8 @@ def resolve(file_values: dict[str, Any] | None = None, overrides: dict[str, Any]
     session, engine, knobs, sim = split_settings(values, *SETTING_CLASSES)
     try:
         return Settings(SessionOptions(**session),
-                        EngineConfig(knobs=Knobs(**knobs), **engine), SimConfig(**sim))
+                        EngineConfig(knobs=Knobs(**knobs), **engine), SimConfig(**sim),
+                        executor_choice=why)
     except TypeError as e:  # a wrong value type reaching a dataclass, e.g. a table
         raise ConfigError(f"Invalid setting: {e}.") from None
 

@@ -88,7 +88,11 @@ class NoSlotError(Exception):
 
 def _lib():
     import llama_cpp  # imported here: loading the shared library takes a moment
+    from llama_cpp._logger import set_verbose
 
+    # llama-cpp-python's log callback prints llama.cpp's info lines (some outside any
+    # quiet_stderr block, e.g. the SWA cache notice) unless its logger is set to errors.
+    set_verbose(False)
     return llama_cpp
 
 

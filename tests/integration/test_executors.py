@@ -6,6 +6,7 @@ behave the same. Plus the llama.cpp executor against llama-cpp-python's own gene
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -121,14 +122,12 @@ def test_stop_strings_and_seeds_behave_the_same(executor, tok) -> None:
     assert first.output_token_ids == second.output_token_ids
 
 
-@pytest.mark.parametrize("model", ["gemma", "qwen"])
-def test_llama_cpp_greedy_equals_llama_cpp_python_generation(model, gemma_path,
-                                                             chat_model_path) -> None:
+@pytest.fixture(scope="module", params=["gemma", "qwen"])
+def reference(request, gemma_path, chat_model_path):
+    """(model path, prompts, llama-cpp-python's own greedy 24 tokens for each)."""
     from llama_cpp import Llama
 
-    from runtime.executors.llama_cpp import LlamaCppExecutor
-
-    path = gemma_path if model == "gemma" else chat_model_path
+    path = gemma_path if request.param == "gemma" else chat_model_path
     tok = Tokenizer(path)
     prompts = [tok.encode(t) for t in TEXTS[:4]]
     with quiet_stderr():
@@ -140,6 +139,13 @@ def test_llama_cpp_greedy_equals_llama_cpp_python_generation(model, gemma_path,
         expected[f"r{i}"] = [next(gen) for _ in range(24)]
         gen.close()
     del llm
+    return path, prompts, expected
+
+
+def test_llama_cpp_greedy_equals_llama_cpp_python_generation(reference) -> None:
+    from runtime.executors.llama_cpp import LlamaCppExecutor
+
+    path, prompts, expected = reference
     ex = LlamaCppExecutor(path, threads=2, batch_invariant=True)
     try:
         sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -147,3 +153,24 @@ def test_llama_cpp_greedy_equals_llama_cpp_python_generation(model, gemma_path,
     finally:
         ex.close()
     assert got == expected
+
+
+def test_served_llama_cpp_greedy_equals_llama_cpp_python_generation(reference) -> None:
+    """The same through `kvdeck serve --executor llama_cpp`, four requests at once, with
+    the official client."""
+    import openai
+
+    from tests.servers import serve_process
+
+    path, prompts, expected = reference
+    tok = Tokenizer(path)
+    with serve_process("--executor", "llama_cpp", "--batch-invariant", "--threads", "2",
+                       "--model", str(path), "--served-model-name", "m") as server:
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: client.completions.create(
+                model="m", prompt=p, max_tokens=24, temperature=0.0,
+                extra_body={"ignore_eos": True}), prompts))
+    for i, a in enumerate(answers):
+        assert a.usage.completion_tokens == 24
+        assert a.choices[0].text == tok.decode(expected[f"r{i}"])
