@@ -10,8 +10,9 @@ vocabulary; llama-cpp-python's server takes no token-id prompts) and exactly 32 
 tokens, greedy (`ignore_eos` for kvdeck; `min_tokens` for the peer, which has no
 `ignore_eos`), at concurrency 1 (8 requests) and 8 (32 requests), all sent at once and
 capped in flight by `--concurrency`. The peer serves one request at a time and queues the
-rest (`--interrupt_requests False`; by default a new request cancels the running one). Reported per server and concurrency: output tokens/s,
-TTFT and ITL medians, and kvdeck's ratios to the peer.
+rest (`--interrupt_requests False`; by default a new request cancels the running one).
+Reported per server and concurrency: output tokens/s, TTFT and ITL medians, and kvdeck's
+ratios to the peer.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def main(out_dir: Path = Path("bench-results")) -> dict:
     peer = measure("llama_cpp.server", [
         str(py), "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1",
         "--port", str(port), "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS),
-        "--n_ctx", "2048", "--interrupt_requests", "False"], f"http://127.0.0.1:{port}/v1", "min_tokens")
+        "--n_ctx", "2048", "--interrupt_requests", "False"],
+        f"http://127.0.0.1:{port}/v1", "min_tokens")
     port = free_port()
     ours = measure("kvdeck llama_cpp", [
         sys.executable, "-m", "console.cli", "serve", "--executor", "llama_cpp",
