@@ -42,8 +42,9 @@ prefix's cells stay valid for any request that shares it.
 
 **KV formats** map to llama.cpp's `type_k`/`type_v`: `fp16` (F16), `q8_0`, `q4_0`
 (quantized V needs flash attention, which is switched on for them). Changing the format
-recreates the context; every sequence is then recomputed by its next step (the pause shows
-as that step's time).
+live recreates the context and re-prefills every running request's tokens into its new
+slot before the next step; that time is the switch's (the console's notice of the switch
+shows the pause). Retired slots are not re-prefilled: their prefixes recompute when hit.
 """
 
 from __future__ import annotations
@@ -176,6 +177,9 @@ class LlamaCppExecutor:
         self._retired: dict[int, None] = {}
         """Slots of finished or preempted requests, oldest first."""
         self._free_ids: list[int] = []
+        self._running: dict[str, tuple[object, list[int]]] = {}
+        """Request id -> (request, block table) as of its latest chunk, for re-prefilling
+        after a KV-format switch."""
         self.timing = OnlineFit(StepFit(self.weight_bytes / 12e9,
                                         2.0 * self.weight_bytes / 0.6 / 50e9, 1e-9))
 
@@ -228,6 +232,7 @@ class LlamaCppExecutor:
         self._batch_size = cp.n_batch
         self.kv_format, self.block_size, self.num_blocks = kv_format, block_size, num_blocks
         self._seq_of.clear()
+        self._running.clear()
         self._length.clear()
         self._holder.clear()
         self._blocks.clear()
@@ -246,14 +251,28 @@ class LlamaCppExecutor:
 
     def convert_kv(self, kv_format: str, num_blocks: int, src: list[int], dst: list[int]
                    ) -> Conversion:
-        """A new context in `kv_format`; running requests recompute their KV on their next
-        step (llama.cpp cannot re-encode cells in place)."""
+        """A new context in `kv_format`, and every running request's tokens re-prefilled
+        into it (llama.cpp cannot re-encode cells in place); the seconds include both."""
         t0 = time.perf_counter()
-        moved = len(src) * self.block_size
-        before = moved * self.info.kv_bytes_per_token(self.kv_format)
+        running = [(rid, *self._running[rid], self._length[seq])
+                   for rid, seq in self._seq_of.items() if rid in self._running]
+        before = sum(n for *_, n in running) * self.info.kv_bytes_per_token(self.kv_format)
         self.bind_kv(num_blocks, self.block_size, kv_format)
-        return Conversion(time.perf_counter() - t0, True, before,
-                          moved * self.info.kv_bytes_per_token(kv_format))
+        moved = dict(zip(src, dst, strict=True))  # the pool's new block ids
+        groups = []
+        for rid, req, old, n in running:
+            if not all(b in moved for b in old[:-(-n // self.block_size)]):
+                continue  # preempted by the switch (its blocks were freed): recomputes later
+            table = [moved[b] for b in old[:-(-n // self.block_size)]]
+            seq = self._new_seq()
+            self._seq_of[rid] = seq
+            self._running[rid] = (req, table)
+            groups.append([(t, pos, seq, -1) for pos, t in enumerate(req.token_slice(0, n))])
+            self._write(seq, table, 0, n)
+            self._length[seq] = n
+        self._decode(groups, 0)
+        after = sum(map(len, groups)) * self.info.kv_bytes_per_token(kv_format)
+        return Conversion(time.perf_counter() - t0, True, before, after)
 
     def bind_host_kv(self, num_blocks: int) -> None:
         if num_blocks:
@@ -321,6 +340,7 @@ class LlamaCppExecutor:
         self._free_ids.append(seq)
 
     def _retire(self, request_id: str) -> None:
+        self._running.pop(request_id, None)
         seq = self._seq_of.pop(request_id, None)
         if seq is not None:
             self._retired[seq] = None
@@ -408,6 +428,7 @@ class LlamaCppExecutor:
                 num_out += outputs
             self._write(seq, chunk.block_table, start, start + n)
             self._length[seq] = start + n
+            self._running[chunk.request_id] = (req, chunk.block_table)
             num_rows += len(rows)
             if len(rows) == 1 and not self.batch_invariant:
                 decodes.append(rows[0])

@@ -85,11 +85,11 @@ def test_prefix_sharing_gives_the_same_tokens_as_no_sharing(executor, tok) -> No
 
 def test_abort_and_preemption_keep_integrity_and_leak_nothing(executor, tok) -> None:
     rng = random.Random(1)
-    e = engine(executor, num_blocks=24 if executor.name == "torch" else 96)
+    e = engine(executor, num_blocks=16 if executor.name == "torch" else 96)
     for i in range(12):
         e.add_request(tok.encode(TEXTS[i % 8] * 3), SamplingParams(
-            temperature=rng.choice((0.0, 0.8)), max_tokens=rng.randrange(8, 40), seed=i),
-            request_id=f"q{i}")
+            temperature=rng.choice((0.0, 0.8)), max_tokens=rng.randrange(16, 40), seed=i,
+            ignore_eos=True), request_id=f"q{i}")
     steps = 0
     while e.has_work:
         e.step()
@@ -120,6 +120,41 @@ def test_stop_strings_and_seeds_behave_the_same(executor, tok) -> None:
     e.check_integrity()
     assert stop.status.value == "finished_stopped" and stop.output_text.endswith(" 7,")
     assert first.output_token_ids == second.output_token_ids
+
+
+def test_llama_cpp_kv_format_switch_re_prefills_running_requests_in_the_pause(gemma_path,
+                                                                          tok) -> None:
+    """fp16 → q8_0 → q4_0 → fp16 while eight requests decode: each switch recreates the
+    context and re-prefills every running request before the next step, so that step
+    recomputes nothing; the switch's seconds are the pause; every request completes."""
+    from runtime.executors.llama_cpp import LlamaCppExecutor
+
+    ex = LlamaCppExecutor(gemma_path, threads=2)
+    try:
+        e = engine(ex)
+        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        for i, t in enumerate(TEXTS):
+            e.add_request(tok.encode(t), sp, request_id=f"r{i}")
+        for fmt in ("q8_0", "q4_0", "fp16"):
+            for _ in range(6):
+                e.step()
+            e.set_knobs(kv_format=fmt)
+            e.step()
+            sw = e.switches[-1]
+            assert sw["to"] == fmt == ex.kv_format and sw["seconds"] > 0
+            # Every running request's slot holds exactly its computed tokens again.
+            for r in e.scheduler.running:
+                assert ex._length[ex._seq_of[r.request_id]] == r.num_computed_tokens
+            assert sw["bytes"] == sum(
+                r.num_computed_tokens - 1 for r in e.scheduler.running) * (
+                ex.kv_bytes_per_token(sw["from"]) + ex.kv_bytes_per_token(fmt))
+            e.check_integrity()
+        e.run_until_idle()
+        e.check_integrity()
+        assert len(e.completed) == 8
+        assert all(len(r.output_token_ids) == 40 for r in e.completed)
+    finally:
+        ex.close()
 
 
 @pytest.fixture(scope="module", params=["gemma", "qwen"])
