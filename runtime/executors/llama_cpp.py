@@ -24,7 +24,7 @@ exactly the logits it gives alone. Decode rows batched in one `llama_decode` sti
 from a row alone (by up to ~0.02 nats at the first step on Gemma 3 270M with 8 rows; a
 known property of llama.cpp's CPU kernels, ggml-org/llama.cpp#6583): `batch_invariant`
 decodes every request in a call of its own, exact and as slow as one request after
-another; by default decode rows are batched (`docs/llama_cpp_findings.md`).
+another; by default decode rows are batched (`docs/llama_cpp.md`).
 
 - The executor remembers, per block id, the slot whose stream last wrote it (its
   *holder*).
