@@ -105,7 +105,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("pace", ("--pace",), float, "Sim behind the console or API: virtual seconds per wall "
          "second (default 1).", EXECUTOR),
     Flag("draft_model", ("--draft-model",), str,
-         "Draft model for speculative decoding (name or GGUF path; torch): a smaller model "
+         "Draft model for speculative decoding (name or GGUF path; torch, llama_cpp): a "
+         "smaller model "
          "with the model's tokenizer, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b. Use "
          "with --speculative-method draft.", EXECUTOR),
     Flag("served_model_name", ("--served-model-name",), str,

@@ -63,7 +63,9 @@ def build_executor(settings: Settings, sim: SimConfig | None = None,
         return LlamaCppExecutor(resolve_model(s.model or DEFAULT_MODEL), threads=s.threads,
                                 n_gpu_layers=s.n_gpu_layers, n_parallel=s.n_parallel,
                                 batch_invariant=s.batch_invariant,
-                                seed=settings.engine.seed)
+                                seed=settings.engine.seed,
+                                draft_model=resolve_model(s.draft_model) if s.draft_model
+                                else None)
     from runtime.executors.torch import TorchExecutor
 
     return TorchExecutor(resolve_model(s.model or DEFAULT_MODEL), device=s.device,

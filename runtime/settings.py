@@ -75,8 +75,8 @@ class SessionOptions:
     """llama_cpp: slots, the most requests running at once (each a KV stream of the pool's
     tokens / n_parallel)."""
     draft_model: str | None = None
-    """Torch: a smaller model (name or GGUF path) sharing the model's tokenizer, loaded
-    for `speculative_method = draft`."""
+    """Torch and llama_cpp: a smaller model (name or GGUF path) sharing the model's
+    tokenizer, loaded for `speculative_method = draft`."""
 
     def __post_init__(self) -> None:
         check_choice("executor", self.executor, EXECUTORS)
@@ -84,8 +84,9 @@ class SessionOptions:
             check_int("threads", self.threads, 1, 1024)
         check_float("pace", self.pace, 1e-3, 1e6)
         if self.draft_model and self.executor == "sim":
-            raise ConfigError("--draft-model loads a real draft model (torch executor); the "
-                              "sim models one with --draft-cost and --drafting.")
+            raise ConfigError("--draft-model loads a real draft model (torch and llama_cpp "
+                              "executors); the sim models one with --draft-cost and "
+                              "--drafting.")
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@ interactive console on this machine.
 
 The rule, measured (README "Executors"; `make bench`, `benchmarks/torch_vs_llama.py`):
 
-1. A setting only the torch executor has (`--dtype`, `--device`, `--draft-model`, a
-   re-packed `--weight-format`, `--offload-layers`, `--host-kv-memory-gib`, ...) picks
-   torch: the user asked for one of its mechanisms.
+1. A setting only the torch executor has (`--dtype`, `--device`, a re-packed
+   `--weight-format`, `--offload-layers`, `--host-kv-memory-gib`, ...) picks torch: the
+   user asked for one of its mechanisms.
 2. Without llama-cpp-python, torch.
 3. A CUDA GPU that torch can use, with a llama.cpp built for the CPU only, picks torch:
    CUDA kernels beat llama.cpp's CPU kernels.
@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 TORCH_ONLY: dict[str, Any] = {
-    "device": "auto", "dtype": None, "draft_model": None, "int4_group_size": 32,
+    "device": "auto", "dtype": None, "int4_group_size": 32,
     "int8_group_size": 64, "weight_activations": "measured", "offload_layers": 0,
     "host_kv_memory_bytes": 0, "preemption": "recompute",
 }

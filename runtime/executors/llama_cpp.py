@@ -37,8 +37,16 @@ another; by default decode rows are batched (`docs/llama_cpp.md`).
 - Rolled-back speculative positions, and anything past a chunk's `start`, are removed
   from the stream before the step writes there.
 
+- A slot's length counts only positions already decoded, and every rollback is cut
+  before any copy, so a request never copies positions that another request's chunk in
+  the same step has yet to write.
+
 Sliding-window models keep full-length KV in every layer (`swa_full`), so a cached
 prefix's cells stay valid for any request that shares it.
+
+**Speculation.** n-gram drafts and a draft model's (`runtime/executors/llama_cpp_draft.py`:
+a second GGUF in a context of its own, slot for slot beside this one, following this
+context's copies, cuts and cleared slots) are verified as chunks in this context's step.
 
 **KV formats** map to llama.cpp's `type_k`/`type_v`: `fp16` (F16), `q8_0`, `q4_0`
 (quantized V needs flash attention, which is switched on for them). Changing the format
@@ -49,16 +57,14 @@ shows the pause). Retired slots are not re-prefilled: their prefixes recompute w
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from runtime.errors import ConfigError, ModelFileError, StepError
+from runtime.errors import ConfigError
+from runtime.executors.llama_cpp_context import KV_TYPES, LlamaContext, LlamaModel, Row, lib
+from runtime.executors.llama_cpp_draft import LlamaDraft
 from runtime.executors.online_fit import OnlineFit
 from runtime.models.gguf import read_gguf
 from runtime.models.info import model_info_from_gguf
@@ -68,33 +74,15 @@ from runtime.sampling import sample, sample_draft
 from runtime.snapshot import WeightsView
 from runtime.spec.ngram import propose_ngram
 from runtime.spec.verify import verify_greedy
-from runtime.tokenizer import quiet_stderr
 
 log = logging.getLogger("kvdeck.llama_cpp")
 
-KV_TYPES = {"fp16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
-"""kvdeck KV format -> llama.cpp ggml type of K and V."""
-REPACK = True
 MAX_SLOTS = 256
 """llama.cpp's limit on sequence ids in one context (LLAMA_MAX_SEQ)."""
 
 
-Row = tuple[int, int, int, int]
-"""(token, position, slot, logits row or -1) of one batch row."""
-
-
 class NoSlotError(Exception):
     """A request needed a slot and every slot runs a request."""
-
-
-def _lib():
-    import llama_cpp  # imported here: loading the shared library takes a moment
-    from llama_cpp._logger import set_verbose
-
-    # llama-cpp-python's log callback prints llama.cpp's info lines (some outside any
-    # quiet_stderr block, e.g. the SWA cache notice) unless its logger is set to errors.
-    set_verbose(False)
-    return llama_cpp
 
 
 class LlamaCppExecutor:
@@ -102,24 +90,24 @@ class LlamaCppExecutor:
 
     name = "llama_cpp"
     virtual_time = False
-    draft_model_name = ""
     num_layers: int
 
     def __init__(self, model_path: str | Path, *, threads: int | None = None,
                  n_gpu_layers: int = 0, n_parallel: int = 8, batch_invariant: bool = False,
-                 seed: int = 0, n_batch: int = 2048):
+                 seed: int = 0, n_batch: int = 2048, draft_model: str | Path | None = None):
         """`n_gpu_layers`: layers offloaded to the GPU (Metal or CUDA builds; -1 all);
         `n_parallel`: slots, the most requests running at once; `batch_invariant`: decode
         each request in a call of its own, so its output is exactly what it gives alone
         (at the cost of batching: see the module docstring); `threads`: CPU threads
         (default: the machine's cores); `n_batch`: most tokens in one llama_batch (a chunk
-        with more is decoded in several)."""
+        with more is decoded in several); `draft_model`: a smaller GGUF sharing the
+        model's tokenizer, in a context of its own, for `speculative_method = draft`
+        (`runtime/executors/llama_cpp_draft.py`)."""
         if not 1 <= n_parallel <= MAX_SLOTS:
             raise ConfigError(f"n_parallel must be from 1 to {MAX_SLOTS} (llama.cpp's "
                               f"sequences), got {n_parallel}.")
         self.n_parallel = self.max_sequences = n_parallel
         self.batch_invariant = batch_invariant
-        L = _lib()
         self.model_path = Path(model_path)
         g = read_gguf(self.model_path)
         try:
@@ -136,33 +124,30 @@ class LlamaCppExecutor:
         self.seed = seed
         self.threads = threads or os.cpu_count() or 1
         self.n_batch = n_batch
-        L.llama_backend_init()
-        mp = L.llama_model_default_params()
-        mp.n_gpu_layers = n_gpu_layers
-        mp.use_extra_bufts = REPACK
         self.n_gpu_layers = n_gpu_layers
-        t0 = time.perf_counter()
-        with quiet_stderr():
-            self._model = L.llama_model_load_from_file(str(self.model_path).encode(), mp)
-        if not self._model:
-            raise ModelFileError(f"llama.cpp could not load {self.model_path}; is it a GGUF "
-                                 "model of an architecture llama.cpp supports?")
-        self.load_seconds = time.perf_counter() - t0
-        vocab = L.llama_model_get_vocab(self._model)
-        self.vocab_size = L.llama_vocab_n_tokens(vocab)
+        self._model = LlamaModel(self.model_path, n_gpu_layers)
+        self.load_seconds = self._model.load_seconds
+        self.vocab_size = self._model.vocab_size
+        L, vocab = lib(), self._model.vocab
         ids = [int(t) for t in eos if t is not None]
         ids += [t for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0]
         self.eos_token_ids = tuple(dict.fromkeys(ids))
-        self.weight_bytes = int(L.llama_model_size(self._model))
+        self.weight_bytes = self._model.weight_bytes
+        self.draft: LlamaDraft | None = None
+        if draft_model is not None:
+            try:
+                self.draft = LlamaDraft(draft_model, self.model_path, n_gpu_layers, seed)
+            except BaseException:
+                self._model.close()
+                raise
+        self.draft_model_name = self.draft.name if self.draft is not None else ""
         self.kv_formats = tuple(KV_TYPES)
         self.weight_formats = {"attn": "dense", "ffn": "dense", "head": "dense"}
         """`dense` here means the GGUF's own (quantized) tensors, as llama.cpp runs them."""
         self.link_bandwidth = 1e12 if n_gpu_layers == 0 else 25e9
         self.link_detail = "none (llama.cpp keeps KV in its context)"
         self.offload_gain_bytes = 0
-        self._ctx = None
-        self._batch = None
-        self._mem = None
+        self._ctx: LlamaContext | None = None
         self.kv_format = "fp16"
         self.block_size = 16
         self.num_blocks = 0
@@ -192,44 +177,29 @@ class LlamaCppExecutor:
         return self.info.kv_bytes_per_token(kv_format)
 
     def draft_kv_bytes_per_token(self, kv_format: str) -> int:
-        return 0
+        """Bytes of the draft model's KV per token (0 without a draft model)."""
+        return self.draft.kv_bytes_per_token(kv_format) if self.draft is not None else 0
 
     def estimate_draft_seconds(self, num_rows: int) -> float:
-        return 0.0
+        """One draft pass over `num_rows` rows (0 without a draft model)."""
+        return self.draft.pass_seconds(num_rows) if self.draft is not None else 0.0
 
     def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
         """(Re)create the context: `num_blocks × block_size` cells of `kv_format` in
         `n_parallel` streams; every slot starts empty. A slot's cells cap a request's
         tokens (`max_model_len`)."""
-        L = _lib()
         self.kv_bytes_per_token(kv_format)  # refuses what llama.cpp cannot store
         self._free_context()
-        cp = L.llama_context_default_params()
         per_slot = num_blocks * block_size // self.n_parallel
         if per_slot < 2 * block_size:
             raise ConfigError(f"The KV budget holds {num_blocks * block_size:,} tokens, "
                               f"{per_slot:,} for each of {self.n_parallel} slots; raise "
                               "--kv-memory-gib or lower --n-parallel.")
-        cp.n_ctx = per_slot * self.n_parallel
-        cp.n_batch = cp.n_ubatch = min(self.n_batch, cp.n_ctx)
-        cp.n_seq_max = self.n_parallel
-        cp.n_threads = cp.n_threads_batch = self.threads
-        cp.kv_unified = False  # a stream per slot: see the module docstring
-        cp.swa_full = True  # cached prefixes stay valid in sliding-window layers
-        cp.no_perf = True
-        t = getattr(L, KV_TYPES[kv_format])
-        cp.type_k = cp.type_v = t
-        # Flash attention only where a quantized V cache needs it: llama-cpp-python's own
-        # generation runs without it, and greedy outputs then agree token for token.
-        cp.flash_attn_type = 0 if kv_format == "fp16" else 1
-        with quiet_stderr():
-            self._ctx = L.llama_init_from_model(self._model, cp)
-        if not self._ctx:
-            raise ConfigError(f"llama.cpp could not create a context of {cp.n_ctx:,} cells in "
-                              f"{kv_format}; lower the KV budget or use another kv_format.")
-        self._mem = L.llama_get_memory(self._ctx)
-        self._batch = L.llama_batch_init(cp.n_batch, 0, 1)
-        self._batch_size = cp.n_batch
+        n_ctx = per_slot * self.n_parallel
+        self._ctx = LlamaContext(self._model, n_ctx, self.n_parallel, self.threads,
+                                 self.n_batch, kv_format)
+        if self.draft is not None:
+            self.draft.bind(n_ctx, self.n_parallel, self.threads, self.n_batch, kv_format)
         self.kv_format, self.block_size, self.num_blocks = kv_format, block_size, num_blocks
         self._seq_of.clear()
         self._running.clear()
@@ -241,13 +211,11 @@ class LlamaCppExecutor:
         self.max_model_len = min(self.model_context, per_slot)
 
     def _free_context(self) -> None:
-        L = _lib()
-        if self._batch is not None:
-            L.llama_batch_free(self._batch)
-            self._batch = None
+        if self.draft is not None:
+            self.draft.close_context()
         if self._ctx is not None:
-            L.llama_free(self._ctx)
-            self._ctx = self._mem = None
+            self._ctx.close()
+            self._ctx = None
 
     def convert_kv(self, kv_format: str, num_blocks: int, src: list[int], dst: list[int]
                    ) -> Conversion:
@@ -270,7 +238,7 @@ class LlamaCppExecutor:
             groups.append([(t, pos, seq, -1) for pos, t in enumerate(req.token_slice(0, n))])
             self._write(seq, table, 0, n)
             self._length[seq] = n
-        self._decode(groups, 0)
+        self._ctx.decode(groups, 0)
         after = sum(map(len, groups)) * self.info.kv_bytes_per_token(kv_format)
         return Conversion(time.perf_counter() - t0, True, before, after)
 
@@ -331,7 +299,9 @@ class LlamaCppExecutor:
 
     def _drop(self, seq: int) -> None:
         """Clear a retired slot's stream and free it."""
-        _lib().llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._ctx.remove(seq)
+        if self.draft is not None:
+            self.draft.cleared(seq)
         for block in self._blocks.pop(seq, ()):
             if self._holder.get(block) == seq:
                 del self._holder[block]
@@ -359,7 +329,6 @@ class LlamaCppExecutor:
         """Bring the chunk's slot to exactly `chunk.start` positions: cut what is past it,
         or take a holder's stream. Returns (slot, the tokens it must recompute first, which
         end at `chunk.start`)."""
-        L = _lib()
         rid = chunk.request_id
         seq = self._seq_of.get(rid)
         if seq is None:
@@ -368,25 +337,41 @@ class LlamaCppExecutor:
                 raise NoSlotError(f"all {self.n_parallel} llama.cpp slots are running "
                                   "requests (max_num_seqs may not exceed n_parallel)")
             self._seq_of[rid] = seq
-        have, start = self._length[seq], chunk.start
-        if have > start:  # rolled back (speculation) or recomputing from earlier
-            L.llama_memory_seq_rm(self._mem, seq, start, -1)
-            have = start
+        start = chunk.start
+        self._cut(seq, start)
+        have = self._length[seq]
         if 0 == have < start:
             holder = self._holder_of(chunk.block_table, start)
             if holder is not None:
-                L.llama_memory_seq_cp(self._mem, holder, seq, -1, -1)  # whole streams only
-                L.llama_memory_seq_rm(self._mem, seq, start, -1)
+                self._ctx.copy_stream(holder, seq, start)
+                if self.draft is not None:
+                    self.draft.copied(holder, seq, start)
                 self._write(seq, chunk.block_table, 0, start)
-                have = start
+                self._length[seq] = have = start
         redo = chunk.request.token_slice(have, start) if have < start else []
         if redo:
             self._write(seq, chunk.block_table, have, start)
-        self._length[seq] = start
         return seq, redo
 
+    def _cut(self, seq: int, start: int) -> None:
+        """Drop positions `start`.. of slot `seq` (rolled-back speculation, or a request
+        recomputing from earlier), and its claim on the blocks past them."""
+        if self._length[seq] > start:
+            self._ctx.remove(seq, start)
+            self._length[seq] = start
+            keep = -(-start // self.block_size)
+            held = self._blocks.get(seq, [])
+            for block in held[keep:]:
+                if self._holder.get(block) == seq:
+                    del self._holder[block]
+            del held[keep:]
+        if self.draft is not None:
+            self.draft.cut(seq, start)
+
     def _holder_of(self, table: list[int], start: int) -> int | None:
-        """The slot holding every block of `table` up to position `start`, if one does."""
+        """The slot holding every block of `table` up to position `start`, if one does.
+        `_length` counts only positions already decoded, so a slot this step writes is a
+        holder only for what it held before the step."""
         nb = -(-start // self.block_size)
         holder = self._holder.get(table[0])
         if holder is None or self._length.get(holder, 0) < start:
@@ -409,12 +394,21 @@ class LlamaCppExecutor:
         """(chunk, its first logits row, rows) per chunk that samples or verifies."""
         errors: dict[str, str] = {}
         num_out = num_rows = 0
+        for chunk in plan.chunks:  # every rollback first, so no copy takes stale positions
+            seq = self._seq_of.get(chunk.request_id)
+            if seq is not None:
+                self._cut(seq, chunk.start)
+        prepared = []
         for chunk in plan.chunks:
             try:
-                seq, redo = self._prepare(chunk)
+                prepared.append((chunk, *self._prepare(chunk)))
             except NoSlotError as e:
                 errors[chunk.request_id] = str(e)
-                continue
+        draft_seconds, q = 0.0, {}
+        if self.draft is not None:  # fills `draft` of the chunks that plan draft positions
+            draft_seconds, q = self.draft.run(plan, {c.request_id: seq for c, seq, _ in
+                                                     prepared}, self.batch_invariant)
+        for chunk, seq, redo in prepared:
             start, n, req = chunk.start, chunk.num_new_tokens, chunk.request
             tokens = [*req.token_slice(start, start + 1), *chunk.draft] if chunk.num_draft \
                 else req.token_slice(start, start + n)
@@ -427,7 +421,6 @@ class LlamaCppExecutor:
                 wants.append((chunk, num_out, outputs))
                 num_out += outputs
             self._write(seq, chunk.block_table, start, start + n)
-            self._length[seq] = start + n
             self._running[chunk.request_id] = (req, chunk.block_table)
             num_rows += len(rows)
             if len(rows) == 1 and not self.batch_invariant:
@@ -436,7 +429,9 @@ class LlamaCppExecutor:
                 groups.append(rows)
         if decodes:
             groups.append(decodes)
-        logits = self._decode(groups, num_out)
+        logits = self._ctx.decode(groups, num_out)
+        for chunk, seq, _ in prepared:  # decoded: the slots now hold these positions
+            self._length[seq] = chunk.start + chunk.num_new_tokens
         sampled: dict[str, int] = {}
         logprobs: dict = {}
         spec: dict[str, list[int]] = {}
@@ -454,44 +449,19 @@ class LlamaCppExecutor:
                 spec[c.request_id] = verify_greedy(rows_logits.argmax(-1).tolist(),
                                                    list(c.draft))[0] \
                     if c.request.sampling.temperature == 0.0 else \
-                    sample_draft(rows_logits, c.request, list(c.draft), self.seed)
+                    sample_draft(rows_logits, c.request, list(c.draft), self.seed,
+                                 q.get(c.request_id))
         seconds = time.perf_counter() - t0
         context = sum(c.start + c.num_new_tokens for c in plan.chunks)
+        weights = self.weight_bytes
+        if draft_seconds:
+            weights += self.draft.weight_bytes * self.draft.last_passes
         timing = StepTiming(seconds, True, plan.num_prefill_tokens, plan.num_decode_tokens,
                             plan.num_pairs,
-                            self.weight_bytes + context * self.kv_bytes_per_token(self.kv_format))
-        self.timing.observe(num_rows, timing.num_pairs, seconds)
-        return StepResult(sampled, timing, errors=errors, logprobs=logprobs, spec=spec)
-
-    def _decode(self, groups: list[list[Row]], num_out: int) -> torch.Tensor:
-        """Decode each group of rows (token, position, slot, logits row or -1) in its own
-        `llama_decode` (a group longer than `n_batch` in several); the logits rows as a
-        float32 tensor [num_out, vocab]."""
-        L = _lib()
-        out = np.empty((num_out, self.vocab_size), dtype=np.float32)
-        batch = self._batch
-        for rows in groups:
-            for first in range(0, len(rows), self._batch_size):
-                part = rows[first:first + self._batch_size]
-                batch.n_tokens = len(part)
-                for i, (tok, pos, seq, dst) in enumerate(part):
-                    batch.token[i] = tok
-                    batch.pos[i] = pos
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = seq
-                    batch.logits[i] = dst >= 0
-                rc = L.llama_decode(self._ctx, batch)
-                if rc != 0:
-                    raise StepError(f"llama.cpp could not decode the step (llama_decode "
-                                    f"returned {rc}: "
-                                    f"{'no free cells' if rc == 1 else 'an error'}).")
-                for i, (_, _, _, dst) in enumerate(part):
-                    if dst >= 0:
-                        ptr = L.llama_get_logits_ith(self._ctx, i)
-                        out[dst] = np.ctypeslib.as_array(
-                            ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
-                            shape=(self.vocab_size,))
-        return torch.from_numpy(out)
+                            weights + context * self.kv_bytes_per_token(self.kv_format))
+        self.timing.observe(num_rows, timing.num_pairs, seconds - draft_seconds)
+        return StepResult(sampled, timing, errors=errors, logprobs=logprobs, spec=spec,
+                          draft_seconds=draft_seconds)
 
     def propose(self, req, k: int, knobs) -> list[int]:
         """n-gram prompt lookup over the request's latest tokens (as the torch executor)."""
@@ -505,6 +475,6 @@ class LlamaCppExecutor:
 
     def close(self) -> None:
         self._free_context()
-        if self._model is not None:
-            _lib().llama_model_free(self._model)
-            self._model = None
+        if self.draft is not None:
+            self.draft.close()
+        self._model.close()

@@ -20,7 +20,6 @@ def test_a_cpu_machine_with_llama_cpp_defaults_to_it_and_says_why() -> None:
 
 
 @pytest.mark.parametrize("key, value", [("dtype", "int8"), ("device", "cpu"),
-                                        ("draft_model", "qwen2.5-coder-0.5b"),
                                         ("weight_format", "int4"),
                                         ("host_kv_memory_bytes", 1 << 30),
                                         ("offload_layers", 2)])
