@@ -31,8 +31,8 @@ from runtime.models.gguf import read_gguf
 from runtime.models.info import model_info_from_gguf
 from runtime.plan import SchedulerOutput
 from runtime.profiles import StepFit
-from runtime.sampling import request_generator, sampling_probs
-from runtime.spec.draft_model import DRAFT_SALT, check_vocabulary
+from runtime.sampling import sampling_probs
+from runtime.spec.draft_model import check_vocabulary, draft_generators, drafting_state
 
 
 class LlamaDraft:
@@ -133,11 +133,8 @@ class LlamaDraft:
                 groups.append(rows)
         if singles:
             groups.append(singles)
-        drafts: dict[str, list[int]] = {rid: [] for rid in by_id}
-        q: dict[str, list[torch.Tensor]] = {rid: [] for rid, c in by_id.items()
-                                           if c.request.sampling.temperature > 0}
-        gens = {rid: request_generator(by_id[rid].request, self.base_seed, DRAFT_SALT)
-                for rid in q}
+        drafts, q = drafting_state(by_id)
+        gens = draft_generators(by_id, q, self.base_seed)
         j = 1
         while groups:
             logits = self._pass(groups, len(order))

@@ -14,6 +14,7 @@ from runtime.config import EngineConfig, Knobs
 from runtime.engine import Engine
 from runtime.request import SamplingParams
 from runtime.tokenizer import Tokenizer, quiet_stderr
+from tests.integration.test_speculation import run, run_with_aborts
 
 pytestmark = pytest.mark.slow
 
@@ -52,15 +53,6 @@ def engine(ex, **kw) -> Engine:
         max_num_seqs=min(8, ex.max_sequences), **kw)), ex)
 
 
-def run(e: Engine, requests) -> dict[str, list[int]]:
-    for rid, prompt, sp in requests:
-        e.add_request(prompt, sp, request_id=rid)
-    while e.has_work:
-        e.step()
-        e.check_integrity()
-    return {r.request_id: list(r.output_token_ids) for r in e.completed}
-
-
 def test_eight_concurrent_greedy_requests_match_each_alone(executor, tok) -> None:
     prompts = [tok.encode(t) for t in TEXTS]
     alone = {}
@@ -90,13 +82,7 @@ def test_abort_and_preemption_keep_integrity_and_leak_nothing(executor, tok) -> 
         e.add_request(tok.encode(TEXTS[i % 8] * 3), SamplingParams(
             temperature=rng.choice((0.0, 0.8)), max_tokens=rng.randrange(16, 40), seed=i,
             ignore_eos=True), request_id=f"q{i}")
-    steps = 0
-    while e.has_work:
-        e.step()
-        e.check_integrity()
-        steps += 1
-        if steps % 9 == 0 and e.scheduler.running:
-            e.abort(rng.choice(e.scheduler.running).request_id)
+    run_with_aborts(e, rng, 9)
     assert len(e.completed) == 12
     # llama.cpp slots split the pool evenly, so the running requests always fit in it:
     # only the torch executor's shared pool runs short here and preempts.
