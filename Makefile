@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # CUDA users: make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench screenshots soak fuzz clients clean
+.PHONY: demo test lint bench bench-serve screenshots soak fuzz clients clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test: $(VENV)/.dev
 # Benchmarks print ratios measured side by side in one run and write bench-results/.
 bench: $(VENV)/.dev
 	$(PY) -m benchmarks
+
+# `kvdeck serve` (llama_cpp executor) against llama-cpp-python's own OpenAI server, same GGUF
+# and load; the peer's server is installed in .venv-clients/llama-server on first use.
+bench-serve: $(VENV)/.dev
+	$(PY) -m benchmarks.serve_vs_llama_server
 
 # The serving soak at the review's full sizes: 3 disconnect storms, 200 requests at
 # concurrency 16 with /metrics scraped every 0.5 s; then the console for 10 minutes under

@@ -1,13 +1,17 @@
-"""Torch executor vs llama-cpp-python on the same model and requests, side by side.
+"""Torch and llama_cpp executors vs llama-cpp-python on the same model and requests.
 
 Model: Gemma 3 270M (Q4_K_M GGUF, the embedded default). Requests: 32 distinct 128-token
 prompts (windows of a fixed English text), 64 output tokens each, greedy, end-of-sequence
 suppressed so every request generates exactly 64 tokens. llama-cpp-python's high-level API
 generates them one after another (its sequential throughput does not depend on how many);
-the torch executor serves them with continuous batching at concurrency 1 and 8 (the first 8
-requests) and 32 (all 32), in fp32 and int8. Reported: aggregate output tokens/s and the ratio
-to llama.cpp, and each decode step's bytes read (weights once + every row's KV) against the
-machine's read bandwidth, measured here with a large fp32 matrix–vector product.
+kvdeck's llama_cpp executor (llama.cpp's kernels under kvdeck's scheduler) and its torch
+executor (fp32 and int8) serve them with continuous batching at concurrency 1 and 8 (the
+first 8 requests) and 32 (all 32); the llama_cpp executor also with `batch_invariant` (each
+request decoded alone, exact) at 1 and 8. Reported: aggregate output tokens/s and the ratio
+to llama-cpp-python; for llama_cpp, the time its prefills took and its mean decode step at
+the full batch (the two terms that bound the aggregate); for torch, each decode step's bytes
+read (weights once + every row's KV) against the machine's read bandwidth, measured here
+with a large fp32 matrix–vector product.
 """
 
 from __future__ import annotations
@@ -55,10 +59,13 @@ def run_llama(path: Path, reqs: list[list[int]], threads: int) -> list[float]:
     return times
 
 
-def run_torch(ex: TorchExecutor, reqs: list[list[int]], concurrency: int) -> dict:
+def run_engine(ex, reqs: list[list[int]], concurrency: int) -> dict:
+    """Serve `reqs` with continuous batching at `concurrency`; seconds, output tokens, and
+    each step's (seconds, bytes read, decode rows, prefill tokens)."""
     cfg = EngineConfig(kv_memory_bytes=512 << 20, knobs=Knobs(
         max_num_seqs=concurrency, max_num_batched_tokens=4096, chunk_size=4096,
-        enable_prefix_caching=False))
+        enable_prefix_caching=False, weight_format="dense" if ex.name == "llama_cpp"
+        else "measured"))
     e = Engine(cfg, ex)
     sp = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     records: list[StepRecord] = []
@@ -71,8 +78,38 @@ def run_torch(ex: TorchExecutor, reqs: list[list[int]], concurrency: int) -> dic
     assert all(h.num_output_tokens == OUTPUT_TOKENS for h in handles)
     decode_steps = [(r.dt, r.bytes_read) for r in records
                     if r.plan and all(c.num_new_tokens == 1 for c in r.plan)]
+    full = [r.dt for r in records
+            if r.plan and len(r.plan) == concurrency and all(c.num_new_tokens == 1
+                                                             for c in r.plan)]
     return {"seconds": seconds, "tokens": len(reqs) * OUTPUT_TOKENS,
-            "decode_steps": decode_steps}
+            "decode_steps": decode_steps, "full_batch_steps": full,
+            "other_seconds": seconds - sum(s for s, _ in decode_steps)}
+
+
+def llama_cpp_rows(path: Path, reqs: list[list[int]], threads: int,
+                   llama_tps: float) -> list[dict]:
+    """The llama_cpp executor, batched at 1, 8, 32 and batch-invariant at 1, 8."""
+    from runtime.executors.llama_cpp import LlamaCppExecutor
+
+    rows = []
+    for exact, cases in ((False, ((1, 8), (8, 8), (32, 32))), (True, ((1, 8), (8, 8)))):
+        ex = LlamaCppExecutor(path, threads=threads, n_parallel=32, batch_invariant=exact)
+        for conc, n in cases:
+            r = run_engine(ex, reqs[:n], conc)
+            tps = r["tokens"] / r["seconds"]
+            full = r["full_batch_steps"]
+            row = {"executor": "llama_cpp", "mode": "exact" if exact else "batched",
+                   "concurrency": conc, "requests": n, "tokens_per_s": tps,
+                   "vs_llama_cpp": tps / llama_tps,
+                   "prefill_and_mixed_s": r["other_seconds"],
+                   "full_batch_step_ms": 1e3 * sum(full) / len(full) if full else None}
+            rows.append(row)
+            print(f"llama_cpp {row['mode']:>7} concurrency {conc:>2}: {tps:7.1f} tok/s = "
+                  f"{row['vs_llama_cpp']:.2f}x llama-cpp-python; steps with prefill "
+                  f"{row['prefill_and_mixed_s']:.1f} s, decode step of {conc} rows "
+                  f"{row['full_batch_step_ms'] or 0:.1f} ms")
+        ex.close()
+    return rows
 
 
 def main(out_dir: Path = Path("bench-results")) -> dict:
@@ -87,16 +124,16 @@ def main(out_dir: Path = Path("bench-results")) -> dict:
     llama_times = run_llama(path, reqs, threads)
     llama_tps = OUTPUT_TOKENS / (sum(llama_times) / len(llama_times))
     print(f"llama-cpp-python, sequential: {llama_tps:.1f} output tokens/s")
-    rows = []
+    rows = llama_cpp_rows(path, reqs, threads, llama_tps)
     for dtype in ("fp32", "int8"):
         ex = TorchExecutor(path, device="cpu", dtype=dtype)
         for conc, n in ((1, 8), (8, 8), (32, 32)):
-            r = run_torch(ex, reqs[:n], conc)
+            r = run_engine(ex, reqs[:n], conc)
             tps = r["tokens"] / r["seconds"]
             steps = r["decode_steps"]
             floor = sum(b for _, b in steps) / bw
             actual = sum(s for s, _ in steps)
-            row = {"dtype": dtype, "concurrency": conc, "requests": n,
+            row = {"executor": "torch", "dtype": dtype, "concurrency": conc, "requests": n,
                    "tokens_per_s": tps, "vs_llama_cpp": tps / llama_tps,
                    "decode_steps": len(steps),
                    "decode_step_ms": 1e3 * actual / max(len(steps), 1),

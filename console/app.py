@@ -108,10 +108,17 @@ class KvdeckApp(ConsoleApp):
     def compose(self) -> ComposeResult:
         yield Header()
         yield Banner(id="banner")
-        yield HardwareStrip(enabled=self.hardware, id="hardware")
+        yield HardwareStrip(enabled=self.hardware, resident=self._resident_bytes, id="hardware")
         yield from compose_panels()
         yield PromptPanel(prompt_mode(self.engine.tokenizer)[1], id="prompt")
         yield KeysFooter()
+
+    def _resident_bytes(self) -> tuple[int, int]:
+        """(weights, KV pool) bytes the engine holds, for the hardware strip."""
+        snap = self.latest or self.engine.snapshot()
+        kv = snap.kv
+        weights = snap.weights.resident_bytes if snap.weights is not None else 0
+        return weights, kv.num_blocks * (kv.bytes_per_block + kv.draft_bytes_per_block)
 
     def on_mount(self) -> None:
         self.setup_themes()
@@ -120,6 +127,8 @@ class KvdeckApp(ConsoleApp):
             self.set_interval(1.0, self.query_one(HardwareStrip).refresh_readings)
         snap = self.engine.snapshot()
         self.render_snapshot(snap)
+        if self.settings is not None and self.settings.executor_choice:
+            self.notify(self.settings.executor_choice, title="Executor", timeout=8)
         if snap.weights is not None and snap.weights.kernels:
             self.notify(f"weights {snap.knobs.weight_format}, measured at start-up (ms at "
                         "1/8/32 rows):\n" + "\n".join(snap.weights.kernels),

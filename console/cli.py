@@ -60,7 +60,9 @@ def settings_line(session) -> str:
             f"max_num_seqs {k.max_num_seqs}, max_num_batched_tokens "
             f"{k.max_num_batched_tokens}, chunk_size {k.chunk_size}, prefix caching "
             f"{'on' if k.enable_prefix_caching else 'off'}, weights {k.weight_format}"
-            + weights_lines(snap) + transfers_line(snap) + speculation_line(snap))
+            + weights_lines(snap) + transfers_line(snap) + speculation_line(snap)
+            + (f"\n  executor: {session.settings.executor_choice}"
+               if session.settings.executor_choice else ""))
 
 
 def speculation_line(snap) -> str:
@@ -134,7 +136,7 @@ def run_console(request: SettingsRequest, rate: float | None, log_level: str) ->
     guarded(lambda: setup_logging(log_level, to_stderr=False))
 
     def build():
-        session = build_session(request.resolve("torch"), live=True)
+        session = build_session(request.resolve("auto"), live=True)
         return session, TrafficGenerator.for_engine(session.engine, rate)
 
     session, traffic = guarded(build)
@@ -432,7 +434,7 @@ def serve(
             check_float(name, value, 0.0, 1e6)
         if read_timeout <= 0:
             raise ConfigError(f"--read-timeout must be greater than 0, got {read_timeout}.")
-        return build_session(settings.resolve("torch"), live=True)
+        return build_session(settings.resolve("auto"), live=True)
 
     session = guarded(build)
     limits = ServeLimits(read_timeout_s=read_timeout,
@@ -475,6 +477,22 @@ def bench(
     num_requests: int = typer.Option(32, "--num-requests", help="Synthetic: how many."),
     prompt_len: int = typer.Option(256, "--prompt-len", help="Synthetic: mean prompt tokens."),
     output_len: int = typer.Option(64, "--output-len", help="Synthetic: mean output tokens."),
+    length_spread: float = typer.Option(0.5, "--length-spread",
+                                        help="Synthetic: lengths uniform within ± this "
+                                             "fraction of the means (0: exact)."),
+    concurrency: int = typer.Option(None, "--concurrency",
+                                    help="At most N requests in flight (vLLM's "
+                                         "--max-concurrency); a request's clock starts when "
+                                         "it is sent."),
+    text_prompts: bool = typer.Option(False, "--text-prompts",
+                                      help="Send prompts as text: windows of a built-in "
+                                           "English passage, --prompt-len tokens by --model's "
+                                           "tokenizer (for servers that take no token ids, "
+                                           "e.g. llama-cpp-python's)."),
+    exact_length_field: str = typer.Option("ignore_eos", "--exact-length-field",
+                                           help="How requests ask for exactly their output "
+                                                "length: ignore_eos (kvdeck, vLLM, SGLang) "
+                                                "or min_tokens (llama-cpp-python)."),
     max_prompt_len: int = typer.Option(None, "--max-prompt-len", help="Cap traced prompts."),
     max_output_len: int = typer.Option(None, "--max-output-len", help="Cap traced outputs."),
     vocab_size: int = typer.Option(32_000, "--vocab-size",
@@ -498,7 +516,7 @@ def bench(
     from rich.progress import Progress
 
     from console.run_views import render_summary
-    from runtime.loadgen import cap_arrivals, run_bench
+    from runtime.loadgen import EXACT_LENGTH_FIELDS, RequestShape, cap_arrivals, run_bench
     from runtime.metrics import SLO
     from runtime.trace import load_arrivals, synthetic_arrivals
 
@@ -506,12 +524,21 @@ def bench(
         setup_logging(log_level)
         if trace is None:
             return synthetic_arrivals(num_requests, rate, burstiness=burstiness,
-                                      prompt_len=prompt_len, output_len=output_len)
+                                      prompt_len=prompt_len, output_len=output_len,
+                                      spread=length_spread)
         got = load_arrivals(trace, limit=limit, time_scale=time_scale)
         return cap_arrivals(got, max_prompt_len, max_output_len, hash_block_tokens)
 
     items = guarded(arrivals)
     slo = guarded(lambda: SLO(slo_ttft, slo_tpot, slo_e2e))
+    if concurrency is not None:
+        guarded(lambda: check_int("--concurrency", concurrency, 1, 1 << 16))
+    if exact_length_field not in EXACT_LENGTH_FIELDS:
+        fail(f"--exact-length-field must be one of {', '.join(EXACT_LENGTH_FIELDS)}, got "
+             f"{exact_length_field!r}.")
+    if in_process and (concurrency or text_prompts or exact_length_field != "ignore_eos"):
+        fail("--concurrency, --text-prompts and --exact-length-field shape HTTP requests; "
+             "with --in-process, cap running requests with --max-num-seqs.")
     if in_process:
         from runtime.runner import run_arrivals
         from runtime.session import build_session
@@ -528,11 +555,22 @@ def bench(
         result = guarded(local)
     else:
         model = (settings.flags or {}).get("model", "gemma3-270m")
+
+        def shape() -> RequestShape:
+            text = None
+            if text_prompts:
+                from runtime.loadgen import passage_prompts
+                from runtime.models.registry import resolve_model
+                from runtime.tokenizer import Tokenizer
+
+                text = passage_prompts(Tokenizer(resolve_model(model)))
+            return RequestShape(vocab_size, hash_block_tokens, text, exact_length_field)
+
+        request_shape = guarded(shape)
         with Progress(console=err, transient=True) as progress:
             task = progress.add_task(f"{len(items)} requests → {url}", total=len(items))
-            result = asyncio.run(run_bench(url, model, items, vocab_size=vocab_size,
-                                           api_key=api_key, slo=slo,
-                                           hash_block_tokens=hash_block_tokens,
+            result = asyncio.run(run_bench(url, model, items, shape=request_shape,
+                                           api_key=api_key, slo=slo, concurrency=concurrency,
                                            warmup=warmup,
                                            on_done=lambda _: progress.advance(task)))
     if output:

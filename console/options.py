@@ -72,7 +72,11 @@ class Flag:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("executor", ("--executor",), str, f"{' or '.join(EXECUTORS)}.", EXECUTOR),
+    Flag("executor", ("--executor",), str, f"{', '.join(EXECUTORS)}. The console and serve "
+         "choose the faster real one for this machine when none is given (llama_cpp where "
+         "llama-cpp-python is installed, unless a torch-only setting is given or torch "
+         "sees a CUDA GPU that llama.cpp cannot use); the start-up line says which.",
+         EXECUTOR),
     Flag("model", ("--model",), str, "Model name (kvdeck models) or GGUF path (torch).",
          EXECUTOR),
     Flag("tokenizer", ("--tokenizer",), str, "Sim: decode simulated tokens with this model's "
@@ -80,7 +84,16 @@ FLAGS: tuple[Flag, ...] = (
     Flag("device", ("--device",), str, "auto, cpu, cuda, cuda:N or mps (torch).", EXECUTOR),
     Flag("dtype", ("--dtype",), str, "fp32, bf16, fp16, int8, int8-head (torch; default per "
          "device).", EXECUTOR),
-    Flag("threads", ("--threads",), int, "CPU threads (torch).", EXECUTOR),
+    Flag("threads", ("--threads",), int, "CPU threads (torch, llama_cpp).", EXECUTOR),
+    Flag("n_gpu_layers", ("--n-gpu-layers",), int, "Layers offloaded to the GPU (llama_cpp "
+         "with a Metal or CUDA build; -1: all; default 0).", EXECUTOR),
+    Flag("batch_invariant", ("--batch-invariant/--no-batch-invariant",), bool,
+         "llama_cpp: decode each request alone, so batching never changes an output "
+         "(llama.cpp's kernels are not batch-invariant); as slow as serial (default off).",
+         EXECUTOR),
+    Flag("n_parallel", ("--n-parallel",), int, "Slots: the most requests running at once "
+         "(llama_cpp; each gets the KV budget's tokens / N; default 8, and max_num_seqs "
+         "may not exceed it).", EXECUTOR),
     Flag("int4_group_size", ("--int4-group-size",), int,
          "Inputs per scale of int4 weights: 32, 64, 128, 256 (torch; default 32).", EXECUTOR),
     Flag("int8_group_size", ("--int8-group-size",), int,
@@ -92,7 +105,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("pace", ("--pace",), float, "Sim behind the console or API: virtual seconds per wall "
          "second (default 1).", EXECUTOR),
     Flag("draft_model", ("--draft-model",), str,
-         "Draft model for speculative decoding (name or GGUF path; torch): a smaller model "
+         "Draft model for speculative decoding (name or GGUF path; torch, llama_cpp): a "
+         "smaller model "
          "with the model's tokenizer, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b. Use "
          "with --speculative-method draft.", EXECUTOR),
     Flag("served_model_name", ("--served-model-name",), str,

@@ -263,6 +263,10 @@ class Engine:
                 "--draft-model NAME|PATH (a GGUF sharing the model's tokenizer)"
             raise ConfigError(f"speculative_method draft needs a draft model; start with "
                               f"{how}, or use ngram.")
+        if knobs.max_num_seqs > self.executor.max_sequences:
+            raise ConfigError(f"max_num_seqs must be at most {self.executor.max_sequences} "
+                              f"with {self.executor.name} (its slots, --n-parallel), got "
+                              f"{knobs.max_num_seqs}.")
         if knobs.offload_layers > self.executor.num_layers:
             raise ConfigError(f"offload_layers must be from 0 to {self.executor.num_layers} "
                               f"(the model's layers), got {knobs.offload_layers}.")

@@ -6,6 +6,12 @@ lengths are exact. Timings follow vLLM's serving benchmark: TTFT is the time to 
 streamed chunk with content, ITL the gaps between content chunks, E2E the time to the last
 byte, TPOT = (E2E − TTFT) / (output tokens − 1), output tokens from the final usage chunk.
 Summaries (percentiles, throughput, goodput under SLOs) use the same code as `run-trace`.
+
+For servers that differ from vLLM's request shape (llama-cpp-python's server takes no
+token-id prompts and no `ignore_eos`), prompts can go as text (`text_prompt`) and exact
+output lengths be asked with `min_tokens` instead. With a concurrency limit, at most that
+many requests are in flight (vLLM's `--max-concurrency`); a request's clock starts when it
+is sent, not while it waits for a free place.
 """
 
 from __future__ import annotations
@@ -36,15 +42,51 @@ def cap_arrivals(arrivals: Sequence[Arrival], max_prompt_len: int | None,
     return out
 
 
+EXACT_LENGTH_FIELDS = ("ignore_eos", "min_tokens")
+"""How a request asks for exactly `max_tokens` outputs: vLLM's `ignore_eos` (kvdeck, vLLM,
+SGLang) or `min_tokens = max_tokens` (llama-cpp-python's server)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestShape:
+    """How requests are written for the server under test."""
+
+    vocab_size: int = 32_000
+    hash_block_tokens: int = 512
+    text_prompt: Callable[[int, int], str] | None = None
+    """(request index, prompt tokens) -> the prompt as text; None: token ids."""
+    exact_length_field: str = "ignore_eos"
+
+    def body(self, model: str, a: Arrival, index: int) -> dict:
+        prompt = self.text_prompt(index, a.prompt_len) if self.text_prompt else \
+            synthesize_tokens(a, index, self.vocab_size, self.hash_block_tokens)
+        body = {"model": model, "prompt": prompt, "max_tokens": a.output_len,
+                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        if self.exact_length_field == "min_tokens":
+            body["min_tokens"] = a.output_len
+        else:
+            body["ignore_eos"] = True
+        return body
+
+
 async def _one(client: httpx.AsyncClient, url: str, model: str, a: Arrival, index: int,
-               vocab: int, start: float, headers: dict,
-               hash_block_tokens: int) -> RequestMetrics:
+               shape: RequestShape, start: float, headers: dict,
+               slots: asyncio.Semaphore | None) -> RequestMetrics:
     rid = a.request_id or f"r{index}"
-    arrival = start + a.arrival_s
-    await asyncio.sleep(max(arrival - time.perf_counter(), 0))
-    body = {"model": model, "prompt": synthesize_tokens(a, index, vocab, hash_block_tokens),
-            "max_tokens": a.output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    await asyncio.sleep(max(start + a.arrival_s - time.perf_counter(), 0))
+    if slots is not None:
+        await slots.acquire()
+    try:
+        return await _send(client, url, shape.body(model, a, index), a, rid, start, headers)
+    finally:
+        if slots is not None:
+            slots.release()
+
+
+async def _send(client: httpx.AsyncClient, url: str, body: dict, a: Arrival, rid: str,
+                start: float, headers: dict) -> RequestMetrics:
+    """Send one streaming request now; its clock starts here."""
+    arrival = time.perf_counter()
     times: list[float] = []
     output_tokens = 0
     status, reason = "finished_length", None
@@ -69,6 +111,10 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, a: Arrival, inde
     except httpx.HTTPError as e:
         status, reason = "aborted", f"{type(e).__name__}: {e}"
     end = time.perf_counter()
+    if not output_tokens and status == "finished_length":
+        # No usage chunk (llama-cpp-python's server sends none): one token per content
+        # chunk, as such servers stream.
+        output_tokens = len(times)
     ok = status == "finished_length"
     ttft = times[0] - arrival if times else None
     e2e = end - arrival if ok else None
@@ -76,9 +122,25 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, a: Arrival, inde
         else None
     rel = [t - start for t in times]
     return RequestMetrics(
-        rid, status, reason, a.arrival_s, None, rel[0] if rel else None,
+        rid, status, reason, arrival - start, None, rel[0] if rel else None,
         end - start if ok else None, a.prompt_len, output_tokens, 0, 0, ttft, tpot, e2e, None,
         tuple(b - a_ for a_, b in zip(times, times[1:], strict=False)), None, None)
+
+
+def passage_prompts(tokenizer) -> Callable[[int, int], str]:
+    """(index, tokens) -> a window of that many tokens of the built-in English passage
+    (repeated as needed), as text: both servers re-tokenize the same text with the same
+    vocabulary, so they see the same prompt. Windows start at different places per index."""
+    from runtime.session import PASSAGE
+
+    ids = tokenizer.encode(PASSAGE.read_text(encoding="utf-8"), add_bos=False)
+
+    def text(index: int, n: int) -> str:
+        reps = ids * (n // len(ids) + 2)
+        start = (index * 61) % len(ids)
+        return tokenizer.decode(reps[start:start + n])
+
+    return text
 
 
 WARMUP_PROMPT = list(range(3, 19))
@@ -86,30 +148,32 @@ WARMUP_PROMPT = list(range(3, 19))
 trace's prompts could share with it."""
 
 
-async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *, vocab_size: int,
-                    api_key: str | None = None, concurrency_limit: int = 256,
-                    slo: SLO = SLO(), hash_block_tokens: int = 512, warmup: bool = True,
+async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *,
+                    shape: RequestShape = RequestShape(), api_key: str | None = None,
+                    concurrency: int | None = None, slo: SLO = SLO(), warmup: bool = True,
                     on_done: Callable[[RequestMetrics], None] | None = None) -> dict:
-    """Send every arrival at its time; returns `{"summary": ..., "requests": [...]}`.
+    """Send every arrival at its time, at most `concurrency` at once (None: no limit);
+    returns `{"summary": ..., "requests": [...]}`.
 
     With `warmup`, one short request goes first and is not counted (as vLLM's serving
     benchmark does), so first-request costs on either side do not land on the trace's first
     arrivals."""
     endpoint = url.rstrip("/") + "/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency_limit)
+    limits = httpx.Limits(max_connections=concurrency or 256)
+    slots = asyncio.Semaphore(concurrency) if concurrency else None
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         if warmup:
             try:
                 await client.post(endpoint, headers=headers, json={
-                    "model": model, "prompt": WARMUP_PROMPT, "max_tokens": 1})
+                    "model": model, "max_tokens": 1, "prompt": shape.text_prompt(0, 16)
+                    if shape.text_prompt else WARMUP_PROMPT})
             except httpx.HTTPError:
                 pass  # an unreachable server shows in every request's result below
         start = time.perf_counter()
 
         async def tracked(i: int, a: Arrival) -> RequestMetrics:
-            m = await _one(client, endpoint, model, a, i, vocab_size, start, headers,
-                           hash_block_tokens)
+            m = await _one(client, endpoint, model, a, i, shape, start, headers, slots)
             if on_done is not None:
                 on_done(m)
             return m

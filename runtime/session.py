@@ -55,8 +55,18 @@ def build_executor(settings: Settings, sim: SimConfig | None = None,
     if s.executor == "sim":
         return SimExecutor(sim or settings.sim, seed=settings.engine.seed,
                            text_tokens=text_tokens)
-    from runtime.executors.torch import TorchExecutor
     from runtime.models.registry import resolve_model
+
+    if s.executor == "llama_cpp":
+        from runtime.executors.llama_cpp import LlamaCppExecutor
+
+        return LlamaCppExecutor(resolve_model(s.model or DEFAULT_MODEL), threads=s.threads,
+                                n_gpu_layers=s.n_gpu_layers, n_parallel=s.n_parallel,
+                                batch_invariant=s.batch_invariant,
+                                seed=settings.engine.seed,
+                                draft_model=resolve_model(s.draft_model) if s.draft_model
+                                else None)
+    from runtime.executors.torch import TorchExecutor
 
     return TorchExecutor(resolve_model(s.model or DEFAULT_MODEL), device=s.device,
                          dtype=s.dtype, threads=s.threads, seed=settings.engine.seed,

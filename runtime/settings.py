@@ -29,7 +29,7 @@ from runtime.config import (
 from runtime.errors import ConfigError
 from runtime.executors.sim import SimConfig
 
-EXECUTORS = ("sim", "torch")
+EXECUTORS = ("sim", "torch", "llama_cpp")
 GIB = 1 << 30
 
 EXECUTOR_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -40,6 +40,9 @@ EXECUTOR_DEFAULTS: dict[str, dict[str, Any]] = {
     # micro-benchmark finds fastest for one request (`runtime/models/kernels.py`).
     "torch": {"kv_memory_bytes": GIB // 2, "kv_format": "fp16",
               "max_num_batched_tokens": 512, "chunk_size": 256, "weight_format": "measured"},
+    # llama.cpp runs the GGUF's own quantized weights; its batches take more tokens.
+    "llama_cpp": {"kv_memory_bytes": GIB // 2, "kv_format": "fp16", "max_num_seqs": 8,
+                  "max_num_batched_tokens": 512, "chunk_size": 256, "weight_format": "dense"},
 }
 """Per-executor defaults that differ from the dataclasses' own."""
 
@@ -63,9 +66,17 @@ class SessionOptions:
     """Sim behind the console or the API: virtual seconds per wall second."""
     served_model_name: str | None = None
     """The model id the API serves (default: the model's name)."""
+    n_gpu_layers: int = 0
+    """llama_cpp: layers offloaded to the GPU (a Metal or CUDA build; -1: all)."""
+    batch_invariant: bool = False
+    """llama_cpp: decode each request in a call of its own, so batching never changes its
+    output (llama.cpp's kernels are not batch-invariant); as slow as serial decoding."""
+    n_parallel: int = 8
+    """llama_cpp: slots, the most requests running at once (each a KV stream of the pool's
+    tokens / n_parallel)."""
     draft_model: str | None = None
-    """Torch: a smaller model (name or GGUF path) sharing the model's tokenizer, loaded
-    for `speculative_method = draft`."""
+    """Torch and llama_cpp: a smaller model (name or GGUF path) sharing the model's
+    tokenizer, loaded for `speculative_method = draft`."""
 
     def __post_init__(self) -> None:
         check_choice("executor", self.executor, EXECUTORS)
@@ -73,8 +84,9 @@ class SessionOptions:
             check_int("threads", self.threads, 1, 1024)
         check_float("pace", self.pace, 1e-3, 1e6)
         if self.draft_model and self.executor == "sim":
-            raise ConfigError("--draft-model loads a real draft model (torch executor); the "
-                              "sim models one with --draft-cost and --drafting.")
+            raise ConfigError("--draft-model loads a real draft model (torch and llama_cpp "
+                              "executors); the sim models one with --draft-cost and "
+                              "--drafting.")
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,9 @@ class Settings:
     session: SessionOptions = field(default_factory=SessionOptions)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    executor_choice: str = ""
+    """Why this executor, when none was named and the machine chose it
+    (`runtime.executors.choice`); printed at start-up."""
 
     @property
     def executor(self) -> str:
@@ -112,8 +127,15 @@ def defaults_for(executor: str) -> dict[str, Any]:
 def resolve(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
             *, default_executor: str = "torch") -> Settings:
     """Layer the executor's defaults, a config file's values and flag overrides (later
-    wins) into validated settings."""
+    wins) into validated settings. `default_executor = "auto"`: where neither names an
+    executor, the faster one for this machine (`runtime.executors.choice`)."""
     values = {**(file_values or {}), **(overrides or {})}
+    why = ""
+    if "executor" not in values and default_executor == "auto":
+        from runtime.executors.choice import choose_executor
+
+        default_executor, extra, why = choose_executor(values)
+        values.update(extra)
     executor = values.get("executor", default_executor)
     check_choice("executor", executor, EXECUTORS)
     values = {**defaults_for(executor), **values, "executor": executor}
@@ -122,7 +144,8 @@ def resolve(file_values: dict[str, Any] | None = None, overrides: dict[str, Any]
     session, engine, knobs, sim = split_settings(values, *SETTING_CLASSES)
     try:
         return Settings(SessionOptions(**session),
-                        EngineConfig(knobs=Knobs(**knobs), **engine), SimConfig(**sim))
+                        EngineConfig(knobs=Knobs(**knobs), **engine), SimConfig(**sim),
+                        executor_choice=why)
     except TypeError as e:  # a wrong value type reaching a dataclass, e.g. a table
         raise ConfigError(f"Invalid setting: {e}.") from None
 

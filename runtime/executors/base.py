@@ -44,6 +44,8 @@ class Executor(Protocol):
     """Device bytes weight offload frees for the KV pool (offloaded − buffer bytes)."""
     draft_model_name: str
     """The draft model `speculative_method = draft` uses ("" without one)."""
+    max_sequences: int
+    """Most requests the executor can run at once (`max_num_seqs` may not exceed it)."""
 
     def kv_bytes_per_token(self, kv_format: str) -> int:
         """Bytes of K and V one token occupies across all layers in `kv_format`."""

@@ -118,6 +118,7 @@ class SimExecutor:
 
     name = "sim"
     virtual_time = True
+    max_sequences = 1 << 30
     model_path = None
 
     def __init__(self, config: SimConfig = SimConfig(), seed: int = 0,

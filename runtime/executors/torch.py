@@ -76,6 +76,7 @@ class TorchExecutor:
 
     name = "torch"
     virtual_time = False
+    max_sequences = 1 << 30
 
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str | None = None,
                  threads: int | None = None, seed: int = 0, record_logits: bool = False,

@@ -50,6 +50,21 @@ DRAFT_SALT = 0x5DEECE66D
 """Keeps the draft's random draws apart from the verifier's for the same request."""
 
 
+def drafting_state(by_id: dict) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+    """For the drafting chunks `by_id` (request id -> chunk): each request's draft tokens so
+    far (none), and, for sampling requests only, the draft's distributions `q` so far."""
+    drafts: dict[str, list[int]] = {rid: [] for rid in by_id}
+    q: dict[str, list[torch.Tensor]] = {rid: [] for rid, c in by_id.items()
+                                       if c.request.sampling.temperature > 0}
+    return drafts, q
+
+
+def draft_generators(by_id: dict, q: dict, base_seed: int) -> dict[str, torch.Generator]:
+    """A generator per sampling request, seeded per request and kept apart from the
+    verifier's draws (`DRAFT_SALT`)."""
+    return {rid: request_generator(by_id[rid].request, base_seed, DRAFT_SALT) for rid in q}
+
+
 def check_vocabulary(draft: GGUFFile, target: GGUFFile) -> None:
     """Refuse a draft whose tokenizer differs from the target's, in one sentence naming both
     (speculation compares token ids, so the two vocabularies must be the same list)."""
@@ -160,11 +175,8 @@ class DraftModel:
             self.last_seconds = 0.0
             return 0.0, {}
         by_id = {c.request_id: c for c in drafting}
-        drafts: dict[str, list[int]] = {rid: [] for rid in by_id}
-        q: dict[str, list[torch.Tensor]] = {rid: [] for rid, c in by_id.items()
-                                           if c.request.sampling.temperature > 0}
-        gens = {rid: request_generator(by_id[rid].request, self.base_seed, DRAFT_SALT)
-                for rid in q}
+        drafts, q = drafting_state(by_id)
+        gens = draft_generators(by_id, q, self.base_seed)
         j = 1
         while rows:
             ids, hidden = self._forward(rows)

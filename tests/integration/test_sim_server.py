@@ -132,6 +132,29 @@ def test_bench_against_the_sim_server_reproduces_run_trace(tmp_path: Path) -> No
         assert abs(b - a) / a < 0.10, (key, a, b)
 
 
+def test_bench_caps_requests_in_flight_and_sends_text_prompts() -> None:
+    """`--concurrency 2`: never more than two requests between send and last byte, though
+    all six arrive at once; `--text-prompts`: passage windows the server tokenizes to about
+    the asked length; `--exact-length-field min_tokens` is sent (kvdeck refuses it)."""
+    common = ("--model", "gemma3-270m", "--text-prompts", "--prompt-len", "64",
+              "--output-len", "8", "--length-spread", "0", "--num-requests", "6", "--rate",
+              "1000", "--no-warmup")
+    with sim_server("--tokenizer", "gemma3-270m", "--served-model-name", "gemma3-270m",
+                    "--pace", "1") as url:
+        got = kvdeck("bench", "--url", url, "--concurrency", "2", *common)
+        base = url.removesuffix("/v1")
+        prompt_tokens = parse_metrics(httpx.get(base + "/metrics").text).prompt_tokens
+        refused = kvdeck("bench", "--url", url, "--exact-length-field", "min_tokens", *common)
+    assert got["summary"]["statuses"] == {"finished_length": 6}
+    spans = [(r["arrival"], r["finish"]) for r in got["requests"]]
+    for t, _ in spans:
+        assert sum(1 for a, b in spans if a <= t < b) <= 2
+    assert max(a for a, _ in spans) > min(b for _, b in spans)  # later ones waited
+    assert 6 * 60 <= prompt_tokens <= 6 * 68
+    assert refused["summary"]["statuses"] == {"rejected": 6}
+    assert "min_tokens" in refused["requests"][0]["reason"]
+
+
 def test_serve_and_run_trace_build_identical_engines_from_one_config(tmp_path: Path) -> None:
     cfg = tmp_path / "run.toml"
     cfg.write_text('executor = "sim"\nkv_memory_bytes = 8589934592\nblock_size = 32\n'

@@ -83,6 +83,18 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny: Path) -> None:
     assert all(len(t) == 32 for t in first.values())
 
 
+def run_with_aborts(e: Engine, rng: random.Random, every: int) -> None:
+    """Step until idle, checking integrity after every step and aborting a random running
+    request every `every` steps."""
+    steps = 0
+    while e.has_work:
+        e.step()
+        e.check_integrity()
+        steps += 1
+        if steps % every == 0 and e.scheduler.running:
+            e.abort(rng.choice(e.scheduler.running).request_id)
+
+
 def stop_and_abort_storm(e: Engine, prompts: list[list[int]], seed: int,
                          temperatures: tuple[float, ...]) -> None:
     """100 speculating requests with random stop tokens, temperatures and lengths, one
@@ -96,13 +108,7 @@ def stop_and_abort_storm(e: Engine, prompts: list[list[int]], seed: int,
                             max_tokens=rng.randrange(4, 30),
                             stop_token_ids=(rng.randrange(3, 12),), seed=i)
         e.add_request(prompt, sp, request_id=f"q{i}")
-    steps = 0
-    while e.has_work:
-        e.step()
-        e.check_integrity()
-        steps += 1
-        if steps % 7 == 0 and e.scheduler.running:
-            e.abort(rng.choice(e.scheduler.running).request_id)
+    run_with_aborts(e, rng, 7)
     assert len(e.completed) == 100 and e.scheduler.spec.num_drafts > 50
     stopped = [r for r in e.completed if r.status.value == "finished_stopped"]
     stops = set(e.executor.eos_token_ids)

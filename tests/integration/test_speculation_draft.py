@@ -1,5 +1,7 @@
-"""Speculative decoding with a draft model (`runtime/spec/draft_model.py`) on tiny models:
-lossless greedy output inside a mixed batch; a draft identical to the target has every
+"""Speculative decoding with a draft model on tiny models, with the torch executor
+(`runtime/spec/draft_model.py`, twin KV blocks) and the llama_cpp executor
+(`runtime/executors/llama_cpp_draft.py`, a context of its own): lossless greedy output
+inside a mixed batch; a draft identical to the target has every
 greedy draft accepted — through prefix-cache hits, preemption, copy-on-write and rollback,
 so the draft's twin KV is right after each of them; no block leaks under random stops and
 aborts; seeded sampling reproducible; the pool sized from target + draft bytes; a draft
@@ -38,22 +40,35 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_tiny_gguf(d / "target.gguf", TARGET), write_tiny_gguf(d / "draft.gguf", DRAFT)
 
 
+EXECUTORS = ["torch", "llama_cpp"]
+
+
 def engine(target: Path, draft: Path | None, method: str, num_blocks: int = 200,
-           **knobs) -> Engine:
-    ex = TorchExecutor(target, device="cpu", dtype="fp32", weight_activations="fp32",
-                       draft_model=draft)
+           executor: str = "torch", **knobs) -> Engine:
+    """llama_cpp: 4 slots, each a quarter of the pool's tokens, decoding batch-invariant
+    (its batched rows would otherwise differ from plain decoding by themselves)."""
+    if executor == "torch":
+        ex = TorchExecutor(target, device="cpu", dtype="fp32", weight_activations="fp32",
+                           draft_model=draft)
+    else:
+        from runtime.executors.llama_cpp import LlamaCppExecutor
+
+        ex = LlamaCppExecutor(target, threads=2, n_parallel=4, batch_invariant=True,
+                              draft_model=draft)
+        knobs.setdefault("max_num_seqs", 4)
     return Engine(EngineConfig(block_size=4, num_blocks=num_blocks, knobs=Knobs(
         speculative_method=method, max_num_batched_tokens=96, chunk_size=32,
         weight_format="dense", **knobs)), ex)
 
 
-def test_draft_model_greedy_is_lossless_in_a_mixed_batch(models) -> None:
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_draft_model_greedy_is_lossless_in_a_mixed_batch(models, executor) -> None:
     target, draft = models
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0)
     requests = [(f"r{i}", p, greedy if i % 2 == 0 else plain) for i, p in enumerate(PROMPTS)]
-    expected = run(engine(target, None, "off"), requests)
-    e = engine(target, draft, "draft", draft_length="fixed")
+    expected = run(engine(target, None, "off", executor=executor), requests)
+    e = engine(target, draft, "draft", executor=executor, draft_length="fixed")
     assert run(e, requests) == expected
     stats = e.scheduler.spec
     # Fixed length: 4 positions a round, fewer only where max_tokens leaves less room.
@@ -64,38 +79,50 @@ def test_draft_model_greedy_is_lossless_in_a_mixed_batch(models) -> None:
     assert view.draft_model == "tiny-llama" and view.drafts == stats.num_drafts
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 def test_a_draft_equal_to_the_target_is_always_accepted_through_hits_and_preemption(
-        models) -> None:
+        models, executor) -> None:
     """The draft's KV must be exactly the target's computation for every position it
     keeps: after prefix-cache hits (a shared prompt), preemption in a small pool, and
-    rollback. A wrong twin block would show as a rejected draft."""
+    rollback. A wrong twin block (torch) or draft stream (llama_cpp: copied from a holder
+    slot with the target's, cut on rollback, cleared with a reused slot) would show as a
+    rejected draft. llama.cpp's slots always fit their requests, so it never preempts."""
     target, _ = models
     shared = PROMPTS[3][:16]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     requests = [(f"s{i}", shared + [5 + i, 7 + i], greedy) for i in range(6)]
-    expected = run(engine(target, None, "off", num_blocks=40), requests)
-    e = engine(target, target, "draft", num_blocks=40, draft_length="fixed",
-               num_speculative_tokens=3)
+    blocks = 40 if executor == "torch" else 64
+    expected = run(engine(target, None, "off", num_blocks=blocks, executor=executor),
+                   requests)
+    e = engine(target, target, "draft", num_blocks=blocks, executor=executor,
+               draft_length="fixed", num_speculative_tokens=3)
     assert run(e, requests) == expected
-    assert e.kv.tree.num_hit_tokens > 0 and e.scheduler.num_preemptions > 0
+    assert e.kv.tree.num_hit_tokens > 0
+    assert e.scheduler.num_preemptions > 0 or executor == "llama_cpp"
     stats = e.scheduler.spec
     assert stats.num_draft_tokens > 50
     assert stats.num_accepted_tokens == stats.num_draft_tokens
 
 
-def test_draft_rollback_leaks_nothing_under_stops_and_aborts(models) -> None:
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_draft_rollback_leaks_nothing_under_stops_and_aborts(models, executor) -> None:
     target, draft = models
-    e = engine(target, draft, "draft", num_blocks=60, num_speculative_tokens=5)
+    e = engine(target, draft, "draft", num_blocks=60, executor=executor,
+               num_speculative_tokens=5)
     stop_and_abort_storm(e, PROMPTS, 3, (0.0, 0.8))
-    assert not e.executor.draft.done  # per-request draft progress is forgotten at the end
+    if executor == "torch":
+        assert not e.executor.draft.done  # per-request draft progress is forgotten
+    else:
+        assert not e.executor._running and not e.executor._seq_of  # every slot retired
 
 
-def test_seeded_sampling_with_a_draft_model_is_reproducible(models) -> None:
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_seeded_sampling_with_a_draft_model_is_reproducible(models, executor) -> None:
     target, draft = models
     sp = SamplingParams(temperature=0.9, top_k=20, max_tokens=24, seed=5, ignore_eos=True)
     requests = [(f"s{i}", p, sp) for i, p in enumerate(PROMPTS)]
-    first = run(engine(target, draft, "draft"), requests)
-    assert run(engine(target, draft, "draft"), requests) == first
+    first = run(engine(target, draft, "draft", executor=executor), requests)
+    assert run(engine(target, draft, "draft", executor=executor), requests) == first
     assert all(len(t) == 24 for t in first.values())
 
 
@@ -110,6 +137,28 @@ def test_the_pool_holds_target_and_draft_kv(models) -> None:
     view = e.snapshot().kv
     assert view.draft_bytes_per_block == 4 * kd and view.bytes_per_block == 4 * kt
     assert ex.draft.kv.num_blocks == e.kv.num_blocks
+
+
+def test_llama_cpp_pool_holds_target_and_draft_kv_and_refuses_another_vocabulary(
+        models, tmp_path) -> None:
+    from runtime.executors.llama_cpp import LlamaCppExecutor
+
+    target, draft = models
+    ex = LlamaCppExecutor(target, threads=2, n_parallel=4, draft_model=draft)
+    budget = 1 << 20
+    e = Engine(EngineConfig(block_size=4, kv_memory_bytes=budget,
+                            knobs=Knobs(max_num_seqs=4, weight_format="dense")), ex)
+    kt, kd = ex.kv_bytes_per_token("fp16"), ex.draft_kv_bytes_per_token("fp16")
+    assert kd == 2 * DRAFT.num_layers * DRAFT.num_kv_heads * DRAFT.head_dim * 2
+    assert e.kv.num_blocks == budget // (4 * (kt + kd))
+    assert e.snapshot().kv.draft_bytes_per_block == 4 * kd
+    assert ex.draft.ctx is not None and e.snapshot().speculation.draft_model == "tiny-llama"
+    e.close()
+    other = write_tiny_gguf(tmp_path / "other.gguf", TinySpec(vocab=96))
+    with pytest.raises(ConfigError, match=r"^The draft model tiny-llama \(other.gguf\) and the "
+                       r"target tiny-llama \(target.gguf\) have different vocabularies "
+                       r"\(96 tokens against 64\); a draft model must share"):
+        LlamaCppExecutor(target, draft_model=other)
 
 
 def test_mismatched_vocabularies_and_a_missing_draft_are_refused(models, tmp_path) -> None:
@@ -178,7 +227,8 @@ def test_sim_draft_settings_without_a_draft_are_refused() -> None:
                        r"chances from 0 to 1, like 0.9,0.8,0.7; got '0.9,x'.$"):
         SimConfig(spec_acceptance_profile="0.9,x")
     with pytest.raises(ConfigError, match=r"^--draft-model loads a real draft model \(torch "
-                       r"executor\); the sim models one with --draft-cost and --drafting.$"):
+                       r"and llama_cpp executors\); the sim models one with --draft-cost "
+                       r"and --drafting.$"):
         resolve({"executor": "sim", "draft_model": "qwen2.5-coder-0.5b"})
     e = Engine(EngineConfig(num_blocks=64), SimExecutor(SimConfig()))
     with pytest.raises(ConfigError, match="needs a draft model; start with --draft-cost C"):

@@ -9,6 +9,7 @@ from textual.widgets import Input, OptionList
 from console.app import KvdeckApp
 from console.screenshots import advance
 from console.screenshots import make_demo_app as make_app
+from console.widgets.hardware import unified_line
 from console.widgets.kv_map import KVMapPanel
 from runtime.recording import read_run
 from tests.ui.panel_text import panel_text
@@ -390,6 +391,14 @@ async def test_hardware_strip_shows_kvdeck_cpu_and_memory(tmp_path) -> None:
         app.query_one("#hardware").refresh_readings()
         text = panel_text(app.query_one("#hardware"))
         assert "kvdeck CPU" in text and "RSS" in text and "machine CPU" in text
+        # What Apple silicon shows instead of NVML: the engine's weights and KV pool
+        # against the one memory CPU and GPU share (the sim's card: 16 GB of weights).
+        weights, kv = app._resident_bytes()
+        assert kv == app.latest.kv.num_blocks * app.latest.kv.bytes_per_block > 0
+        assert weights == app.latest.weights.resident_bytes > 0
+        line = unified_line(weights, kv, 96 * 2**30)
+        assert line.startswith(f"unified memory: weights {weights / 2**30:.2f} + KV ")
+        assert line.endswith(f"of 96 GiB ({100 * (weights + kv) / (96 * 2**30):.1f}%)")
 
 
 async def test_escape_leaves_the_prompt_and_the_answer_wraps_and_scrolls(app) -> None:

@@ -1,0 +1,480 @@
+"""The `llama_cpp` executor: llama.cpp's kernels (CPU, CUDA, Metal) under kvdeck's scheduler.
+
+One llama.cpp context holds every request, each as a *sequence id*; each engine step is one
+`llama_batch` mixing decode rows, prefill chunks and speculative verify chunks across
+sequences, with logits requested only for the rows that sample (or verify). kvdeck's shared
+sampler (`runtime/sampling.py`) picks tokens from those logits, so seeds, stop strings,
+logprobs and speculation behave as with the torch executor.
+
+**KV: blocks, slots and cells.** kvdeck's block manager stays the source of truth for
+admission, capacity, sharing and the block map. llama.cpp keeps K and V in *cells*, one
+per token position of a sequence. The context is laid out as llama.cpp's own server lays
+it out: `n_parallel` *slots*, each a sequence id with a stream of its own, and sized from
+the pool: `n_ctx = num_blocks × block_size` cells in all, `n_ctx / n_parallel` per slot,
+which becomes the engine's context limit. A running request owns one slot (so
+`max_num_seqs` may not exceed `n_parallel`); block `b` of its table covers positions
+`[b·p, (b+1)·p)` of its slot's stream.
+
+Why one stream per sequence, not one pool for all (`kv_unified`): llama.cpp's CPU kernels
+are not batch-invariant. In a unified pool a sequence's logits depend on where its cells
+sit among other sequences' cells (by up to half a logit on Gemma 3 270M), and the rows of
+one prefill batch depend on the other prompts in it. With a stream per sequence, each
+prefill or verify chunk decoded in a `llama_decode` of its own, a request's prompt gives
+exactly the logits it gives alone. Decode rows batched in one `llama_decode` still differ
+from a row alone (by up to ~0.02 nats at the first step on Gemma 3 270M with 8 rows; a
+known property of llama.cpp's CPU kernels, ggml-org/llama.cpp#6583): `batch_invariant`
+decodes every request in a call of its own, exact and as slow as one request after
+another; by default decode rows are batched (`docs/llama_cpp.md`).
+
+- The executor remembers, per block id, the slot whose stream last wrote it (its
+  *holder*).
+- A request that starts past position 0 (a prefix-cache hit, a fork, a resumed request)
+  takes a holder's whole stream (`llama_memory_seq_cp`; llama.cpp copies whole streams
+  only) and cuts it at its start, when one slot holds every block it shares; otherwise it
+  recomputes those positions in its own decode (as a recompute would).
+- A finished or preempted request's slot is *retired*, not cleared: it holds the blocks the
+  prefix cache may hand out, until a new request needs the slot (oldest first).
+- Rolled-back speculative positions, and anything past a chunk's `start`, are removed
+  from the stream before the step writes there.
+
+- A slot's length counts only positions already decoded, and every rollback is cut
+  before any copy, so a request never copies positions that another request's chunk in
+  the same step has yet to write.
+
+Sliding-window models keep full-length KV in every layer (`swa_full`), so a cached
+prefix's cells stay valid for any request that shares it.
+
+**Speculation.** n-gram drafts and a draft model's (`runtime/executors/llama_cpp_draft.py`:
+a second GGUF in a context of its own, slot for slot beside this one, following this
+context's copies, cuts and cleared slots) are verified as chunks in this context's step.
+
+**KV formats** map to llama.cpp's `type_k`/`type_v`: `fp16` (F16), `q8_0`, `q4_0`
+(quantized V needs flash attention, which is switched on for them). Changing the format
+live recreates the context and re-prefills every running request's tokens into its new
+slot before the next step; that time is the switch's (the console's notice of the switch
+shows the pause). Retired slots are not re-prefilled: their prefixes recompute when hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from runtime.errors import ConfigError
+from runtime.executors.llama_cpp_context import KV_TYPES, LlamaContext, LlamaModel, Row, lib
+from runtime.executors.llama_cpp_draft import LlamaDraft
+from runtime.executors.online_fit import OnlineFit
+from runtime.models.gguf import read_gguf
+from runtime.models.info import model_info_from_gguf
+from runtime.plan import Conversion, ScheduledChunk, SchedulerOutput, StepResult, StepTiming
+from runtime.profiles import StepFit
+from runtime.sampling import sample, sample_draft
+from runtime.snapshot import WeightsView
+from runtime.spec.ngram import propose_ngram
+from runtime.spec.verify import verify_greedy
+
+log = logging.getLogger("kvdeck.llama_cpp")
+
+MAX_SLOTS = 256
+"""llama.cpp's limit on sequence ids in one context (LLAMA_MAX_SEQ)."""
+
+
+class NoSlotError(Exception):
+    """A request needed a slot and every slot runs a request."""
+
+
+class LlamaCppExecutor:
+    """Executor protocol implementation over llama-cpp-python's low-level API."""
+
+    name = "llama_cpp"
+    virtual_time = False
+    num_layers: int
+
+    def __init__(self, model_path: str | Path, *, threads: int | None = None,
+                 n_gpu_layers: int = 0, n_parallel: int = 8, batch_invariant: bool = False,
+                 seed: int = 0, n_batch: int = 2048, draft_model: str | Path | None = None):
+        """`n_gpu_layers`: layers offloaded to the GPU (Metal or CUDA builds; -1 all);
+        `n_parallel`: slots, the most requests running at once; `batch_invariant`: decode
+        each request in a call of its own, so its output is exactly what it gives alone
+        (at the cost of batching: see the module docstring); `threads`: CPU threads
+        (default: the machine's cores); `n_batch`: most tokens in one llama_batch (a chunk
+        with more is decoded in several); `draft_model`: a smaller GGUF sharing the
+        model's tokenizer, in a context of its own, for `speculative_method = draft`
+        (`runtime/executors/llama_cpp_draft.py`)."""
+        if not 1 <= n_parallel <= MAX_SLOTS:
+            raise ConfigError(f"n_parallel must be from 1 to {MAX_SLOTS} (llama.cpp's "
+                              f"sequences), got {n_parallel}.")
+        self.n_parallel = self.max_sequences = n_parallel
+        self.batch_invariant = batch_invariant
+        self.model_path = Path(model_path)
+        g = read_gguf(self.model_path)
+        try:
+            info = model_info_from_gguf(g)
+            eos = [g.get("tokenizer.ggml.eos_token_id"), g.get("tokenizer.ggml.eot_token_id")]
+        finally:
+            g.close()
+        self.info = info
+        self.model_name = info.name
+        self.model_context = info.context_length or 4096
+        self.max_model_len = self.model_context
+        """The model's context until `bind_kv` sets it to a slot's cells."""
+        self.num_layers = info.num_layers
+        self.seed = seed
+        self.threads = threads or os.cpu_count() or 1
+        self.n_batch = n_batch
+        self.n_gpu_layers = n_gpu_layers
+        self._model = LlamaModel(self.model_path, n_gpu_layers)
+        self.load_seconds = self._model.load_seconds
+        self.vocab_size = self._model.vocab_size
+        L, vocab = lib(), self._model.vocab
+        ids = [int(t) for t in eos if t is not None]
+        ids += [t for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0]
+        self.eos_token_ids = tuple(dict.fromkeys(ids))
+        self.weight_bytes = self._model.weight_bytes
+        self.draft: LlamaDraft | None = None
+        if draft_model is not None:
+            try:
+                self.draft = LlamaDraft(draft_model, self.model_path, n_gpu_layers, seed)
+            except BaseException:
+                self._model.close()
+                raise
+        self.draft_model_name = self.draft.name if self.draft is not None else ""
+        self.kv_formats = tuple(KV_TYPES)
+        self.weight_formats = {"attn": "dense", "ffn": "dense", "head": "dense"}
+        """`dense` here means the GGUF's own (quantized) tensors, as llama.cpp runs them."""
+        self.link_bandwidth = 1e12 if n_gpu_layers == 0 else 25e9
+        self.link_detail = "none (llama.cpp keeps KV in its context)"
+        self.offload_gain_bytes = 0
+        self._ctx: LlamaContext | None = None
+        self.kv_format = "fp16"
+        self.block_size = 16
+        self.num_blocks = 0
+        self._seq_of: dict[str, int] = {}
+        """Request id -> its slot (sequence id)."""
+        self._length: dict[int, int] = {}
+        """Slot -> positions its stream holds."""
+        self._holder: dict[int, int] = {}
+        """Block id -> the slot whose stream last wrote its positions."""
+        self._blocks: dict[int, list[int]] = {}
+        """Slot -> the block ids it wrote, by table index."""
+        self._retired: dict[int, None] = {}
+        """Slots of finished or preempted requests, oldest first."""
+        self._free_ids: list[int] = []
+        self._running: dict[str, tuple[object, list[int]]] = {}
+        """Request id -> (request, block table) as of its latest chunk, for re-prefilling
+        after a KV-format switch."""
+        self.timing = OnlineFit(StepFit(self.weight_bytes / 12e9,
+                                        2.0 * self.weight_bytes / 0.6 / 50e9, 1e-9))
+
+    # -- context ----------------------------------------------------------------------------
+
+    def kv_bytes_per_token(self, kv_format: str) -> int:
+        if kv_format not in KV_TYPES:
+            raise ConfigError(f"kv_format {kv_format!r} is not one llama.cpp stores; the "
+                              f"llama_cpp executor takes {', '.join(KV_TYPES)}.")
+        return self.info.kv_bytes_per_token(kv_format)
+
+    def draft_kv_bytes_per_token(self, kv_format: str) -> int:
+        """Bytes of the draft model's KV per token (0 without a draft model)."""
+        return self.draft.kv_bytes_per_token(kv_format) if self.draft is not None else 0
+
+    def estimate_draft_seconds(self, num_rows: int) -> float:
+        """One draft pass over `num_rows` rows (0 without a draft model)."""
+        return self.draft.pass_seconds(num_rows) if self.draft is not None else 0.0
+
+    def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
+        """(Re)create the context: `num_blocks × block_size` cells of `kv_format` in
+        `n_parallel` streams; every slot starts empty. A slot's cells cap a request's
+        tokens (`max_model_len`)."""
+        self.kv_bytes_per_token(kv_format)  # refuses what llama.cpp cannot store
+        self._free_context()
+        per_slot = num_blocks * block_size // self.n_parallel
+        if per_slot < 2 * block_size:
+            raise ConfigError(f"The KV budget holds {num_blocks * block_size:,} tokens, "
+                              f"{per_slot:,} for each of {self.n_parallel} slots; raise "
+                              "--kv-memory-gib or lower --n-parallel.")
+        n_ctx = per_slot * self.n_parallel
+        self._ctx = LlamaContext(self._model, n_ctx, self.n_parallel, self.threads,
+                                 self.n_batch, kv_format)
+        if self.draft is not None:
+            self.draft.bind(n_ctx, self.n_parallel, self.threads, self.n_batch, kv_format)
+        self.kv_format, self.block_size, self.num_blocks = kv_format, block_size, num_blocks
+        self._seq_of.clear()
+        self._running.clear()
+        self._length.clear()
+        self._holder.clear()
+        self._blocks.clear()
+        self._retired.clear()
+        self._free_ids = list(range(self.n_parallel - 1, -1, -1))
+        self.max_model_len = min(self.model_context, per_slot)
+
+    def _free_context(self) -> None:
+        if self.draft is not None:
+            self.draft.close_context()
+        if self._ctx is not None:
+            self._ctx.close()
+            self._ctx = None
+
+    def convert_kv(self, kv_format: str, num_blocks: int, src: list[int], dst: list[int]
+                   ) -> Conversion:
+        """A new context in `kv_format`, and every running request's tokens re-prefilled
+        into it (llama.cpp cannot re-encode cells in place); the seconds include both."""
+        t0 = time.perf_counter()
+        running = [(rid, *self._running[rid], self._length[seq])
+                   for rid, seq in self._seq_of.items() if rid in self._running]
+        before = sum(n for *_, n in running) * self.info.kv_bytes_per_token(self.kv_format)
+        self.bind_kv(num_blocks, self.block_size, kv_format)
+        moved = dict(zip(src, dst, strict=True))  # the pool's new block ids
+        groups = []
+        for rid, req, old, n in running:
+            if not all(b in moved for b in old[:-(-n // self.block_size)]):
+                continue  # preempted by the switch (its blocks were freed): recomputes later
+            table = [moved[b] for b in old[:-(-n // self.block_size)]]
+            seq = self._new_seq()
+            self._seq_of[rid] = seq
+            self._running[rid] = (req, table)
+            groups.append([(t, pos, seq, -1) for pos, t in enumerate(req.token_slice(0, n))])
+            self._write(seq, table, 0, n)
+            self._length[seq] = n
+        self._ctx.decode(groups, 0)
+        after = sum(map(len, groups)) * self.info.kv_bytes_per_token(kv_format)
+        return Conversion(time.perf_counter() - t0, True, before, after)
+
+    def bind_host_kv(self, num_blocks: int) -> None:
+        if num_blocks:
+            raise ConfigError("The llama_cpp executor has no host KV tier (llama.cpp keeps "
+                              "KV in its context); set host_kv_memory_bytes to 0 or use the "
+                              "torch executor.")
+
+    def set_offload(self, num_layers: int, num_buffers: int) -> Conversion:
+        if num_layers:
+            raise ConfigError("offload_layers is a torch-executor knob; with llama_cpp, "
+                              "place layers with --n-gpu-layers.")
+        return Conversion(0.0, True, self.weight_bytes, self.weight_bytes)
+
+    def describe_offload(self) -> str:
+        return ""
+
+    def resolve_weight_formats(self, text: str, current: dict[str, str] | None = None
+                               ) -> dict[str, str]:
+        if text.strip() in ("dense", "measured"):
+            return dict(self.weight_formats)
+        raise ConfigError(f"weight_format {text!r}: the llama_cpp executor runs the GGUF's "
+                          "own quantized weights (weight_format dense); re-packing them is a "
+                          "torch-executor knob.")
+
+    def set_weight_formats(self, formats: dict[str, str]) -> Conversion:
+        return Conversion(0.0, True, self.weight_bytes, self.weight_bytes)
+
+    def describe_weights(self, kv_format: str) -> WeightsView:
+        types = ", ".join(t.type_name for t in self.info.tensor_types[:3])
+        where = "CPU" if self.n_gpu_layers == 0 else f"{self.n_gpu_layers} layers on the GPU"
+        return WeightsView("dense", self.weight_bytes, f"llama.cpp, the GGUF's own {types}; "
+                           f"{where}", (), ())
+
+    def auto_choice(self) -> str:
+        return ""
+
+    def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
+                              num_context_tokens: int) -> float:
+        return self.timing.seconds(num_new_tokens, num_pairs)
+
+    @property
+    def fit(self) -> StepFit:
+        return self.timing.fit
+
+    # -- sequences --------------------------------------------------------------------------
+
+    def _new_seq(self) -> int | None:
+        """A free slot, else the oldest retired one; None when every slot runs a request."""
+        if not self._free_ids:
+            if not self._retired:
+                return None
+            self._drop(next(iter(self._retired)))
+        seq = self._free_ids.pop()
+        self._length[seq] = 0
+        return seq
+
+    def _drop(self, seq: int) -> None:
+        """Clear a retired slot's stream and free it."""
+        self._ctx.remove(seq)
+        if self.draft is not None:
+            self.draft.cleared(seq)
+        for block in self._blocks.pop(seq, ()):
+            if self._holder.get(block) == seq:
+                del self._holder[block]
+        self._retired.pop(seq, None)
+        self._length.pop(seq, None)
+        self._free_ids.append(seq)
+
+    def _retire(self, request_id: str) -> None:
+        self._running.pop(request_id, None)
+        seq = self._seq_of.pop(request_id, None)
+        if seq is not None:
+            self._retired[seq] = None
+
+    def _write(self, seq: int, table: list[int], start: int, end: int) -> None:
+        """`seq` wrote positions `[start, end)`: it now holds their blocks."""
+        p = self.block_size
+        held = self._blocks.setdefault(seq, [])
+        first = start // p
+        del held[first:]
+        for b in range(first, -(-end // p)):
+            held.append(table[b])
+            self._holder[table[b]] = seq
+
+    def _prepare(self, chunk) -> tuple[int, list[int]]:
+        """Bring the chunk's slot to exactly `chunk.start` positions: cut what is past it,
+        or take a holder's stream. Returns (slot, the tokens it must recompute first, which
+        end at `chunk.start`)."""
+        rid = chunk.request_id
+        seq = self._seq_of.get(rid)
+        if seq is None:
+            seq = self._new_seq()
+            if seq is None:
+                raise NoSlotError(f"all {self.n_parallel} llama.cpp slots are running "
+                                  "requests (max_num_seqs may not exceed n_parallel)")
+            self._seq_of[rid] = seq
+        start = chunk.start
+        self._cut(seq, start)
+        have = self._length[seq]
+        if 0 == have < start:
+            holder = self._holder_of(chunk.block_table, start)
+            if holder is not None:
+                self._ctx.copy_stream(holder, seq, start)
+                if self.draft is not None:
+                    self.draft.copied(holder, seq, start)
+                self._write(seq, chunk.block_table, 0, start)
+                self._length[seq] = have = start
+        redo = chunk.request.token_slice(have, start) if have < start else []
+        if redo:
+            self._write(seq, chunk.block_table, have, start)
+        return seq, redo
+
+    def _cut(self, seq: int, start: int) -> None:
+        """Drop positions `start`.. of slot `seq` (rolled-back speculation, or a request
+        recomputing from earlier), and its claim on the blocks past them."""
+        if self._length[seq] > start:
+            self._ctx.remove(seq, start)
+            self._length[seq] = start
+            keep = -(-start // self.block_size)
+            held = self._blocks.get(seq, [])
+            for block in held[keep:]:
+                if self._holder.get(block) == seq:
+                    del self._holder[block]
+            del held[keep:]
+        if self.draft is not None:
+            self.draft.cut(seq, start)
+
+    def _holder_of(self, table: list[int], start: int) -> int | None:
+        """The slot holding every block of `table` up to position `start`, if one does.
+        `_length` counts only positions already decoded, so a slot this step writes is a
+        holder only for what it held before the step."""
+        nb = -(-start // self.block_size)
+        holder = self._holder.get(table[0])
+        if holder is None or self._length.get(holder, 0) < start:
+            return None
+        return holder if self._blocks.get(holder, [])[:nb] == table[:nb] else None
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        """One `llama_decode` per prefill or verify chunk (with the positions its slot
+        must recompute first), then one for all decode rows: see the module docstring for
+        why. Logits come back only for rows that sample or verify."""
+        assert self._ctx is not None, "bind_kv must run before execute"
+        t0 = time.perf_counter()
+        for rid in plan.preempted:
+            self._retire(rid)
+        groups: list[list[Row]] = []
+        decodes: list[Row] = []
+        wants: list[tuple[ScheduledChunk, int, int]] = []
+        """(chunk, its first logits row, rows) per chunk that samples or verifies."""
+        errors: dict[str, str] = {}
+        num_out = num_rows = 0
+        for chunk in plan.chunks:  # every rollback first, so no copy takes stale positions
+            seq = self._seq_of.get(chunk.request_id)
+            if seq is not None:
+                self._cut(seq, chunk.start)
+        prepared = []
+        for chunk in plan.chunks:
+            try:
+                prepared.append((chunk, *self._prepare(chunk)))
+            except NoSlotError as e:
+                errors[chunk.request_id] = str(e)
+        draft_seconds, q = 0.0, {}
+        if self.draft is not None:  # fills `draft` of the chunks that plan draft positions
+            draft_seconds, q = self.draft.run(plan, {c.request_id: seq for c, seq, _ in
+                                                     prepared}, self.batch_invariant)
+        for chunk, seq, redo in prepared:
+            start, n, req = chunk.start, chunk.num_new_tokens, chunk.request
+            tokens = [*req.token_slice(start, start + 1), *chunk.draft] if chunk.num_draft \
+                else req.token_slice(start, start + n)
+            outputs = n if chunk.num_draft else (1 if chunk.sample else 0)
+            rows = [(t, pos, seq, -1) for pos, t in enumerate(redo, start - len(redo))]
+            for i, tok in enumerate(tokens):
+                out = num_out + i - (n - outputs) if i >= n - outputs else -1
+                rows.append((tok, start + i, seq, out))
+            if outputs:
+                wants.append((chunk, num_out, outputs))
+                num_out += outputs
+            self._write(seq, chunk.block_table, start, start + n)
+            self._running[chunk.request_id] = (req, chunk.block_table)
+            num_rows += len(rows)
+            if len(rows) == 1 and not self.batch_invariant:
+                decodes.append(rows[0])
+            else:
+                groups.append(rows)
+        if decodes:
+            groups.append(decodes)
+        logits = self._ctx.decode(groups, num_out)
+        for chunk, seq, _ in prepared:  # decoded: the slots now hold these positions
+            self._length[seq] = chunk.start + chunk.num_new_tokens
+        sampled: dict[str, int] = {}
+        logprobs: dict = {}
+        spec: dict[str, list[int]] = {}
+        plain = [(c, i) for c, i, _ in wants if not c.num_draft]
+        if plain:
+            toks, lps = sample(logits[[i for _, i in plain]], [c.request for c, _ in plain],
+                               self.seed)
+            for (c, _), tok, lp in zip(plain, toks, lps, strict=True):
+                sampled[c.request_id] = tok
+                if lp is not None:
+                    logprobs[c.request_id] = lp
+        for c, i, k in wants:
+            if c.num_draft:
+                rows_logits = logits[i:i + k]
+                spec[c.request_id] = verify_greedy(rows_logits.argmax(-1).tolist(),
+                                                   list(c.draft))[0] \
+                    if c.request.sampling.temperature == 0.0 else \
+                    sample_draft(rows_logits, c.request, list(c.draft), self.seed,
+                                 q.get(c.request_id))
+        seconds = time.perf_counter() - t0
+        context = sum(c.start + c.num_new_tokens for c in plan.chunks)
+        weights = self.weight_bytes
+        if draft_seconds:
+            weights += self.draft.weight_bytes * self.draft.last_passes
+        timing = StepTiming(seconds, True, plan.num_prefill_tokens, plan.num_decode_tokens,
+                            plan.num_pairs,
+                            weights + context * self.kv_bytes_per_token(self.kv_format))
+        self.timing.observe(num_rows, timing.num_pairs, seconds - draft_seconds)
+        return StepResult(sampled, timing, errors=errors, logprobs=logprobs, spec=spec,
+                          draft_seconds=draft_seconds)
+
+    def propose(self, req, k: int, knobs) -> list[int]:
+        """n-gram prompt lookup over the request's latest tokens (as the torch executor)."""
+        n = req.num_tokens
+        return propose_ngram(req.token_slice(max(n - 4096, 0), n), k, knobs.prompt_lookup_max)
+
+    def forget(self, request_id: str) -> None:
+        """A finished request's sequence is retired: its cells stay while they hold blocks
+        the prefix cache may hand out."""
+        self._retire(request_id)
+
+    def close(self) -> None:
+        self._free_context()
+        if self.draft is not None:
+            self.draft.close()
+        self._model.close()

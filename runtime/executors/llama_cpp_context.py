@@ -1,0 +1,138 @@
+"""One llama.cpp model and its context of slots, over llama-cpp-python's low-level API:
+what the `llama_cpp` executor's target and its draft model each hold
+(`runtime/executors/llama_cpp.py` explains the layout)."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtime.errors import ConfigError, ModelFileError, StepError
+from runtime.tokenizer import quiet_stderr
+
+KV_TYPES = {"fp16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
+"""kvdeck KV format -> llama.cpp ggml type of K and V."""
+REPACK = True
+"""Let llama.cpp re-pack quantized weights for its CPU gemm kernels (faster)."""
+
+Row = tuple[int, int, int, int]
+"""(token, position, slot, logits row or -1) of one batch row."""
+
+
+def lib():
+    import llama_cpp  # imported here: loading the shared library takes a moment
+    from llama_cpp._logger import set_verbose
+
+    # llama-cpp-python's log callback prints llama.cpp's info lines (some outside any
+    # quiet_stderr block, e.g. the SWA cache notice) unless its logger is set to errors.
+    set_verbose(False)
+    return llama_cpp
+
+
+class LlamaModel:
+    """A GGUF loaded by llama.cpp (`n_gpu_layers` on a Metal or CUDA build; -1 all)."""
+
+    def __init__(self, path: Path, n_gpu_layers: int):
+        L = lib()
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = n_gpu_layers
+        mp.use_extra_bufts = REPACK
+        t0 = time.perf_counter()
+        with quiet_stderr():
+            self.ptr = L.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.ptr:
+            raise ModelFileError(f"llama.cpp could not load {path}; is it a GGUF model of an "
+                                 "architecture llama.cpp supports?")
+        self.load_seconds = time.perf_counter() - t0
+        self.vocab = L.llama_model_get_vocab(self.ptr)
+        self.vocab_size = L.llama_vocab_n_tokens(self.vocab)
+        self.weight_bytes = int(L.llama_model_size(self.ptr))
+
+    def close(self) -> None:
+        if self.ptr is not None:
+            lib().llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class LlamaContext:
+    """A context of `n_parallel` slots, each a sequence id with a KV stream of its own of
+    `n_ctx / n_parallel` cells, in `kv_format`; decodes groups of rows."""
+
+    def __init__(self, model: LlamaModel, n_ctx: int, n_parallel: int, threads: int,
+                 n_batch: int, kv_format: str):
+        L = lib()
+        cp = L.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = cp.n_ubatch = min(n_batch, n_ctx)
+        cp.n_seq_max = n_parallel
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.kv_unified = False  # a stream per slot: see the executor's docstring
+        cp.swa_full = True  # cached prefixes stay valid in sliding-window layers
+        cp.no_perf = True
+        cp.type_k = cp.type_v = getattr(L, KV_TYPES[kv_format])
+        # Flash attention only where a quantized V cache needs it: llama-cpp-python's own
+        # generation runs without it, and greedy outputs then agree token for token.
+        cp.flash_attn_type = 0 if kv_format == "fp16" else 1
+        with quiet_stderr():
+            self.ctx = L.llama_init_from_model(model.ptr, cp)
+        if not self.ctx:
+            raise ConfigError(f"llama.cpp could not create a context of {n_ctx:,} cells in "
+                              f"{kv_format}; lower the KV budget or use another kv_format.")
+        self.mem = L.llama_get_memory(self.ctx)
+        self.batch_size = cp.n_batch
+        self.batch = L.llama_batch_init(cp.n_batch, 0, 1)
+        self.vocab_size = model.vocab_size
+
+    def remove(self, seq: int, start: int = 0) -> None:
+        """Drop positions `start`.. of slot `seq`'s stream."""
+        lib().llama_memory_seq_rm(self.mem, seq, start, -1)
+
+    def copy_stream(self, src: int, dst: int, start: int) -> None:
+        """Slot `dst` takes slot `src`'s first `start` positions (llama.cpp copies whole
+        streams only, so the copy is cut at `start`)."""
+        L = lib()
+        L.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+        L.llama_memory_seq_rm(self.mem, dst, start, -1)
+
+    def decode(self, groups: list[list[Row]], num_out: int) -> torch.Tensor:
+        """Decode each group of rows in its own `llama_decode` (a group longer than the
+        batch in several); the logits rows as a float32 tensor [num_out, vocab]."""
+        L = lib()
+        out = np.empty((num_out, self.vocab_size), dtype=np.float32)
+        batch = self.batch
+        for rows in groups:
+            for first in range(0, len(rows), self.batch_size):
+                part = rows[first:first + self.batch_size]
+                batch.n_tokens = len(part)
+                for i, (tok, pos, seq, dst) in enumerate(part):
+                    batch.token[i] = tok
+                    batch.pos[i] = pos
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = seq
+                    batch.logits[i] = dst >= 0
+                rc = L.llama_decode(self.ctx, batch)
+                if rc != 0:
+                    raise StepError(f"llama.cpp could not decode the step (llama_decode "
+                                    f"returned {rc}: "
+                                    f"{'no free cells' if rc == 1 else 'an error'}).")
+                for i, (_, _, _, dst) in enumerate(part):
+                    if dst >= 0:
+                        ptr = L.llama_get_logits_ith(self.ctx, i)
+                        out[dst] = np.ctypeslib.as_array(
+                            ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                            shape=(self.vocab_size,))
+        return torch.from_numpy(out)
+
+    def close(self) -> None:
+        L = lib()
+        if self.batch is not None:
+            L.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx is not None:
+            L.llama_free(self.ctx)
+            self.ctx = self.mem = None
