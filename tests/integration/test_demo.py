@@ -29,15 +29,19 @@ def test_make_demo_opens_the_console_and_q_quits() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["q", "SIGINT", "SIGTERM"])
-def test_the_console_on_the_real_model_under_load_quits_cleanly(tmp_path, how: str) -> None:
-    """Gemma 3 270M on the torch executor at 20 arrivals/s (the queue grows faster than the
-    CPU drains it), then q, SIGINT or SIGTERM mid-step: the API-less console stops the engine
-    after its step, the recorder and the executor in order — exit 0, no native abort."""
+@pytest.mark.parametrize("how, executor", [("q", None), ("SIGINT", None), ("SIGTERM", None),
+                                          ("SIGTERM", "torch")])
+def test_the_console_on_the_real_model_under_load_quits_cleanly(tmp_path, how: str,
+                                                                 executor: str | None) -> None:
+    """Gemma 3 270M at 20 arrivals/s (the queue grows faster than the CPU drains it) on the
+    executor the machine chooses (llama_cpp here) and on torch, then q, SIGINT or SIGTERM
+    mid-step: the API-less console stops the engine after its step, the recorder and the
+    executor's native resources in order — exit 0, no native abort."""
     import signal
     import sys
 
-    term = Terminal([sys.executable, "-m", "console.cli", "console", "--rate", "20"],
+    chosen = ["--executor", executor] if executor else []
+    term = Terminal([sys.executable, "-m", "console.cli", "console", "--rate", "20", *chosen],
                     cwd=str(tmp_path))
     try:
         assert b"Knobs" in term.read(240, until=(b"KV blocks", b"Knobs"))
