@@ -54,9 +54,13 @@ def settings_line(session) -> str:
     """The settings a command runs with, in one line (printed at start-up)."""
     snap = session.engine.snapshot()
     k = snap.knobs
+    slots = getattr(session.executor, "n_parallel", None)
+    # llama.cpp splits the pool evenly over its slots: say where a longer context comes from.
+    per_slot = f" (the pool over {slots} slots; fewer --n-parallel or more --kv-memory-gib " \
+        "for longer)" if slots else ""
     return (f"{snap.model_name} on {snap.executor}: {snap.kv.num_blocks:,} KV blocks of "
             f"{snap.kv.block_size} tokens ({snap.kv.kv_format}), context "
-            f"{session.engine.max_model_len:,}, "
+            f"{session.engine.max_model_len:,}{per_slot}, "
             f"max_num_seqs {k.max_num_seqs}, max_num_batched_tokens "
             f"{k.max_num_batched_tokens}, chunk_size {k.chunk_size}, prefix caching "
             f"{'on' if k.enable_prefix_caching else 'off'}, weights {k.weight_format}"
@@ -453,9 +457,11 @@ def serve(
         console_app.run()
         return
     server = ApiServer(session, **serving)
-    out.print(settings_line(session), highlight=False)
+    # soft_wrap: one logical line each, not cut at 80 columns in a log or a pipe.
+    out.print(settings_line(session), highlight=False, soft_wrap=True)
     server.run(on_listening=lambda p: out.print(
-        f"serving {session.model_id} on http://{host}:{p}/v1", highlight=False))
+        f"serving {session.model_id} on http://{host}:{p}/v1", highlight=False,
+        soft_wrap=True))
 
 
 @app.command()

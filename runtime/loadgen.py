@@ -180,5 +180,10 @@ async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *,
 
         results = await asyncio.gather(*(tracked(i, a) for i, a in enumerate(arrivals)))
     summary = summarize(results, None, slo)
+    # What only the server knows (its steps, residents, busy time) a client cannot measure:
+    # None shows as "—", not as a measured zero.
+    summary["steps"] = None
+    summary["littles_law"]["measured_mean_resident"] = None
+    summary["accelerator_s_per_good_result"] = None
     summary["endpoint"] = endpoint
     return {"summary": summary, "requests": [m.to_dict() for m in results]}

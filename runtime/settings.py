@@ -105,9 +105,11 @@ class Settings:
         return self.session.executor
 
     def flat(self) -> dict[str, Any]:
-        """The settings as flat keys (what a config file holds)."""
+        """The settings as flat keys (what a config file holds). The simulated card's
+        settings only for the sim: a real executor's model is its GGUF, not a profile."""
         out: dict[str, Any] = {}
-        for part in (self.session, self.engine, self.sim):
+        parts = (self.session, self.engine) + ((self.sim,) if self.executor == "sim" else ())
+        for part in parts:
             for f in dataclasses.fields(part):
                 if f.name != "knobs":
                     out[f.name] = getattr(part, f.name)

@@ -31,13 +31,22 @@ TORCH_ONLY_WEIGHT_FORMATS = ("dense", "measured")
 """`weight_format` values the llama_cpp executor also runs (the GGUF's own weights)."""
 
 
+FLAG_NAMES = {"host_kv_memory_bytes": "--host-kv-memory-gib"}
+"""Settings whose flag is not `--` + the key with dashes."""
+
+
+def _flag(key: str) -> str:
+    return FLAG_NAMES.get(key, "--" + key.replace("_", "-"))
+
+
 def _torch_only_setting(values: dict[str, Any]) -> str | None:
+    """The flag of the first torch-only setting `values` use, if any."""
     for key, unused in TORCH_ONLY.items():
         if key in values and values[key] != unused:
-            return key
+            return _flag(key)
     wf = values.get("weight_format")
     if wf is not None and wf not in TORCH_ONLY_WEIGHT_FORMATS:
-        return "weight_format"
+        return "--weight-format"
     return None
 
 
@@ -59,9 +68,9 @@ def torch_cuda() -> bool:
 
 def choose_executor(values: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
     """(executor, settings it adds, why) for settings `values` that name no executor."""
-    key = _torch_only_setting(values)
-    if key is not None:
-        return "torch", {}, f"torch, because {key} is a torch-executor setting"
+    flag = _torch_only_setting(values)
+    if flag is not None:
+        return "torch", {}, f"torch, because {flag} is a torch-executor setting"
     offload = llama_cpp_gpu_offload()
     if offload is None:
         return "torch", {}, "torch, because llama-cpp-python is not installed"

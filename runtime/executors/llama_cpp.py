@@ -245,8 +245,8 @@ class LlamaCppExecutor:
     def bind_host_kv(self, num_blocks: int) -> None:
         if num_blocks:
             raise ConfigError("The llama_cpp executor has no host KV tier (llama.cpp keeps "
-                              "KV in its context); set host_kv_memory_bytes to 0 or use the "
-                              "torch executor.")
+                              "KV in its context); leave out --host-kv-memory-gib "
+                              "(host_kv_memory_bytes) or use --executor torch.")
 
     def set_offload(self, num_layers: int, num_buffers: int) -> Conversion:
         if num_layers:

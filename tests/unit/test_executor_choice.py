@@ -26,7 +26,9 @@ def test_a_cpu_machine_with_llama_cpp_defaults_to_it_and_says_why() -> None:
 def test_a_torch_only_setting_picks_torch(key: str, value) -> None:
     executor, extra, why = choose_executor({key: value})
     assert (executor, extra) == ("torch", {})
-    assert why == f"torch, because {key} is a torch-executor setting"
+    flag = "--host-kv-memory-gib" if key == "host_kv_memory_bytes" else \
+        "--" + key.replace("_", "-")
+    assert why == f"torch, because {flag} is a torch-executor setting"
 
 
 def test_settings_that_leave_torch_mechanisms_unused_do_not_pick_torch() -> None:
