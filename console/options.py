@@ -162,6 +162,10 @@ FLAGS: tuple[Flag, ...] = (
          "--num-speculative-tokens) (default adaptive).", KNOBS),
     Flag("prompt_lookup_max", ("--prompt-lookup-max",), int,
          "ngram: the longest n-gram looked up (default 3).", KNOBS),
+    Flag("itl_target_ms", ("--itl-target-ms",), float,
+         "Inter-token-latency target: each step's prefill chunks are sized so the timing "
+         "model predicts the step within it; the budgets still cap them (default 0: off).",
+         KNOBS),
     Flag("offload_buffers", ("--offload-buffers",), int,
          "Device buffers for offloaded layers: 1 serializes copy and compute, 2 overlap them "
          "(default 2).", KNOBS),

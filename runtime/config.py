@@ -117,6 +117,10 @@ class Knobs:
     from the request's measured per-position acceptance); `fixed`: always the most."""
     prompt_lookup_max: int = 3
     """The n-gram proposer tries the last n tokens for n from this down to 1."""
+    itl_target_ms: float = 0.0
+    """Inter-token-latency target (0: off): each step's prefill chunks are sized so the
+    timing model predicts the step within it (`step_budget.py`); max_num_batched_tokens
+    and chunk_size still cap them."""
 
     def __post_init__(self) -> None:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
@@ -133,6 +137,7 @@ class Knobs:
         check_int("offload_buffers", self.offload_buffers, 1, 2)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 16)
         check_int("prompt_lookup_max", self.prompt_lookup_max, 1, 16)
+        check_float("itl_target_ms", self.itl_target_ms, 0.0, 1e6)
         parse_weight_format(self.weight_format)  # the syntax; the executor checks the rest
 
     def with_changes(self, **changes: Any) -> Knobs:

@@ -537,8 +537,10 @@ class Engine:
         self.scheduler.update(plan, result, t1)
         self.last_batch = BatchView(plan.step, plan.num_decode_tokens, plan.num_prefill_tokens,
                                     len(plan.chunks), plan.token_budget, plan.max_num_seqs,
-                                    dt, len(plan.preempted), plan.limit)
+                                    dt, len(plan.preempted), plan.limit, plan.predicted_s,
+                                    plan.itl_target_s)
         record.dt, record.measured = dt, result.timing.measured
+        record.predicted_s, record.itl_target_s = plan.predicted_s, plan.itl_target_s
         if result.draft_seconds:
             record.draft_s = result.draft_seconds
             self.scheduler.spec.on_draft_step(result.draft_seconds, dt)

@@ -270,6 +270,11 @@ class StepRecord:
     recompute)."""
     draft_s: float = 0.0
     """Of `dt`, the time a draft model spent drafting (speculative decoding)."""
+    predicted_s: float | None = None
+    """The timing model's prediction of the step's compute time, made when it was planned
+    (the measured or modelled time is `dt`)."""
+    itl_target_s: float = 0.0
+    """The ITL target the step was planned under (0: none; `step_budget.py`)."""
 
     @property
     def t1(self) -> float:
@@ -296,6 +301,10 @@ class StepRecord:
                 d["t1"] = self.end
             if self.draft_s:
                 d["draft_s"] = self.draft_s
+            if self.predicted_s is not None:
+                d["predicted_s"] = self.predicted_s
+            if self.itl_target_s:
+                d["itl_target_s"] = self.itl_target_s
         if self.plan:
             d["plan"] = [list(e) if e.draft else list(e[:4]) for e in self.plan]
         for name in ("tokens", "errors", "admitted", "preempted", "rejected",
@@ -332,6 +341,7 @@ class StepRecord:
                 switches=[dict(x) for x in d.get("switches", [])],
                 transfers=[Transfer(*x) for x in d.get("transfers", [])],
                 swapped=list(d.get("swapped", [])), draft_s=d.get("draft_s", 0.0),
+                predicted_s=d.get("predicted_s"), itl_target_s=d.get("itl_target_s", 0.0),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise RunFormatError(f"{where} is not a valid step record ({type(e).__name__}: "

@@ -229,7 +229,8 @@ class TraceState:
             k = Knobs(**self.knobs) if self.knobs else Knobs()
             self.last_batch = BatchView(rec.step, rec.num_decode, rec.num_prefill,
                                         len(rec.plan), k.max_num_batched_tokens,
-                                        k.max_num_seqs, rec.dt, len(rec.preempted), rec.limit)
+                                        k.max_num_seqs, rec.dt, len(rec.preempted), rec.limit,
+                                        rec.predicted_s, rec.itl_target_s)
             self.figures.on_step(step_figures(rec, self.usage,
                                               self.pool.num_cached_only / self.num_blocks,
                                               self.tree.hit_rate))

@@ -9,6 +9,9 @@ Continuous batching under two budgets, tokens per iteration and sequences per it
    (with admission control) their deadlines allow. Admission stops at the first request that
    does not fit, so a large request is not starved by smaller ones behind it.
 
+With an inter-token-latency target (`itl_target_ms`), prefill chunks in steps 2 and 3 are
+also capped so the step's predicted time stays within it (`step_budget.py`).
+
 In `static` mode a group is admitted only when nothing runs, and runs until every member
 has finished.
 
@@ -40,6 +43,7 @@ from runtime.kv.manager import BlockManager
 from runtime.plan import ScheduledChunk, SchedulerOutput, StepResult, causal_pairs
 from runtime.request import Request, RequestStatus
 from runtime.spec.stats import MAX_POSITIONS, SpecStats
+from runtime.step_budget import StepBudget, StepTotals
 
 Estimator = Callable[[int, int, int], float]
 """(new tokens, causal pairs, context tokens) -> predicted step seconds."""
@@ -96,6 +100,8 @@ class Scheduler:
         """Per speculating request: (accepted, tried) per draft position."""
         self._last_step = (0.0, 0)
         """(seconds, tokens emitted) of the latest step: T and N of the draft-length rule."""
+        self._target: StepBudget | None = None
+        """While planning under an ITL target, the step's predicted time so far."""
 
     # -- knobs ------------------------------------------------------------------------------
 
@@ -159,7 +165,8 @@ class Scheduler:
         k = self.knobs
         plan = SchedulerOutput(step=step, time=now, token_budget=k.max_num_batched_tokens,
                                max_num_seqs=k.max_num_seqs,
-                               speculative_method=k.speculative_method)
+                               speculative_method=k.speculative_method,
+                               itl_target_s=k.itl_target_ms / 1e3)
         budget = k.max_num_batched_tokens
         scheduled: set[str] = set()
         # Decodes first, then running prefills, each in admission order.
@@ -172,12 +179,17 @@ class Scheduler:
             else:
                 prefills.append(r)
         budget = self._schedule_decodes(decodes, plan, budget, scheduled)
+        self._target = StepBudget(self.estimate, plan.chunks, plan.itl_target_s,
+                                  self.kv.block_size) if plan.itl_target_s else None
         for req in prefills:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this iteration
             if budget <= 0 or len(scheduled) >= k.max_num_seqs:
                 break
-            n = min(req.num_pending_tokens, k.chunk_size, budget)
+            n = self._chunk(req.num_computed_tokens, req.num_pending_tokens, budget)
+            if n == 0:
+                plan.limit = "ITL target (itl_target_ms): the step has no room for more"
+                break
             cows = self._make_room(req, n, scheduled, plan)
             if cows is None:
                 continue
@@ -187,14 +199,21 @@ class Scheduler:
             budget -= n
         if plan.preempted:
             plan.limit = "KV pool full: running requests were preempted; no admissions"
-        else:
+        elif plan.limit is None:
             budget = self._admit(plan, budget, scheduled, now)
         if plan.limit is None and self.waiting:
             plan.limit = "token budget (max_num_batched_tokens) used up" if budget <= 0 \
                 else "sequence limit (max_num_seqs) reached"
         if self.kv.copies:
             plan.transfers = self.kv.take_copies()
+        plan.predicted_s = (self._target or StepTotals(self.estimate, plan.chunks)).seconds()
         return plan
+
+    def _chunk(self, start: int, pending: int, budget: int) -> int:
+        """Tokens of a prefill chunk from `start`: at most `pending`, `chunk_size` and the
+        token budget, and under an ITL target what keeps the predicted step within it."""
+        n = min(pending, self.knobs.chunk_size, budget)
+        return self._target.cap(start, n) if self._target is not None else n
 
     def _schedule_decodes(self, decodes: list[Request], plan: SchedulerOutput, budget: int,
                           scheduled: set[str]) -> int:
@@ -305,6 +324,8 @@ class Scheduler:
     def _add_prefill(self, plan: SchedulerOutput, req: Request, n: int) -> None:
         """A prefill chunk of `n` tokens (decodes are planned inline, in _schedule_decodes)."""
         start = req.num_computed_tokens
+        if self._target is not None:
+            self._target.add(start, n)
         req.events.append((plan.time, f"prefill tokens {start:,}–{start + n:,}"))
         plan.chunks.append(ScheduledChunk(
             req, n, start, self.kv.tables[req.request_id],
@@ -444,7 +465,10 @@ class Scheduler:
                 continue
             chain = self.kv.prefix_chain(req)
             hit = len(chain) * self.kv.block_size
-            n = min(req.num_tokens - hit, k.chunk_size, budget)
+            n = self._chunk(hit, req.num_tokens - hit, budget)
+            if n == 0:
+                plan.limit = "ITL target (itl_target_ms): the step has no room for more"
+                break
             if k.admission_control and req.deadline is not None:
                 finish = now + self._estimate_service(req, hit)
                 if finish > req.deadline:
@@ -482,8 +506,12 @@ class Scheduler:
                  now: float) -> bool:
         """Readmit a swapped-out request (its blocks come back before the forward pass);
         False, with `plan.limit` set, when the pool cannot take them yet."""
-        n = min(req.num_tokens - req.num_computed_tokens, self.knobs.chunk_size, budget)
+        n = self._chunk(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens,
+                        budget)
         kv = self.kv
+        if n == 0:
+            plan.limit = "ITL target (itl_target_ms): the step has no room for more"
+            return False
         if not kv.can_swap_in(req, n, full):
             plan.limit = (f"KV pool full: swapped-out {req.request_id} needs "
                           f"{kv.swap_in_blocks(req, n, full):,} blocks to come back, "

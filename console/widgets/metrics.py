@@ -91,6 +91,12 @@ class MetricsPanel(SnapshotPanel):
                                                     width))
             .append(f" {snap.kv.hit_rate:.0%}"),
         ]
+        model = r.get("step_model")
+        if model is not None and not narrow:
+            p, m, err = model
+            lines.append(Text(f"step model: predicted {p * 1e3:,.1f} vs measured "
+                              f"{m * 1e3:,.1f} ms (mean |error| {err:.1%})",
+                              style="yellow" if err > 0.15 else ""))
         if snap.lag_s > 0.5:
             lines.append(Text(f"the simulation is {snap.lag_s:,.1f} s behind its pace",
                               style="bold yellow"))
