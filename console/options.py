@@ -138,6 +138,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("queue_policy", ("--queue-policy",), str, _one_of("queue_policy"), KNOBS),
     Flag("sjf_max_wait_s", ("--sjf-max-wait-s",), float, "Aging bound for sjf (default 30).",
          KNOBS),
+    Flag("priority_max_wait_s", ("--priority-max-wait-s",), float,
+         "Aging bound for priority: a request waiting this long goes ahead of every priority "
+         "and is not preempted for arrivals' sake (default 30).", KNOBS),
     Flag("reservation", ("--reservation",), str, _one_of("reservation"), KNOBS),
     Flag("preemption", ("--preemption",), str, "recompute, swap (to the host tier and back) "
          "or auto (whichever the timing model says is faster per victim); swap and auto need "

@@ -78,6 +78,10 @@ class Knobs:
     queue_policy: str = "fcfs"
     sjf_max_wait_s: float = 30.0
     """Under `sjf`, a request that has waited this long goes ahead of shorter ones (aging)."""
+    priority_max_wait_s: float = 30.0
+    """Under `priority`, a request that has waited this long goes ahead of higher
+    priorities, oldest first (aging), so a stream of high-priority arrivals cannot keep it
+    out forever."""
     reservation: str = "lazy"
     preemption: str = "recompute"
     enable_prefix_caching: bool = True
@@ -129,6 +133,7 @@ class Knobs:
         for name, choices in KNOB_CHOICES.items():
             check_choice(name, getattr(self, name), choices)
         check_float("sjf_max_wait_s", self.sjf_max_wait_s, 0.0, 1e6)
+        check_float("priority_max_wait_s", self.priority_max_wait_s, 0.0, 1e6)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("prefix_cache_capacity", self.prefix_cache_capacity, 0, 1 << 30)
         check_bool("admission_control", self.admission_control)

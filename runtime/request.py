@@ -99,6 +99,8 @@ class Request(Progress):
     """Absolute completion deadline on the engine clock, or None."""
     priority: int = 0
     """Lower runs first under the `priority` policy (as in vLLM)."""
+    num_arrival_preemptions: int = 0
+    """Times a higher-priority arrival preempted it (bounded: `scheduler.ARRIVAL_PREEMPTIONS`)."""
     output_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
     events: list[tuple[float, str]] = field(default_factory=list)

@@ -24,6 +24,17 @@ readmitted (reusing whatever the prefix cache still holds). If the request needi
 itself the only candidate, it is the one preempted. No admissions happen in an iteration
 that preempted.
 
+Priority preemption on arrival: under the `priority` policy, when the queue's first request
+cannot start (the pool cannot take its first chunk, or `max_num_seqs` requests run), running
+requests of a strictly lower priority are preempted for it — lowest priority first, latest
+admitted among equals — until it fits (`_preempt_for_arrival`). The bound that keeps a
+stream of high-priority arrivals from starving the others: a request is preempted this way
+at most `ARRIVAL_PREEMPTIONS` times (after that only a pool shortage can preempt it), and a
+request that has waited `priority_max_wait_s` is ordered ahead of every priority, oldest
+first, and preempts nobody's way in — so every request is admitted within that wait plus
+the service of the aged requests ahead of it, and once admitted loses its place at most
+twice to arrivals.
+
 Preemption mode (the `preemption` knob): `recompute` as above; `swap` copies the victim's
 computed blocks to the host tier instead (`kv/tiers.py`) and it resumes where it stopped
 once they are copied back (`RequestStatus.SWAPPED`); `auto` decides per victim with
@@ -51,6 +62,8 @@ Proposer = Callable[[Request, int], list[int]]
 """(request, most tokens) -> draft tokens to follow its last token (speculative decoding)."""
 DraftEstimator = Callable[[int], float]
 """(rows) -> predicted seconds of one draft-model pass over that many rows."""
+ARRIVAL_PREEMPTIONS = 2
+"""The most times one request is preempted for a higher-priority arrival."""
 
 
 def swap_or_recompute(num_tokens: int, block_size: int, bytes_per_block: int,
@@ -169,6 +182,9 @@ class Scheduler:
                                itl_target_s=k.itl_target_ms / 1e3)
         budget = k.max_num_batched_tokens
         scheduled: set[str] = set()
+        if k.queue_policy == "priority" and self.waiting and self.running:
+            self._preempt_for_arrival(plan, now)
+        for_arrival = len(plan.preempted)  # these make room for an admission this step
         # Decodes first, then running prefills, each in admission order.
         decodes: list[Request] = []
         prefills: list[Request] = []
@@ -197,7 +213,7 @@ class Scheduler:
             self._add_prefill(plan, req, n)
             scheduled.add(req.request_id)
             budget -= n
-        if plan.preempted:
+        if len(plan.preempted) > for_arrival:
             plan.limit = "KV pool full: running requests were preempted; no admissions"
         elif plan.limit is None:
             budget = self._admit(plan, budget, scheduled, now)
@@ -346,6 +362,40 @@ class Scheduler:
             if victim is req:
                 return None
 
+    def _preempt_for_arrival(self, plan: SchedulerOutput, now: float) -> None:
+        """Under `priority`: preempt lower-priority running requests until the queue's first
+        request can start (see the module docstring for the bound)."""
+        head = self._queue_order(now)[0]
+        if head.status is not RequestStatus.WAITING or \
+                now - head.arrival_time >= self.knobs.priority_max_wait_s:
+            return  # resumed requests and aged ones take their turn without preempting
+        full = self.knobs.reservation == "full"
+        if self._never_fits(head, full):
+            return
+        chain = self.kv.prefix_chain(head)
+        hit = len(chain) * self.kv.block_size
+        n = min(head.num_tokens - hit, self.knobs.chunk_size, self.knobs.max_num_batched_tokens)
+        while (len(self.running) >= self.knobs.max_num_seqs
+               or not self.kv.can_admit(head, n, full, chain)):
+            victims = [(i, r) for i, r in enumerate(self.running)
+                       if r.priority > head.priority
+                       and r.num_arrival_preemptions < ARRIVAL_PREEMPTIONS]
+            if not victims:
+                return
+            _, victim = max(victims, key=lambda ir: (ir[1].priority, ir[0]))
+            victim.num_arrival_preemptions += 1
+            swap = self.preemption_mode(victim) == "swap"
+            self._preempt_now(victim, now, f"for higher-priority {head.request_id} "
+                                           f"(priority {head.priority} < {victim.priority})"
+                              + ("" if swap else "; blocks freed, to be recomputed"), swap)
+            if swap:
+                plan.swapped.append(victim.request_id)
+            plan.preempted.append(victim.request_id)
+            chain = self.kv.prefix_chain(head)  # freed blocks may have been cached ones
+            hit = len(chain) * self.kv.block_size
+            n = min(head.num_tokens - hit, self.knobs.chunk_size,
+                    self.knobs.max_num_batched_tokens)
+
     def _pick_victim(self, scheduled: set[str]) -> Request:
         # `running` is in admission order, so a larger index means admitted later.
         candidates = [(i, r) for i, r in enumerate(self.running)
@@ -428,8 +478,13 @@ class Scheduler:
         resumed = [r for r in self.waiting if r.status in back]
         fresh = [r for r in self.waiting if r.status not in back]
         if policy == "priority":
-            fresh.sort(key=lambda r: (r.priority, r.arrival_time))
-        elif policy == "edf":
+            # Aged requests first (oldest first); then by priority, resumed ones ahead of
+            # fresh ones of the same priority.
+            limit = self.knobs.priority_max_wait_s
+            return sorted(self.waiting, key=lambda r: (
+                (0, r.arrival_time, 0, 0) if now - r.arrival_time >= limit else
+                (1, r.priority, 0 if r.status in back else 1, r.arrival_time)))
+        if policy == "edf":
             fresh.sort(key=lambda r: (r.deadline if r.deadline is not None else math.inf,
                                       r.arrival_time))
         else:  # sjf with aging: requests past the wait limit go first, oldest first
