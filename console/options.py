@@ -174,6 +174,12 @@ FLAGS: tuple[Flag, ...] = (
          "(default 2).", KNOBS),
     Flag("prefix_cache_capacity", ("--prefix-cache-capacity",), int,
          "Most blocks the prefix cache keeps (0: the pool).", KNOBS),
+    Flag("cache_admission_k", ("--cache-admission-k",), int,
+         "Prefix-cache admission: 1 caches every completed block; k >= 2 only prefixes in "
+         "the prompts of k of the last --cache-admission-window requests (default 1).", KNOBS),
+    Flag("cache_admission_window", ("--cache-admission-window",), int,
+         "Admitted requests whose prompts count for --cache-admission-k (default 1024).",
+         KNOBS),
     Flag("eviction_policy", ("--eviction-policy",), str, _one_of("eviction_policy"),
          KNOBS),
     Flag("admission_control", ("--admission-control/--no-admission-control",), bool,

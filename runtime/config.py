@@ -87,6 +87,12 @@ class Knobs:
     enable_prefix_caching: bool = True
     prefix_cache_capacity: int = 0
     """Most blocks the prefix cache may hold; 0 means bounded only by the pool."""
+    cache_admission_k: int = 1
+    """Prefix-cache admission: 1 caches every completed block; k ≥ 2 caches a block only
+    when its prefix was in the prompts of at least k of the last `cache_admission_window`
+    admitted requests (`kv/cache_admission.py`)."""
+    cache_admission_window: int = 1024
+    """Admitted requests whose prompts count as sightings for `cache_admission_k`."""
     eviction_policy: str = "lru"
     admission_control: bool = False
     """Check a request's deadline against the executor's timing estimate before admitting."""
@@ -136,6 +142,8 @@ class Knobs:
         check_float("priority_max_wait_s", self.priority_max_wait_s, 0.0, 1e6)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("prefix_cache_capacity", self.prefix_cache_capacity, 0, 1 << 30)
+        check_int("cache_admission_k", self.cache_admission_k, 1, 1 << 10)
+        check_int("cache_admission_window", self.cache_admission_window, 1, 1 << 24)
         check_bool("admission_control", self.admission_control)
         check_bool("demote_prefixes", self.demote_prefixes)
         check_int("offload_layers", self.offload_layers, 0, 1 << 12)

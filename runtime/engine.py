@@ -130,6 +130,7 @@ class Engine:
             clock=lambda: self.step_count, host_blocks=host_blocks,
             link_seconds=lambda nbytes: nbytes / executor.link_bandwidth,
         )
+        self.kv.admission.configure(k.cache_admission_k, k.cache_admission_window)
         self.transfer_log = TransferLog()
         self.weights_view = executor.describe_weights(self.kv_format)
         """What snapshots show of the weights (refreshed after every format switch: it

@@ -122,7 +122,8 @@ class Scheduler:
         """Take new knob values (already validated) at an iteration boundary."""
         self.knobs = knobs
         self.kv.configure_cache(knobs.enable_prefix_caching, knobs.prefix_cache_capacity,
-                                knobs.eviction_policy, knobs.demote_prefixes)
+                                knobs.eviction_policy, knobs.demote_prefixes,
+                                knobs.cache_admission_k, knobs.cache_admission_window)
 
     # -- intake -----------------------------------------------------------------------------
 
