@@ -587,6 +587,7 @@ class Engine:
             record.errors = dict(result.errors)
             record.admitted, record.preempted = list(plan.admitted), list(plan.preempted)
             record.swapped = list(plan.swapped)
+            record.forecasts = dict(plan.forecasts)
             record.rejected = list(plan.rejected)
             record.cow = list(plan.cow_copies)
             record.num_decode = plan.num_decode_tokens

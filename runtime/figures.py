@@ -222,6 +222,7 @@ class RunFigures:
             good = [m for m in done if m.met_deadline is not False]
             residence = [m.finish - m.arrival for m in recent if m.finish is not None]
             self._rolling = (self.num_finished_seen, {
+                "forecast_error": forecast_error(recent),
                 "ttft": Distribution.of(m.ttft for m in recent if m.ttft is not None),
                 "tpot": Distribution.of(m.tpot for m in recent if m.tpot is not None),
                 "itl": Distribution.of(self.recent_itls),
@@ -308,6 +309,15 @@ class FiguresView:
     bucket_s: float
 
 
+def forecast_error(ms: Sequence[RequestMetrics]) -> tuple[float, int] | None:
+    """(mean |finish − predicted finish| / (finish − arrival), requests) over the finished
+    requests admission control forecast; None when there are none."""
+    errors = [abs(m.finish - m.predicted_finish) / max(m.finish - m.arrival, 1e-9)
+              for m in ms if m.predicted_finish is not None and m.finish is not None
+              and m.status.startswith("finished")]
+    return (math.fsum(errors) / len(errors), len(errors)) if errors else None
+
+
 def summarize(ms: Sequence[RequestMetrics], stats: RunFigures | None = None, slo: SLO = SLO(),
               correct: Callable[[str], bool] | None = None) -> dict:
     """A run's figures as plain data: counts, latency distributions, throughput, goodput,
@@ -364,6 +374,7 @@ def summarize(ms: Sequence[RequestMetrics], stats: RunFigures | None = None, slo
             "generated_tokens": stats.generation_tokens,
         },
         "accelerator_s_per_good_result": stats.busy_seconds / len(good) if good else None,
+        "finish_forecast_error": (forecast_error(ms) or (None,))[0],
         "slo": asdict(slo),
     }
 

@@ -86,6 +86,9 @@ class SchedulerOutput:
     """The `itl_target_ms` knob in seconds (0: no target; `step_budget.py`)."""
     predicted_s: float = 0.0
     """The timing model's prediction of this step's compute time."""
+    forecasts: dict[str, float] = field(default_factory=dict)
+    """Admission control's latest predicted finish time of each running request, made
+    when a request was admitted this step (`forecast.py`)."""
 
     @property
     def num_pairs(self) -> int:

@@ -275,6 +275,9 @@ class StepRecord:
     (the measured or modelled time is `dt`)."""
     itl_target_s: float = 0.0
     """The ITL target the step was planned under (0: none; `step_budget.py`)."""
+    forecasts: dict[str, float] = field(default_factory=dict)
+    """Admission control's latest predicted finish time of each running request, made when
+    a request was admitted this step."""
 
     @property
     def t1(self) -> float:
@@ -308,7 +311,8 @@ class StepRecord:
         if self.plan:
             d["plan"] = [list(e) if e.draft else list(e[:4]) for e in self.plan]
         for name in ("tokens", "errors", "admitted", "preempted", "rejected",
-                     "finished", "cow", "knobs", "forked", "switches", "transfers", "swapped"):
+                     "finished", "cow", "knobs", "forked", "switches", "transfers", "swapped",
+                     "forecasts"):
             value = getattr(self, name)
             if value:
                 d[name] = [list(x) for x in value] if isinstance(value, list) and \
@@ -342,6 +346,7 @@ class StepRecord:
                 transfers=[Transfer(*x) for x in d.get("transfers", [])],
                 swapped=list(d.get("swapped", [])), draft_s=d.get("draft_s", 0.0),
                 predicted_s=d.get("predicted_s"), itl_target_s=d.get("itl_target_s", 0.0),
+                forecasts=dict(d.get("forecasts", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise RunFormatError(f"{where} is not a valid step record ({type(e).__name__}: "

@@ -188,6 +188,10 @@ class TraceState:
             r.num_computed_tokens = r.num_cached_tokens = 0
             if r.admitted_time is None:
                 r.admitted_time = rec.t0
+        for rid, t in rec.forecasts.items():
+            r = self.requests.get(rid)
+            if r is not None:
+                r.predicted_finish = t
         for ev in rec.kv:
             self._apply_kv(ev, rec)
         t1 = rec.t1

@@ -80,6 +80,9 @@ class Progress:
     reason: str | None = None
     """Why the request was rejected or aborted, or what stopped it."""
     num_preemptions: int = 0
+    predicted_finish: float | None = None
+    """Admission control's latest forecast of the finish time, made when it or a later
+    request was admitted (`runtime/forecast.py`); None without admission control."""
 
 
 @dataclass(eq=False)

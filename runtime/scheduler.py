@@ -50,6 +50,7 @@ from collections import deque
 from collections.abc import Callable
 
 from runtime.config import EngineConfig, Knobs
+from runtime.forecast import Job, forecast
 from runtime.kv.manager import BlockManager
 from runtime.plan import ScheduledChunk, SchedulerOutput, StepResult, causal_pairs
 from runtime.request import Request, RequestStatus
@@ -525,19 +526,23 @@ class Scheduler:
             if n == 0:
                 plan.limit = "ITL target (itl_target_ms): the step has no room for more"
                 break
-            if k.admission_control and req.deadline is not None:
-                finish = now + self._estimate_service(req, hit)
-                if finish > req.deadline:
+            if k.admission_control and (req.deadline is not None or self._deadlines()):
+                finish, miss = self._forecast_with(req, hit, now)
+                if miss is None:
+                    # The latest forecast of every request it shares the batch with.
+                    for r in self.running:
+                        r.predicted_finish = finish.get(r.request_id, r.predicted_finish)
+                    plan.forecasts.update(finish)
+                else:
                     if k.on_deadline_miss == "wait":
                         plan.limit = "admission control: waiting requests would miss their " \
                                      "deadlines"
                         continue
                     self.waiting.remove(req)
-                    self.reject(req, f"cannot meet its deadline: estimated finish "
-                                     f"{finish - req.arrival_time:.2f} s after arrival, deadline "
-                                     f"{req.deadline - req.arrival_time:.2f} s", now)
+                    self.reject(req, miss, now)
                     plan.rejected.append(req.request_id)
                     continue
+                req.predicted_finish = finish.get(req.request_id, now)
             if not self.kv.can_admit(req, n, full, chain):
                 # Head-of-line: wait for blocks rather than let smaller ones pass.
                 plan.limit = (f"KV pool full: the next request needs blocks for "
@@ -598,25 +603,45 @@ class Scheduler:
                     f"{self.kv.num_blocks:,} blocks of {self.kv.block_size} tokens")
         return None
 
-    def _estimate_service(self, req: Request, hit: int) -> float:
-        """Predicted seconds from now to completion if admitted now: its prefill in chunks
-        alongside the current batch, then its remaining decode steps."""
+    def _deadlines(self) -> bool:
+        return any(r.deadline is not None for r in self.running)
+
+    @staticmethod
+    def _job(r: Request, computed: int) -> Job:
+        return Job(r.request_id, computed, r.num_tokens,
+                   r.sampling.max_tokens - r.num_output_tokens, r.deadline)
+
+    def _forecast(self, jobs: list[Job], now: float) -> dict[str, float]:
         k = self.knobs
-        batch = len(self.running) + 1
-        context = sum(r.num_tokens for r in self.running)
-        seconds = 0.0
-        pos = hit
-        while pos < req.num_tokens:
-            c = min(k.chunk_size, k.max_num_batched_tokens, req.num_tokens - pos)
-            seconds += self.estimate(c + batch - 1, causal_pairs(c, pos), context + pos + c)
-            pos += c
-        remaining = req.sampling.max_tokens - req.num_output_tokens - 1
-        if remaining > 0:
-            mean_ctx = req.num_tokens + remaining // 2
-            step = self.estimate(batch, batch * causal_pairs(1, mean_ctx),
-                                 context + mean_ctx)
-            seconds += remaining * step
-        return seconds
+        return forecast(jobs, now, self.estimate, token_budget=k.max_num_batched_tokens,
+                        chunk_size=k.chunk_size, max_num_seqs=k.max_num_seqs,
+                        itl_target_s=k.itl_target_ms / 1e3, block_size=self.kv.block_size)
+
+    def _forecast_with(self, req: Request, hit: int, now: float
+                       ) -> tuple[dict[str, float], str | None]:
+        """(predicted finish of every running request and `req` if it is admitted now, why
+        it may not be — None when it and every running request with a deadline are
+        forecast to finish in time). The forecast
+        runs the running batch, this step's admissions included, plus `req` forward on the
+        timing model (`forecast.py`). A running request forecast to miss even without the
+        newcomer (admitted before admission control was on) does not block admissions."""
+        jobs = [self._job(r, r.num_computed_tokens) for r in self.running]
+        finish = self._forecast([*jobs, self._job(req, hit)], now)
+        mine = finish.get(req.request_id, now)
+        if req.deadline is not None and mine > req.deadline:
+            return finish, (f"cannot meet its deadline: forecast finish "
+                          f"{mine - req.arrival_time:.2f} s after arrival, deadline "
+                          f"{req.deadline - req.arrival_time:.2f} s")
+        late = [j for j in jobs if j.deadline is not None and
+                finish.get(j.request_id, now) > j.deadline]
+        if late:
+            alone = self._forecast(jobs, now)
+            for j in late:
+                if alone.get(j.request_id, now) <= j.deadline:
+                    return finish, (f"admitting it would make {j.request_id} miss its deadline "
+                                  f"(forecast finish {finish[j.request_id] - now:.2f} s from "
+                                  f"now, deadline in {j.deadline - now:.2f} s)")
+        return finish, None
 
     # -- applying results -------------------------------------------------------------------
 

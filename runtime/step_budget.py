@@ -47,7 +47,8 @@ class StepTotals:
         return self.estimate(self.new + n, self.pairs + causal_pairs(n, start),
                              self.context + start + n)
 
-    def add(self, start: int, n: int) -> None:
+    def add(self, start: int, n: int, prefill: bool = True) -> None:
+        """A chunk of `n` tokens from `start` joins the step (`prefill`: not a decode row)."""
         self.new += n
         self.pairs += causal_pairs(n, start)
         self.context += start + n
@@ -78,6 +79,6 @@ class StepBudget(StepTotals):
             return min(want, self.block_size)  # a prefill always advances
         return lo
 
-    def add(self, start: int, n: int) -> None:
-        super().add(start, n)
-        self.num_prefills += 1
+    def add(self, start: int, n: int, prefill: bool = True) -> None:
+        super().add(start, n, prefill)
+        self.num_prefills += prefill

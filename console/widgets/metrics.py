@@ -91,6 +91,11 @@ class MetricsPanel(SnapshotPanel):
                                                     width))
             .append(f" {snap.kv.hit_rate:.0%}"),
         ]
+        forecast = r.get("forecast_error")
+        if forecast is not None:
+            err, n = forecast
+            lines.append(Text(f"finish forecast: mean |error| {err:.1%} over {n} requests"
+                              if not narrow else f"forecast err {err:.1%}"))
         model = r.get("step_model")
         if model is not None and not narrow:
             p, m, err = model
