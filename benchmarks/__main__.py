@@ -1,6 +1,13 @@
 """`python -m benchmarks`: run every benchmark in turn."""
 
-from benchmarks import engine_overhead, host_tier, quantization, speculation, torch_vs_llama
+from benchmarks import (
+    cache_admission,
+    engine_overhead,
+    host_tier,
+    quantization,
+    speculation,
+    torch_vs_llama,
+)
 
 if __name__ == "__main__":
     engine_overhead.main()
@@ -12,3 +19,5 @@ if __name__ == "__main__":
     host_tier.main()
     print()
     speculation.main()
+    print()
+    cache_admission.main()

@@ -138,6 +138,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("queue_policy", ("--queue-policy",), str, _one_of("queue_policy"), KNOBS),
     Flag("sjf_max_wait_s", ("--sjf-max-wait-s",), float, "Aging bound for sjf (default 30).",
          KNOBS),
+    Flag("priority_max_wait_s", ("--priority-max-wait-s",), float,
+         "Aging bound for priority: a request waiting this long goes ahead of every priority "
+         "and is not preempted for arrivals' sake (default 30).", KNOBS),
     Flag("reservation", ("--reservation",), str, _one_of("reservation"), KNOBS),
     Flag("preemption", ("--preemption",), str, "recompute, swap (to the host tier and back) "
          "or auto (whichever the timing model says is faster per victim); swap and auto need "
@@ -162,11 +165,21 @@ FLAGS: tuple[Flag, ...] = (
          "--num-speculative-tokens) (default adaptive).", KNOBS),
     Flag("prompt_lookup_max", ("--prompt-lookup-max",), int,
          "ngram: the longest n-gram looked up (default 3).", KNOBS),
+    Flag("itl_target_ms", ("--itl-target-ms",), float,
+         "Inter-token-latency target: each step's prefill chunks are sized so the timing "
+         "model predicts the step within it; the budgets still cap them (default 0: off).",
+         KNOBS),
     Flag("offload_buffers", ("--offload-buffers",), int,
          "Device buffers for offloaded layers: 1 serializes copy and compute, 2 overlap them "
          "(default 2).", KNOBS),
     Flag("prefix_cache_capacity", ("--prefix-cache-capacity",), int,
          "Most blocks the prefix cache keeps (0: the pool).", KNOBS),
+    Flag("cache_admission_k", ("--cache-admission-k",), int,
+         "Prefix-cache admission: 1 caches every completed block; k >= 2 only prefixes in "
+         "the prompts of k of the last --cache-admission-window requests (default 1).", KNOBS),
+    Flag("cache_admission_window", ("--cache-admission-window",), int,
+         "Admitted requests whose prompts count for --cache-admission-k (default 1024).",
+         KNOBS),
     Flag("eviction_policy", ("--eviction-policy",), str, _one_of("eviction_policy"),
          KNOBS),
     Flag("admission_control", ("--admission-control/--no-admission-control",), bool,

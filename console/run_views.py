@@ -34,6 +34,7 @@ ROWS: list[tuple[str, tuple[str, ...], float, str, bool | None]] = [
     ("mean resident (λ·T, Little)", ("littles_law", "predicted_mean_resident"), 1, "{:,.2f}",
      None),
     ("accelerator s per good result", ("accelerator_s_per_good_result",), 1, "{:,.4f}", False),
+    ("finish forecast |error| (%)", ("finish_forecast_error",), 100, "{:,.2f}", False),
 ]
 
 

@@ -78,11 +78,21 @@ class Knobs:
     queue_policy: str = "fcfs"
     sjf_max_wait_s: float = 30.0
     """Under `sjf`, a request that has waited this long goes ahead of shorter ones (aging)."""
+    priority_max_wait_s: float = 30.0
+    """Under `priority`, a request that has waited this long goes ahead of higher
+    priorities, oldest first (aging), so a stream of high-priority arrivals cannot keep it
+    out forever."""
     reservation: str = "lazy"
     preemption: str = "recompute"
     enable_prefix_caching: bool = True
     prefix_cache_capacity: int = 0
     """Most blocks the prefix cache may hold; 0 means bounded only by the pool."""
+    cache_admission_k: int = 1
+    """Prefix-cache admission: 1 caches every completed block; k ≥ 2 caches a block only
+    when its prefix was in the prompts of at least k of the last `cache_admission_window`
+    admitted requests (`kv/cache_admission.py`)."""
+    cache_admission_window: int = 1024
+    """Admitted requests whose prompts count as sightings for `cache_admission_k`."""
     eviction_policy: str = "lru"
     admission_control: bool = False
     """Check a request's deadline against the executor's timing estimate before admitting."""
@@ -117,6 +127,10 @@ class Knobs:
     from the request's measured per-position acceptance); `fixed`: always the most."""
     prompt_lookup_max: int = 3
     """The n-gram proposer tries the last n tokens for n from this down to 1."""
+    itl_target_ms: float = 0.0
+    """Inter-token-latency target (0: off): each step's prefill chunks are sized so the
+    timing model predicts the step within it (`step_budget.py`); max_num_batched_tokens
+    and chunk_size still cap them."""
 
     def __post_init__(self) -> None:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
@@ -125,14 +139,18 @@ class Knobs:
         for name, choices in KNOB_CHOICES.items():
             check_choice(name, getattr(self, name), choices)
         check_float("sjf_max_wait_s", self.sjf_max_wait_s, 0.0, 1e6)
+        check_float("priority_max_wait_s", self.priority_max_wait_s, 0.0, 1e6)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("prefix_cache_capacity", self.prefix_cache_capacity, 0, 1 << 30)
+        check_int("cache_admission_k", self.cache_admission_k, 1, 1 << 10)
+        check_int("cache_admission_window", self.cache_admission_window, 1, 1 << 24)
         check_bool("admission_control", self.admission_control)
         check_bool("demote_prefixes", self.demote_prefixes)
         check_int("offload_layers", self.offload_layers, 0, 1 << 12)
         check_int("offload_buffers", self.offload_buffers, 1, 2)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 16)
         check_int("prompt_lookup_max", self.prompt_lookup_max, 1, 16)
+        check_float("itl_target_ms", self.itl_target_ms, 0.0, 1e6)
         parse_weight_format(self.weight_format)  # the syntax; the executor checks the rest
 
     def with_changes(self, **changes: Any) -> Knobs:

@@ -130,6 +130,7 @@ class Engine:
             clock=lambda: self.step_count, host_blocks=host_blocks,
             link_seconds=lambda nbytes: nbytes / executor.link_bandwidth,
         )
+        self.kv.admission.configure(k.cache_admission_k, k.cache_admission_window)
         self.transfer_log = TransferLog()
         self.weights_view = executor.describe_weights(self.kv_format)
         """What snapshots show of the weights (refreshed after every format switch: it
@@ -537,8 +538,10 @@ class Engine:
         self.scheduler.update(plan, result, t1)
         self.last_batch = BatchView(plan.step, plan.num_decode_tokens, plan.num_prefill_tokens,
                                     len(plan.chunks), plan.token_budget, plan.max_num_seqs,
-                                    dt, len(plan.preempted), plan.limit)
+                                    dt, len(plan.preempted), plan.limit, plan.predicted_s,
+                                    plan.itl_target_s)
         record.dt, record.measured = dt, result.timing.measured
+        record.predicted_s, record.itl_target_s = plan.predicted_s, plan.itl_target_s
         if result.draft_seconds:
             record.draft_s = result.draft_seconds
             self.scheduler.spec.on_draft_step(result.draft_seconds, dt)
@@ -584,6 +587,7 @@ class Engine:
             record.errors = dict(result.errors)
             record.admitted, record.preempted = list(plan.admitted), list(plan.preempted)
             record.swapped = list(plan.swapped)
+            record.forecasts = dict(plan.forecasts)
             record.rejected = list(plan.rejected)
             record.cow = list(plan.cow_copies)
             record.num_decode = plan.num_decode_tokens

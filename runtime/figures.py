@@ -113,6 +113,8 @@ class StepFigures:
     running: int
     waiting: int
     knob_change: bool
+    predicted: float | None = None
+    """The timing model's prediction of `dt`, made when the step was planned."""
 
 
 def step_figures(record, kv_usage: float, kv_cached: float, hit_rate: float) -> StepFigures:
@@ -122,7 +124,7 @@ def step_figures(record, kv_usage: float, kv_cached: float, hit_rate: float) -> 
                        record.num_decode, len(record.tokens),
                        len(record.finished), len(record.arrived), record.resident, kv_usage,
                        kv_cached, hit_rate, record.queue[1], record.queue[0],
-                       bool(record.knobs))
+                       bool(record.knobs), record.predicted_s)
 
 
 class RunFigures:
@@ -158,6 +160,9 @@ class RunFigures:
         self.buckets: deque[Bucket] = deque(maxlen=history)
         self.num_finished_seen = 0
         self._rolling: tuple[int, dict] | None = None
+        self.recent_steps: deque[tuple[float, float]] = deque(maxlen=window)
+        """(predicted, measured) seconds of the latest steps: how honest the timing model
+        that admission, the ITL target and speculation rely on is."""
 
     # -- feeding ----------------------------------------------------------------------------
 
@@ -193,6 +198,8 @@ class RunFigures:
         self.prompt_tokens += s.prefill_tokens
         self.decode_tokens += s.decode_tokens
         self.generation_tokens += s.sampled_tokens
+        if s.predicted is not None:
+            self.recent_steps.append((s.predicted, s.dt))
         if self.first_time is None:
             self.first_time = s.t1 - s.dt
         self.last_time = max(self.last_time, s.t1)
@@ -215,6 +222,7 @@ class RunFigures:
             good = [m for m in done if m.met_deadline is not False]
             residence = [m.finish - m.arrival for m in recent if m.finish is not None]
             self._rolling = (self.num_finished_seen, {
+                "forecast_error": forecast_error(recent),
                 "ttft": Distribution.of(m.ttft for m in recent if m.ttft is not None),
                 "tpot": Distribution.of(m.tpot for m in recent if m.tpot is not None),
                 "itl": Distribution.of(self.recent_itls),
@@ -229,7 +237,18 @@ class RunFigures:
         residence = figures.pop("mean_residence")
         figures["littles_prediction"] = sum(self.status_counts.values()) / span * residence \
             if residence is not None else None
+        figures["step_model"] = self.step_model()
         return figures
+
+    def step_model(self) -> tuple[float, float, float] | None:
+        """(mean predicted, mean measured seconds, mean |predicted − measured| / measured)
+        over the latest steps; None before any."""
+        steps = [(p, m) for p, m in self.recent_steps if m > 0]
+        if not steps:
+            return None
+        n = len(steps)
+        return (math.fsum(p for p, _ in steps) / n, math.fsum(m for _, m in steps) / n,
+                math.fsum(abs(p - m) / m for p, m in steps) / n)
 
     def view(self) -> FiguresView:
         return FiguresView(
@@ -254,6 +273,7 @@ class RunFigures:
             "num_steps": self.num_steps, "sum_batch_size": self.sum_batch_size,
             "sum_batch_tokens": self.sum_batch_tokens, "first_time": self.first_time,
             "last_time": self.last_time, "buckets": [asdict(b) for b in self.buckets],
+            "recent_steps": [list(x) for x in self.recent_steps],
         }
 
     def load(self, d: dict) -> None:
@@ -270,6 +290,7 @@ class RunFigures:
                     "sum_batch_tokens", "first_time", "last_time"):
             setattr(self, key, d[key])
         self.buckets.extend(Bucket(**b) for b in d["buckets"])
+        self.recent_steps.extend((p, m) for p, m in d.get("recent_steps", ()))
         self.num_finished_seen += 1
 
 
@@ -286,6 +307,15 @@ class FiguresView:
     num_steps: int
     history: tuple[Bucket, ...]
     bucket_s: float
+
+
+def forecast_error(ms: Sequence[RequestMetrics]) -> tuple[float, int] | None:
+    """(mean |finish − predicted finish| / (finish − arrival), requests) over the finished
+    requests admission control forecast; None when there are none."""
+    errors = [abs(m.finish - m.predicted_finish) / max(m.finish - m.arrival, 1e-9)
+              for m in ms if m.predicted_finish is not None and m.finish is not None
+              and m.status.startswith("finished")]
+    return (math.fsum(errors) / len(errors), len(errors)) if errors else None
 
 
 def summarize(ms: Sequence[RequestMetrics], stats: RunFigures | None = None, slo: SLO = SLO(),
@@ -344,6 +374,7 @@ def summarize(ms: Sequence[RequestMetrics], stats: RunFigures | None = None, slo
             "generated_tokens": stats.generation_tokens,
         },
         "accelerator_s_per_good_result": stats.busy_seconds / len(good) if good else None,
+        "finish_forecast_error": (forecast_error(ms) or (None,))[0],
         "slo": asdict(slo),
     }
 

@@ -41,6 +41,8 @@ class RequestMetrics:
     itls: tuple[float, ...]
     deadline: float | None
     met_deadline: bool | None
+    predicted_finish: float | None = None
+    """Admission control's forecast of `finish`, made at admission."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,6 +70,7 @@ def request_metrics(req: Request) -> RequestMetrics:
         queue_time=req.admitted_time - req.arrival_time if req.admitted_time is not None
         else None,
         itls=itls, deadline=req.deadline, met_deadline=met,
+        predicted_finish=req.predicted_finish,
     )
 
 

@@ -82,6 +82,13 @@ class SchedulerOutput:
     with every chunk the target computes (so its KV is ready when a request drafts)."""
     limit: str | None = None
     """Why no more waiting requests joined this step (None: nobody was left waiting)."""
+    itl_target_s: float = 0.0
+    """The `itl_target_ms` knob in seconds (0: no target; `step_budget.py`)."""
+    predicted_s: float = 0.0
+    """The timing model's prediction of this step's compute time."""
+    forecasts: dict[str, float] = field(default_factory=dict)
+    """Admission control's latest predicted finish time of each running request, made
+    when a request was admitted this step (`forecast.py`)."""
 
     @property
     def num_pairs(self) -> int:

@@ -270,6 +270,14 @@ class StepRecord:
     recompute)."""
     draft_s: float = 0.0
     """Of `dt`, the time a draft model spent drafting (speculative decoding)."""
+    predicted_s: float | None = None
+    """The timing model's prediction of the step's compute time, made when it was planned
+    (the measured or modelled time is `dt`)."""
+    itl_target_s: float = 0.0
+    """The ITL target the step was planned under (0: none; `step_budget.py`)."""
+    forecasts: dict[str, float] = field(default_factory=dict)
+    """Admission control's latest predicted finish time of each running request, made when
+    a request was admitted this step."""
 
     @property
     def t1(self) -> float:
@@ -296,10 +304,15 @@ class StepRecord:
                 d["t1"] = self.end
             if self.draft_s:
                 d["draft_s"] = self.draft_s
+            if self.predicted_s is not None:
+                d["predicted_s"] = self.predicted_s
+            if self.itl_target_s:
+                d["itl_target_s"] = self.itl_target_s
         if self.plan:
             d["plan"] = [list(e) if e.draft else list(e[:4]) for e in self.plan]
         for name in ("tokens", "errors", "admitted", "preempted", "rejected",
-                     "finished", "cow", "knobs", "forked", "switches", "transfers", "swapped"):
+                     "finished", "cow", "knobs", "forked", "switches", "transfers", "swapped",
+                     "forecasts"):
             value = getattr(self, name)
             if value:
                 d[name] = [list(x) for x in value] if isinstance(value, list) and \
@@ -332,6 +345,8 @@ class StepRecord:
                 switches=[dict(x) for x in d.get("switches", [])],
                 transfers=[Transfer(*x) for x in d.get("transfers", [])],
                 swapped=list(d.get("swapped", [])), draft_s=d.get("draft_s", 0.0),
+                predicted_s=d.get("predicted_s"), itl_target_s=d.get("itl_target_s", 0.0),
+                forecasts=dict(d.get("forecasts", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise RunFormatError(f"{where} is not a valid step record ({type(e).__name__}: "

@@ -188,6 +188,10 @@ class TraceState:
             r.num_computed_tokens = r.num_cached_tokens = 0
             if r.admitted_time is None:
                 r.admitted_time = rec.t0
+        for rid, t in rec.forecasts.items():
+            r = self.requests.get(rid)
+            if r is not None:
+                r.predicted_finish = t
         for ev in rec.kv:
             self._apply_kv(ev, rec)
         t1 = rec.t1
@@ -229,7 +233,8 @@ class TraceState:
             k = Knobs(**self.knobs) if self.knobs else Knobs()
             self.last_batch = BatchView(rec.step, rec.num_decode, rec.num_prefill,
                                         len(rec.plan), k.max_num_batched_tokens,
-                                        k.max_num_seqs, rec.dt, len(rec.preempted), rec.limit)
+                                        k.max_num_seqs, rec.dt, len(rec.preempted), rec.limit,
+                                        rec.predicted_s, rec.itl_target_s)
             self.figures.on_step(step_figures(rec, self.usage,
                                               self.pool.num_cached_only / self.num_blocks,
                                               self.tree.hit_rate))

@@ -80,6 +80,9 @@ class Progress:
     reason: str | None = None
     """Why the request was rejected or aborted, or what stopped it."""
     num_preemptions: int = 0
+    predicted_finish: float | None = None
+    """Admission control's latest forecast of the finish time, made when it or a later
+    request was admitted (`runtime/forecast.py`); None without admission control."""
 
 
 @dataclass(eq=False)
@@ -99,6 +102,8 @@ class Request(Progress):
     """Absolute completion deadline on the engine clock, or None."""
     priority: int = 0
     """Lower runs first under the `priority` policy (as in vLLM)."""
+    num_arrival_preemptions: int = 0
+    """Times a higher-priority arrival preempted it (bounded: `scheduler.ARRIVAL_PREEMPTIONS`)."""
     output_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
     events: list[tuple[float, str]] = field(default_factory=list)

@@ -9,6 +9,9 @@ Continuous batching under two budgets, tokens per iteration and sequences per it
    (with admission control) their deadlines allow. Admission stops at the first request that
    does not fit, so a large request is not starved by smaller ones behind it.
 
+With an inter-token-latency target (`itl_target_ms`), prefill chunks in steps 2 and 3 are
+also capped so the step's predicted time stays within it (`step_budget.py`).
+
 In `static` mode a group is admitted only when nothing runs, and runs until every member
 has finished.
 
@@ -20,6 +23,17 @@ to the head of the queue; its prompt and generated tokens are recomputed when it
 readmitted (reusing whatever the prefix cache still holds). If the request needing blocks is
 itself the only candidate, it is the one preempted. No admissions happen in an iteration
 that preempted.
+
+Priority preemption on arrival: under the `priority` policy, when the queue's first request
+cannot start (the pool cannot take its first chunk, or `max_num_seqs` requests run), running
+requests of a strictly lower priority are preempted for it — lowest priority first, latest
+admitted among equals — until it fits (`_preempt_for_arrival`). The bound that keeps a
+stream of high-priority arrivals from starving the others: a request is preempted this way
+at most `ARRIVAL_PREEMPTIONS` times (after that only a pool shortage can preempt it), and a
+request that has waited `priority_max_wait_s` is ordered ahead of every priority, oldest
+first, and preempts nobody's way in — so every request is admitted within that wait plus
+the service of the aged requests ahead of it, and once admitted loses its place at most
+twice to arrivals.
 
 Preemption mode (the `preemption` knob): `recompute` as above; `swap` copies the victim's
 computed blocks to the host tier instead (`kv/tiers.py`) and it resumes where it stopped
@@ -36,10 +50,12 @@ from collections import deque
 from collections.abc import Callable
 
 from runtime.config import EngineConfig, Knobs
+from runtime.forecast import Job, forecast
 from runtime.kv.manager import BlockManager
 from runtime.plan import ScheduledChunk, SchedulerOutput, StepResult, causal_pairs
 from runtime.request import Request, RequestStatus
 from runtime.spec.stats import MAX_POSITIONS, SpecStats
+from runtime.step_budget import StepBudget, StepTotals
 
 Estimator = Callable[[int, int, int], float]
 """(new tokens, causal pairs, context tokens) -> predicted step seconds."""
@@ -47,6 +63,8 @@ Proposer = Callable[[Request, int], list[int]]
 """(request, most tokens) -> draft tokens to follow its last token (speculative decoding)."""
 DraftEstimator = Callable[[int], float]
 """(rows) -> predicted seconds of one draft-model pass over that many rows."""
+ARRIVAL_PREEMPTIONS = 2
+"""The most times one request is preempted for a higher-priority arrival."""
 
 
 def swap_or_recompute(num_tokens: int, block_size: int, bytes_per_block: int,
@@ -96,6 +114,8 @@ class Scheduler:
         """Per speculating request: (accepted, tried) per draft position."""
         self._last_step = (0.0, 0)
         """(seconds, tokens emitted) of the latest step: T and N of the draft-length rule."""
+        self._target: StepBudget | None = None
+        """While planning under an ITL target, the step's predicted time so far."""
 
     # -- knobs ------------------------------------------------------------------------------
 
@@ -103,7 +123,8 @@ class Scheduler:
         """Take new knob values (already validated) at an iteration boundary."""
         self.knobs = knobs
         self.kv.configure_cache(knobs.enable_prefix_caching, knobs.prefix_cache_capacity,
-                                knobs.eviction_policy, knobs.demote_prefixes)
+                                knobs.eviction_policy, knobs.demote_prefixes,
+                                knobs.cache_admission_k, knobs.cache_admission_window)
 
     # -- intake -----------------------------------------------------------------------------
 
@@ -159,9 +180,13 @@ class Scheduler:
         k = self.knobs
         plan = SchedulerOutput(step=step, time=now, token_budget=k.max_num_batched_tokens,
                                max_num_seqs=k.max_num_seqs,
-                               speculative_method=k.speculative_method)
+                               speculative_method=k.speculative_method,
+                               itl_target_s=k.itl_target_ms / 1e3)
         budget = k.max_num_batched_tokens
         scheduled: set[str] = set()
+        if k.queue_policy == "priority" and self.waiting and self.running:
+            self._preempt_for_arrival(plan, now)
+        for_arrival = len(plan.preempted)  # these make room for an admission this step
         # Decodes first, then running prefills, each in admission order.
         decodes: list[Request] = []
         prefills: list[Request] = []
@@ -172,12 +197,17 @@ class Scheduler:
             else:
                 prefills.append(r)
         budget = self._schedule_decodes(decodes, plan, budget, scheduled)
+        self._target = StepBudget(self.estimate, plan.chunks, plan.itl_target_s,
+                                  self.kv.block_size) if plan.itl_target_s else None
         for req in prefills:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this iteration
             if budget <= 0 or len(scheduled) >= k.max_num_seqs:
                 break
-            n = min(req.num_pending_tokens, k.chunk_size, budget)
+            n = self._chunk(req.num_computed_tokens, req.num_pending_tokens, budget)
+            if n == 0:
+                plan.limit = "ITL target (itl_target_ms): the step has no room for more"
+                break
             cows = self._make_room(req, n, scheduled, plan)
             if cows is None:
                 continue
@@ -185,16 +215,23 @@ class Scheduler:
             self._add_prefill(plan, req, n)
             scheduled.add(req.request_id)
             budget -= n
-        if plan.preempted:
+        if len(plan.preempted) > for_arrival:
             plan.limit = "KV pool full: running requests were preempted; no admissions"
-        else:
+        elif plan.limit is None:
             budget = self._admit(plan, budget, scheduled, now)
         if plan.limit is None and self.waiting:
             plan.limit = "token budget (max_num_batched_tokens) used up" if budget <= 0 \
                 else "sequence limit (max_num_seqs) reached"
         if self.kv.copies:
             plan.transfers = self.kv.take_copies()
+        plan.predicted_s = (self._target or StepTotals(self.estimate, plan.chunks)).seconds()
         return plan
+
+    def _chunk(self, start: int, pending: int, budget: int) -> int:
+        """Tokens of a prefill chunk from `start`: at most `pending`, `chunk_size` and the
+        token budget, and under an ITL target what keeps the predicted step within it."""
+        n = min(pending, self.knobs.chunk_size, budget)
+        return self._target.cap(start, n) if self._target is not None else n
 
     def _schedule_decodes(self, decodes: list[Request], plan: SchedulerOutput, budget: int,
                           scheduled: set[str]) -> int:
@@ -305,6 +342,8 @@ class Scheduler:
     def _add_prefill(self, plan: SchedulerOutput, req: Request, n: int) -> None:
         """A prefill chunk of `n` tokens (decodes are planned inline, in _schedule_decodes)."""
         start = req.num_computed_tokens
+        if self._target is not None:
+            self._target.add(start, n)
         req.events.append((plan.time, f"prefill tokens {start:,}–{start + n:,}"))
         plan.chunks.append(ScheduledChunk(
             req, n, start, self.kv.tables[req.request_id],
@@ -324,6 +363,40 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim is req:
                 return None
+
+    def _preempt_for_arrival(self, plan: SchedulerOutput, now: float) -> None:
+        """Under `priority`: preempt lower-priority running requests until the queue's first
+        request can start (see the module docstring for the bound)."""
+        head = self._queue_order(now)[0]
+        if head.status is not RequestStatus.WAITING or \
+                now - head.arrival_time >= self.knobs.priority_max_wait_s:
+            return  # resumed requests and aged ones take their turn without preempting
+        full = self.knobs.reservation == "full"
+        if self._never_fits(head, full):
+            return
+        chain = self.kv.prefix_chain(head)
+        hit = len(chain) * self.kv.block_size
+        n = min(head.num_tokens - hit, self.knobs.chunk_size, self.knobs.max_num_batched_tokens)
+        while (len(self.running) >= self.knobs.max_num_seqs
+               or not self.kv.can_admit(head, n, full, chain)):
+            victims = [(i, r) for i, r in enumerate(self.running)
+                       if r.priority > head.priority
+                       and r.num_arrival_preemptions < ARRIVAL_PREEMPTIONS]
+            if not victims:
+                return
+            _, victim = max(victims, key=lambda ir: (ir[1].priority, ir[0]))
+            victim.num_arrival_preemptions += 1
+            swap = self.preemption_mode(victim) == "swap"
+            self._preempt_now(victim, now, f"for higher-priority {head.request_id} "
+                                           f"(priority {head.priority} < {victim.priority})"
+                              + ("" if swap else "; blocks freed, to be recomputed"), swap)
+            if swap:
+                plan.swapped.append(victim.request_id)
+            plan.preempted.append(victim.request_id)
+            chain = self.kv.prefix_chain(head)  # freed blocks may have been cached ones
+            hit = len(chain) * self.kv.block_size
+            n = min(head.num_tokens - hit, self.knobs.chunk_size,
+                    self.knobs.max_num_batched_tokens)
 
     def _pick_victim(self, scheduled: set[str]) -> Request:
         # `running` is in admission order, so a larger index means admitted later.
@@ -407,8 +480,13 @@ class Scheduler:
         resumed = [r for r in self.waiting if r.status in back]
         fresh = [r for r in self.waiting if r.status not in back]
         if policy == "priority":
-            fresh.sort(key=lambda r: (r.priority, r.arrival_time))
-        elif policy == "edf":
+            # Aged requests first (oldest first); then by priority, resumed ones ahead of
+            # fresh ones of the same priority.
+            limit = self.knobs.priority_max_wait_s
+            return sorted(self.waiting, key=lambda r: (
+                (0, r.arrival_time, 0, 0) if now - r.arrival_time >= limit else
+                (1, r.priority, 0 if r.status in back else 1, r.arrival_time)))
+        if policy == "edf":
             fresh.sort(key=lambda r: (r.deadline if r.deadline is not None else math.inf,
                                       r.arrival_time))
         else:  # sjf with aging: requests past the wait limit go first, oldest first
@@ -444,20 +522,27 @@ class Scheduler:
                 continue
             chain = self.kv.prefix_chain(req)
             hit = len(chain) * self.kv.block_size
-            n = min(req.num_tokens - hit, k.chunk_size, budget)
-            if k.admission_control and req.deadline is not None:
-                finish = now + self._estimate_service(req, hit)
-                if finish > req.deadline:
+            n = self._chunk(hit, req.num_tokens - hit, budget)
+            if n == 0:
+                plan.limit = "ITL target (itl_target_ms): the step has no room for more"
+                break
+            if k.admission_control and (req.deadline is not None or self._deadlines()):
+                finish, miss = self._forecast_with(req, hit, now)
+                if miss is None:
+                    # The latest forecast of every request it shares the batch with.
+                    for r in self.running:
+                        r.predicted_finish = finish.get(r.request_id, r.predicted_finish)
+                    plan.forecasts.update(finish)
+                else:
                     if k.on_deadline_miss == "wait":
                         plan.limit = "admission control: waiting requests would miss their " \
                                      "deadlines"
                         continue
                     self.waiting.remove(req)
-                    self.reject(req, f"cannot meet its deadline: estimated finish "
-                                     f"{finish - req.arrival_time:.2f} s after arrival, deadline "
-                                     f"{req.deadline - req.arrival_time:.2f} s", now)
+                    self.reject(req, miss, now)
                     plan.rejected.append(req.request_id)
                     continue
+                req.predicted_finish = finish.get(req.request_id, now)
             if not self.kv.can_admit(req, n, full, chain):
                 # Head-of-line: wait for blocks rather than let smaller ones pass.
                 plan.limit = (f"KV pool full: the next request needs blocks for "
@@ -482,8 +567,12 @@ class Scheduler:
                  now: float) -> bool:
         """Readmit a swapped-out request (its blocks come back before the forward pass);
         False, with `plan.limit` set, when the pool cannot take them yet."""
-        n = min(req.num_tokens - req.num_computed_tokens, self.knobs.chunk_size, budget)
+        n = self._chunk(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens,
+                        budget)
         kv = self.kv
+        if n == 0:
+            plan.limit = "ITL target (itl_target_ms): the step has no room for more"
+            return False
         if not kv.can_swap_in(req, n, full):
             plan.limit = (f"KV pool full: swapped-out {req.request_id} needs "
                           f"{kv.swap_in_blocks(req, n, full):,} blocks to come back, "
@@ -514,25 +603,45 @@ class Scheduler:
                     f"{self.kv.num_blocks:,} blocks of {self.kv.block_size} tokens")
         return None
 
-    def _estimate_service(self, req: Request, hit: int) -> float:
-        """Predicted seconds from now to completion if admitted now: its prefill in chunks
-        alongside the current batch, then its remaining decode steps."""
+    def _deadlines(self) -> bool:
+        return any(r.deadline is not None for r in self.running)
+
+    @staticmethod
+    def _job(r: Request, computed: int) -> Job:
+        return Job(r.request_id, computed, r.num_tokens,
+                   r.sampling.max_tokens - r.num_output_tokens, r.deadline)
+
+    def _forecast(self, jobs: list[Job], now: float) -> dict[str, float]:
         k = self.knobs
-        batch = len(self.running) + 1
-        context = sum(r.num_tokens for r in self.running)
-        seconds = 0.0
-        pos = hit
-        while pos < req.num_tokens:
-            c = min(k.chunk_size, k.max_num_batched_tokens, req.num_tokens - pos)
-            seconds += self.estimate(c + batch - 1, causal_pairs(c, pos), context + pos + c)
-            pos += c
-        remaining = req.sampling.max_tokens - req.num_output_tokens - 1
-        if remaining > 0:
-            mean_ctx = req.num_tokens + remaining // 2
-            step = self.estimate(batch, batch * causal_pairs(1, mean_ctx),
-                                 context + mean_ctx)
-            seconds += remaining * step
-        return seconds
+        return forecast(jobs, now, self.estimate, token_budget=k.max_num_batched_tokens,
+                        chunk_size=k.chunk_size, max_num_seqs=k.max_num_seqs,
+                        itl_target_s=k.itl_target_ms / 1e3, block_size=self.kv.block_size)
+
+    def _forecast_with(self, req: Request, hit: int, now: float
+                       ) -> tuple[dict[str, float], str | None]:
+        """(predicted finish of every running request and `req` if it is admitted now, why
+        it may not be — None when it and every running request with a deadline are
+        forecast to finish in time). The forecast
+        runs the running batch, this step's admissions included, plus `req` forward on the
+        timing model (`forecast.py`). A running request forecast to miss even without the
+        newcomer (admitted before admission control was on) does not block admissions."""
+        jobs = [self._job(r, r.num_computed_tokens) for r in self.running]
+        finish = self._forecast([*jobs, self._job(req, hit)], now)
+        mine = finish.get(req.request_id, now)
+        if req.deadline is not None and mine > req.deadline:
+            return finish, (f"cannot meet its deadline: forecast finish "
+                          f"{mine - req.arrival_time:.2f} s after arrival, deadline "
+                          f"{req.deadline - req.arrival_time:.2f} s")
+        late = [j for j in jobs if j.deadline is not None and
+                finish.get(j.request_id, now) > j.deadline]
+        if late:
+            alone = self._forecast(jobs, now)
+            for j in late:
+                if alone.get(j.request_id, now) <= j.deadline:
+                    return finish, (f"admitting it would make {j.request_id} miss its deadline "
+                                  f"(forecast finish {finish[j.request_id] - now:.2f} s from "
+                                  f"now, deadline in {j.deadline - now:.2f} s)")
+        return finish, None
 
     # -- applying results -------------------------------------------------------------------
 

@@ -72,6 +72,10 @@ class BatchView:
     num_preempted: int
     limit: str | None = None
     """Why no more waiting requests joined (None: nobody was left waiting)."""
+    predicted_s: float | None = None
+    """The timing model's prediction of `seconds`, made when the step was planned."""
+    itl_target_s: float = 0.0
+    """The ITL target the step was planned under (0: none)."""
 
     @property
     def unused_budget(self) -> int:

@@ -81,6 +81,7 @@ class MetricsPanel(SnapshotPanel):
             Text(f"resident {resident} now\nmean {mean} · λT {predicted}" if narrow else
                  f"resident {resident} now · mean {mean} vs λ·T {predicted} · "
                  f"t = {snap.time:,.1f} s"),
+            *self._model_lines(r, narrow, self.size.width < 28),
             Text("KV used  ").append_text(sparkline([b.kv_usage for b in history], marks,
                                                     width))
             .append(f" {snap.kv.usage:.0%}"),
@@ -95,3 +96,24 @@ class MetricsPanel(SnapshotPanel):
             lines.append(Text(f"the simulation is {snap.lag_s:,.1f} s behind its pace",
                               style="bold yellow"))
         self.update(Group(*lines))
+
+    @staticmethod
+    def _model_lines(r: dict, narrow: bool, tiny: bool) -> list[Text]:
+        """How honest the timing model is: predicted against measured step time, and the
+        admission forecast's finish-time error."""
+        lines = []
+        model = r.get("step_model")
+        if model is not None:
+            p, m, err = model
+            lines.append(Text(f"step model ±{err:.0%}" if tiny else
+                              f"step {p * 1e3:,.1f} pred / {m * 1e3:,.1f} ms ±{err:.0%}"
+                              if narrow else
+                              f"step model: predicted {p * 1e3:,.1f} vs measured "
+                              f"{m * 1e3:,.1f} ms (mean |error| {err:.1%})",
+                              style="yellow" if err > 0.15 else ""))
+        forecast = r.get("forecast_error")
+        if forecast is not None:
+            err, n = forecast
+            lines.append(Text(f"finish forecast ±{err:.1%}" if narrow else
+                              f"finish forecast: mean |error| {err:.1%} over {n} requests"))
+        return lines

@@ -50,6 +50,12 @@ class QueuePanel(SnapshotPanel):
                 head.append(f" {b.num_decode_tokens}+{b.num_prefill_tokens}/{b.token_budget} "
                             f"tok ({b.unused_budget} unused) {b.num_seqs}/{b.max_num_seqs} "
                             f"seqs {b.seconds * 1e3:.1f} ms")
+            if b.itl_target_s:
+                # The ITL target's step: what it allowed, what the model predicted, what ran.
+                head.append(f"\nITL target {b.itl_target_s * 1e3:.0f} ms · predicted "
+                            f"{(b.predicted_s or 0) * 1e3:.1f} · measured "
+                            f"{b.seconds * 1e3:.1f} ms",
+                            style="red" if b.seconds > b.itl_target_s * 1.05 else "")
         else:
             head.append("no iteration yet")
         if b is not None and b.limit and snap.waiting:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from runtime.kv.block_pool import BlockPool
+from runtime.kv.cache_admission import CacheAdmission
 from runtime.kv.formats import blocks_for_tokens
 from runtime.kv.prefix_tree import PrefixNode, PrefixTree, default_recompute_cost
 from runtime.kv.tiers import HOST_SWAPPED, HostTier
@@ -88,12 +89,16 @@ class BlockManager:
         self.link_seconds = link_seconds
         self.num_swap_outs = 0
         self.num_swap_ins = 0
+        self.admission = CacheAdmission()
+        """Which completed blocks may enter the prefix cache (`cache_admission.py`)."""
 
     # -- knobs ------------------------------------------------------------------------------
 
     def configure_cache(self, enable: bool, capacity: int, policy: str,
-                        demote: bool = True) -> None:
+                        demote: bool = True, admit_k: int = 1, admit_window: int = 1024
+                        ) -> None:
         """Apply prefix-cache knobs; shrinking capacity or disabling evicts what it can."""
+        self.admission.configure(admit_k, admit_window)
         self.enable_caching = enable
         self.tree.capacity = capacity
         self.tree.policy = policy
@@ -295,6 +300,12 @@ class BlockManager:
             reusable = self._reusable(req)
             chain = self.tree.match(self.namespace, reusable)
             self.tree.record_lookup(chain, len(reusable), self.clock())
+            if self.admission.k > 1:
+                p = self.block_size
+                prompt = req.prompt_token_ids
+                self.admission.on_admit(rid, self.namespace, [
+                    tuple(prompt[i:i + p]) for i in range(0, len(prompt) - p + 1, p)],
+                    first=req.admitted_time is None)
         on_host = [n for n in chain if n.on_host]
         # Pinned: no demotion decided while promoting may drop a block this chain needs.
         self.tree.pin_host(on_host)
@@ -449,6 +460,8 @@ class BlockManager:
                 # ours (a fork still holds it) and break a reservation's promise: stay
                 # private for now; a later call retries.
                 return
+            if twin is None and not self.admission.allows(rid, k, key, self.namespace):
+                return  # not seen often enough yet (cache admission): stays private
             node = self.tree.insert(self.namespace, parent, key, table[k], now)
             if node is None:
                 return  # at capacity with nothing evictable: stays private
@@ -517,6 +530,7 @@ class BlockManager:
             self.num_reserved -= promised
             self.events.append(Reserve(rid, -promised))
         self._chains.pop(rid, None)
+        self.admission.forget(rid)
 
     def begin_step(self) -> None:
         """An executor step that reads the current tables starts."""

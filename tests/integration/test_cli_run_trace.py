@@ -71,7 +71,7 @@ def test_azure_conv_runs_and_records(tmp_path: Path) -> None:
      "Trace file /nonexistent.jsonl does not exist; sample traces are azure-conv, azure-code, "
      "mooncake-conversation."),
     (["run-trace", str(AZURE_CONV), "--executor", "vllm"],
-     "executor must be one of sim, torch, got 'vllm'."),
+     "executor must be one of sim, torch, llama_cpp, got 'vllm'."),
     (["compare", "/nope-a.json", "/nope-b.json"], "Result file /nope-a.json does not exist."),
 ])
 def test_bad_arguments(args: list[str], message: str) -> None:

@@ -161,7 +161,7 @@ def test_deadline_admission_control() -> None:
     plans(e)
     by_id = {r.request_id: r for r in e.completed}
     assert by_id["late"].status is RequestStatus.REJECTED
-    assert by_id["late"].reason.startswith("cannot meet its deadline: estimated finish")
+    assert by_id["late"].reason.startswith("cannot meet its deadline: forecast finish")
     assert by_id["ok"].status is RequestStatus.FINISHED_LENGTH
     assert by_id["ok"].finish_time <= by_id["ok"].deadline
     assert_drained(e)

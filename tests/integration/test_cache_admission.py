@@ -1,0 +1,81 @@
+"""Prefix-cache admission (`runtime/kv/cache_admission.py`) on the sim: with k = 2 a prefix
+is cached from its second sighting on, one-off prompts stay private, a hot system prompt
+survives a stream of one-off prompts in a small cache that admitting everything flushes, and
+the knob changes behaviour live."""
+
+from __future__ import annotations
+
+from runtime.config import EngineConfig, Knobs
+from runtime.engine import Engine
+from runtime.executors.sim import SimConfig, SimExecutor
+from runtime.kv.cache_admission import CacheAdmission
+from runtime.request import SamplingParams
+
+SP = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def engine(k: int, capacity: int = 0) -> Engine:
+    return Engine(EngineConfig(num_blocks=400, block_size=16, knobs=Knobs(
+        cache_admission_k=k, prefix_cache_capacity=capacity)),
+        SimExecutor(SimConfig(eos_probability=0.0)))
+
+
+def serve(e: Engine, prompt: list[int], rid: str) -> int:
+    """Run one request alone; the prompt tokens it found cached."""
+    req = e.add_request(prompt, SP, request_id=rid)
+    e.run_until_idle()
+    e.check_integrity()
+    return req.num_cached_tokens
+
+
+def test_a_prefix_is_cached_from_its_kth_sighting() -> None:
+    prompt = list(range(100, 164)) + [7]  # four full blocks and a token
+    e = engine(2)
+    assert serve(e, prompt, "a") == 0 and e.kv.tree.num_nodes == 0  # seen once: private
+    assert serve(e, prompt, "b") == 0 and e.kv.tree.num_nodes == 4  # seen twice: cached
+    assert serve(e, prompt, "c") == 64
+    every = engine(1)
+    assert serve(every, prompt, "a") == 0 and serve(every, prompt, "b") == 64
+
+
+def test_a_hot_prefix_survives_one_off_prompts_that_admitting_everything_lets_flush_it(
+) -> None:
+    system = list(range(1000, 1064))  # 4 blocks
+    hits = {}
+    for k in (1, 2):
+        e = engine(k, capacity=8)
+        cached = 0
+        for i in range(12):
+            cached += serve(e, system + [2000 + i] * 3, f"hot{i}")
+            serve(e, [3000 + 97 * i + j for j in range(128)], f"once{i}")  # 8 blocks, once
+        hits[k] = cached
+    assert hits[1] == 0  # each one-off prompt's 8 blocks evicted the 4 hot ones
+    assert hits[2] >= 10 * 64  # cached from the second request on, never flushed
+
+
+def test_the_admission_knob_changes_behaviour_live() -> None:
+    e = engine(1)
+    assert serve(e, list(range(64)) + [1], "a") == 0 and e.kv.tree.num_nodes == 4
+    e.set_knobs(cache_admission_k=3)
+    serve(e, list(range(500, 564)) + [1], "b")
+    assert e.kv.tree.num_nodes == 4  # the new prompt stayed private
+    e.set_knobs(cache_admission_k=1)
+    serve(e, list(range(900, 964)) + [1], "c")
+    assert e.kv.tree.num_nodes == 8
+
+
+def test_the_window_forgets_old_sightings() -> None:
+    a = CacheAdmission(k=2, window=2)
+    blocks = [(1, 2), (3, 4)]
+    a.on_admit("r1", "ns", blocks, first=True)
+    a.on_admit("r2", "ns", [(9, 9)], first=True)
+    a.on_admit("r3", "ns", [(8, 8)], first=True)  # r1's sighting leaves the window
+    a.on_admit("r4", "ns", blocks, first=True)
+    assert not a.allows("r4", 0, blocks[0], "ns")
+    a.on_admit("r5", "ns", blocks, first=True)
+    assert a.allows("r5", 1, blocks[1], "ns")
+    a.on_admit("r5", "ns", blocks, first=False)  # a readmission is not a sighting
+    assert a._seen[a._hashes["r5"][0]] == 2
+    # Another namespace (another KV format) is another prefix.
+    a.on_admit("r6", "other", blocks, first=True)
+    assert not a.allows("r6", 0, blocks[0], "other")
