@@ -179,6 +179,8 @@ KNOB_VALUES = {
     "offload_layers": ("4", 4), "offload_buffers": ("1", 1),
     "speculative_method": ("ngram", "ngram"), "num_speculative_tokens": ("6", 6),
     "prompt_lookup_max": ("2", 2), "draft_length": ("fixed", "fixed"),
+    "itl_target_ms": ("50", 50.0), "priority_max_wait_s": ("10", 10.0),
+    "cache_admission_k": ("2", 2), "cache_admission_window": ("64", 64),
 }
 
 
