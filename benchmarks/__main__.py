@@ -4,6 +4,7 @@ from benchmarks import (
     cache_admission,
     engine_overhead,
     host_tier,
+    itl_target,
     quantization,
     speculation,
     torch_vs_llama,
@@ -21,3 +22,5 @@ if __name__ == "__main__":
     speculation.main()
     print()
     cache_admission.main()
+    print()
+    itl_target.main()

@@ -22,7 +22,8 @@ def available_profiles(kind: str) -> list[str]:
     return sorted(set(mine) | set(profile_names(kind)))
 
 
-def _load(kind: str, name: str) -> dict:
+def _load(kind: str, name: str) -> tuple[dict, str]:
+    """(the profile's data, where it was read: the file's path)."""
     path = user_profiles_dir() / kind / f"{name}.toml"
     if not path.is_file():
         path = profiles_dir().joinpath(kind, f"{name}.toml")
@@ -30,15 +31,31 @@ def _load(kind: str, name: str) -> dict:
         names = ", ".join(available_profiles(kind)) or "none"
         raise ConfigError(f"Unknown {kind} profile {name!r}; available: {names}.")
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8")), str(path)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"Profile {kind}/{name}.toml is not valid TOML: {e}.") from None
+        raise ConfigError(f"Profile {path} is not valid TOML: {e}.") from None
 
 
 def _need(data: dict, key: str, where: str):
     if key not in data:
         raise ConfigError(f"Profile {where} lacks the required key {key!r}.")
     return data[key]
+
+
+def _number(data: dict, key: str, where: str, *, default: float | None = None,
+            positive: bool = True, most: float | None = None, table: str = "") -> float:
+    """A numeric field (in `[table]` if given), checked: one sentence naming the file, the
+    field and the problem."""
+    value = _need(data, key, where) if default is None else data.get(key, default)
+    key = f"{table}.{key}" if table else key
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"Profile {where}: {key} must be a number, got {value!r}.")
+    if positive and value <= 0 or not positive and value < 0:
+        what = "greater than 0" if positive else "0 or more"
+        raise ConfigError(f"Profile {where}: {key} must be {what}, got {value!r}.")
+    if most is not None and value > most:
+        raise ConfigError(f"Profile {where}: {key} must be at most {most}, got {value!r}.")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -57,20 +74,25 @@ class HardwareProfile:
 
     @classmethod
     def load(cls, name: str) -> HardwareProfile:
-        d = _load("hardware", name)
-        where = f"hardware/{name}"
+        """The profile `name` (a user profile before a shipped one), validated: a missing
+        or bad field gets one sentence naming the file, the field and the problem.
+        Efficiencies a profile does not state (none measured yet) default to 0.5."""
+        d, where = _load("hardware", name)
         link = d.get("link", {})
         eff = d.get("efficiency", {})
+        if not isinstance(link, dict) or not isinstance(eff, dict):
+            raise ConfigError(f"Profile {where}: [link] and [efficiency] must be tables.")
         return cls(
             name=name,
-            description=d.get("description", name),
-            memory_bytes=int(_need(d, "memory_bytes", where)),
-            bandwidth_bytes_per_s=float(_need(d, "bandwidth_bytes_per_s", where)),
-            peak_flops=float(_need(d, "peak_flops", where)),
-            power_watts=float(d.get("power_watts", 0.0)),
-            link_bandwidth_bytes_per_s=float(link.get("bandwidth_bytes_per_s", 0.0)),
-            mfu=float(eff.get("mfu", 0.5)),
-            mbu=float(eff.get("mbu", 0.5)),
+            description=str(d.get("description", name)),
+            memory_bytes=int(_number(d, "memory_bytes", where)),
+            bandwidth_bytes_per_s=_number(d, "bandwidth_bytes_per_s", where),
+            peak_flops=_number(d, "peak_flops", where),
+            power_watts=_number(d, "power_watts", where, default=0.0, positive=False),
+            link_bandwidth_bytes_per_s=_number(link, "bandwidth_bytes_per_s", where,
+                                               default=0.0, positive=False, table="link"),
+            mfu=_number(eff, "mfu", where, default=0.5, most=1.0, table="efficiency"),
+            mbu=_number(eff, "mbu", where, default=0.5, most=1.0, table="efficiency"),
         )
 
 
@@ -114,8 +136,7 @@ class ModelProfile:
 
     @classmethod
     def load(cls, name: str) -> ModelProfile:
-        d = _load("models", name)
-        where = f"models/{name}"
+        d, where = _load("models", name)
         fits = {
             hw: StepFit(f["fixed_ms"] / 1e3, f["per_token_us"] / 1e6, f["per_pair_ns"] / 1e9)
             for hw, f in d.get("fit", {}).items()
