@@ -18,8 +18,7 @@ executor's step-time estimate:
 
 Arrivals that are not admitted yet are not in the forecast (each is checked when it is),
 and neither are preemptions (admission under full reservation avoids them). The result is
-each request's predicted finish time; `fits` says whether every request with a deadline
-meets it.
+each request's predicted finish time.
 """
 
 from __future__ import annotations
@@ -78,12 +77,6 @@ def forecast(jobs: list[Job], now: float, estimate: Estimator, *, token_budget: 
                 finish[j.request_id] = t
         jobs = [j for j in jobs if j.outputs_left > 0]
     return finish
-
-
-def fits(jobs: list[Job], finish: dict[str, float]) -> bool:
-    """Every job with a deadline finishes by it."""
-    return all(j.deadline is None or finish.get(j.request_id, float("inf")) <= j.deadline
-               for j in jobs)
 
 
 def _decode_run(batch: list[Job], m: int, estimate: Estimator) -> float:

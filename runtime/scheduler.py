@@ -367,18 +367,20 @@ class Scheduler:
     def _preempt_for_arrival(self, plan: SchedulerOutput, now: float) -> None:
         """Under `priority`: preempt lower-priority running requests until the queue's first
         request can start (see the module docstring for the bound)."""
-        head = self._queue_order(now)[0]
+        k = self.knobs
+        head = min(self.waiting, key=self._priority_key(now))  # the queue's first, no sort
         if head.status is not RequestStatus.WAITING or \
-                now - head.arrival_time >= self.knobs.priority_max_wait_s:
+                now - head.arrival_time >= k.priority_max_wait_s:
             return  # resumed requests and aged ones take their turn without preempting
-        full = self.knobs.reservation == "full"
+        full = k.reservation == "full"
         if self._never_fits(head, full):
             return
-        chain = self.kv.prefix_chain(head)
-        hit = len(chain) * self.kv.block_size
-        n = min(head.num_tokens - hit, self.knobs.chunk_size, self.knobs.max_num_batched_tokens)
-        while (len(self.running) >= self.knobs.max_num_seqs
-               or not self.kv.can_admit(head, n, full, chain)):
+        while True:
+            chain = self.kv.prefix_chain(head)  # preempted blocks may have been cached ones
+            n = min(head.num_tokens - len(chain) * self.kv.block_size, k.chunk_size,
+                    k.max_num_batched_tokens)
+            if len(self.running) < k.max_num_seqs and self.kv.can_admit(head, n, full, chain):
+                return
             victims = [(i, r) for i, r in enumerate(self.running)
                        if r.priority > head.priority
                        and r.num_arrival_preemptions < ARRIVAL_PREEMPTIONS]
@@ -393,10 +395,6 @@ class Scheduler:
             if swap:
                 plan.swapped.append(victim.request_id)
             plan.preempted.append(victim.request_id)
-            chain = self.kv.prefix_chain(head)  # freed blocks may have been cached ones
-            hit = len(chain) * self.kv.block_size
-            n = min(head.num_tokens - hit, self.knobs.chunk_size,
-                    self.knobs.max_num_batched_tokens)
 
     def _pick_victim(self, scheduled: set[str]) -> Request:
         # `running` is in admission order, so a larger index means admitted later.
@@ -476,16 +474,11 @@ class Scheduler:
             # Preempted requests were put at the head. Only the front of a long queue can be
             # admitted this iteration, so copy no more than that.
             return list(itertools.islice(self.waiting, self.knobs.max_num_seqs + 256))
+        if policy == "priority":
+            return sorted(self.waiting, key=self._priority_key(now))
         back = (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
         resumed = [r for r in self.waiting if r.status in back]
         fresh = [r for r in self.waiting if r.status not in back]
-        if policy == "priority":
-            # Aged requests first (oldest first); then by priority, resumed ones ahead of
-            # fresh ones of the same priority.
-            limit = self.knobs.priority_max_wait_s
-            return sorted(self.waiting, key=lambda r: (
-                (0, r.arrival_time, 0, 0) if now - r.arrival_time >= limit else
-                (1, r.priority, 0 if r.status in back else 1, r.arrival_time)))
         if policy == "edf":
             fresh.sort(key=lambda r: (r.deadline if r.deadline is not None else math.inf,
                                       r.arrival_time))
@@ -494,6 +487,15 @@ class Scheduler:
             fresh.sort(key=lambda r: (0, r.arrival_time, 0) if now - r.arrival_time >= limit
                        else (1, r.num_prompt_tokens, r.arrival_time))
         return resumed + fresh
+
+    def _priority_key(self, now: float) -> Callable[[Request], tuple]:
+        """Queue order under `priority`: requests that waited `priority_max_wait_s` first,
+        oldest first; then by priority, resumed ones ahead of fresh ones of the same
+        priority, then by arrival."""
+        limit = self.knobs.priority_max_wait_s
+        back = (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+        return lambda r: ((0, r.arrival_time, 0, 0) if now - r.arrival_time >= limit else
+                          (1, r.priority, 0 if r.status in back else 1, r.arrival_time))
 
     def _admit(self, plan: SchedulerOutput, budget: int, scheduled: set[str],
                now: float) -> int:
@@ -607,9 +609,10 @@ class Scheduler:
         return any(r.deadline is not None for r in self.running)
 
     @staticmethod
-    def _job(r: Request, computed: int) -> Job:
-        return Job(r.request_id, computed, r.num_tokens,
-                   r.sampling.max_tokens - r.num_output_tokens, r.deadline)
+    def _job(r: Request, computed: int | None = None) -> Job:
+        """`r` as the forecast sees it (`computed`: its tokens reused at admission)."""
+        return Job(r.request_id, r.num_computed_tokens if computed is None else computed,
+                   r.num_tokens, r.sampling.max_tokens - r.num_output_tokens, r.deadline)
 
     def _forecast(self, jobs: list[Job], now: float) -> dict[str, float]:
         k = self.knobs
@@ -621,26 +624,26 @@ class Scheduler:
                        ) -> tuple[dict[str, float], str | None]:
         """(predicted finish of every running request and `req` if it is admitted now, why
         it may not be — None when it and every running request with a deadline are
-        forecast to finish in time). The forecast
-        runs the running batch, this step's admissions included, plus `req` forward on the
-        timing model (`forecast.py`). A running request forecast to miss even without the
-        newcomer (admitted before admission control was on) does not block admissions."""
-        jobs = [self._job(r, r.num_computed_tokens) for r in self.running]
+        forecast to finish in time). The forecast runs the running batch, this step's
+        admissions included, plus `req` forward on the timing model (`forecast.py`). A
+        running request forecast to miss even without the newcomer (admitted before
+        admission control was on) does not block admissions."""
+        jobs = [self._job(r) for r in self.running]
         finish = self._forecast([*jobs, self._job(req, hit)], now)
         mine = finish.get(req.request_id, now)
         if req.deadline is not None and mine > req.deadline:
             return finish, (f"cannot meet its deadline: forecast finish "
-                          f"{mine - req.arrival_time:.2f} s after arrival, deadline "
-                          f"{req.deadline - req.arrival_time:.2f} s")
+                            f"{mine - req.arrival_time:.2f} s after arrival, deadline "
+                            f"{req.deadline - req.arrival_time:.2f} s")
         late = [j for j in jobs if j.deadline is not None and
                 finish.get(j.request_id, now) > j.deadline]
         if late:
             alone = self._forecast(jobs, now)
             for j in late:
                 if alone.get(j.request_id, now) <= j.deadline:
-                    return finish, (f"admitting it would make {j.request_id} miss its deadline "
-                                  f"(forecast finish {finish[j.request_id] - now:.2f} s from "
-                                  f"now, deadline in {j.deadline - now:.2f} s)")
+                    return finish, (f"admitting it would make {j.request_id} miss its "
+                                    f"deadline (forecast finish {finish[j.request_id] - now:.2f}"
+                                    f" s from now, deadline in {j.deadline - now:.2f} s)")
         return finish, None
 
     # -- applying results -------------------------------------------------------------------
