@@ -72,7 +72,7 @@ from runtime.plan import Conversion, ScheduledChunk, SchedulerOutput, StepResult
 from runtime.profiles import StepFit
 from runtime.sampling import sample, sample_draft
 from runtime.snapshot import WeightsView
-from runtime.spec.ngram import propose_ngram
+from runtime.spec.ngram import propose_for
 from runtime.spec.verify import verify_greedy
 
 log = logging.getLogger("kvdeck.llama_cpp")
@@ -326,9 +326,9 @@ class LlamaCppExecutor:
             self._holder[table[b]] = seq
 
     def _prepare(self, chunk) -> tuple[int, list[int]]:
-        """Bring the chunk's slot to exactly `chunk.start` positions: cut what is past it,
-        or take a holder's stream. Returns (slot, the tokens it must recompute first, which
-        end at `chunk.start`)."""
+        """Bring the chunk's slot to exactly `chunk.start` positions (`execute` has cut it
+        back to there): take a holder's stream, or recompute. Returns (slot, the tokens it
+        must recompute first, which end at `chunk.start`)."""
         rid = chunk.request_id
         seq = self._seq_of.get(rid)
         if seq is None:
@@ -337,8 +337,7 @@ class LlamaCppExecutor:
                 raise NoSlotError(f"all {self.n_parallel} llama.cpp slots are running "
                                   "requests (max_num_seqs may not exceed n_parallel)")
             self._seq_of[rid] = seq
-        start = chunk.start
-        self._cut(seq, start)
+        start = chunk.start  # `execute` cut every slot back to its chunk's start first
         have = self._length[seq]
         if 0 == have < start:
             holder = self._holder_of(chunk.block_table, start)
@@ -465,8 +464,7 @@ class LlamaCppExecutor:
 
     def propose(self, req, k: int, knobs) -> list[int]:
         """n-gram prompt lookup over the request's latest tokens (as the torch executor)."""
-        n = req.num_tokens
-        return propose_ngram(req.token_slice(max(n - 4096, 0), n), k, knobs.prompt_lookup_max)
+        return propose_for(req, k, knobs)
 
     def forget(self, request_id: str) -> None:
         """A finished request's sequence is retired: its cells stay while they hold blocks

@@ -40,7 +40,7 @@ from runtime.resources import cache_dir
 from runtime.sampling import sample, sample_draft
 from runtime.snapshot import WeightsView
 from runtime.spec.draft_model import DraftModel
-from runtime.spec.ngram import propose_ngram
+from runtime.spec.ngram import propose_for
 from runtime.spec.verify import verify_greedy
 
 log = logging.getLogger("kvdeck.torch")
@@ -540,8 +540,7 @@ class TorchExecutor:
     def propose(self, req, k: int, knobs) -> list[int]:
         """Draft tokens under the knobs' speculative method: n-gram prompt lookup over the
         request's latest tokens."""
-        n = req.num_tokens
-        return propose_ngram(req.token_slice(max(n - 4096, 0), n), k, knobs.prompt_lookup_max)
+        return propose_for(req, k, knobs)
 
     def _transfer_blocks(self, copies: list, t0: float) -> list[Transfer]:
         """Perform the plan's tier copies in order (before copy-on-write and the forward

@@ -35,3 +35,11 @@ def propose_ngram(tokens: list[int], k: int, n_max: int = 3, n_min: int = 1,
                 return ctx[i + n:i + n + k]
             end = pos + len(needle) - 1  # a hit across word boundaries: look further back
     return []
+
+
+def propose_for(req, k: int, knobs, window: int = 4096) -> list[int]:
+    """`propose_ngram` over a request's latest `window` tokens with the knobs'
+    `prompt_lookup_max`: the real executors' `propose`."""
+    n = req.num_tokens
+    return propose_ngram(req.token_slice(max(n - window, 0), n), k, knobs.prompt_lookup_max,
+                         window=window)
