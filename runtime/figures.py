@@ -160,9 +160,12 @@ class RunFigures:
         self.buckets: deque[Bucket] = deque(maxlen=history)
         self.num_finished_seen = 0
         self._rolling: tuple[int, dict] | None = None
-        self.recent_steps: deque[tuple[float, float]] = deque(maxlen=window)
-        """(predicted, measured) seconds of the latest steps: how honest the timing model
-        that admission, the ITL target and speculation rely on is."""
+        self.recent_steps: deque[tuple[float, float]] = deque()
+        """(predicted, measured) seconds of the latest `window` steps that took time: how
+        honest the timing model that admission, the ITL target and speculation rely on is."""
+        self._step_sums = [0.0, 0.0, 0.0]
+        """Σ predicted, Σ measured, Σ |predicted − measured| / measured over them (kept as
+        steps come and go, so a snapshot does not walk the window)."""
 
     # -- feeding ----------------------------------------------------------------------------
 
@@ -199,7 +202,7 @@ class RunFigures:
         self.decode_tokens += s.decode_tokens
         self.generation_tokens += s.sampled_tokens
         if s.predicted is not None:
-            self.recent_steps.append((s.predicted, s.dt))
+            self._observe_step(s.predicted, s.dt)
         if self.first_time is None:
             self.first_time = s.t1 - s.dt
         self.last_time = max(self.last_time, s.t1)
@@ -240,15 +243,23 @@ class RunFigures:
         figures["step_model"] = self.step_model()
         return figures
 
+    def _observe_step(self, predicted: float, measured: float) -> None:
+        if measured <= 0:
+            return
+        sums = self._step_sums
+        for i, x in enumerate((predicted, measured, abs(predicted - measured) / measured)):
+            sums[i] += x
+        self.recent_steps.append((predicted, measured))
+        if len(self.recent_steps) > self.window:
+            p, m = self.recent_steps.popleft()
+            for i, x in enumerate((p, m, abs(p - m) / m)):
+                sums[i] -= x
+
     def step_model(self) -> tuple[float, float, float] | None:
         """(mean predicted, mean measured seconds, mean |predicted − measured| / measured)
         over the latest steps; None before any."""
-        steps = [(p, m) for p, m in self.recent_steps if m > 0]
-        if not steps:
-            return None
-        n = len(steps)
-        return (math.fsum(p for p, _ in steps) / n, math.fsum(m for _, m in steps) / n,
-                math.fsum(abs(p - m) / m for p, m in steps) / n)
+        n = len(self.recent_steps)
+        return tuple(x / n for x in self._step_sums) if n else None
 
     def view(self) -> FiguresView:
         return FiguresView(
@@ -290,7 +301,8 @@ class RunFigures:
                     "sum_batch_tokens", "first_time", "last_time"):
             setattr(self, key, d[key])
         self.buckets.extend(Bucket(**b) for b in d["buckets"])
-        self.recent_steps.extend((p, m) for p, m in d.get("recent_steps", ()))
+        for p, m in d.get("recent_steps", ()):
+            self._observe_step(p, m)
         self.num_finished_seen += 1
 
 

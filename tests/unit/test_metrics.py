@@ -70,3 +70,25 @@ def test_goodput_counts_only_requests_meeting_slos_and_correct() -> None:
 def test_bad_slo_is_refused() -> None:
     with pytest.raises(Exception, match="ttft_s must be a number from 0 to 1e\\+09"):
         SLO(ttft_s=-1.0)
+
+
+def test_step_model_error_over_a_sliding_window_of_steps() -> None:
+    """The metrics panel's predicted-vs-measured figures: means over the latest `window`
+    steps that took time, kept incrementally, the same after a checkpoint round trip."""
+    from runtime.figures import StepFigures
+
+    f = RunFigures(window=3)
+    assert f.step_model() is None
+    steps = [(0.010, 0.010), (0.020, 0.025), (0.030, 0.0), (0.040, 0.050), (0.050, 0.040)]
+    for i, (p, m) in enumerate(steps):
+        f.on_step(StepFigures(t1=i + 1.0, dt=m, num_seqs=1, prefill_tokens=0, decode_tokens=1,
+                              sampled_tokens=1, finished=0, arrivals=0, resident=1,
+                              kv_usage=0.0, kv_cached=0.0, hit_rate=0.0, running=1,
+                              waiting=0, knob_change=False, predicted=p))
+    kept = [(0.020, 0.025), (0.040, 0.050), (0.050, 0.040)]  # the zero-time step is skipped
+    want = (np.mean([p for p, _ in kept]), np.mean([m for _, m in kept]),
+            np.mean([abs(p - m) / m for p, m in kept]))
+    assert f.step_model() == pytest.approx(want)
+    again = RunFigures(window=3)
+    again.load(f.to_json())
+    assert again.step_model() == pytest.approx(want)
