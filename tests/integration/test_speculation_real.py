@@ -49,9 +49,11 @@ def run(path, method: str, draft=None, texts=TEXTS, max_tokens: int = 32,
 
         ex = LlamaCppExecutor(path, threads=2, batch_invariant=True, draft_model=draft)
     tok = Tokenizer(path)
+    # Fixed draft lengths: adaptive ones follow measured step times, so how many tokens
+    # are drafted (and accepted) would depend on the machine's speed.
     e = Engine(EngineConfig(knobs=Knobs(speculative_method=method, weight_format="dense",
                                         max_num_batched_tokens=256, chunk_size=128,
-                                        max_num_seqs=8)), ex)
+                                        max_num_seqs=8, draft_length="fixed")), ex)
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, text in enumerate(texts):
         e.add_request(tok.encode(text), greedy, request_id=f"t{i}")
