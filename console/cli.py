@@ -393,6 +393,92 @@ def calibrate(
               f'model_profile = "{profile}", hardware = "{hw}"')
 
 
+@app.command()
+@with_log_level
+def plan(
+    hardware: str = typer.Option("rtx-pro-6000", "--hardware",
+                                 help="Hardware profile (profiles/hardware/ or your own)."),
+    model: str = typer.Option("qwen3-8b", "--model",
+                              help="Model profile, a model name or a GGUF path."),
+    workload: str = typer.Option("long-burst", "--workload",
+                                 help="Workload profile (profiles/workloads/)."),
+    kv_budget: float = typer.Option(None, "--kv-budget",
+                                    help="GiB for KV and auxiliary buffers (default: the "
+                                         "card's memory less the weights, less 10 %)."),
+    deadline: float = typer.Option(None, "--deadline",
+                                   help="Completion deadline in seconds (default: the "
+                                        "workload's)."),
+    draft: list[str] = typer.Option(None, "--draft",
+                                    help="Draft source(s) to price (profiles/drafts/); "
+                                         "default every one that fits the model; 'none' for "
+                                         "no speculation."),
+    block_size: int = typer.Option(16, "--block-size", help="KV block size in tokens."),
+    max_batched_tokens: int = typer.Option(8192, "--max-batched-tokens",
+                                           help="Token budget per step (prefill chunks)."),
+    timing: str = typer.Option("auto", "--timing",
+                               help="auto (the fitted step model where the profile has one), "
+                                    "fit or roofline."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    svg: Path = typer.Option(None, "--svg", help="Write the memory-vs-completion plane here."),
+    log_level: str = "warning",
+) -> None:
+    """Plan before running: KV capacity, TTFT, completion time and cost of every scheme
+    (shared prefix, KV formats, speculation, weight offload), which limit each breaks, and
+    the cheapest feasible one."""
+    from console.plan_report import plan_json, plane_points, render_plan
+    from console.plane import render_svg
+    from runtime.planner import Planner
+    from runtime.profiles import HardwareProfile, ModelProfile
+    from runtime.workloads import DraftSource, Workload, draft_sources
+
+    guarded(lambda: setup_logging(log_level))
+    guarded(lambda: check_int("--block-size", block_size, 1, 256))
+    guarded(lambda: check_int("--max-batched-tokens", max_batched_tokens, 1, 1 << 20))
+    if timing not in ("auto", "fit", "roofline"):
+        fail(f"--timing must be auto, fit or roofline, got {timing!r}.")
+    hw = guarded(lambda: HardwareProfile.load(hardware))
+    mp = guarded(lambda: ModelProfile.load(model))
+    wl = guarded(lambda: Workload.load(workload))
+    if timing == "fit" and hw.name not in mp.fits:
+        fail(f"Model profile {mp.name} has no fitted step model for {hw.name}; use --timing "
+             "roofline, or kvdeck calibrate on that card.")
+    if kv_budget is None:
+        budget = (hw.memory_bytes - mp.weight_bytes) * 0.9
+        if budget <= 0:
+            fail(f"{mp.name}'s weights ({mp.weight_bytes / 2**30:.1f} GiB) do not fit "
+                 f"{hw.name}'s memory ({hw.memory_bytes / 2**30:.1f} GiB); give --kv-budget.")
+    else:
+        guarded(lambda: check_float("--kv-budget", kv_budget, 1e-6, 1e6))
+        budget = kv_budget * 2**30
+    if deadline is not None:
+        guarded(lambda: check_float("--deadline", deadline, 1e-6, 1e6))
+    if draft and "none" in draft:
+        drafts = []
+    elif draft:
+        drafts = [guarded(lambda name=name: DraftSource.load(name)) for name in draft]
+        for d in drafts:
+            if not d.fits(mp):
+                fail(f"Draft source {d.name} drafts for {d.target}, not {mp.name}.")
+    else:
+        drafts = guarded(lambda: draft_sources(mp))
+    planner = Planner(hw, mp, wl, budget, deadline, drafts, block_size, max_batched_tokens,
+                      timing)
+    result = planner.plan()
+    if svg is not None:
+        title = f"{mp.name} on {hw.name}, {wl.name}: memory vs completion"
+        try:
+            svg.write_text(render_svg(plane_points(result), budget / 2**30, planner.deadline,
+                                      title))
+        except OSError as e:
+            fail(f"Cannot write the SVG to {svg}: {e.strerror}.")
+    if as_json:
+        print_json(plan_json(planner, result))
+        return
+    render_plan(out, planner, result)
+    if svg is not None:
+        out.print(f"wrote {svg}")
+
+
 @app.command(help="Serve a model through an OpenAI-compatible API (completions, chat, "
              "streaming).\n\nWith --executor sim the API answers with a simulated card's "
              "timing, paced to the wall clock, for testing clients, load generators and "

@@ -108,6 +108,15 @@ class StepFit:
         return self.fixed_s + self.per_token_s * num_new_tokens + self.per_pair_s * num_pairs
 
 
+def matrix_params(info) -> int:
+    """Weights in the matrices a decode step reads, from a dense model's shape (`ModelInfo`):
+    per layer Q and O (`hidden × heads·d`), K and V (`hidden × kv_heads·d`) and the three
+    FFN matrices (`hidden × ffn`), plus the output head (`vocab × hidden`)."""
+    h, d = info.hidden_size, info.head_dim
+    per_layer = h * d * (2 * info.num_heads + 2 * info.num_kv_heads) + 3 * h * info.ffn_size
+    return info.num_layers * per_layer + info.vocab_size * h
+
+
 @dataclass(frozen=True)
 class ModelProfile:
     """A model's shape and weight sizes, enough to model its steps without its weights."""
@@ -125,10 +134,53 @@ class ModelProfile:
     bytes_per_weight: float
     fits: dict[str, StepFit] = field(default_factory=dict)
     """Fitted step-time models by hardware profile name."""
+    sliding_window: int = 0
+    """Window of the local (sliding-window) layers in tokens; 0 when every layer is global."""
+    num_local_layers: int = 0
+    """Layers that attend within `sliding_window` (Gemma 3: 15 of 18)."""
+    source: str = ""
+    """Where the profile came from: its TOML file, or the GGUF it was generated from."""
 
     def kv_bytes_per_token(self, kv_format: str | None = None) -> int:
+        """K and V bytes of one token in every layer (a context within every window)."""
         fmt = KV_FORMATS[kv_format or self.kv_dtype]
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, fmt)
+
+    def kv_bytes_per_layer_token(self, kv_format: str | None = None) -> int:
+        """K and V bytes of one token in one layer."""
+        return self.kv_bytes_per_token(kv_format) // self.num_layers
+
+    def kv_bytes(self, num_tokens: int, block_size: int, kv_format: str | None = None) -> int:
+        """KV bytes a sequence of `num_tokens` holds, block-rounded, with sliding-window
+        layers counted as their window: `global layers × ceil(L/p)` blocks plus `local
+        layers × min(ceil(L/p), ceil(w/p) + 1)` (a window of `w` positions can straddle
+        one more block than `w/p`), each block `p` tokens of one layer's K and V."""
+        blocks = -(-num_tokens // block_size)
+        local = min(blocks, -(-self.sliding_window // block_size) + 1) \
+            if self.sliding_window else blocks
+        layer_blocks = (self.num_layers - self.num_local_layers) * blocks \
+            + self.num_local_layers * local
+        return layer_blocks * block_size * self.kv_bytes_per_layer_token(kv_format)
+
+    @classmethod
+    def from_gguf(cls, target: str) -> ModelProfile:
+        """A profile generated from a GGUF's header (a model name kvdeck knows, or a path),
+        as `kvdeck models` reads it: shape, weight bytes and sliding-window layers. It has
+        no fitted timing (`kvdeck calibrate` writes one)."""
+        from runtime.models.info import read_model_info
+        from runtime.models.registry import resolve_model
+
+        info = read_model_info(resolve_model(target))
+        return cls(
+            name=target, architecture=info.architecture, num_layers=info.num_layers,
+            num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+            kv_dtype="fp16", weight_bytes=info.weight_bytes,
+            matrix_weight_bytes=info.matrix_weight_bytes,
+            context_length=info.context_length,
+            bytes_per_weight=info.matrix_weight_bytes / max(matrix_params(info), 1),
+            sliding_window=info.sliding_window or 0,
+            num_local_layers=len(info.sliding_window_layers) if info.sliding_window else 0,
+            source=str(info.path))
 
     @property
     def matrix_params(self) -> float:
@@ -136,22 +188,60 @@ class ModelProfile:
 
     @classmethod
     def load(cls, name: str) -> ModelProfile:
+        """The profile `name` from `profiles/models/` (a user profile first), validated like
+        hardware profiles; a name with no profile that is a model kvdeck knows or a GGUF
+        path is generated from the file's header (`from_gguf`)."""
+        if name not in available_profiles("models"):
+            from runtime.errors import ModelFileError, ModelNotFoundError
+
+            try:
+                return cls.from_gguf(name)
+            except ModelNotFoundError:
+                names = ", ".join(available_profiles("models"))
+                raise ConfigError(f"Unknown model profile {name!r}; available: {names}, or a "
+                                  "model name or GGUF path (generated from its header).") \
+                    from None
+            except ModelFileError as e:
+                raise ConfigError(f"No model profile {name!r}, and as a GGUF: {e}") from None
         d, where = _load("models", name)
-        fits = {
-            hw: StepFit(f["fixed_ms"] / 1e3, f["per_token_us"] / 1e6, f["per_pair_ns"] / 1e9)
-            for hw, f in d.get("fit", {}).items()
-        }
+        fits = {}
+        for hw, f in d.get("fit", {}).items():
+            if not isinstance(f, dict):
+                raise ConfigError(f"Profile {where}: fit.{hw} must be a table.")
+            t = f"fit.{hw}"
+            fits[hw] = StepFit(_number(f, "fixed_ms", where, positive=False, table=t) / 1e3,
+                               _number(f, "per_token_us", where, positive=False, table=t) / 1e6,
+                               _number(f, "per_pair_ns", where, positive=False, table=t) / 1e9)
+        kv_dtype = str(d.get("kv_dtype", "bf16"))
+        if kv_dtype not in KV_FORMATS:
+            raise ConfigError(f"Profile {where}: kv_dtype must be one of "
+                              f"{', '.join(KV_FORMATS)}, got {kv_dtype!r}.")
+
+        def whole(key: str, **kw) -> int:
+            value = _number(d, key, where, **kw)
+            if value != int(value):
+                raise ConfigError(f"Profile {where}: {key} must be a whole number, got {value}.")
+            return int(value)
+
+        num_layers = whole("num_layers")
+        local = whole("num_local_layers", default=0, positive=False)
+        if local > num_layers:
+            raise ConfigError(f"Profile {where}: num_local_layers must be at most num_layers "
+                              f"({num_layers}), got {local}.")
         return cls(
             name=name,
-            architecture=d.get("architecture", name),
-            num_layers=int(_need(d, "num_layers", where)),
-            num_heads=int(_need(d, "num_heads", where)),
-            num_kv_heads=int(_need(d, "num_kv_heads", where)),
-            head_dim=int(_need(d, "head_dim", where)),
-            kv_dtype=d.get("kv_dtype", "bf16"),
-            weight_bytes=int(_need(d, "weight_bytes", where)),
-            matrix_weight_bytes=int(_need(d, "matrix_weight_bytes", where)),
-            context_length=int(_need(d, "context_length", where)),
-            bytes_per_weight=float(d.get("bytes_per_weight", 2.0)),
+            architecture=str(d.get("architecture", name)),
+            num_layers=num_layers,
+            num_heads=whole("num_heads"),
+            num_kv_heads=whole("num_kv_heads"),
+            head_dim=whole("head_dim"),
+            kv_dtype=kv_dtype,
+            weight_bytes=whole("weight_bytes"),
+            matrix_weight_bytes=whole("matrix_weight_bytes"),
+            context_length=whole("context_length"),
+            bytes_per_weight=_number(d, "bytes_per_weight", where, default=2.0),
             fits=fits,
+            sliding_window=whole("sliding_window", default=0, positive=False),
+            num_local_layers=local,
+            source=where,
         )

@@ -25,6 +25,7 @@ from runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
 from runtime.profiles import HardwareProfile, ModelProfile, StepFit
 from runtime.records import Transfer
 from runtime.snapshot import WeightsView
+from runtime.step_time import fitted_seconds, roofline_seconds
 
 TIMING_MODES = ("fit", "roofline")
 DRAFTING = ("sequential", "parallel")
@@ -273,13 +274,13 @@ class SimExecutor:
         if self.config.timing == "fit":
             # The fit was measured with the profile's weight and KV formats; other formats
             # change the bytes each step reads, priced at the card's bandwidth.
-            hw = self.hardware
             extra = (self.weight_bytes - self.model.matrix_weight_bytes
                      + num_context_tokens * (self._kv_bytes_per_token
                                              - self._fitted_kv_bytes_per_token))
-            seconds = self.fit.seconds(num_new_tokens, num_pairs)
-            return max(seconds + extra / (hw.bandwidth_bytes_per_s * hw.mbu), seconds * 0.1)
-        return self._roofline(num_new_tokens, num_pairs, num_context_tokens)
+            return fitted_seconds(self.fit, self.hardware, extra, num_new_tokens, num_pairs)
+        return roofline_seconds(self.model, self.hardware, self.weight_bytes,
+                                self._kv_bytes_per_token, num_new_tokens, num_pairs,
+                                num_context_tokens)
 
     def resolve_weight_formats(self, text: str, current: dict[str, str] | None = None
                                ) -> dict[str, str]:
@@ -316,14 +317,6 @@ class SimExecutor:
         link = hw.link_bandwidth_bytes_per_s or hw.bandwidth_bytes_per_s
         return Conversion(self.weight_bytes / link, False, before,
                           self.weight_bytes)
-
-    def _roofline(self, num_new: int, num_pairs: int, num_context: int) -> float:
-        m, hw = self.model, self.hardware
-        flops = 2.0 * m.matrix_params * num_new \
-            + 4.0 * num_pairs * m.num_heads * m.head_dim * m.num_layers
-        bytes_read = self.weight_bytes + num_context * self._kv_bytes_per_token
-        return max(flops / (hw.peak_flops * hw.mfu),
-                   bytes_read / (hw.bandwidth_bytes_per_s * hw.mbu))
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         self.num_steps += 1

@@ -1,0 +1,93 @@
+"""`kvdeck plan`'s output: the worked figures, one row per scheme with its verdict, the
+choice or what would make a scheme feasible, and the memory-vs-completion plane."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.table import Table
+
+from console.plane import Point, marks, render_text
+from runtime.planner import Plan, Planner
+
+GIB = 2**30
+
+
+def plane_points(plan: Plan) -> list[Point]:
+    return [Point(r.scheme.name, r.memory_bytes / GIB, r.completion_s, r.feasible)
+            for r in plan.results]
+
+
+def _seconds(x: float) -> str:
+    return "∞" if math.isinf(x) else f"{x:.2f}"
+
+
+def plan_json(planner: Planner, plan: Plan) -> dict:
+    w = planner.workload
+    return {
+        "hardware": planner.hw.name, "model": planner.model.name, "workload": w.name,
+        "kv_budget_bytes": planner.budget, "deadline_s": planner.deadline,
+        "arrival": w.arrival, "num_requests": w.num_requests, "rate_per_s": w.rate_per_s,
+        "figures": plan.figures,
+        "schemes": [r.to_json() for r in plan.results],
+        "choice": plan.choice.scheme.name if plan.choice else None,
+        "suggestions": plan.suggestions,
+    }
+
+
+def render_plan(out: Console, planner: Planner, plan: Plan, plane: bool = True) -> None:
+    w, f = planner.workload, plan.figures
+    arrival = f"{w.num_requests} at once" if w.arrival == "burst" else \
+        f"Poisson {w.rate_per_s:g}/s"
+    out.print(f"[bold]{planner.model.name}[/] on [bold]{planner.hw.description}[/], workload "
+              f"[bold]{w.name}[/]: {w.prompt_tokens} in / {w.output_tokens} out, shared prefix "
+              f"{w.shared_prefix_tokens}, {arrival}; KV budget {planner.budget / GIB:.2f} GiB, "
+              f"deadline {planner.deadline:g} s; timing: {f['timing']}", highlight=False)
+    window = f"; sliding window {f['sliding_window']} on {f['local_layers']} layers (counted " \
+        "as the window)" if f["sliding_window"] else ""
+    out.print(f"blocks of {f['block_size']}: {f['blocks_after_prefill']} per request after "
+              f"prefill, {f['blocks_after_output']} after the output; {f['shared_blocks']} "
+              f"shared prefix blocks{window}", highlight=False)
+    step = f["decode_step_s"]
+    fit = f" / fit {step['fit'] * 1e3:.2f} ms" if step["fit"] is not None else ""
+    out.print(f"decode step at batch {step['batch']}, context {step['context']}: roofline "
+              f"{step['roofline'] * 1e3:.2f} ms{fit}", highlight=False)
+    figures = Table(title="per KV format")
+    for col in ("format", "KV B/token", "GiB/request", "fit", "fit shared",
+                "D(b,L) GB/step", "KV > weights at b ≥"):
+        figures.add_column(col, justify="left" if col == "format" else "right")
+    for name, v in f["formats"].items():
+        shared = v["capacity_shared"]
+        figures.add_row(name, f"{v['kv_bytes_per_token']:,}",
+                        f"{v['bytes_per_request_full'] / GIB:.3f}", str(v["capacity"]),
+                        "—" if shared is None else str(shared),
+                        f"{v['read_bytes_per_decode_step'] / 1e9:.2f}",
+                        str(v["crossover_batch"]))
+    out.print(figures)
+    table = Table(title="schemes")
+    for col in ("", "scheme", "memory GiB", "TTFT s", "completion s", "acc-s/good",
+                "J/good", "verdict"):
+        table.add_column(col, justify="right" if col.endswith(("s", "GiB", "good")) else "left")
+    for r, m in zip(plan.results, marks(plane_points(plan)), strict=True):
+        style = "green" if r.feasible else "red"
+        chosen = " [bold](chosen)[/]" if r is plan.choice else ""
+        table.add_row(m, r.scheme.name, f"{r.memory_bytes / GIB:.2f}", _seconds(r.ttft_s),
+                      _seconds(r.completion_s), _seconds(r.accelerator_s_per_good),
+                      "∞" if math.isinf(r.energy_j_per_good) else f"{r.energy_j_per_good:,.0f}",
+                      f"[{style}]{r.verdict()}[/]{chosen}")
+    out.print(table)
+    if plan.choice is not None:
+        c = plan.choice
+        out.print(f"[bold green]choice:[/] {c.scheme.name} — {c.memory_bytes / GIB:.2f} GiB, "
+                  f"completion {c.completion_s:.2f} s, {c.accelerator_s_per_good:.3f} "
+                  f"accelerator-s and {c.energy_j_per_good:,.0f} J per good result",
+                  highlight=False)
+    else:
+        out.print("[bold red]no scheme is feasible.[/] What would make one feasible:")
+        for s in plan.suggestions:
+            out.print(f"  • {s}", highlight=False)
+    if plane:
+        out.print()
+        for line in render_text(plane_points(plan), planner.budget / GIB, planner.deadline):
+            out.print(line, highlight=False, markup=False)

@@ -1,0 +1,81 @@
+"""`kvdeck plan` run as a user runs it: the chapter's burst on the reference card, its JSON,
+the SVG plane, a model profile generated from a GGUF, and bad input in one sentence."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REFERENCE = ("plan", "--hardware", "rtx-pro-6000", "--model", "qwen3-8b", "--workload",
+             "long-burst", "--kv-budget", "12", "--deadline", "7")
+
+
+def kvdeck(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
+
+
+def test_the_reference_burst_gets_a_verdict_for_every_scheme_and_a_choice(tmp_path) -> None:
+    svg = tmp_path / "plane.svg"
+    r = kvdeck(*REFERENCE, "--svg", str(svg))
+    assert r.returncode == 0, r.stderr
+    schemes = json.loads(kvdeck(*REFERENCE, "--json").stdout)["schemes"]
+    for s in schemes:  # every scheme has a row with its verdict
+        row = next(line for line in r.stdout.splitlines()
+                   if re.search(rf"│ {re.escape(s['scheme'])} +│", line))
+        assert ("feasible" in row) if s["feasible"] else ("over by" in row or "missed" in row)
+    assert "choice: " in r.stdout and "(chosen)" in r.stdout
+    root = ET.parse(svg).getroot()  # well-formed, one point per scheme, two dashed limits
+    tag = "{http://www.w3.org/2000/svg}"
+    assert len(root.findall(f"{tag}circle")) == len(schemes)
+    assert len([e for e in root.findall(f"{tag}line") if e.get("stroke-dasharray")]) == 2
+
+
+def test_plan_json_carries_memory_time_feasibility_and_the_broken_limit() -> None:
+    r = kvdeck(*REFERENCE, "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["kv_budget_bytes"] == 12 * 2**30 and plan["deadline_s"] == 7
+    names = [s["scheme"] for s in plan["schemes"]]
+    assert {"baseline", "shared prefix", "q8_0 KV", "q4_0 KV", "spec dflash-qwen3-8b",
+            "shared prefix + q8_0 KV + spec dflash-qwen3-8b"} <= set(names)
+    assert any(s["weight_offload"] for s in plan["schemes"])
+    for s in plan["schemes"]:
+        assert isinstance(s["memory_bytes"], int) and s["memory_bytes"] > 0
+        assert s["ttft_s"] > 0 and s["completion_s"] > s["ttft_s"]
+        assert s["feasible"] == (s["broken_limit"] is None)
+        if not s["feasible"]:
+            assert set(s["broken_limit"].split(", ")) <= {"memory", "deadline"}
+            assert all(b["over_by"] > 0 for b in s["broken"])
+    chosen = next(s for s in plan["schemes"] if s["scheme"] == plan["choice"])
+    assert chosen["feasible"] and chosen["memory_bytes"] <= 12 * 2**30
+    assert chosen["completion_s"] <= 7
+    assert plan["figures"]["formats"]["bf16"]["crossover_batch"] == 13
+
+
+def test_a_model_profile_from_a_gguf_header(gemma_path: Path) -> None:
+    r = kvdeck("plan", "--model", str(gemma_path), "--workload", "short-chat", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["figures"]["timing"] == "roofline"  # no fitted step for this card
+    assert plan["figures"]["local_layers"] == 15 and plan["figures"]["sliding_window"] == 512
+
+
+def test_bad_input_gets_one_sentence() -> None:
+    for args, message in [
+        (("--hardware", "h900"), "Unknown hardware profile 'h900'; available: "),
+        (("--workload", "nope"), "Unknown workloads profile 'nope'; available: "),
+        (("--kv-budget", "-3"), "--kv-budget must be a number from"),
+        (("--timing", "magic"), "--timing must be auto, fit or roofline, got 'magic'."),
+        (("--draft", "ngram", "--draft", "nope"), "Unknown drafts profile 'nope'"),
+        (("--hardware", "h200", "--timing", "fit"),
+         "Model profile qwen3-8b has no fitted step model for h200"),
+    ]:
+        r = kvdeck("plan", *args)
+        assert r.returncode == 2, (args, r.stdout)
+        assert message in r.stderr and "Traceback" not in r.stderr
