@@ -432,9 +432,10 @@ class Planner:
                            f"{self.workload.output_tokens}) make '{r.scheme.name}' feasible.")
             need = self._outputs_per_round_needed(r.scheme)
             if need is not None:
+                base = replace(r.scheme, draft=None).name
                 out.append(f"A draft source emitting {need:.1f} tokens per round on average "
-                           f"(a parallel draft at 10% of a decode step) makes "
-                           f"'{r.scheme.name}' with it feasible.")
+                           f"(a parallel draft at 10% of a decode step) makes '{base}' "
+                           "with that draft feasible.")
         if not out:
             out.append("No change of one limit makes a scheme feasible: raise the memory "
                        "budget and the deadline together, or shorten the requests.")

@@ -32,7 +32,7 @@ def cache_dir() -> Path:
 
 
 def profiles_dir() -> Traversable:
-    """The `profiles/` folder: `hardware/`, `models/` and `workloads/` TOML files."""
+    """The `profiles/` folder: `hardware/`, `models/`, `workloads/` and `drafts/` TOML files."""
     return files("profiles")
 
 
@@ -48,6 +48,7 @@ def sample_trace(name: str) -> Traversable | None:
 
 
 def profile_names(kind: str) -> list[str]:
-    """Names (file stems) of the profiles of one kind: 'hardware', 'models' or 'workloads'."""
+    """Names (file stems) of the profiles of one kind: 'hardware', 'models', 'workloads' or
+    'drafts'."""
     folder = profiles_dir().joinpath(kind)
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
