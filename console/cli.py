@@ -479,6 +479,113 @@ def plan(
         out.print(f"wrote {svg}")
 
 
+@app.command()
+@with_settings
+def sweep(
+    trace: str = typer.Argument(None, help="Arrival trace (JSONL/CSV) or a sample's name; "
+                                "omit for synthetic Poisson arrivals."),
+    rates: str = typer.Option(None, "--rates",
+                              help="Comma-separated arrival rates (req/s) to run; default "
+                                   "0.05–1× a trace's own rate, or 0.5–16 synthetic."),
+    limit: int = typer.Option(200, "--limit", help="Use the first N requests of a trace."),
+    num_requests: int = typer.Option(200, "--num-requests", help="Synthetic: how many."),
+    prompt_len: int = typer.Option(1024, "--prompt-len", help="Synthetic: mean prompt tokens."),
+    output_len: int = typer.Option(256, "--output-len", help="Synthetic: mean output tokens."),
+    slo_ttft: float = typer.Option(2.0, "--slo-ttft", help="TTFT SLO in seconds."),
+    slo_tpot: float = typer.Option(0.08, "--slo-tpot", help="TPOT SLO in seconds."),
+    slo_e2e: float = typer.Option(None, "--slo-e2e", help="E2E SLO in seconds."),
+    check_cap: bool = typer.Option(True, "--check-cap/--no-check-cap",
+                                   help="Re-run the rates past the knee with the recommended "
+                                        "cap (in-process only)."),
+    url: str = typer.Option(None, "--url", help="Sweep a running server (OpenAI-compatible "
+                            "base URL) instead of an engine in this process."),
+    hash_block_tokens: int = typer.Option(512, "--hash-block-tokens",
+                                          help="Tokens per Mooncake hash id."),
+    as_json: bool = typer.Option(False, "--json", help="Print every point as JSON."),
+    svg: Path = typer.Option(None, "--svg", help="Write the goodput chart here."),
+    settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
+) -> None:
+    """Run one workload at increasing arrival rates (sim executor by default) and report
+    completion throughput and goodput per rate, the knee where goodput peaks, and the cap on
+    requests in the engine (--max-waiting) that holds goodput past it."""
+    import asyncio
+
+    from console.sweep_report import render_sweep, sweep_svg
+    from runtime.loadgen import RequestShape, run_bench
+    from runtime.metrics import SLO
+    from runtime.runner import run_arrivals
+    from runtime.session import build_session
+    from runtime.sweep import DEFAULT_SCALES, offered_rate
+    from runtime.sweep import sweep as run_sweep
+    from runtime.trace import load_arrivals, synthetic_arrivals
+
+    def inputs():
+        setup_logging(log_level)
+        check_int("--limit", limit, 2, 1 << 30)
+        check_int("--num-requests", num_requests, 2, 1 << 30)
+        if trace is None:
+            base = synthetic_arrivals(num_requests, 1.0, prompt_len=prompt_len,
+                                      output_len=output_len)
+            defaults = (0.5, 1, 2, 4, 6, 8, 12, 16)
+        else:
+            base = load_arrivals(trace, limit=limit)
+            rate = offered_rate(base)
+            if not 0 < rate < float("inf"):
+                raise ConfigError(f"The trace {trace} has no spread of arrival times to scale; "
+                                  "it needs at least two requests at different times.")
+            defaults = tuple(s * rate for s in DEFAULT_SCALES)
+        if rates is None:
+            return base, defaults
+        try:
+            chosen = tuple(float(r) for r in rates.split(","))
+        except ValueError:
+            raise ConfigError(f"--rates must be comma-separated numbers of requests per "
+                              f"second, got {rates!r}.") from None
+        if len(chosen) < 2 or any(not 0 < r < 1e6 for r in chosen):
+            raise ConfigError(f"--rates needs at least two rates, each above 0, got {rates!r}.")
+        return base, chosen
+
+    arrivals, chosen = guarded(inputs)
+    slo = guarded(lambda: SLO(slo_ttft, slo_tpot, slo_e2e))
+
+    def in_process(items, cap):
+        fixed = {"max_waiting": cap} if cap else {}
+        session = build_session(settings.resolve("sim", **fixed), with_tokenizer=False)
+        try:
+            return run_arrivals(session.engine, items, vocab_size=session.vocab_size, slo=slo,
+                                hash_block_tokens=hash_block_tokens)["summary"]
+        finally:
+            session.close()
+
+    def remote(items, cap):
+        model = (settings.flags or {}).get("model", "gemma3-270m")
+        got = asyncio.run(run_bench(url, model, items, slo=slo,
+                                    shape=RequestShape(32_000, hash_block_tokens)))
+        answered = [r for r in got["requests"] if r["status"] != "rejected"]
+        if not answered:  # a wrong URL or model name: say why instead of charting zeros
+            raise ConfigError(f"Every request to {url} was refused; the first: "
+                              f"{got['requests'][0]['reason']}")
+        return got["summary"]
+
+    say = (lambda msg: None) if as_json else (lambda msg: err.print(msg, highlight=False))
+    result = guarded(lambda: run_sweep(remote if url else in_process, arrivals, chosen,
+                                       check_cap=check_cap and url is None, progress=say))
+    title = f"sweep of {trace or 'synthetic Poisson arrivals'} ({len(arrivals)} requests)" \
+        f"{' → ' + url if url else ''}"
+    if svg is not None:
+        try:
+            svg.write_text(sweep_svg(result, title))
+        except OSError as e:
+            fail(f"Cannot write the SVG to {svg}: {e.strerror}.")
+    if as_json:
+        print_json(result.to_json() | {"slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot,
+                                               "e2e_s": slo_e2e}})
+        return
+    render_sweep(out, title, result)
+    if svg is not None:
+        out.print(f"wrote {svg}")
+
+
 @app.command(help="Serve a model through an OpenAI-compatible API (completions, chat, "
              "streaming).\n\nWith --executor sim the API answers with a simulated card's "
              "timing, paced to the wall clock, for testing clients, load generators and "
