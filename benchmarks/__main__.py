@@ -5,6 +5,7 @@ from benchmarks import (
     engine_overhead,
     host_tier,
     itl_target,
+    planner_vs_torch,
     quantization,
     speculation,
     torch_vs_llama,
@@ -24,3 +25,5 @@ if __name__ == "__main__":
     cache_admission.main()
     print()
     itl_target.main()
+    print()
+    planner_vs_torch.main()

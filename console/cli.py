@@ -355,6 +355,8 @@ def calibrate(
         sweep,
         write_profiles,
     )
+    from runtime.executors.link import measure_link
+    from runtime.profiles import HardwareProfile
     from runtime.session import build_executor
     from runtime.settings import resolve
 
@@ -368,27 +370,37 @@ def calibrate(
     say(f"calibrating {ex.model_name} on {ex.device} ({ex.dtype_name})")
     points = sweep(ex, quick=quick, progress=say)
     fit = fit_step_model(points)
-    bandwidth, flops = measure_machine()
+    bandwidth, flops = measure_machine(str(ex.device))
+    link = measure_link(ex.device).bandwidth
     profile = name or Path(str(ex.model_path)).stem
     hw = hardware_name(ex)
-    model_file, hw_file = write_profiles(ex, fit, profile, hw, bandwidth, flops)
+    model_file, hw_file = write_profiles(ex, fit, profile, hw, bandwidth, flops, points, link)
+    measured = HardwareProfile.load(hw)
     rows = [{"point": p.label, "measured_ms": p.seconds * 1e3,
-             "fit_ms": fit.seconds(p.new_tokens, p.pairs) * 1e3} for p in points]
+             "fit_ms": fit.seconds(p.new_tokens, p.pairs, p.sampled) * 1e3} for p in points]
     for r in rows:
         r["error_pct"] = 100 * (r["fit_ms"] - r["measured_ms"]) / r["measured_ms"]
     if as_json:
         print_json({"fit": {"fixed_ms": fit.fixed_s * 1e3, "per_token_us": fit.per_token_s * 1e6,
-                            "per_pair_ns": fit.per_pair_s * 1e9}, "points": rows,
-                    "model_profile": str(model_file), "hardware_profile": str(hw_file)})
+                            "per_pair_ns": fit.per_pair_s * 1e9,
+                            "per_sample_us": fit.per_sample_s * 1e6}, "points": rows,
+                    "model_profile": str(model_file), "hardware_profile": str(hw_file),
+                    "mfu": measured.mfu, "mbu": measured.mbu,
+                    "bandwidth_bytes_per_s": bandwidth, "peak_flops": flops,
+                    "link_bytes_per_s": link})
         return
     table = Table(title=f"step = {fit.fixed_s * 1e3:.3f} ms + {fit.per_token_s * 1e6:.2f} µs × "
-                        f"tokens + {fit.per_pair_s * 1e9:.4f} ns × pairs")
+                        f"tokens + {fit.per_pair_s * 1e9:.4f} ns × pairs + "
+                        f"{fit.per_sample_s * 1e6:.2f} µs × sampled rows")
     for col in ("point", "measured ms", "fit ms", "error"):
         table.add_column(col, justify="left" if col == "point" else "right")
     for r in rows:
         table.add_row(r["point"], f"{r['measured_ms']:.2f}", f"{r['fit_ms']:.2f}",
                       f"{r['error_pct']:+.1f}%")
     out.print(table)
+    out.print(f"peaks measured here: {bandwidth / 1e9:.1f} GB/s read, {flops / 1e9:.1f} GFLOP/s "
+              f"matmul, link {link / 1e9:.1f} GB/s; this model reached MFU {measured.mfu:.3f} "
+              f"and MBU {measured.mbu:.3f}", highlight=False)
     out.print(f"wrote {model_file} and {hw_file}; use them with the sim executor: "
               f'model_profile = "{profile}", hardware = "{hw}"')
 

@@ -23,7 +23,7 @@ from runtime.config import EngineConfig, Knobs
 from runtime.engine import Engine
 from runtime.executors.torch import TorchExecutor
 from runtime.plan import causal_pairs
-from runtime.profiles import StepFit, user_profiles_dir
+from runtime.profiles import HardwareProfile, ModelProfile, StepFit, user_profiles_dir
 from runtime.request import SamplingParams
 
 FULL_SWEEP = {"prefill": [(c, h) for c in (16, 64, 256) for h in (0, 256, 1024)],
@@ -39,6 +39,10 @@ class Point:
     pairs: int
     label: str
     seconds: float
+    context: int = 0
+    """KV positions the step reads (for the bytes behind MBU)."""
+    sampled: int = 1
+    """Rows whose logits the step computes (a prefill chunk's last, every decode row)."""
 
 
 def _engine(ex: TorchExecutor, blocks_needed: int) -> Engine:
@@ -94,37 +98,99 @@ def _time_decode(ex: TorchExecutor, b: int, ctx: int, steps: int) -> float:
     return seconds
 
 
-def measure_machine() -> tuple[float, float]:
-    """(read bandwidth in bytes/s, fp32 matmul FLOP/s) on the CPU, best of 5 each.
+def measure_machine(device: str = "cpu") -> tuple[float, float]:
+    """(read bandwidth in bytes/s, matmul FLOP/s) on `device`, best of 5 each.
 
     Bandwidth: a 512 MiB fp32 matrix–vector product (memory-bound). Compute: a 2048³
-    matrix product (compute-bound)."""
+    matrix product (compute-bound), fp32 on the CPU, bf16 on a GPU (the dense BF16 peak
+    datasheets quote)."""
     import torch
 
-    m, v = torch.randn(8192, 16384), torch.randn(16384)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    dev = torch.device(device)
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    m, v = torch.randn(8192, 16384, device=dev), torch.randn(16384, device=dev)
+    a, b = (torch.randn(2048, 2048, device=dev, dtype=dtype) for _ in range(2))
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     best_mv = best_mm = float("inf")
     for _ in range(5):
+        sync()
         t = time.perf_counter()
         m @ v
+        sync()
         best_mv = min(best_mv, time.perf_counter() - t)
         t = time.perf_counter()
         a @ b
+        sync()
         best_mm = min(best_mm, time.perf_counter() - t)
     return m.numel() * 4 / best_mv, 2 * 2048 ** 3 / best_mm
 
 
+def efficiencies(points: list[Point], model: ModelProfile, bandwidth: float, flops: float
+                 ) -> tuple[float, float]:
+    """(MFU, MBU) this model's steps reach against the measured peaks: the best prefill
+    point's FLOP rate (`2·params·n + 4·pairs·heads·d·layers` per step) over the matmul peak,
+    and the best decode point's read rate (`D_w + context·k` per step) over the read
+    bandwidth; each at most 1."""
+    k = model.kv_bytes_per_token()
+    rates_f = [(2.0 * model.matrix_params * p.new_tokens
+                + 4.0 * p.pairs * model.num_heads * model.head_dim * model.num_layers)
+               / p.seconds for p in points if p.kind == "prefill"]
+    rates_b = [(model.matrix_weight_bytes + p.context * k) / p.seconds
+               for p in points if p.kind == "decode"]
+    mfu = max(rates_f, default=0.0) / flops
+    mbu = max(rates_b, default=0.0) / bandwidth
+    return min(max(mfu, 1e-6), 1.0), min(max(mbu, 1e-6), 1.0)
+
+
+def local_name(device: str = "cpu") -> str:
+    """This machine's hardware profile name: `local-cpu-<cores>c` or `local-<gpu name>`."""
+    if device.startswith("cuda"):
+        import torch
+
+        return "local-" + torch.cuda.get_device_name(device).lower().replace(" ", "-")
+    return f"local-cpu-{os.cpu_count()}c"
+
+
+def measure_local(device: str = "cpu") -> HardwareProfile:
+    """The `local` hardware profile, measured now: read bandwidth, matmul rate and the host
+    link (`executors/link.py`); memory from the OS (or the GPU). Efficiencies come from this
+    machine's calibrated profile (`kvdeck calibrate`) when there is one, else 0.5."""
+    import torch
+
+    from runtime.executors.link import measure_link
+
+    bandwidth, flops = measure_machine(device)
+    link = measure_link(torch.device(device)).bandwidth
+    memory = torch.cuda.get_device_properties(device).total_memory \
+        if device.startswith("cuda") else psutil.virtual_memory().total
+    mfu = mbu = 0.5
+    calibrated = user_profiles_dir() / "hardware" / f"{local_name(device)}.toml"
+    if calibrated.is_file():
+        own = HardwareProfile.load(local_name(device))
+        mfu, mbu = own.mfu, own.mbu
+    return HardwareProfile("local", f"this machine ({device}), measured now", int(memory),
+                           bandwidth, flops, 0.0, link, mfu, mbu)
+
+
 def fit_step_model(points: list[Point]) -> StepFit:
-    """Non-negative least squares over (1, new tokens, pairs) by dropping negative terms."""
-    cols = [0, 1, 2]
-    a = np.array([[1.0, p.new_tokens, p.pairs] for p in points])
+    """Non-negative least squares over (1, new tokens, pairs, sampled rows) by dropping
+    negative terms. The sampled-rows term is left out when every point samples as many
+    rows as tokens or the same number (it would only repeat another column)."""
+    cols = [0, 1, 2, 3]
+    if len({p.sampled for p in points}) < 2 or all(p.sampled == p.new_tokens for p in points):
+        cols.remove(3)
+    a = np.array([[1.0, p.new_tokens, p.pairs, p.sampled] for p in points])
     y = np.array([p.seconds for p in points])
     while True:
         coef, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
         if (coef >= 0).all():
             break
         cols.pop(int(np.argmin(coef)))
-    full = [0.0, 0.0, 0.0]
+    full = [0.0, 0.0, 0.0, 0.0]
     for c, v in zip(cols, coef, strict=True):
         full[c] = float(v)
     return StepFit(*full)
@@ -135,26 +201,25 @@ def sweep(ex: TorchExecutor, quick: bool = False, progress=print) -> list[Point]
     points = []
     for c, h in plan["prefill"]:
         s = _time_prefill(ex, c, h, repeats=2 if quick else 3)
-        points.append(Point("prefill", c, causal_pairs(c, h), f"prefill {c} on {h}", s))
+        points.append(Point("prefill", c, causal_pairs(c, h), f"prefill {c} on {h}", s, h + c))
         progress(f"  {points[-1].label}: {s * 1e3:.1f} ms")
     for b, ctx in plan["decode"]:
         s = _time_decode(ex, b, ctx, steps=3 if quick else 6)
-        points.append(Point("decode", b, b * causal_pairs(1, ctx), f"decode {b} at {ctx}", s))
+        points.append(Point("decode", b, b * causal_pairs(1, ctx), f"decode {b} at {ctx}", s,
+                            b * (ctx + 1), b))
         progress(f"  {points[-1].label}: {s * 1e3:.1f} ms")
     return points
 
 
 def hardware_name(ex: TorchExecutor) -> str:
-    if ex.device.type == "cuda":
-        import torch
-
-        return "local-" + torch.cuda.get_device_name(ex.device).lower().replace(" ", "-")
-    return f"local-cpu-{os.cpu_count()}c"
+    return local_name(str(ex.device))
 
 
 def write_profiles(ex: TorchExecutor, fit: StepFit, name: str, hw: str,
-                   bandwidth: float, flops: float) -> tuple[Path, Path]:
-    """Write models/<name>.toml (shape + fit for `hw`) and hardware/<hw>.toml."""
+                   bandwidth: float, flops: float, points: list[Point] | None = None,
+                   link: float = 0.0) -> tuple[Path, Path]:
+    """Write models/<name>.toml (shape, sliding-window layers, fit for `hw`) and
+    hardware/<hw>.toml (measured peaks, link, and the MFU and MBU the points reached)."""
     info = ex.cfg.info
     d = user_profiles_dir()
     (d / "models").mkdir(parents=True, exist_ok=True)
@@ -168,17 +233,26 @@ def write_profiles(ex: TorchExecutor, fit: StepFit, name: str, hw: str,
         f"num_kv_heads = {info.num_kv_heads}\nhead_dim = {info.head_dim}\n"
         f'kv_dtype = "{ex.kv_format}"\nweight_bytes = {info.weight_bytes}\n'
         f"matrix_weight_bytes = {ex.model.matrix_weight_bytes}\n"
-        f"context_length = {info.context_length}\nbytes_per_weight = {bpw:.3f}\n\n"
+        f"context_length = {info.context_length}\nbytes_per_weight = {bpw:.3f}\n"
+        f"sliding_window = {info.sliding_window or 0}\n"
+        f"num_local_layers = {len(info.sliding_window_layers) if info.sliding_window else 0}\n\n"
         f"[fit.{hw}]\nfixed_ms = {fit.fixed_s * 1e3:.6f}\n"
         f"per_token_us = {fit.per_token_s * 1e6:.6f}\nper_pair_ns = {fit.per_pair_s * 1e9:.6f}\n"
+        f"per_sample_us = {fit.per_sample_s * 1e6:.6f}\n"
     )
+    mfu, mbu = efficiencies(points or [], ModelProfile.load(name), bandwidth, flops) \
+        if points else (0.5, 0.5)
     hw_path = d / "hardware" / f"{hw}.toml"
     hw_path.write_text(
         f'# Written by kvdeck calibrate: this machine as measured.\nname = "{hw}"\n'
         f'description = "{platform.processor() or platform.machine()}, {ex.device.type}"\n'
         f"memory_bytes = {psutil.virtual_memory().total}\n"
-        f"bandwidth_bytes_per_s = {bandwidth:.6g}\npeak_flops = {flops:.6g}\n\n"
-        "# Both peaks were measured here, so they already include efficiency.\n"
-        "[efficiency]\nmfu = 1.0\nmbu = 1.0\n"
+        f"bandwidth_bytes_per_s = {bandwidth:.6g}  # a 512 MiB matrix-vector product\n"
+        f"peak_flops = {flops:.6g}  # a 2048³ matrix product\n\n"
+        + (f"[link]\nbandwidth_bytes_per_s = {link:.6g}  # measured copy, slower way\n\n"
+           if link else "")
+        + f"# What {name}'s steps reached against those peaks: the best prefill point's\n"
+        "# FLOP rate (MFU) and the best decode point's bytes read per second (MBU).\n"
+        f"[efficiency]\nmfu = {mfu:.4f}\nmbu = {mbu:.4f}\n"
     )
     return model_path, hw_path

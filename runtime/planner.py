@@ -239,14 +239,15 @@ class Planner:
         return math.ceil(self.model.matrix_weight_bytes
                          / (context * self.kv_bytes_per_token(kv_format)))
 
-    def step_seconds(self, num_new: int, num_pairs: int, num_context: int,
-                     kv_format: str = "bf16", timing: str | None = None) -> float:
+    def step_seconds(self, num_new: float, num_pairs: float, num_context: float,
+                     kv_format: str = "bf16", timing: str | None = None,
+                     num_sampled: float = 0.0) -> float:
         """One step by the chosen timing: `num_new` new tokens, `num_pairs` causal pairs,
-        `num_context` KV positions read."""
+        `num_context` KV positions read, `num_sampled` rows through the output head."""
         k = self.kv_bytes_per_token(kv_format)
         if (timing or self.timing) == "fit" and self.fit is not None:
             extra = num_context * (k - self.kv_bytes_per_token(self.model.kv_dtype))
-            return fitted_seconds(self.fit, self.hw, extra, num_new, num_pairs)
+            return fitted_seconds(self.fit, self.hw, extra, num_new, num_pairs, num_sampled)
         return roofline_seconds(self.model, self.hw, self.model.matrix_weight_bytes, k,
                                 num_new, num_pairs, num_context)
 
@@ -254,7 +255,7 @@ class Planner:
                     timing: str | None = None) -> float:
         """A plain decode step: `batch` rows, each on `context` earlier positions."""
         return self.step_seconds(batch, batch * causal_pairs(1, context),
-                                 batch * (context + 1), kv_format, timing)
+                                 batch * (context + 1), kv_format, timing, batch)
 
     # -- one scheme ---------------------------------------------------------------------
 
@@ -271,7 +272,7 @@ class Planner:
         # step for the chunk being computed.
         context = min(n, steps) * w.prompt_tokens // steps
         seconds = steps * self.step_seconds(new / steps, pairs / steps, context,
-                                            scheme.kv_format)
+                                            scheme.kv_format, num_sampled=n / steps)
         if scheme.draft is not None:
             seconds *= 1 + scheme.draft.ttft_overhead
         return seconds
@@ -291,7 +292,7 @@ class Planner:
 
         def round_seconds(ctx: int) -> float:
             verify = self.step_seconds(n * rows, n * causal_pairs(rows, ctx), n * (ctx + rows),
-                                       fmt)
+                                       fmt, num_sampled=n * rows)
             return verify + d.passes() * d.draft_cost * self.decode_step(n, ctx, fmt)
 
         rounds = math.ceil(remaining / per_round)
@@ -375,7 +376,8 @@ class Planner:
             step = self.step_seconds(b * rows + arriving,
                                      b * causal_pairs(rows, ctx)
                                      + lam * tau * causal_pairs(p_new, prefix),
-                                     b * (ctx + rows) + lam * tau * w.prompt_tokens, fmt)
+                                     b * (ctx + rows) + lam * tau * w.prompt_tokens, fmt,
+                                     num_sampled=b * rows + lam * tau)
             if d is not None:
                 step += d.passes() * d.draft_cost * self.decode_step(max(1, round(b)), ctx,
                                                                      fmt)

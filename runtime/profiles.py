@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +78,8 @@ class HardwareProfile:
         """The profile `name` (a user profile before a shipped one), validated: a missing
         or bad field gets one sentence naming the file, the field and the problem.
         Efficiencies a profile does not state (none measured yet) default to 0.5."""
+        if name == "local" and "local" not in available_profiles("hardware"):
+            return _measured_local()
         d, where = _load("hardware", name)
         link = d.get("link", {})
         eff = d.get("efficiency", {})
@@ -96,16 +99,31 @@ class HardwareProfile:
         )
 
 
+@functools.cache
+def _measured_local() -> HardwareProfile:
+    """`local`: this machine measured once per process (`calibrate.measure_local`)."""
+    from runtime.calibrate import measure_local
+
+    return measure_local()
+
+
 @dataclass(frozen=True)
 class StepFit:
-    """`fixed + per_token × new tokens + per_pair × causal pairs` (seconds)."""
+    """`fixed + per_token × new tokens + per_pair × causal pairs [+ per_sample × rows whose
+    logits are computed]` (seconds). The last term is what a wide output head costs per
+    sampled row (Gemma 3's 262,144-token head is 63 % of the 270M model's matrix weights, so
+    a decode row costs several times a prefill token); `kvdeck calibrate` fits it, callers
+    that do not know the sampled rows leave it out."""
 
     fixed_s: float
     per_token_s: float
     per_pair_s: float
+    per_sample_s: float = 0.0
 
-    def seconds(self, num_new_tokens: int, num_pairs: int) -> float:
-        return self.fixed_s + self.per_token_s * num_new_tokens + self.per_pair_s * num_pairs
+    def seconds(self, num_new_tokens: float, num_pairs: float, num_sampled: float = 0.0
+                ) -> float:
+        return self.fixed_s + self.per_token_s * num_new_tokens + self.per_pair_s * num_pairs \
+            + self.per_sample_s * num_sampled
 
 
 def matrix_params(info) -> int:
@@ -211,7 +229,9 @@ class ModelProfile:
             t = f"fit.{hw}"
             fits[hw] = StepFit(_number(f, "fixed_ms", where, positive=False, table=t) / 1e3,
                                _number(f, "per_token_us", where, positive=False, table=t) / 1e6,
-                               _number(f, "per_pair_ns", where, positive=False, table=t) / 1e9)
+                               _number(f, "per_pair_ns", where, positive=False, table=t) / 1e9,
+                               _number(f, "per_sample_us", where, default=0.0, positive=False,
+                                       table=t) / 1e6)
         kv_dtype = str(d.get("kv_dtype", "bf16"))
         if kv_dtype not in KV_FORMATS:
             raise ConfigError(f"Profile {where}: kv_dtype must be one of "

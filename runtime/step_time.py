@@ -25,9 +25,10 @@ def roofline_seconds(model: ModelProfile, hw: HardwareProfile, weight_bytes: flo
     return max(flops / (hw.peak_flops * hw.mfu), bytes_read / (hw.bandwidth_bytes_per_s * hw.mbu))
 
 
-def fitted_seconds(fit: StepFit, hw: HardwareProfile, extra_bytes: float, num_new: int,
-                   num_pairs: int) -> float:
+def fitted_seconds(fit: StepFit, hw: HardwareProfile, extra_bytes: float, num_new: float,
+                   num_pairs: float, num_sampled: float = 0.0) -> float:
     """One step by the fitted model, plus `extra_bytes` read beyond what the fit measured
-    (negative when a smaller format reads less)."""
-    seconds = fit.seconds(num_new, num_pairs)
+    (negative when a smaller format reads less); `num_sampled` rows priced by the fit's
+    per-sample term where it has one."""
+    seconds = fit.seconds(num_new, num_pairs, num_sampled)
     return max(seconds + extra_bytes / (hw.bandwidth_bytes_per_s * hw.mbu), seconds * 0.1)

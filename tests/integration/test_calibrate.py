@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.calibrate import Point, fit_step_model
+from runtime.calibrate import Point, efficiencies, fit_step_model
 from runtime.plan import causal_pairs
+from runtime.profiles import HardwareProfile, ModelProfile
 
 
 def kvdeck(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -30,6 +31,33 @@ def test_fit_recovers_known_coefficients() -> None:
     # A negative least-squares term is dropped rather than kept.
     flat = [Point("x", n, p, "", 0.01) for n, p in ((1, 10), (2, 5), (4, 100))]
     assert min(vars(fit_step_model(flat)).values()) >= 0
+
+
+def test_fit_recovers_the_cost_of_sampled_rows() -> None:
+    """Prefill chunks sample one row, decode steps every row: a wide head shows as a
+    per-sample term the other three cannot absorb."""
+    truth = (0.05, 4e-4, 1e-6, 2e-3)
+    pts = [Point("prefill", c, causal_pairs(c, h), "", truth[0] + truth[1] * c
+                 + truth[2] * causal_pairs(c, h) + truth[3], h + c, 1)
+           for c in (16, 64, 256) for h in (0, 256, 1024)]
+    pts += [Point("decode", b, b * causal_pairs(1, L), "", truth[0] + truth[1] * b
+                  + truth[2] * b * causal_pairs(1, L) + truth[3] * b, b * (L + 1), b)
+            for b in (1, 4, 16) for L in (128, 512, 1024)]
+    fit = fit_step_model(pts)
+    assert (fit.fixed_s, fit.per_token_s, fit.per_pair_s, fit.per_sample_s) == \
+        pytest.approx(truth)
+
+
+def test_efficiencies_are_the_best_points_against_the_peaks() -> None:
+    model = ModelProfile("m", "llama", 2, 4, 2, 8, "fp32", 4_000_000, 4_000_000, 4096, 4.0)
+    k = model.kv_bytes_per_token()  # 2 × 2 layers × 2 heads × 8 × 4 B = 256
+    pts = [Point("prefill", 100, causal_pairs(100, 0), "", 0.5, 100, 1),
+           Point("decode", 2, 2 * 11, "", 0.01, 2 * 11, 2)]
+    flops = 2.0 * 1_000_000 * 100 + 4.0 * causal_pairs(100, 0) * 4 * 8 * 2
+    mfu, mbu = efficiencies(pts, model, bandwidth=1e9, flops=1e9)
+    assert mfu == pytest.approx(flops / 0.5 / 1e9)
+    assert mbu == pytest.approx((4_000_000 + 22 * k) / 0.01 / 1e9)
+    assert efficiencies(pts, model, bandwidth=1e3, flops=1e3) == (1.0, 1.0)  # capped at 1
 
 
 def test_calibrate_writes_profiles_the_sim_can_use(tiny_llama: Path, tmp_path: Path) -> None:
@@ -52,6 +80,18 @@ def test_calibrate_writes_profiles_the_sim_can_use(tiny_llama: Path, tmp_path: P
     fixed_ms, layers, kv = out.stdout.split()
     assert float(fixed_ms) == pytest.approx(data["fit"]["fixed_ms"], rel=1e-5)
     assert int(layers) == 2 and int(kv) == 2 * 2 * 2 * 16 * 4
+    # The hardware profile carries measured efficiencies and the link, not 1.0 placeholders.
+    os.environ["KVDECK_CACHE"], before = str(tmp_path), os.environ.get("KVDECK_CACHE")
+    try:
+        measured = HardwareProfile.load(hw)
+    finally:
+        if before is None:
+            del os.environ["KVDECK_CACHE"]
+        else:
+            os.environ["KVDECK_CACHE"] = before
+    assert (measured.mfu, measured.mbu) == (data["mfu"], data["mbu"])
+    assert 0 < measured.mbu < 1 and 0 < measured.mfu <= 1
+    assert measured.link_bandwidth_bytes_per_s == pytest.approx(data["link_bytes_per_s"], rel=1e-5)
 
 
 def test_run_trace_on_the_torch_executor(tiny_llama: Path, tmp_path: Path) -> None:

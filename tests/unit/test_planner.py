@@ -74,7 +74,7 @@ def test_expected_outputs_per_round() -> None:
 
 
 def test_sliding_window_layers_count_as_the_window() -> None:
-    gemma = ModelProfile.load("gemma3-270m")  # generated from the GGUF's header
+    gemma = ModelProfile.from_gguf("gemma3-270m")  # generated from the GGUF's header
     assert (gemma.num_layers, gemma.num_local_layers, gemma.sliding_window) == (18, 15, 512)
     per_layer_token = 2 * 1 * 256 * 2
     # 3 global layers × 512 blocks + 15 local layers × (512/16 + 1) blocks, 16 tokens each.
@@ -154,7 +154,8 @@ def test_a_bad_profile_names_the_file_the_field_and_the_problem(kind, body, mess
     assert str(e.value).startswith(f"Profile {path}") and str(e.value).endswith(message)
 
 
-def test_unknown_profiles_list_the_known_ones() -> None:
+def test_unknown_profiles_list_the_known_ones(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))  # only the shipped profiles
     with pytest.raises(ConfigError, match=r"^Unknown workloads profile 'nope'; available: "
                                           r"long-burst, long-context, short-chat"):
         Workload.load("nope")
