@@ -26,6 +26,7 @@ from textual.widgets import DataTable, Header, Input
 from console.base_app import ConsoleApp
 from console.layout import SNAPSHOT_PANELS, compose_panels
 from console.screens.charts import ChartsScreen
+from console.screens.plan import PlanScreen
 from console.screens.requests import RequestsScreen
 from console.widgets.banner import Banner
 from console.widgets.footer import KeysFooter
@@ -69,6 +70,7 @@ class KvdeckApp(ConsoleApp):
         Binding("r", "toggle_record", "Record", id="run.record"),
         Binding("slash", "focus_prompt", "Prompt", id="app.prompt"),
         Binding("c", "charts", "Charts", id="app.charts"),
+        Binding("P", "plan", "Plan", id="app.plan"),
         Binding("f1", "help", "Help", id="app.help"),
         Binding("t", "next_theme", "Theme", id="app.theme"),
         Binding("s", "step_once", "Step", id="engine.step"),
@@ -190,7 +192,7 @@ class KvdeckApp(ConsoleApp):
             knob = self._last_switch["knob"]
             title = "Weight offload" if knob == "offload_layers" else "Format switched"
             self.notify(switch_text(self._last_switch), title=title)
-        if isinstance(self.screen, (RequestsScreen, ChartsScreen)):
+        if isinstance(self.screen, (RequestsScreen, ChartsScreen, PlanScreen)):
             self.screen.show(snap)
         state = "failed" if snap.failure else "paused" if snap.paused else "running"
         rec = " · recording" if self.recorder is not None else ""
@@ -305,6 +307,11 @@ class KvdeckApp(ConsoleApp):
         """Request rate, token rates, step time and KV usage over the kept history."""
         if not isinstance(self.screen, ChartsScreen):
             self.push_screen(ChartsScreen())
+
+    def action_plan(self) -> None:
+        """The planner's plane for the workload the engine is seeing."""
+        if not isinstance(self.screen, PlanScreen):
+            self.push_screen(PlanScreen(self.engine))
 
     def watch_request(self, request_id: str) -> None:
         """Follow one request: its story in the snapshots, its blocks in the KV map."""

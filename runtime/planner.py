@@ -75,8 +75,9 @@ class Broken:
 
     def describe(self, budget: float, deadline: float) -> str:
         if self.limit == "memory":
-            return f"memory over by {self.over_by / 2**30:.2f} GiB " \
-                   f"({100 * self.over_by / budget:.0f}% of the budget)"
+            size = f"{self.over_by / 2**30:.2f} GiB" if self.over_by >= 2**30 else \
+                f"{self.over_by / 2**20:.1f} MiB"
+            return f"memory over by {size} ({100 * self.over_by / budget:.1f}% of the budget)"
         if math.isinf(self.over_by):
             return "deadline: arrivals outpace service (the queue grows without bound)"
         return f"deadline missed by {self.over_by:.2f} s ({100 * self.over_by / deadline:.0f}%)"

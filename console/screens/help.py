@@ -37,6 +37,9 @@ access and evictability; single-child chains are folded.
 arrivals and tokens per second, resident requests against Little's law, KV usage and hit rate
 over time; `┃` marks a knob change. **Charts** (`c`): request rate, prompt and generation
 tokens/s, step time and KV usage over the last hour with axes; `▲` marks a knob change.
+**Plan** (`P`): the planner's memory-vs-completion plane for the workload the engine is
+seeing (every scheme a letter, `@` the engine measured, `¦` the KV pool, `┄` the deadline),
+with each scheme's verdict and `▶` on the one the knobs make now.
 
 **Prompt** — an instruct model (chat template in its GGUF) is asked as a chat; a base model
 (the embedded Gemma 3 270M) continues the text, and the panel says so.
