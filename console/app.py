@@ -70,7 +70,6 @@ class KvdeckApp(ConsoleApp):
         Binding("r", "toggle_record", "Record", id="run.record"),
         Binding("slash", "focus_prompt", "Prompt", id="app.prompt"),
         Binding("c", "charts", "Charts", id="app.charts"),
-        Binding("P", "plan", "Plan", id="app.plan"),
         Binding("f1", "help", "Help", id="app.help"),
         Binding("t", "next_theme", "Theme", id="app.theme"),
         Binding("s", "step_once", "Step", id="engine.step"),
@@ -78,6 +77,7 @@ class KvdeckApp(ConsoleApp):
         Binding("minus", "rate(0.6667)", "Rate-", id="traffic.slower"),
         Binding("n", "select_next", "Select", id="kv.select"),
         Binding("w", "save_settings", "Save", id="run.save"),
+        Binding("P", "plan", "Plan", id="app.plan"),
     ]
 
     def __init__(self, engine: Engine, traffic: TrafficGenerator | None = None, *,

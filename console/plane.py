@@ -73,9 +73,12 @@ def render_text(points: list[Point], budget: float, deadline: float, width: int 
         tick = f"{y:.1f}" if r in (0, dy, height - 1) else ""
         lines.append(f"{tick:>{label_w}} │{''.join(cells)}")
     lines.append(" " * label_w + " └" + "─" * width)
-    axis = f"0 GiB{'':<{max(0, bx - 5)}}budget {budget:.1f}"
-    lines.append(" " * (label_w + 2) + axis[:width] + f"   max {x_max:.1f} GiB")
-    lines.append(" " * (label_w + 2) + f"y: completion time (s), deadline {deadline:g} s at ┄")
+    axis = f"0{'':<{max(0, bx - 1)}}{budget:.2f}"
+    right = f"{x_max:.2f}"
+    axis = axis[:width - len(right) - 1].ljust(width - len(right)) + right
+    lines.append(" " * (label_w + 2) + axis)
+    lines.append(" " * (label_w + 2) + f"x: memory (GiB), the budget {budget:.2f} at ¦; "
+                 f"y: completion time (s), the deadline {deadline:g} at ┄")
     return lines
 
 

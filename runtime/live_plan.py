@@ -16,6 +16,7 @@ make, and where it measures itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from runtime.planner import Plan, Planner, Scheme
 from runtime.profiles import HardwareProfile, ModelProfile
@@ -32,7 +33,8 @@ def live_profiles(engine) -> tuple[HardwareProfile, ModelProfile]:
     ex = engine.executor
     if getattr(ex, "name", "") == "sim":
         return ex.hardware, replace(ex.model, fits={ex.hardware.name: ex.fit})
-    model = ModelProfile.from_gguf(str(ex.model_path))
+    model = replace(ModelProfile.from_gguf(str(ex.model_path)),
+                    name=Path(str(ex.model_path)).stem)
     weight_bytes = getattr(getattr(ex, "model", None), "matrix_weight_bytes", None) \
         or getattr(ex, "weight_bytes", None) or model.matrix_weight_bytes
     timing = getattr(ex, "timing", None)

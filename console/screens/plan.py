@@ -24,6 +24,10 @@ GIB = 2**30
 REFRESH_S = 1.0
 
 
+def size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
 class PlanScreen(Screen):
     """The plane for the live workload; the app feeds `show(snapshot)`."""
 
@@ -82,15 +86,15 @@ class PlanScreen(Screen):
                                                      if live.deadline_assumed else "")
         head = Text.assemble(
             (f"{model.name} on {hw.description}", "bold"),
-            f" · timing {planner.timing} · KV pool {planner.budget / GIB:.2f} GiB\n",
+            f" · timing {planner.timing} · KV pool {size(planner.budget)}\n",
             f"workload seen: {w.prompt_tokens} in / {w.output_tokens} out, "
             f"{w.shared_prefix_tokens} cached, {w.rate_per_s:.2f} req/s; {deadline}")
         width = max(self.size.width - 20, 30)
         plane = Text("\n".join(render_text(points, planner.budget / GIB, w.deadline_s,
                                            width=width, height=14)))
         table = Table(box=None, pad_edge=False)
-        for col in ("", "scheme", "GiB", "TTFT s", "done s", "verdict"):
-            table.add_column(col, justify="right" if col in ("GiB", "TTFT s", "done s")
+        for col in ("", "scheme", "memory", "TTFT s", "done s", "verdict"):
+            table.add_column(col, justify="right" if col in ("memory", "TTFT s", "done s")
                              else "left")
         for r, m in zip(plan.results, marks(points), strict=False):
             now = r.scheme == current
@@ -99,10 +103,10 @@ class PlanScreen(Screen):
                 + (" [bold](chosen)[/]" if r is plan.choice else "")
             done = "∞" if math.isinf(r.completion_s) else f"{r.completion_s:.2f}"
             name = Text.assemble(("▶ " if now else "  ", "bold cyan"), (r.scheme.name, style))
-            table.add_row(m, name, f"{r.memory_bytes / GIB:.2f}",
+            table.add_row(m, name, size(r.memory_bytes),
                           f"{r.ttft_s:.2f}", done, verdict)
         tail = Text("▶ the scheme the knobs make now.  "
-                    f"@ measured: {live.measured_memory_bytes / GIB:.2f} GiB held by requests "
+                    f"@ measured: {size(live.measured_memory_bytes)} held by requests "
                     f"(peak, last minute), mean E2E {measured:.2f} s" if measured is not None
                     else "@ measured: no finished request yet")
         pane.update(Group(head, plane, tail, table))
