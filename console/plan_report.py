@@ -23,6 +23,10 @@ def _seconds(x: float) -> str:
     return "∞" if math.isinf(x) else f"{x:.2f}"
 
 
+def _joules(x: float) -> str:
+    return "—" if math.isnan(x) else "∞" if math.isinf(x) else f"{x:,.0f}"
+
+
 def plan_json(planner: Planner, plan: Plan) -> dict:
     w = planner.workload
     return {
@@ -74,15 +78,16 @@ def render_plan(out: Console, planner: Planner, plan: Plan, plane: bool = True) 
         chosen = " [bold](chosen)[/]" if r is plan.choice else ""
         table.add_row(m, r.scheme.name, f"{r.memory_bytes / GIB:.2f}", _seconds(r.ttft_s),
                       _seconds(r.completion_s), _seconds(r.accelerator_s_per_good),
-                      "∞" if math.isinf(r.energy_j_per_good) else f"{r.energy_j_per_good:,.0f}",
+                      _joules(r.energy_j_per_good),
                       f"[{style}]{r.verdict()}[/]{chosen}")
     out.print(table)
     if plan.choice is not None:
         c = plan.choice
+        energy = "" if math.isnan(c.energy_j_per_good) else \
+            f" and {c.energy_j_per_good:,.0f} J"
         out.print(f"[bold green]choice:[/] {c.scheme.name} — {c.memory_bytes / GIB:.2f} GiB, "
                   f"completion {c.completion_s:.2f} s, {c.accelerator_s_per_good:.3f} "
-                  f"accelerator-s and {c.energy_j_per_good:,.0f} J per good result",
-                  highlight=False)
+                  f"accelerator-s{energy} per good result", highlight=False)
     else:
         out.print("[bold red]no scheme is feasible.[/] What would make one feasible:")
         for s in plan.suggestions:

@@ -23,6 +23,7 @@ from runtime.config import EngineConfig, Knobs
 from runtime.engine import Engine
 from runtime.executors.torch import TorchExecutor
 from runtime.plan import causal_pairs
+from runtime.power import nvml_power
 from runtime.profiles import HardwareProfile, ModelProfile, StepFit, user_profiles_dir
 from runtime.request import SamplingParams
 
@@ -172,8 +173,9 @@ def measure_local(device: str = "cpu") -> HardwareProfile:
     if calibrated.is_file():
         own = HardwareProfile.load(local_name(device))
         mfu, mbu = own.mfu, own.mbu
+    power = nvml_power(torch.device(device).index or 0) if device.startswith("cuda") else None
     return HardwareProfile("local", f"this machine ({device}), measured now", int(memory),
-                           bandwidth, flops, 0.0, link, mfu, mbu)
+                           bandwidth, flops, power.limit_w if power else 0.0, link, mfu, mbu)
 
 
 def fit_step_model(points: list[Point]) -> StepFit:

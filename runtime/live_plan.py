@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from runtime.planner import Plan, Planner, Scheme
+from runtime.power import nvml_power
 from runtime.profiles import HardwareProfile, ModelProfile
 from runtime.snapshot import EngineSnapshot
 from runtime.workloads import Workload
@@ -41,7 +42,13 @@ def live_profiles(engine) -> tuple[HardwareProfile, ModelProfile]:
     fits = {"local": timing.fit} if timing is not None else {}
     model = replace(model, kv_dtype=engine.kv_format, matrix_weight_bytes=int(weight_bytes),
                     fits=fits)
-    return HardwareProfile.load("local"), model
+    hw = HardwareProfile.load("local")
+    device = getattr(ex, "device", None)
+    if getattr(device, "type", "") == "cuda":  # energy at the measured draw, not the limit
+        power = nvml_power(device.index or 0)
+        if power is not None:
+            hw = replace(hw, power_watts=power.draw_w)
+    return hw, model
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,10 @@ class SchemeResult:
 
     @property
     def energy_j_per_good(self) -> float:
-        """At the power limit (a profile without one gives 0)."""
+        """At the profile's power (its limit, or a live draw); NaN where the profile has no
+        power figure (a CPU measured here)."""
+        if not self.power_watts:
+            return math.nan
         return self.accelerator_s_per_good * self.power_watts
 
     def verdict(self) -> str:
@@ -439,6 +442,12 @@ class Planner:
                 out.append(f"A draft source emitting {need:.1f} tokens per round on average "
                            f"(a parallel draft at 10% of a decode step) makes '{base}' "
                            "with that draft feasible.")
+        if self.workload.arrival == "poisson":  # fewer arrivals: less memory and waiting
+            rate, scheme = max(((self._highest_rate(r.scheme), r.scheme) for r in results),
+                               key=lambda x: x[0])
+            if rate > 0:
+                out.append(f"Arrivals of at most {rate:.3g} req/s (now "
+                           f"{self.workload.rate_per_s:g}) make '{scheme.name}' feasible.")
         if not out:
             out.append("No change of one limit makes a scheme feasible: raise the memory "
                        "budget and the deadline together, or shorten the requests.")
@@ -463,6 +472,21 @@ class Planner:
             else:
                 hi = mid - 1
         return lo if lo >= 1 and feasible(lo) else None
+
+    def _highest_rate(self, scheme: Scheme) -> float:
+        """The highest Poisson arrival rate at which `scheme` is feasible (0: none above
+        1/1000 of today's), to three significant figures."""
+        lo, hi = 0.0, self.workload.rate_per_s
+        if not self._with(rate_per_s=hi / 1000).evaluate(scheme).feasible:
+            return 0.0
+        lo = hi / 1000
+        while hi - lo > lo * 1e-3:
+            mid = (lo + hi) / 2
+            if self._with(rate_per_s=mid).evaluate(scheme).feasible:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _outputs_per_round_needed(self, scheme: Scheme) -> float | None:
         """Mean tokens per round a parallel draft (memory as the scheme's, pass cost 10 %

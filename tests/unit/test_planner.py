@@ -124,6 +124,19 @@ def test_poisson_arrivals_follow_littles_law(planner: Planner) -> None:
     assert math.isinf(flood.completion_s) and flood.broken[-1].limit == "deadline"
 
 
+def test_poisson_overload_suggests_the_rate_that_holds(planner: Planner) -> None:
+    flood = replace(Workload.load("short-chat"), rate_per_s=40.0)
+    tight = Planner(planner.hw, planner.model, flood, 12 * GIB, 7.0)
+    plan = tight.plan()
+    assert plan.choice is None
+    line = next(s for s in plan.suggestions if s.startswith("Arrivals of at most"))
+    rate = float(line.split()[4])
+    assert 1 < rate < 40
+    ok = Planner(planner.hw, planner.model, replace(flood, rate_per_s=rate * 0.99), 12 * GIB,
+                 7.0).plan()
+    assert ok.choice is not None
+
+
 @pytest.mark.parametrize("kind, body, message", [
     ("workloads", 'prompt_tokens = 10\noutput_tokens = 5\n',
      "lacks the required key 'deadline_s'."),
