@@ -40,7 +40,10 @@ def profiles(ex: TorchExecutor, path: Path) -> tuple[HardwareProfile, ModelProfi
     model = replace(ModelProfile.from_gguf(str(path)), kv_dtype="fp32",
                     matrix_weight_bytes=ex.model.matrix_weight_bytes,
                     bytes_per_weight=ex.model.matrix_weight_bytes / ex.model.matrix_params,
-                    fits={"here": fit})
+                    fits={"here": fit},
+                    decode_times={"here": tuple(
+                        (p.new_tokens, p.context // p.new_tokens - 1, p.seconds)
+                        for p in points if p.kind == "decode")})
     mfu, mbu = efficiencies(points, model, bandwidth, flops)
     return HardwareProfile("here", "this machine", 0, bandwidth, flops, 0.0, link, mfu,
                            mbu), model
@@ -61,7 +64,9 @@ def main(out_dir: Path = Path("bench-results")) -> dict:
     path = resolve_model(DEFAULT_MODEL)
     ex = TorchExecutor(path, device="cpu", dtype="fp32", weight_activations="fp32")
     hw, model = profiles(ex, path)
-    print(f"calibrated: fit {model.fits['here']}, MFU {hw.mfu:.3f}, MBU {hw.mbu:.3f}")
+    print(f"calibrated: fit {model.fits['here']}, MFU {hw.mfu:.3f}, MBU {hw.mbu:.3f}; "
+          "decode steps measured (batch, context, ms): " + ", ".join(
+              f"({b}, {c}, {s * 1e3:.0f})" for b, c, s in model.decode_times["here"]))
     measured(ex, 2)  # warm-up
     rows = []
     for n in BURSTS:

@@ -241,6 +241,11 @@ def write_profiles(ex: TorchExecutor, fit: StepFit, name: str, hw: str,
         f"[fit.{hw}]\nfixed_ms = {fit.fixed_s * 1e3:.6f}\n"
         f"per_token_us = {fit.per_token_s * 1e6:.6f}\nper_pair_ns = {fit.per_pair_s * 1e9:.6f}\n"
         f"per_sample_us = {fit.per_sample_s * 1e6:.6f}\n"
+        + (f"\n# Measured decode steps, [batch, context, ms]: kvdeck plan interpolates them.\n"
+           f"[decode.{hw}]\npoints = [" + ", ".join(
+               f"[{p.new_tokens}, {p.context // p.new_tokens - 1}, {p.seconds * 1e3:.3f}]"
+               for p in points or [] if p.kind == "decode") + "]\n"
+           if any(p.kind == "decode" for p in points or []) else "")
     )
     mfu, mbu = efficiencies(points or [], ModelProfile.load(name), bandwidth, flops) \
         if points else (0.5, 0.5)

@@ -257,26 +257,49 @@ class Planner:
 
     def decode_step(self, batch: int, context: int, kv_format: str = "bf16",
                     timing: str | None = None) -> float:
-        """A plain decode step: `batch` rows, each on `context` earlier positions."""
+        """A plain decode step: `batch` rows, each on `context` earlier positions. Under the
+        fitted timing, measured decode steps in the model profile (`kvdeck calibrate`
+        writes them) are interpolated where they cover the batch, other KV formats adjusted
+        by the bytes they read, as the fit is: a CPU's decode step is flat, then steep, in
+        the batch, which no linear fit follows."""
+        if (timing or self.timing) == "fit":
+            measured = self.model.decode_seconds(self.hw.name, batch, context)
+            if measured is not None:
+                extra = batch * (context + 1) * (self.kv_bytes_per_token(kv_format)
+                                                 - self.kv_bytes_per_token(self.model.kv_dtype))
+                return max(measured + extra / (self.hw.bandwidth_bytes_per_s * self.hw.mbu),
+                           measured * 0.1)
         return self.step_seconds(batch, batch * causal_pairs(1, context),
                                  batch * (context + 1), kv_format, timing, batch)
 
     # -- one scheme ---------------------------------------------------------------------
 
     def _prefill(self, n: int, scheme: Scheme) -> float:
-        """Seconds to prefill `n` requests together in chunks of the token budget; with
-        sharing the prefix's full blocks are computed once."""
+        """Seconds until the last of `n` requests arriving together has its first token, as
+        continuous batching with chunked prefill runs them: each step's token budget goes
+        first to one decode row per request already past its prompt, the rest to prompt
+        tokens in arrival order; with sharing the prefix's full blocks are computed once
+        (by the first request). Each step is priced with its new tokens, causal pairs,
+        KV read and sampled rows."""
         w = self.workload
         prefix = self.shared_blocks * self.block_size if scheme.shared else 0
-        new = w.prompt_tokens + (n - 1) * (w.prompt_tokens - prefix)
-        pairs = causal_pairs(w.prompt_tokens, 0) + \
-            (n - 1) * causal_pairs(w.prompt_tokens - prefix, prefix)
-        steps = max(1, math.ceil(new / self.max_batched_tokens))
-        # Each step reads the KV of the sequences it touches: about the prompt once per
-        # step for the chunk being computed.
-        context = min(n, steps) * w.prompt_tokens // steps
-        seconds = steps * self.step_seconds(new / steps, pairs / steps, context,
-                                            scheme.kv_format, num_sampled=n / steps)
+        own = w.prompt_tokens - prefix
+        new = w.prompt_tokens + (n - 1) * own
+        pairs = causal_pairs(w.prompt_tokens, 0) + (n - 1) * causal_pairs(own, prefix)
+        budget = self.max_batched_tokens
+        computed, done, step, seconds = 0, 0, 0, 0.0
+        while computed < new:
+            chunk = min(new - computed, max(budget - done, 1))
+            computed += chunk
+            # Requests whose prompt is complete: the first after P tokens, each next after
+            # P − prefix more.
+            finished = min(n, 1 + (computed - w.prompt_tokens) // own) \
+                if computed >= w.prompt_tokens else 0
+            seconds += self.step_seconds(
+                chunk + done, pairs * chunk / new + done * (w.prompt_tokens + step + 1),
+                min(n, finished + 1) * w.prompt_tokens + done * step, scheme.kv_format,
+                num_sampled=finished)  # prefills completed now, and the decode rows
+            done, step = finished, step + 1
         if scheme.draft is not None:
             seconds *= 1 + scheme.draft.ttft_overhead
         return seconds

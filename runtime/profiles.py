@@ -158,6 +158,36 @@ class ModelProfile:
     """Layers that attend within `sliding_window` (Gemma 3: 15 of 18)."""
     source: str = ""
     """Where the profile came from: its TOML file, or the GGUF it was generated from."""
+    decode_times: dict[str, tuple[tuple[int, int, float], ...]] = field(default_factory=dict)
+    """Measured decode steps by hardware profile name: (batch, context, seconds), written
+    by `kvdeck calibrate`; the planner interpolates them (`decode_seconds`)."""
+
+    def decode_seconds(self, hardware: str, batch: int, context: int) -> float | None:
+        """A decode step of `batch` rows at `context`, interpolated from the measured steps
+        on `hardware`: linearly in context at each measured batch (extended past the ends
+        by the nearest two points), then linearly between the measured batches around
+        `batch`. None outside the measured batches, or without measurements."""
+        points = self.decode_times.get(hardware)
+        if not points:
+            return None
+        batches = sorted({b for b, _, _ in points})
+        if not batches[0] <= batch <= batches[-1]:
+            return None
+
+        def at(b: int) -> float:
+            rows = sorted((c, s) for bb, c, s in points if bb == b)
+            if len(rows) == 1:
+                return rows[0][1]
+            i = next((j for j in range(1, len(rows) - 1) if context <= rows[j][0]),
+                     len(rows) - 1)
+            (c0, s0), (c1, s1) = rows[i - 1], rows[i]
+            return s0 + (s1 - s0) * (context - c0) / (c1 - c0) if c1 != c0 else s1
+
+        hi = next(b for b in batches if b >= batch)
+        lo = max(b for b in batches if b <= batch)
+        if hi == lo:
+            return max(at(lo), 0.0)
+        return max(at(lo) + (at(hi) - at(lo)) * (batch - lo) / (hi - lo), 0.0)
 
     def kv_bytes_per_token(self, kv_format: str | None = None) -> int:
         """K and V bytes of one token in every layer (a context within every window)."""
@@ -232,6 +262,17 @@ class ModelProfile:
                                _number(f, "per_pair_ns", where, positive=False, table=t) / 1e9,
                                _number(f, "per_sample_us", where, default=0.0, positive=False,
                                        table=t) / 1e6)
+        decode_times = {}
+        for hw, table in d.get("decode", {}).items():
+            points = table.get("points") if isinstance(table, dict) else None
+            if not isinstance(points, list) or not points or not all(
+                    isinstance(p, list) and len(p) == 3 and all(
+                        isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+                        for x in p) for p in points):
+                raise ConfigError(f"Profile {where}: decode.{hw}.points must be a list of "
+                                  "[batch, context, milliseconds] triples of positive "
+                                  f"numbers, got {points!r}.")
+            decode_times[hw] = tuple((int(b), int(c), ms / 1e3) for b, c, ms in points)
         kv_dtype = str(d.get("kv_dtype", "bf16"))
         if kv_dtype not in KV_FORMATS:
             raise ConfigError(f"Profile {where}: kv_dtype must be one of "
@@ -264,4 +305,5 @@ class ModelProfile:
             sliding_window=whole("sliding_window", default=0, positive=False),
             num_local_layers=local,
             source=where,
+            decode_times=decode_times,
         )

@@ -84,6 +84,7 @@ def test_calibrate_writes_profiles_the_sim_can_use(tiny_llama: Path, tmp_path: P
     os.environ["KVDECK_CACHE"], before = str(tmp_path), os.environ.get("KVDECK_CACHE")
     try:
         measured = HardwareProfile.load(hw)
+        decode = ModelProfile.load("tiny").decode_times[hw]
     finally:
         if before is None:
             del os.environ["KVDECK_CACHE"]
@@ -91,6 +92,10 @@ def test_calibrate_writes_profiles_the_sim_can_use(tiny_llama: Path, tmp_path: P
             os.environ["KVDECK_CACHE"] = before
     assert (measured.mfu, measured.mbu) == (data["mfu"], data["mbu"])
     assert 0 < measured.mbu < 1 and 0 < measured.mfu <= 1
+    # The measured decode steps the planner interpolates: (batch, context, seconds).
+    steps = {(p["point"], round(p["measured_ms"], 3)) for p in data["points"]
+             if p["point"].startswith("decode")}
+    assert {(f"decode {b} at {c}", round(s * 1e3, 3)) for b, c, s in decode} == steps
     assert measured.link_bandwidth_bytes_per_s == pytest.approx(data["link_bytes_per_s"], rel=1e-5)
 
 

@@ -66,6 +66,22 @@ def test_step_time_by_the_fit_and_by_the_roofline(planner: Planner) -> None:
         (15_136_811_008 + 16 * 8321 * 147_456) / (1.792e12 * 0.65))
 
 
+def test_measured_decode_steps_are_interpolated(planner: Planner) -> None:
+    # A CPU-like profile: flat from 1 to 4 rows, steep to 16; 100 → 120 ms over the context.
+    points = tuple((b, c, s + 0.02 * (c == 1024)) for b, s in ((1, 0.10), (4, 0.11), (16, 0.27))
+                   for c in (128, 1024))
+    model = replace(planner.model, decode_times={"rtx-pro-6000": points})
+    assert model.decode_seconds("rtx-pro-6000", 4, 128) == pytest.approx(0.11)
+    assert model.decode_seconds("rtx-pro-6000", 4, 576) == pytest.approx(0.12)  # mid-context
+    assert model.decode_seconds("rtx-pro-6000", 10, 128) == pytest.approx(0.19)  # mid-batch
+    assert model.decode_seconds("rtx-pro-6000", 1, 1920) == pytest.approx(0.14)  # extended
+    assert model.decode_seconds("rtx-pro-6000", 32, 128) is None  # beyond: the fit decides
+    assert model.decode_seconds("h200", 4, 128) is None
+    p = Planner(planner.hw, model, planner.workload, 12 * GIB, 7.0)
+    assert p.decode_step(4, 128, "bf16") == pytest.approx(0.11)
+    assert p.decode_step(32, 128, "bf16") == pytest.approx(planner.decode_step(32, 128))
+
+
 def test_expected_outputs_per_round() -> None:
     assert expected_outputs((0.8, 0.5)) == pytest.approx(1 + 0.8 + 0.8 * 0.5)
     assert expected_outputs(()) == 1.0
@@ -138,6 +154,11 @@ def test_poisson_overload_suggests_the_rate_that_holds(planner: Planner) -> None
 
 
 @pytest.mark.parametrize("kind, body, message", [
+    ("models", 'num_layers = 2\nnum_heads = 2\nnum_kv_heads = 1\nhead_dim = 8\n'
+               'weight_bytes = 1\nmatrix_weight_bytes = 1\ncontext_length = 8\n'
+               '[decode.x]\npoints = [[1, 2]]\n',
+     ": decode.x.points must be a list of [batch, context, milliseconds] triples of positive "
+     "numbers, got [[1, 2]]."),
     ("workloads", 'prompt_tokens = 10\noutput_tokens = 5\n',
      "lacks the required key 'deadline_s'."),
     ("workloads", 'prompt_tokens = 10\noutput_tokens = -5\ndeadline_s = 1\n',
