@@ -46,6 +46,26 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already in the output (OpenAI's)."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per occurrence in the output (OpenAI's)."""
+    repetition_penalty: float = 1.0
+    """Divides positive and multiplies negative logits of tokens in the prompt or output
+    (vLLM's, after Keskar et al.); 1 is off."""
+    min_p: float = 0.0
+    """Drop tokens less likely than `min_p` × the most likely one (after temperature)."""
+    min_tokens: int = 0
+    """End-of-sequence and `stop_token_ids` are masked until this many tokens are out."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits (OpenAI's, −100 to 100)."""
+
+    @property
+    def processes_logits(self) -> bool:
+        """Penalties, a bias, `min_p` or `min_tokens` change the logits before a token is
+        picked: such a request takes the full sampler (no greedy shortcut, no draft)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_p or self.min_tokens)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -60,6 +80,21 @@ class SamplingParams:
             raise ConfigError(f"logprobs must be between 0 and 20, got {self.logprobs}.")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must not be empty.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"{name} must be from -2 to 2, got {getattr(self, name)}.")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ConfigError("repetition_penalty must be greater than 0 and at most 10 (1 is "
+                              f"off), got {self.repetition_penalty}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"min_p must be from 0 to 1, got {self.min_p}.")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError(f"min_tokens must be from 0 to max_tokens ({self.max_tokens}), "
+                              f"got {self.min_tokens}.")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ConfigError("logit_bias maps token ids (0 or more) to biases from -100 "
+                                  f"to 100, got {token}: {bias}.")
 
 
 @dataclass(eq=False, kw_only=True)

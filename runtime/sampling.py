@@ -36,10 +36,45 @@ def request_generator(req: Request, base_seed: int, salt: int = 0) -> torch.Gene
     return g
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
-                  ) -> torch.Tensor:
-    """Temperature-scaled logits with everything outside top-k / top-p set to -inf."""
+def process_logits(logits: torch.Tensor, req: Request, eos_token_ids: tuple[int, ...] = ()
+                   ) -> torch.Tensor:
+    """One row of logits after the request's logit processors, in vLLM's order: the bias,
+    then the repetition penalty (over prompt and output), then the presence and frequency
+    penalties (over the output), then `min_tokens` masking end-of-sequence and the stop
+    token ids. A copy; the row passed in is left as it was."""
+    sp = req.sampling
+    x = logits.clone()
+    vocab = x.shape[-1]
+    for token, bias in sp.logit_bias:
+        if token < vocab:
+            x[token] += bias
+    output = req.output_token_ids
+    if sp.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in (*req.prompt_token_ids, *output) if t < vocab}),
+                            dtype=torch.long)
+        if len(seen):
+            v = x[seen]
+            x[seen] = torch.where(v > 0, v / sp.repetition_penalty, v * sp.repetition_penalty)
+    if (sp.presence_penalty or sp.frequency_penalty) and len(output):
+        counts = torch.bincount(torch.tensor([t for t in output if t < vocab],
+                                             dtype=torch.long), minlength=vocab).float()
+        x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).float()
+    if sp.min_tokens and len(output) < sp.min_tokens:
+        ends = [t for t in (*(() if sp.ignore_eos else eos_token_ids), *sp.stop_token_ids)
+                if t < vocab]
+        if ends:
+            x[ends] = float("-inf")
+    return x
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                  min_p: float = 0.0) -> torch.Tensor:
+    """Temperature-scaled logits with everything outside top-k / top-p / min-p set to
+    -inf."""
     x = logits / temperature
+    if min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if top_k and top_k < x.shape[-1]:
         kth = torch.topk(x, top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -55,22 +90,27 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
 def sampling_probs(logits: torch.Tensor, sp) -> torch.Tensor:
     """The distribution a sampling request draws from: softmax of its filtered logits."""
-    return torch.softmax(filter_logits(logits, sp.temperature, sp.top_k, sp.top_p), dim=-1)
+    return torch.softmax(filter_logits(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p),
+                         dim=-1)
 
 
-def sample(logits: torch.Tensor, requests: list[Request], base_seed: int = 0
-           ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """One token per row of `logits` [N, vocab] (float32) for the matching request."""
+def sample(logits: torch.Tensor, requests: list[Request], base_seed: int = 0,
+           eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """One token per row of `logits` [N, vocab] (float32) for the matching request, after
+    its logit processors (`process_logits`; `eos_token_ids` for `min_tokens`). Logprobs
+    are the model's own distribution, before processors, as OpenAI and vLLM report them."""
     logits = logits.float().cpu()
     greedy = logits.argmax(dim=-1).tolist()
     tokens: list[int] = []
     logprobs: list[TokenLogprobs | None] = []
     for row, req in enumerate(requests):
         sp = req.sampling
+        scores = process_logits(logits[row], req, eos_token_ids) if sp.processes_logits \
+            else logits[row]
         if sp.temperature == 0.0:
-            token = greedy[row]
+            token = int(scores.argmax()) if sp.processes_logits else greedy[row]
         else:
-            probs = sampling_probs(logits[row], sp)
+            probs = sampling_probs(scores, sp)
             token = int(torch.multinomial(probs, 1, generator=request_generator(req, base_seed)))
         tokens.append(token)
         if sp.logprobs is None:

@@ -284,11 +284,13 @@ class Scheduler:
     def _draft(self, req: Request, budget: int, num_decodes: int
                ) -> tuple[int, tuple[int, ...]]:
         """(draft positions, draft tokens) for a decoding request; (0, ()) when it should
-        decode one token: it asked for logprobs (they come a token a step), or has no room
-        left for more. Under `speculative_method = draft` the tokens are left empty: the
-        executor's draft model writes them in the step."""
+        decode one token: it asked for logprobs (they come a token a step) or logit
+        processors (penalties, a bias, min_p, min_tokens: each token's scores depend on the
+        tokens before it, which a draft would have to replay), or has no room left for more.
+        Under `speculative_method = draft` the tokens are left empty: the executor's draft
+        model writes them in the step."""
         sp = req.sampling
-        if sp.logprobs is not None:
+        if sp.logprobs is not None or sp.processes_logits:
             return 0, ()
         k = min(self.knobs.num_speculative_tokens, sp.max_tokens - len(req.output_token_ids) - 1,
                 self.max_model_len - req.num_tokens - 1, budget - 1)

@@ -437,7 +437,7 @@ class LlamaCppExecutor:
         plain = [(c, i) for c, i, _ in wants if not c.num_draft]
         if plain:
             toks, lps = sample(logits[[i for _, i in plain]], [c.request for c, _ in plain],
-                               self.seed)
+                               self.seed, self.eos_token_ids)
             for (c, _), tok, lp in zip(plain, toks, lps, strict=True):
                 sampled[c.request_id] = tok
                 if lp is not None:

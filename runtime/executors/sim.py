@@ -335,7 +335,12 @@ class SimExecutor:
             if chunk.num_draft:
                 spec[chunk.request.request_id] = self._verify(chunk)
             elif chunk.sample:
-                sampled[chunk.request.request_id] = token(chunk.request.request_id, start + n)
+                req = chunk.request
+                tok = token(req.request_id, start + n)
+                if tok == self.config.eos_token_id and \
+                        len(req.output_token_ids) < req.sampling.min_tokens:
+                    tok = token(req.request_id, start + n, eos=False)  # min_tokens masks EOS
+                sampled[req.request_id] = tok
         seconds = self.estimate_step_seconds(num_new, num_pairs, context) if plan.chunks else 0.0
         transfers: list[Transfer] = []
         if plan.transfers:
@@ -418,7 +423,9 @@ class SimExecutor:
             accepted += 1
         return [self._token(rid, start + 1 + j) for j in range(accepted + 1)]
 
-    def _token(self, request_id: str, position: int) -> int:
+    def _token(self, request_id: str, position: int, eos: bool = True) -> int:
+        """The token a request generates at `position` (end-of-sequence by the config's
+        chance unless `eos` is False)."""
         h = self._rid_hash.get(request_id)
         if h is None:
             # crc32, not hash(): Python's string hash changes between processes.
@@ -430,7 +437,7 @@ class SimExecutor:
         r ^= r >> 29
         c = self.config
         # Low 32 bits decide end-of-sequence, high 32 bits pick the token.
-        if c.eos_probability and (r & 0xFFFFFFFF) < c.eos_probability * 4294967296.0:
+        if eos and c.eos_probability and (r & 0xFFFFFFFF) < c.eos_probability * 4294967296.0:
             return c.eos_token_id
         text = self.text_tokens
         if text:

@@ -486,7 +486,8 @@ class TorchExecutor:
             reqs = [c.request for c in plan.chunks if c.sample and not c.num_draft]
             rows = hidden[batch.sample_rows]
             plain_greedy = not self.record_logits and all(
-                r.sampling.temperature == 0.0 and r.sampling.logprobs is None for r in reqs)
+                r.sampling.temperature == 0.0 and r.sampling.logprobs is None
+                and not r.sampling.processes_logits for r in reqs)
             tokens = self.model.greedy_tokens(rows) if plain_greedy else None
             if tokens is not None:
                 sampled = dict(zip(batch.sample_ids, tokens, strict=True))
@@ -496,7 +497,7 @@ class TorchExecutor:
                 if self.record_logits:
                     for rid, req, row in zip(batch.sample_ids, reqs, logits, strict=True):
                         self.logits_log.append((rid, req.num_tokens, row.cpu().clone()))
-                tokens, lps = sample(logits, reqs, self.seed)
+                tokens, lps = sample(logits, reqs, self.seed, self.eos_token_ids)
                 sampled = dict(zip(batch.sample_ids, tokens, strict=True))
                 logprobs = {rid: lp for rid, lp in zip(batch.sample_ids, lps, strict=True)
                             if lp is not None}

@@ -175,14 +175,27 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             limit = max(min(limits.default_max_tokens if chat
                             else COMPLETIONS_DEFAULT_MAX_TOKENS, room), 1)
         try:
+            bias = body.bias_pairs()
+            vocab = tokenizer.vocab_size
+            if any(token >= vocab for token, _ in bias):
+                return error(400, f"logit_bias keys must be token ids from 0 to {vocab - 1}.",
+                             "logit_bias")
+            if any(t >= vocab for t in body.stop_token_ids or ()):
+                return error(400, f"stop_token_ids must be token ids from 0 to {vocab - 1}.",
+                             "stop_token_ids")
+            ends = (*(tokenizer.end_of_turn_ids if chat else ()), *(body.stop_token_ids or ()))
             sampling = SamplingParams(
                 temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                 max_tokens=limit, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
-                stop_token_ids=tokenizer.end_of_turn_ids if chat else ())
+                stop_token_ids=tuple(dict.fromkeys(ends)),
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, min_p=body.min_p,
+                min_tokens=body.min_tokens, logit_bias=bias)
             req = engine.add_request(prompt, sampling,
                                      request_id=f"{'chat' if chat else 'cmpl'}-"
                                                 f"{uuid.uuid4().hex[:12]}")
-        except (RequestError, ConfigError) as e:
+        except (RequestError, ConfigError, ValueError) as e:
             return error(400, str(e))
         except QueueFullError as e:
             return error(429, str(e))

@@ -39,17 +39,12 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "min_tokens": (None, 0),
     "service_tier": (None, "auto", "default"),
 }
 """Fields this server does not implement yet, with their neutral values."""
@@ -82,23 +77,31 @@ class GenerateBody(BaseModel):
     output lengths)."""
     user: Text | None = None
     """An end-user id for the caller's own bookkeeping; accepted, not used."""
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 1.0
+    """vLLM's extension; 1 is off."""
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0
+    """vLLM's extension; 0 is off."""
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    """vLLM's extension: end-of-sequence and stop token ids are masked until this many."""
+    stop_token_ids: list[TokenId] | None = None
+    """vLLM's extension: token ids that end the output (beside end-of-sequence)."""
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0,
+                                                 allow_inf_nan=False)]] | None = None
+    """OpenAI's: token id (as a string, JSON keys being strings) → bias added to its logit."""
     # Known but not implemented: accepted only at their neutral values (see NEUTRAL).
     logprobs: Any = None
     top_logprobs: Any = None
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    min_tokens: Any = None
     service_tier: Any = None
 
     @model_validator(mode="after")
@@ -112,6 +115,16 @@ class GenerateBody(BaseModel):
 
     def output_limit(self) -> int | None:
         return self.max_tokens
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs; a key that is not a token id raises
+        ValueError naming it."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}.")
+            pairs.append((int(key), float(bias)))
+        return tuple(pairs)
 
 
 class NotImplementedField(ValueError):

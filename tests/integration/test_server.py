@@ -376,3 +376,49 @@ def test_admission_rejection_is_503_with_the_reason(server) -> None:
                    json={**body, "stream": True}, timeout=120)
     assert "needs 1,250 KV blocks" in r.text  # streamed as an error event
     server.engine.check_integrity()
+
+
+def tokens_of(server, text: str) -> list[int]:
+    r = httpx.post(f"http://127.0.0.1:{server.port}/tokenize",
+                   json={"model": MODEL, "prompt": text, "add_special_tokens": False})
+    return r.json()["tokens"]
+
+
+def test_logit_bias_forces_a_token(server, client) -> None:
+    banana = tokens_of(server, " banana")[0]
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3,
+                                  temperature=0, logit_bias={str(banana): 100})
+    assert tokens_of(server, r.choices[0].text) == [banana] * 3
+
+
+def test_min_tokens_holds_back_a_stop_token_id(server, client) -> None:
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    stop_at = tokens_of(server, plain.choices[0].text)[1]
+    early = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"stop_token_ids": [stop_at]})
+    assert early.choices[0].finish_reason == "stop" and early.usage.completion_tokens <= 2
+    held = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"stop_token_ids": [stop_at], "min_tokens": 6})
+    assert held.usage.completion_tokens >= 6
+
+
+def test_frequency_penalty_breaks_a_loop(server, client) -> None:
+    prompt = "one one one one one one one one one one"
+    loop = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    penalized = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                          temperature=0, frequency_penalty=2.0,
+                                          presence_penalty=1.0,
+                                          extra_body={"repetition_penalty": 1.3})
+
+    def repeats(text: str) -> int:
+        toks = tokens_of(server, text)
+        return len(toks) - len(set(toks))
+    assert repeats(penalized.choices[0].text) < repeats(loop.choices[0].text)
+
+
+def test_min_p_and_seed_are_reproducible(client) -> None:
+    kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0,
+          "seed": 7, "extra_body": {"min_p": 0.1}}
+    assert client.completions.create(**kw).choices[0].text == \
+        client.completions.create(**kw).choices[0].text

@@ -1,0 +1,84 @@
+"""The sampler's logit processors on hand-made logits: logit_bias, the repetition, presence
+and frequency penalties, min_tokens (end-of-sequence and stop ids masked) and min_p; each
+request with one takes the full sampler and never drafts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.errors import ConfigError
+from runtime.request import Request, SamplingParams
+from runtime.sampling import process_logits, sample
+
+EOS = 0
+
+
+def request(prompt=(1, 2), output=(), **sampling) -> Request:
+    req = Request("r", list(prompt), SamplingParams(temperature=0.0, max_tokens=8, **sampling))
+    req.output_token_ids.extend(output)
+    return req
+
+
+def test_logit_bias_moves_the_greedy_choice() -> None:
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
+    assert sample(logits, [request()])[0] == [2]
+    assert sample(logits, [request(logit_bias=((3, 1.5),))])[0] == [3]
+    assert sample(logits, [request(logit_bias=((2, -100.0),))])[0] == [3]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    logits = torch.tensor([4.0, -1.0, 3.0, 1.0])
+    out = process_logits(logits, request(prompt=(0, 1), output=(0,), repetition_penalty=2.0))
+    assert out.tolist() == [2.0, -2.0, 3.0, 1.0]  # 0 and 1 seen (prompt, output); 2, 3 not
+    assert logits.tolist() == [4.0, -1.0, 3.0, 1.0]  # the row passed in is untouched
+
+
+def test_presence_and_frequency_penalties_count_the_output_only() -> None:
+    logits = torch.zeros(4)
+    req = request(prompt=(3, 3, 3), output=(1, 1, 2), presence_penalty=0.5,
+                  frequency_penalty=0.25)
+    out = process_logits(logits, req)
+    # token 1: twice → 0.5 + 2 × 0.25; token 2: once → 0.5 + 0.25; 3 only in the prompt.
+    assert out.tolist() == pytest.approx([0.0, -1.0, -0.75, 0.0])
+
+
+def test_min_tokens_masks_end_of_sequence_and_stop_ids_until_reached() -> None:
+    logits = torch.tensor([[5.0, 0.0, 1.0, 4.0]])  # EOS is the favourite, then stop id 3
+    early = request(output=(2,), min_tokens=3, stop_token_ids=(3,))
+    assert sample(logits, [early], eos_token_ids=(EOS,))[0] == [2]
+    late = request(output=(2, 2, 2), min_tokens=3, stop_token_ids=(3,))
+    assert sample(logits, [late], eos_token_ids=(EOS,))[0] == [EOS]
+
+
+def test_min_p_drops_unlikely_tokens_from_sampling() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    for seed in range(200):
+        req = Request("r", [1], SamplingParams(temperature=1.0, min_p=0.2, seed=seed,
+                                               max_tokens=4))
+        token = sample(logits, [req])[0][0]
+        assert token in (0, 1, 2)  # 0.05 < 0.2 × 0.5: never drawn
+
+
+def test_logprobs_stay_the_models_own() -> None:
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
+    req = request(logit_bias=((3, 10.0),), logprobs=0)
+    tokens, lps = sample(logits, [req])
+    assert tokens == [3]
+    assert lps[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[3]))
+
+
+def test_processors_take_the_full_sampler_and_validate() -> None:
+    assert not SamplingParams().processes_logits
+    for kw in ({"presence_penalty": 0.1}, {"frequency_penalty": -0.1},
+               {"repetition_penalty": 1.1}, {"min_p": 0.1}, {"min_tokens": 1},
+               {"logit_bias": ((1, 1.0),)}):
+        assert SamplingParams(**kw).processes_logits
+    for kw, message in [({"presence_penalty": 3}, "presence_penalty must be from -2 to 2"),
+                        ({"repetition_penalty": 0}, "repetition_penalty must be greater than 0"),
+                        ({"min_p": -0.1}, "min_p must be from 0 to 1"),
+                        ({"min_tokens": 20, "max_tokens": 4},
+                         "min_tokens must be from 0 to max_tokens (4), got 20."),
+                        ({"logit_bias": ((1, 200.0),)}, "logit_bias maps token ids")]:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            SamplingParams(**kw)
