@@ -535,6 +535,8 @@ def sweep(
         setup_logging(log_level)
         check_int("--limit", limit, 2, 1 << 30)
         check_int("--num-requests", num_requests, 2, 1 << 30)
+        check_int("--prompt-len", prompt_len, 1, 1 << 20)
+        check_int("--output-len", output_len, 1, 1 << 20)
         if trace is None:
             base = synthetic_arrivals(num_requests, 1.0, prompt_len=prompt_len,
                                       output_len=output_len)
@@ -553,8 +555,10 @@ def sweep(
         except ValueError:
             raise ConfigError(f"--rates must be comma-separated numbers of requests per "
                               f"second, got {rates!r}.") from None
-        if len(chosen) < 2 or any(not 0 < r < 1e6 for r in chosen):
-            raise ConfigError(f"--rates needs at least two rates, each above 0, got {rates!r}.")
+        if len(set(chosen)) < 2 or len(set(chosen)) != len(chosen) or \
+                any(not 0 < r < 1e6 for r in chosen):
+            raise ConfigError(f"--rates needs at least two different rates, each above 0, "
+                              f"got {rates!r}.")
         return base, chosen
 
     arrivals, chosen = guarded(inputs)

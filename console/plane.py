@@ -63,9 +63,10 @@ def render_text(points: list[Point], budget: float, deadline: float, width: int 
             grid[r][bx] = "¦"
     for c in range(0, width, 2):
         grid[dy][c] = "┄"
-    for p, m in zip(points, marks(points), strict=True):
+    # The measured point last, over anything: it is what the operator compares against.
+    for p, m in sorted(zip(points, marks(points), strict=True), key=lambda x: x[0].measured):
         r, c = row(p.completion_s), col(p.memory_gib)
-        grid[r][c] = m if grid[r][c] in " ¦┄" else "*"  # `*`: several points overlap
+        grid[r][c] = m if grid[r][c] in " ¦┄" or p.measured else "*"  # `*`: points overlap
     label_w = max(len(f"{y_max:.1f}"), 4)
     lines = []
     for r, cells in enumerate(grid):

@@ -44,6 +44,11 @@ def render_sweep(out: Console, title: str, result: SweepResult) -> None:
             out.print(f"{'':>8} │{'▓' * n:<{BAR}} {c.goodput_rps:.3f} capped", highlight=False,
                       markup=False)
     k = result.knee_point
+    if k.goodput_rps == 0:
+        out.print("[yellow]no request met the SLOs at any rate: loosen --slo-ttft / "
+                  "--slo-tpot, or sweep lower rates; there is no knee and no cap to "
+                  "recommend[/]")
+        return
     if result.knee == len(result.points) - 1:
         out.print("[yellow]goodput still grows at the highest rate: no knee yet; add higher "
                   "--rates[/]")

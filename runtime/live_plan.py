@@ -66,10 +66,14 @@ def live_workload(snap: EngineSnapshot) -> LiveWorkload | None:
         return None
     n = len(views)
     prompt = max(1, round(sum(v.prompt_tokens for v in views) / n))
-    output = max(1, round(sum(max(v.max_tokens, v.output_tokens) for v in views) / n))
+    # What finished requests produced; what the others may still produce, at most.
+    done = {v.request_id for v in snap.finished}
+    output = max(1, round(sum(v.output_tokens if v.request_id in done else v.max_tokens
+                              for v in views) / n))
     shared = min(prompt, round(sum(v.cached_tokens for v in views) / n))
     deadlines = [v.deadline - v.arrival_time for v in views if v.deadline is not None]
     deadline = sum(deadlines) / len(deadlines) if deadlines else DEFAULT_DEADLINE_S
+    deadline = max(deadline, 1e-3)  # a trace may carry deadline 0: already late
     figures = snap.figures
     rate, peak_usage = 0.0, snap.kv.usage
     if figures is not None and figures.history:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from runtime.errors import ConfigError
 from runtime.kv.formats import blocks_for_tokens
 from runtime.plan import causal_pairs
 from runtime.profiles import HardwareProfile, ModelProfile
@@ -77,10 +78,12 @@ class Broken:
         if self.limit == "memory":
             size = f"{self.over_by / 2**30:.2f} GiB" if self.over_by >= 2**30 else \
                 f"{self.over_by / 2**20:.1f} MiB"
-            return f"memory over by {size} ({100 * self.over_by / budget:.1f}% of the budget)"
+            share = f" ({100 * self.over_by / budget:.1f}% of the budget)" if budget > 0 else ""
+            return f"memory over by {size}{share}"
         if math.isinf(self.over_by):
             return "deadline: arrivals outpace service (the queue grows without bound)"
-        return f"deadline missed by {self.over_by:.2f} s ({100 * self.over_by / deadline:.0f}%)"
+        share = f" ({100 * self.over_by / deadline:.0f}%)" if deadline > 0 else ""
+        return f"deadline missed by {self.over_by:.2f} s{share}"
 
 
 @dataclass
@@ -109,8 +112,9 @@ class SchemeResult:
 
     @property
     def memory_bytes(self) -> int:
-        """Device memory beyond the resident weights: KV + auxiliary − offloaded weights."""
-        return self.kv_bytes + self.aux_bytes - self.offloaded_bytes
+        """Device memory beyond the resident weights: KV + auxiliary − offloaded weights
+        (offloading whole layers can free more than the rest needs: then 0)."""
+        return max(self.kv_bytes + self.aux_bytes - self.offloaded_bytes, 0)
 
     @property
     def feasible(self) -> bool:
@@ -179,6 +183,10 @@ class Planner:
         self.drafts = list(drafts or [])
         self.block_size = block_size
         self.max_batched_tokens = max_batched_tokens
+        if workload.prompt_tokens + workload.output_tokens > model.context_length:
+            raise ConfigError(f"The workload {workload.name}'s requests ({workload.prompt_tokens}"
+                              f" + {workload.output_tokens} tokens) exceed {model.name}'s "
+                              f"context of {model.context_length:,} tokens.")
         self.fit = model.fits.get(hardware.name)
         self.timing = ("fit" if self.fit is not None else "roofline") if timing == "auto" \
             else timing
@@ -229,6 +237,8 @@ class Planner:
             return 0
         # Every request after the first adds the same bytes.
         more = self.kv_for(2, kv_format, shared) - first
+        if more <= 0:  # the whole request is shared prefix: any number fit
+            return self.workload.num_requests
         return 1 + int((budget - first) // more)
 
     # -- reads and step time ------------------------------------------------------------
@@ -289,12 +299,18 @@ class Planner:
         budget = self.max_batched_tokens
         computed, done, step, seconds = 0, 0, 0, 0.0
         while computed < new:
-            chunk = min(new - computed, max(budget - done, 1))
+            # Decode rows go first but leave room for prompt tokens (as the engine's
+            # chunking always makes progress).
+            chunk = min(new - computed, max(budget - done, budget // 2, 1))
             computed += chunk
             # Requests whose prompt is complete: the first after P tokens, each next after
-            # P − prefix more.
-            finished = min(n, 1 + (computed - w.prompt_tokens) // own) \
-                if computed >= w.prompt_tokens else 0
+            # P − prefix more (all at once when the prompt is all shared prefix).
+            if computed < w.prompt_tokens:
+                finished = 0
+            elif own == 0:
+                finished = n
+            else:
+                finished = min(n, 1 + (computed - w.prompt_tokens) // own)
             seconds += self.step_seconds(
                 chunk + done, pairs * chunk / new + done * (w.prompt_tokens + step + 1),
                 min(n, finished + 1) * w.prompt_tokens + done * step, scheme.kv_format,
@@ -327,10 +343,10 @@ class Planner:
         return total, round_seconds(w.prompt_tokens + remaining // 2)
 
     def _offload_bytes(self, deficit: float) -> int:
-        """Whole layers' FFN weights to move to the host to free `deficit` bytes (beyond
-        the prefetch buffers); capped at every layer."""
+        """Whole layers' FFN weights to move to the host to free `deficit` bytes (the
+        deficit already counts the prefetch buffers); capped at every layer."""
         layer = self.model.matrix_weight_bytes * FFN_SHARE / self.model.num_layers
-        layers = min(self.model.num_layers, math.ceil(deficit / layer) + OFFLOAD_BUFFERS)
+        layers = min(self.model.num_layers, math.ceil(deficit / layer))
         return int(layers * layer)
 
     def evaluate(self, scheme: Scheme) -> SchemeResult:
@@ -354,7 +370,9 @@ class Planner:
             copy = offloaded / link
             steps = max(1, math.ceil((w.output_tokens - 1) / (
                 d.expected_outputs() if d is not None else 1)))
-            decode = sum(max(step, copy) for _ in range(steps)) if decode else 0.0
+            # An overloaded queue stays overloaded (infinite), however the steps are priced.
+            decode = decode if math.isinf(decode) else \
+                sum(max(step, copy) for _ in range(steps)) if decode else 0.0
             step = max(step, copy)
             ttft += copy * max(1, math.ceil(self._prefill_tokens(n, scheme)
                                             / self.max_batched_tokens))
@@ -410,7 +428,7 @@ class Planner:
                                                                      fmt)
             ttft = prefill_steps * step * (1 + (d.ttft_overhead if d is not None else 0.0))
             b_next = max(1.0, lam * (ttft + rounds * step))
-            if arriving > self.max_batched_tokens or step > 1e3:
+            if b * rows + arriving > self.max_batched_tokens or step > 1e3:
                 return math.ceil(b), ttft, math.inf, step
             settled = abs(step - tau) < 1e-9 and abs(b_next - b) < 1e-6
             tau, b = step, (b + b_next) / 2  # damped: b and τ feed each other

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,8 @@ def _number(data: dict, key: str, where: str, *, default: float | None = None,
     key = f"{table}.{key}" if table else key
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"Profile {where}: {key} must be a number, got {value!r}.")
+    if not math.isfinite(value):
+        raise ConfigError(f"Profile {where}: {key} must be a finite number, got {value!r}.")
     if positive and value <= 0 or not positive and value < 0:
         what = "greater than 0" if positive else "0 or more"
         raise ConfigError(f"Profile {where}: {key} must be {what}, got {value!r}.")
@@ -166,12 +169,15 @@ class ModelProfile:
         """A decode step of `batch` rows at `context`, interpolated from the measured steps
         on `hardware`: linearly in context at each measured batch (extended past the ends
         by the nearest two points), then linearly between the measured batches around
-        `batch`. None outside the measured batches, or without measurements."""
+        `batch`. None outside the measured batches and contexts (the fit decides there: a
+        noisy pair of points extended far would run to nothing), or without measurements."""
         points = self.decode_times.get(hardware)
         if not points:
             return None
         batches = sorted({b for b, _, _ in points})
-        if not batches[0] <= batch <= batches[-1]:
+        contexts = [c for _, c, _ in points]
+        if not batches[0] <= batch <= batches[-1] or \
+                not min(contexts) <= context <= max(contexts):
             return None
 
         def at(b: int) -> float:

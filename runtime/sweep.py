@@ -95,8 +95,10 @@ class SweepResult:
 
     def holds(self, fraction: float = 0.9) -> bool:
         """Goodput with the cap stays at or above `fraction` of the knee's at every rate
-        past it."""
+        past it (never, when nothing was good at the knee)."""
         peak = self.knee_point.goodput_rps
+        if peak == 0:
+            return False
         return all(p.goodput_rps >= fraction * peak for p in self.capped)
 
     def to_json(self) -> dict:

@@ -62,7 +62,8 @@ class Workload:
         return cls(name=name, description=str(d.get("description", name)),
                    prompt_tokens=prompt, output_tokens=_whole(d, "output_tokens", where),
                    shared_prefix_tokens=shared, deadline_s=_number(d, "deadline_s", where),
-                   arrival=arrival, num_requests=_whole(d, "num_requests", where, default=1),
+                   arrival=arrival, num_requests=_whole(d, "num_requests", where, default=1,
+                                                      most=100_000),
                    rate_per_s=_number(d, "rate_per_s", where) if arrival == "poisson" else 0.0,
                    source=where)
 

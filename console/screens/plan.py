@@ -17,6 +17,7 @@ from textual.widgets import Header, Static
 
 from console.plane import Point, marks, render_text
 from console.widgets.footer import KeysFooter
+from runtime.errors import KvdeckError
 from runtime.live_plan import current_scheme, live_plan, live_profiles, live_workload
 from runtime.snapshot import EngineSnapshot
 
@@ -73,7 +74,11 @@ class PlanScreen(Screen):
             pane.update("No requests yet: the plan needs a workload to size.")
             return
         hw, model = self.profiles
-        planner, plan = live_plan(hw, model, snap, live)
+        try:
+            planner, plan = live_plan(hw, model, snap, live)
+        except KvdeckError as e:  # e.g. requests longer than the model's context
+            pane.update(f"No plan for this workload: {e}")
+            return
         w = live.workload
         current = current_scheme(snap, planner)
         points = [Point(r.scheme.name, r.memory_bytes / GIB, r.completion_s, r.feasible)

@@ -337,9 +337,12 @@ class SimExecutor:
             elif chunk.sample:
                 req = chunk.request
                 tok = token(req.request_id, start + n)
-                if tok == self.config.eos_token_id and \
-                        len(req.output_token_ids) < req.sampling.min_tokens:
-                    tok = token(req.request_id, start + n, eos=False)  # min_tokens masks EOS
+                if len(req.output_token_ids) < req.sampling.min_tokens and (
+                        tok == self.config.eos_token_id or tok in req.sampling.stop_token_ids):
+                    # min_tokens masks EOS and the stop ids: the next non-ending token
+                    tok = token(req.request_id, start + n, eos=False)
+                    while tok in req.sampling.stop_token_ids:
+                        tok = (tok + 1) % self.config.vocab_size
                 sampled[req.request_id] = tok
         seconds = self.estimate_step_seconds(num_new, num_pairs, context) if plan.chunks else 0.0
         transfers: list[Transfer] = []

@@ -188,10 +188,10 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
                 temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                 max_tokens=limit, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
                 stop_token_ids=tuple(dict.fromkeys(ends)),
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty, min_p=body.min_p,
-                min_tokens=body.min_tokens, logit_bias=bias)
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=body.repetition_penalty or 1.0, min_p=body.min_p or 0.0,
+                min_tokens=body.min_tokens or 0, logit_bias=bias)
             req = engine.add_request(prompt, sampling,
                                      request_id=f"{'chat' if chat else 'cmpl'}-"
                                                 f"{uuid.uuid4().hex[:12]}")

@@ -3,7 +3,7 @@
 - Types are strict: `"10"` is not an integer and `"yes"` is not a boolean.
 - A field the server does not know is refused by name (`extra="forbid"`); a field OpenAI or
   vLLM define that this server does not implement is accepted only at its neutral value
-  (what "not asked for" means: `logprobs: null`, `presence_penalty: 0`, `n: 1`, ...) and
+  (what "not asked for" means: `logprobs: null`, `echo: false`, `n: 1`, ...) and
   refused by name otherwise — never silently ignored.
 - Every text field must be valid Unicode (JSON lets a lone surrogate through, which no
   tokenizer can encode).
@@ -77,13 +77,14 @@ class GenerateBody(BaseModel):
     output lengths)."""
     user: Text | None = None
     """An end-user id for the caller's own bookkeeping; accepted, not used."""
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 1.0
+    # null means the default, as OpenAI's and vLLM's clients send it.
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] | None = 1.0
     """vLLM's extension; 1 is off."""
-    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = 0.0
     """vLLM's extension; 0 is off."""
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0)] | None = 0
     """vLLM's extension: end-of-sequence and stop token ids are masked until this many."""
     stop_token_ids: list[TokenId] | None = None
     """vLLM's extension: token ids that end the output (beside end-of-sequence)."""
@@ -119,12 +120,14 @@ class GenerateBody(BaseModel):
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs; a key that is not a token id raises
         ValueError naming it."""
-        pairs = []
+        pairs: dict[int, float] = {}
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}.")
-            pairs.append((int(key), float(bias)))
-        return tuple(pairs)
+            if int(key) in pairs:
+                raise ValueError(f"logit_bias names token {int(key)} twice.")
+            pairs[int(key)] = float(bias)
+        return tuple(pairs.items())
 
 
 class NotImplementedField(ValueError):

@@ -44,7 +44,8 @@ def test_sweep_finds_the_knee_and_a_cap_that_holds_goodput(tmp_path) -> None:
 
 def test_bad_rates_get_one_sentence() -> None:
     for rates, message in [("fast", "--rates must be comma-separated numbers"),
-                           ("1", "--rates needs at least two rates"),
-                           ("1,-2", "--rates needs at least two rates, each above 0")]:
+                           ("1", "--rates needs at least two different rates"),
+                           ("1,-2", "--rates needs at least two different rates, each above 0"),
+                           ("1,1", "--rates needs at least two different rates")]:
         r = kvdeck("sweep", "--rates", rates)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

@@ -352,6 +352,8 @@ def test_cached_tokens_are_reported(server) -> None:
     ({"suffix": "x"}, 400, "'suffix' is not supported", "suffix"),
     ({"best_of": 3}, 400, "'best_of' is not supported", "best_of"),
     ({"logit_bias": {"x": 1}}, 400, "logit_bias keys must be token ids, got 'x'.", None),
+    ({"logit_bias": {"²": 1}}, 400, "logit_bias keys must be token ids, got '²'.", None),
+    ({"logit_bias": {"1": 60, "01": 60}}, 400, "logit_bias names token 1 twice.", None),
     ({"logit_bias": {"5": 101}}, 400, "'logit_bias.5' must be at most 100", "logit_bias.5"),
     ({"logit_bias": {"999999999": 1}}, 400, "logit_bias keys must be token ids from 0 to",
      "logit_bias"),
@@ -380,7 +382,8 @@ def test_strict_fields_and_unimplemented_ones_are_named(server, extra, status, n
 
 def test_neutral_values_of_unimplemented_fields_are_accepted(server) -> None:
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": None, "echo": False,
-            "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1, "best_of": 1,
+            "presence_penalty": None, "frequency_penalty": 0.0, "n": 1, "best_of": 1,
+            "min_tokens": None, "repetition_penalty": None, "min_p": None,
             "logit_bias": {}, "user": "me"}
     assert httpx.post(url(server, "/v1/completions"), json=body).status_code == 200
 

@@ -74,7 +74,7 @@ def test_measured_decode_steps_are_interpolated(planner: Planner) -> None:
     assert model.decode_seconds("rtx-pro-6000", 4, 128) == pytest.approx(0.11)
     assert model.decode_seconds("rtx-pro-6000", 4, 576) == pytest.approx(0.12)  # mid-context
     assert model.decode_seconds("rtx-pro-6000", 10, 128) == pytest.approx(0.19)  # mid-batch
-    assert model.decode_seconds("rtx-pro-6000", 1, 1920) == pytest.approx(0.14)  # extended
+    assert model.decode_seconds("rtx-pro-6000", 1, 1920) is None  # past the measured contexts
     assert model.decode_seconds("rtx-pro-6000", 32, 128) is None  # beyond: the fit decides
     assert model.decode_seconds("h200", 4, 128) is None
     p = Planner(planner.hw, model, planner.workload, 12 * GIB, 7.0)
@@ -163,6 +163,13 @@ def test_poisson_overload_suggests_the_rate_that_holds(planner: Planner) -> None
      "lacks the required key 'deadline_s'."),
     ("workloads", 'prompt_tokens = 10\noutput_tokens = -5\ndeadline_s = 1\n',
      ": output_tokens must be greater than 0, got -5."),
+    ("workloads", 'prompt_tokens = inf\noutput_tokens = 5\ndeadline_s = 1\n',
+     ": prompt_tokens must be a finite number, got inf."),
+    ("workloads", 'prompt_tokens = 10\noutput_tokens = 5\ndeadline_s = nan\n',
+     ": deadline_s must be a finite number, got nan."),
+    ("workloads", 'prompt_tokens = 10\noutput_tokens = 5\ndeadline_s = 1\n'
+                  'num_requests = 1000000\n',
+     ": num_requests must be at most 100000, got 1000000."),
     ("workloads", 'prompt_tokens = 10\noutput_tokens = 5\ndeadline_s = 1\n'
                   'shared_prefix_tokens = 20\n',
      ": shared_prefix_tokens must be at most prompt_tokens (10), got 20."),
