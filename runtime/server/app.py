@@ -174,6 +174,11 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             room = engine.max_model_len - len(prompt)
             limit = max(min(limits.default_max_tokens if chat
                             else COMPLETIONS_DEFAULT_MAX_TOKENS, room), 1)
+        if isinstance(body, ChatBody) and body.top_logprobs and not body.logprobs:
+            return error(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+        if body.num_logprobs() is not None and engine.executor.name == "sim":
+            return error(400, "This server runs the sim executor, which computes no logits; "
+                              "logprobs need a real model.", "logprobs")
         try:
             bias = body.bias_pairs()
             vocab = tokenizer.vocab_size
@@ -187,7 +192,7 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             sampling = SamplingParams(
                 temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                 max_tokens=limit, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
-                stop_token_ids=tuple(dict.fromkeys(ends)),
+                stop_token_ids=tuple(dict.fromkeys(ends)), logprobs=body.num_logprobs(),
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, min_p=body.min_p,
@@ -201,7 +206,7 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             return error(429, str(e))
         except EngineFailedError as e:
             return error(503, str(e))
-        answer = Answer(req, model_id, chat, hub.watch(req))
+        answer = Answer(req, model_id, chat, hub.watch(req), tokenizer)
         if not body.stream:
             return await answer.whole(request, engine, hub, limits.request_timeout_s)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -243,9 +248,12 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
 class Answer:
     """One request's answer, whole or streamed, in OpenAI's shapes."""
 
-    def __init__(self, req: EngineRequest, model_id: str, chat: bool, stream):
+    def __init__(self, req: EngineRequest, model_id: str, chat: bool, stream, tokenizer=None):
         self.req, self.model_id, self.chat, self.stream = req, model_id, chat, stream
+        self.tokenizer = tokenizer
         self.created = int(time.time())
+        self.text_offset = 0
+        """Characters of completion text the reported tokens cover so far."""
 
     def usage(self) -> dict:
         r = self.req
@@ -253,10 +261,35 @@ class Answer:
                 "total_tokens": r.num_prompt_tokens + r.num_output_tokens,
                 "prompt_tokens_details": {"cached_tokens": r.num_cached_tokens}}
 
-    def choice(self, text: str, final: bool, delta: bool) -> dict:
+    def logprobs(self, tokens: tuple[int, ...], lps: tuple) -> dict | None:
+        """The tokens' logprobs in OpenAI's shape: chat's `{"content": [{token, logprob,
+        bytes, top_logprobs}]}`, or completions' legacy `{tokens, token_logprobs,
+        top_logprobs, text_offset}`. None when the request asked for none."""
+        if self.req.sampling.logprobs is None or self.tokenizer is None:
+            return None
+        pieces = [self.tokenizer.decode([t]) for t in tokens]
+        if self.chat:
+            def entry(piece: str, logprob: float) -> dict:
+                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
+            return {"content": [
+                {**entry(piece, lp.logprob),
+                 "top_logprobs": [entry(self.tokenizer.decode([alt]), v) for alt, v in lp.top]}
+                for piece, lp in zip(pieces, lps, strict=True)], "refusal": None}
+        offsets = []
+        for piece in pieces:
+            offsets.append(self.text_offset)
+            self.text_offset += len(piece)
+        return {"tokens": pieces, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self.tokenizer.decode([alt]): v for alt, v in lp.top}
+                                 for lp in lps],
+                "text_offset": offsets}
+
+    def choice(self, text: str, final: bool, delta: bool, tokens: tuple[int, ...] = (),
+               lps: tuple = ()) -> dict:
         reason = ("length" if self.req.status is RequestStatus.FINISHED_LENGTH else "stop") \
             if final else None
-        c: dict = {"index": 0, "finish_reason": reason, "logprobs": None}
+        c: dict = {"index": 0, "finish_reason": reason, "logprobs": self.logprobs(tokens, lps)}
         if self.chat:
             c["delta" if delta else "message"] = {"role": "assistant", "content": text}
         else:
@@ -273,13 +306,15 @@ class Answer:
                     timeout_s: float | None) -> Response:
         """Wait for the whole answer while watching the client: a disconnect or the timeout
         aborts the request."""
-        async def collect() -> str:
-            parts = []
+        async def collect() -> tuple[str, tuple[int, ...], tuple]:
+            parts, tokens, lps = [], [], []
             while True:
                 d = await self.stream.get()
                 parts.append(d.text)
+                tokens.extend(d.tokens)
+                lps.extend(d.logprobs)
                 if d.finished:
-                    return "".join(parts)
+                    return "".join(parts), tuple(tokens), tuple(lps)
 
         text_task = asyncio.ensure_future(collect())
         gone_task = asyncio.ensure_future(wait_for_disconnect(request))
@@ -303,7 +338,8 @@ class Answer:
         kind = "chat.completion" if self.chat else "text_completion"
         return JSONResponse({"id": rid, "object": kind, "created": self.created,
                              "model": self.model_id,
-                             "choices": [self.choice(text_task.result(), True, False)],
+                             "choices": [self.choice(*text_task.result()[:1], True, False,
+                                                     *text_task.result()[1:])],
                              "usage": self.usage()})
 
     async def events(self, engine: Engine, hub: OutputHub, include_usage: bool,
@@ -334,10 +370,11 @@ class Answer:
                     yield event({"error": {"message": problem, "type": "service_unavailable",
                                            "param": None, "code": 503}})
                     return
-                if d.text or d.finished:
+                if d.text or d.finished or (d.logprobs and self.req.sampling.logprobs is not None):
                     payload = {"id": rid, "object": kind, "created": self.created,
                                "model": self.model_id,
-                               "choices": [self.choice(d.text, d.finished, True)]}
+                               "choices": [self.choice(d.text, d.finished, True, d.tokens,
+                                                       d.logprobs)]}
                     if include_usage:
                         payload["usage"] = None
                     yield event(payload)

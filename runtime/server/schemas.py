@@ -34,8 +34,6 @@ TokenId = Annotated[int, Field(ge=0)]
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     # field: values that mean "not asked for"; anything else is refused by name.
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -91,8 +89,6 @@ class GenerateBody(BaseModel):
                                                  allow_inf_nan=False)]] | None = None
     """OpenAI's: token id (as a string, JSON keys being strings) → bias added to its logit."""
     # Known but not implemented: accepted only at their neutral values (see NEUTRAL).
-    logprobs: Any = None
-    top_logprobs: Any = None
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
@@ -116,6 +112,10 @@ class GenerateBody(BaseModel):
     def output_limit(self) -> int | None:
         return self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to report (None: no logprobs asked for)."""
+        return None
+
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs; a key that is not a token id raises
         ValueError naming it."""
@@ -137,6 +137,11 @@ class NotImplementedField(ValueError):
 
 class CompletionBody(GenerateBody):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """OpenAI's legacy form: the sampled token's logprob and this many alternatives."""
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -160,11 +165,17 @@ class ChatMessage(BaseModel):
 class ChatBody(GenerateBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """Alternatives per token (with `logprobs: true`)."""
 
     def output_limit(self) -> int | None:
         # OpenAI's current name wins over the deprecated one.
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeBody(BaseModel):
