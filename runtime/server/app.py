@@ -267,6 +267,11 @@ class Answer:
         top_logprobs, text_offset}`. None when the request asked for none."""
         if self.req.sampling.logprobs is None or self.tokenizer is None:
             return None
+        # The token that ended the answer (end of turn, end of sequence) is not part of its
+        # text, and OpenAI reports none for it.
+        ends = {*self.req.sampling.stop_token_ids, self.tokenizer.eos_token_id}
+        kept = [(t, lp) for t, lp in zip(tokens, lps, strict=True) if t not in ends]
+        tokens, lps = tuple(t for t, _ in kept), tuple(lp for _, lp in kept)
         pieces = [self.tokenizer.decode([t]) for t in tokens]
         if self.chat:
             def entry(piece: str, logprob: float) -> dict:
