@@ -252,8 +252,9 @@ class Answer:
         self.req, self.model_id, self.chat, self.stream = req, model_id, chat, stream
         self.tokenizer = tokenizer
         self.created = int(time.time())
-        self.text_offset = 0
-        """Characters of completion text the reported tokens cover so far."""
+        self.reported: list[int] = []
+        """Output tokens whose logprobs were reported (the context of the next ones' bytes)."""
+        self.reported_bytes = b""
 
     def usage(self) -> dict:
         r = self.req
@@ -261,40 +262,52 @@ class Answer:
                 "total_tokens": r.num_prompt_tokens + r.num_output_tokens,
                 "prompt_tokens_details": {"cached_tokens": r.num_cached_tokens}}
 
-    def logprobs(self, tokens: tuple[int, ...], lps: tuple) -> dict | None:
+    def logprobs(self, tokens: tuple[int, ...], lps: tuple, final: bool = False
+                 ) -> dict | None:
         """The tokens' logprobs in OpenAI's shape: chat's `{"content": [{token, logprob,
         bytes, top_logprobs}]}`, or completions' legacy `{tokens, token_logprobs,
         top_logprobs, text_offset}`. None when the request asked for none."""
         if self.req.sampling.logprobs is None or self.tokenizer is None:
             return None
+        tokens, lps = tuple(tokens), tuple(lps)
         # The token that ended the answer (end of turn, end of sequence) is not part of its
         # text, and OpenAI reports none for it.
         ends = {*self.req.sampling.stop_token_ids, self.tokenizer.eos_token_id}
-        kept = [(t, lp) for t, lp in zip(tokens, lps, strict=True) if t not in ends]
-        tokens, lps = tuple(t for t, _ in kept), tuple(lp for _, lp in kept)
-        pieces = [self.tokenizer.decode([t]) for t in tokens]
+        if final and tokens and tokens[-1] in ends and \
+                self.req.status is RequestStatus.FINISHED_STOPPED:
+            tokens, lps = tokens[:-1], lps[:-1]
+        tok = self.tokenizer
+        raw, offsets = [], []
+        for t in tokens:
+            # A token's bytes after the ones before it (leading-space rules); the offset
+            # counts the whole characters of the text before it.
+            b = tok.token_bytes(t, self.reported[-4:])
+            offsets.append(len(self.reported_bytes.decode("utf-8", errors="ignore")))
+            self.reported.append(t)
+            self.reported_bytes += b
+            raw.append(b)
+        pieces = [b.decode("utf-8", errors="replace") for b in raw]
         if self.chat:
-            def entry(piece: str, logprob: float) -> dict:
-                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+            def alt(token: int, logprob: float) -> dict:
+                b = tok.token_bytes(token)
+                return {"token": b.decode("utf-8", errors="replace"), "logprob": logprob,
+                        "bytes": list(b)}
 
             return {"content": [
-                {**entry(piece, lp.logprob),
-                 "top_logprobs": [entry(self.tokenizer.decode([alt]), v) for alt, v in lp.top]}
-                for piece, lp in zip(pieces, lps, strict=True)], "refusal": None}
-        offsets = []
-        for piece in pieces:
-            offsets.append(self.text_offset)
-            self.text_offset += len(piece)
+                {"token": piece, "logprob": lp.logprob, "bytes": list(b),
+                 "top_logprobs": [alt(t, v) for t, v in lp.top]}
+                for piece, b, lp in zip(pieces, raw, lps, strict=True)], "refusal": None}
         return {"tokens": pieces, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self.tokenizer.decode([alt]): v for alt, v in lp.top}
-                                 for lp in lps],
+                "top_logprobs": [{tok.token_bytes(t).decode("utf-8", errors="replace"): v
+                                  for t, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 
     def choice(self, text: str, final: bool, delta: bool, tokens: tuple[int, ...] = (),
                lps: tuple = ()) -> dict:
         reason = ("length" if self.req.status is RequestStatus.FINISHED_LENGTH else "stop") \
             if final else None
-        c: dict = {"index": 0, "finish_reason": reason, "logprobs": self.logprobs(tokens, lps)}
+        c: dict = {"index": 0, "finish_reason": reason,
+                   "logprobs": self.logprobs(tokens, lps, final)}
         if self.chat:
             c["delta" if delta else "message"] = {"role": "assistant", "content": text}
         else:
