@@ -174,6 +174,11 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             room = engine.max_model_len - len(prompt)
             limit = max(min(limits.default_max_tokens if chat
                             else COMPLETIONS_DEFAULT_MAX_TOKENS, room), 1)
+        if isinstance(body, ChatBody) and body.top_logprobs and not body.logprobs:
+            return error(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+        if body.num_logprobs() is not None and engine.executor.name == "sim":
+            return error(400, "This server runs the sim executor, which computes no logits; "
+                              "logprobs need a real model.", "logprobs")
         try:
             bias = body.bias_pairs()
             vocab = tokenizer.vocab_size
@@ -187,7 +192,7 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             sampling = SamplingParams(
                 temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                 max_tokens=limit, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
-                stop_token_ids=tuple(dict.fromkeys(ends)),
+                stop_token_ids=tuple(dict.fromkeys(ends)), logprobs=body.num_logprobs(),
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=body.repetition_penalty or 1.0, min_p=body.min_p or 0.0,
@@ -201,7 +206,7 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             return error(429, str(e))
         except EngineFailedError as e:
             return error(503, str(e))
-        answer = Answer(req, model_id, chat, hub.watch(req))
+        answer = Answer(req, model_id, chat, hub.watch(req), tokenizer)
         if not body.stream:
             return await answer.whole(request, engine, hub, limits.request_timeout_s)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -243,9 +248,13 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
 class Answer:
     """One request's answer, whole or streamed, in OpenAI's shapes."""
 
-    def __init__(self, req: EngineRequest, model_id: str, chat: bool, stream):
+    def __init__(self, req: EngineRequest, model_id: str, chat: bool, stream, tokenizer=None):
         self.req, self.model_id, self.chat, self.stream = req, model_id, chat, stream
+        self.tokenizer = tokenizer
         self.created = int(time.time())
+        self.reported: list[int] = []
+        """Output tokens whose logprobs were reported (the context of the next ones' bytes)."""
+        self.reported_bytes = b""
 
     def usage(self) -> dict:
         r = self.req
@@ -253,10 +262,52 @@ class Answer:
                 "total_tokens": r.num_prompt_tokens + r.num_output_tokens,
                 "prompt_tokens_details": {"cached_tokens": r.num_cached_tokens}}
 
-    def choice(self, text: str, final: bool, delta: bool) -> dict:
+    def logprobs(self, tokens: tuple[int, ...], lps: tuple, final: bool = False
+                 ) -> dict | None:
+        """The tokens' logprobs in OpenAI's shape: chat's `{"content": [{token, logprob,
+        bytes, top_logprobs}]}`, or completions' legacy `{tokens, token_logprobs,
+        top_logprobs, text_offset}`. None when the request asked for none."""
+        if self.req.sampling.logprobs is None or self.tokenizer is None:
+            return None
+        tokens, lps = tuple(tokens), tuple(lps)
+        # The token that ended the answer (end of turn, end of sequence) is not part of its
+        # text, and OpenAI reports none for it.
+        ends = {*self.req.sampling.stop_token_ids, self.tokenizer.eos_token_id}
+        if final and tokens and tokens[-1] in ends and \
+                self.req.status is RequestStatus.FINISHED_STOPPED:
+            tokens, lps = tokens[:-1], lps[:-1]
+        tok = self.tokenizer
+        raw, offsets = [], []
+        for t in tokens:
+            # A token's bytes after the ones before it (leading-space rules); the offset
+            # counts the whole characters of the text before it.
+            b = tok.token_bytes(t, self.reported[-4:])
+            offsets.append(len(self.reported_bytes.decode("utf-8", errors="ignore")))
+            self.reported.append(t)
+            self.reported_bytes += b
+            raw.append(b)
+        pieces = [b.decode("utf-8", errors="replace") for b in raw]
+        if self.chat:
+            def alt(token: int, logprob: float) -> dict:
+                b = tok.token_bytes(token)
+                return {"token": b.decode("utf-8", errors="replace"), "logprob": logprob,
+                        "bytes": list(b)}
+
+            return {"content": [
+                {"token": piece, "logprob": lp.logprob, "bytes": list(b),
+                 "top_logprobs": [alt(t, v) for t, v in lp.top]}
+                for piece, b, lp in zip(pieces, raw, lps, strict=True)], "refusal": None}
+        return {"tokens": pieces, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{tok.token_bytes(t).decode("utf-8", errors="replace"): v
+                                  for t, v in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+    def choice(self, text: str, final: bool, delta: bool, tokens: tuple[int, ...] = (),
+               lps: tuple = ()) -> dict:
         reason = ("length" if self.req.status is RequestStatus.FINISHED_LENGTH else "stop") \
             if final else None
-        c: dict = {"index": 0, "finish_reason": reason, "logprobs": None}
+        c: dict = {"index": 0, "finish_reason": reason,
+                   "logprobs": self.logprobs(tokens, lps, final)}
         if self.chat:
             c["delta" if delta else "message"] = {"role": "assistant", "content": text}
         else:
@@ -273,13 +324,15 @@ class Answer:
                     timeout_s: float | None) -> Response:
         """Wait for the whole answer while watching the client: a disconnect or the timeout
         aborts the request."""
-        async def collect() -> str:
-            parts = []
+        async def collect() -> tuple[str, tuple[int, ...], tuple]:
+            parts, tokens, lps = [], [], []
             while True:
                 d = await self.stream.get()
                 parts.append(d.text)
+                tokens.extend(d.tokens)
+                lps.extend(d.logprobs)
                 if d.finished:
-                    return "".join(parts)
+                    return "".join(parts), tuple(tokens), tuple(lps)
 
         text_task = asyncio.ensure_future(collect())
         gone_task = asyncio.ensure_future(wait_for_disconnect(request))
@@ -303,7 +356,8 @@ class Answer:
         kind = "chat.completion" if self.chat else "text_completion"
         return JSONResponse({"id": rid, "object": kind, "created": self.created,
                              "model": self.model_id,
-                             "choices": [self.choice(text_task.result(), True, False)],
+                             "choices": [self.choice(*text_task.result()[:1], True, False,
+                                                     *text_task.result()[1:])],
                              "usage": self.usage()})
 
     async def events(self, engine: Engine, hub: OutputHub, include_usage: bool,
@@ -334,10 +388,11 @@ class Answer:
                     yield event({"error": {"message": problem, "type": "service_unavailable",
                                            "param": None, "code": 503}})
                     return
-                if d.text or d.finished:
+                if d.text or d.finished or (d.logprobs and self.req.sampling.logprobs is not None):
                     payload = {"id": rid, "object": kind, "created": self.created,
                                "model": self.model_id,
-                               "choices": [self.choice(d.text, d.finished, True)]}
+                               "choices": [self.choice(d.text, d.finished, True, d.tokens,
+                                                       d.logprobs)]}
                     if include_usage:
                         payload["usage"] = None
                     yield event(payload)

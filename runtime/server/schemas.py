@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -34,7 +34,6 @@ TokenId = Annotated[int, Field(ge=0)]
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     # field: values that mean "not asked for"; anything else is refused by name.
-    "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -92,7 +91,6 @@ class GenerateBody(BaseModel):
                                                  allow_inf_nan=False)]] | None = None
     """OpenAI's: token id (as a string, JSON keys being strings) → bias added to its logit."""
     # Known but not implemented: accepted only at their neutral values (see NEUTRAL).
-    logprobs: Any = None
     top_logprobs: Any = None
     echo: Any = None
     suffix: Any = None
@@ -105,9 +103,14 @@ class GenerateBody(BaseModel):
     function_call: Any = None
     service_tier: Any = None
 
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()
+    """Fields of NEUTRAL this endpoint does implement (typed in its own body)."""
+
     @model_validator(mode="after")
     def _not_implemented(self):
         for name, neutral in NEUTRAL.items():
+            if name in self.IMPLEMENTED:
+                continue
             value = getattr(self, name)
             if value is not None and not any(value == v and type(value) is type(v)
                                              for v in neutral):
@@ -116,6 +119,10 @@ class GenerateBody(BaseModel):
 
     def output_limit(self) -> int | None:
         return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to report (None: no logprobs asked for)."""
+        return None
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs; a key that is not a token id raises
@@ -140,6 +147,14 @@ class NotImplementedField(ValueError):
 
 class CompletionBody(GenerateBody):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | bool | None = None
+    """OpenAI's legacy form: the sampled token's logprob and this many alternatives
+    (`false` and null: none)."""
+
+    def num_logprobs(self) -> int | None:
+        if self.logprobs is None or self.logprobs is False:
+            return None
+        return 0 if self.logprobs is True else self.logprobs
 
 
 class TextPart(BaseModel):
@@ -163,11 +178,19 @@ class ChatMessage(BaseModel):
 class ChatBody(GenerateBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | Annotated[int, Field(ge=0, le=1)] | None = None
+    """OpenAI's boolean (0 and 1 taken as false and true, as some clients send them)."""
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """Alternatives per token (with `logprobs: true`)."""
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"top_logprobs"})
 
     def output_limit(self) -> int | None:
         # OpenAI's current name wins over the deprecated one.
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeBody(BaseModel):

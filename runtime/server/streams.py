@@ -18,10 +18,14 @@ from runtime.request import Request
 
 @dataclass(frozen=True)
 class Delta:
-    """New output since the last delta; `finished` is set on the last one."""
+    """New output since the last delta; `finished` is set on the last one. `tokens` are the
+    output token ids sampled since the last delta and `logprobs` theirs, when the request
+    asked for them (text may lag its tokens while a stop string could still match)."""
 
     text: str
     finished: bool = False
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple = ()
 
 
 class RequestStream:
@@ -74,9 +78,13 @@ class OutputHub:
                 if end > s.sent_chars:
                     text = det.text[s.sent_chars:end]
                     s.sent_chars = end
-            new_tokens = req.num_output_tokens - s.sent_tokens
+            first, new_tokens = s.sent_tokens, req.num_output_tokens - s.sent_tokens
             s.sent_tokens += new_tokens
             if text or new_tokens or done:
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, Delta(text, done))
+                tokens = tuple(req.output_token_ids[first:s.sent_tokens])
+                lps = tuple(req.output_logprobs[first:s.sent_tokens]) \
+                    if req.sampling.logprobs is not None else ()
+                s.loop.call_soon_threadsafe(s.queue.put_nowait,
+                                            Delta(text, done, tokens, lps))
             if done:
                 self.forget(req.request_id)

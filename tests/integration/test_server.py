@@ -9,6 +9,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from runtime.server.serve import ApiServer
 from runtime.session import Session, build_session
@@ -422,3 +423,66 @@ def test_min_p_and_seed_are_reproducible(client) -> None:
           "seed": 7, "extra_body": {"min_p": 0.1}}
     assert client.completions.create(**kw).choices[0].text == \
         client.completions.create(**kw).choices[0].text
+
+
+def recorded(server, request_id: str) -> list[torch.Tensor]:
+    """The logits the executor sampled `request_id`'s tokens from, in order."""
+    rows = [(n, row) for rid, n, row in server.engine.executor.logits_log if rid == request_id]
+    return [row.float() for _, row in sorted(rows, key=lambda x: x[0])]
+
+
+def test_completion_logprobs_are_the_samplers_log_softmax(server, client) -> None:
+    ex = server.engine.executor
+    ex.record_logits = True
+    try:
+        r = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                      max_tokens=5, temperature=0, logprobs=3)
+    finally:
+        ex.record_logits = False
+    lp = r.choices[0].logprobs
+    assert isinstance(lp, openai.types.completion_choice.Logprobs)
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5 and "".join(lp.tokens) == \
+        r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    rows = recorded(server, r.id)
+    assert len(rows) == 5
+    for row, chosen, top in zip(rows, lp.token_logprobs, lp.top_logprobs, strict=True):
+        ref = torch.log_softmax(row, -1)
+        assert chosen == pytest.approx(float(ref.max()), abs=1e-4)  # greedy: the argmax
+        assert sorted(top.values(), reverse=True) == pytest.approx(
+            ref.topk(3).values.tolist(), abs=1e-4)
+
+
+def test_chat_logprobs_whole_and_streamed(server, client) -> None:
+    ex = server.engine.executor
+    ex.record_logits = True
+    messages = [{"role": "user", "content": "Name a colour."}]
+    try:
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                           temperature=0, logprobs=True, top_logprobs=2)
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0, logprobs=True,
+            top_logprobs=2, stream=True))
+    finally:
+        ex.record_logits = False
+    content = r.choices[0].logprobs.content
+    assert all(isinstance(c, openai.types.chat.ChatCompletionTokenLogprob) for c in content)
+    assert len(content) == r.usage.completion_tokens
+    for row, c in zip(recorded(server, r.id), content, strict=False):
+        ref = torch.log_softmax(row, -1)
+        assert c.logprob == pytest.approx(float(ref.max()), abs=1e-4)
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(ref.topk(2).values.tolist(),
+                                                                    abs=1e-4)
+        assert bytes(c.bytes) == c.token.encode()
+    streamed = [c for ch in chunks for choice in ch.choices if choice.logprobs
+                for c in choice.logprobs.content]
+    assert [(c.token, round(c.logprob, 4)) for c in streamed] == \
+        [(c.token, round(c.logprob, 4)) for c in content]
+
+
+def test_top_logprobs_needs_logprobs(server) -> None:
+    r = httpx.post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                         "top_logprobs": 2})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "'top_logprobs' needs 'logprobs': true."

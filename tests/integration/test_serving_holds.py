@@ -347,7 +347,10 @@ def test_cached_tokens_are_reported(server) -> None:
     ({"temperature": float("nan")}, 400, "'temperature' must be a finite number", "temperature"),
     ({"n": 3}, 400, "'n' must be at most 1.", "n"),
     ({"warp": 9}, 400, "'warp' is not a field this endpoint takes.", "warp"),
-    ({"logprobs": 5}, 400, "'logprobs' is not supported by this server yet", "logprobs"),
+    ({"logprobs": 5}, 400, "This server runs the sim executor, which computes no logits",
+     "logprobs"),
+    ({"logprobs": 21}, 400, "'logprobs' must be at most 20", "logprobs"),
+    ({"top_logprobs": 2}, 400, "'top_logprobs' is not supported", "top_logprobs"),
     ({"echo": True}, 400, "'echo' is not supported", "echo"),
     ({"suffix": "x"}, 400, "'suffix' is not supported", "suffix"),
     ({"best_of": 3}, 400, "'best_of' is not supported", "best_of"),
@@ -381,9 +384,9 @@ def test_strict_fields_and_unimplemented_ones_are_named(server, extra, status, n
 
 
 def test_neutral_values_of_unimplemented_fields_are_accepted(server) -> None:
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": None, "echo": False,
-            "presence_penalty": None, "frequency_penalty": 0.0, "n": 1, "best_of": 1,
-            "min_tokens": None, "repetition_penalty": None, "min_p": None,
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": False, "echo": False,
+            "top_logprobs": 0, "presence_penalty": None, "frequency_penalty": 0.0, "n": 1,
+            "best_of": 1, "min_tokens": None, "repetition_penalty": None, "min_p": None,
             "logit_bias": {}, "user": "me"}
     assert httpx.post(url(server, "/v1/completions"), json=body).status_code == 200
 
