@@ -29,7 +29,7 @@ from runtime.kv.formats import blocks_for_tokens
 from runtime.plan import causal_pairs
 from runtime.profiles import HardwareProfile, ModelProfile
 from runtime.step_time import fitted_seconds, roofline_seconds
-from runtime.workloads import DraftSource, Workload
+from runtime.workloads import DraftSource, Workload, expected_outputs
 
 PLAN_KV_FORMATS = ("bf16", "q8_0", "q4_0")
 """The KV formats the planner compares (bf16 stands for any 2-byte float format)."""
@@ -37,15 +37,6 @@ FFN_SHARE = 0.65
 """Share of a layer's matrix bytes in its FFN (the part weight offload moves; as the sim)."""
 OFFLOAD_BUFFERS = 2
 """Prefetch buffers for offloaded layers: two overlap copy and compute."""
-
-
-def expected_outputs(acceptance: tuple[float, ...]) -> float:
-    """`1 + Σ_{j≤m} Π_{i≤j} a_i`: tokens one speculative round emits on average."""
-    total, keep = 1.0, 1.0
-    for a in acceptance:
-        keep *= a
-        total += keep
-    return total
 
 
 @dataclass(frozen=True)
@@ -292,9 +283,9 @@ class Planner:
         (by the first request). Each step is priced with its new tokens, causal pairs,
         KV read and sampled rows."""
         w = self.workload
-        prefix = self.shared_blocks * self.block_size if scheme.shared else 0
+        prefix = self._prefix(scheme)
         own = w.prompt_tokens - prefix
-        new = w.prompt_tokens + (n - 1) * own
+        new = self._prefill_tokens(n, scheme)
         pairs = causal_pairs(w.prompt_tokens, 0) + (n - 1) * causal_pairs(own, prefix)
         budget = self.max_batched_tokens
         computed, done, step, seconds = 0, 0, 0, 0.0
@@ -392,10 +383,16 @@ class Planner:
         result.good = good_if_met if result.feasible else 0
         return result
 
+    def _prefix(self, scheme: Scheme) -> int:
+        """Prompt tokens a scheme computes once for every request: the shared prefix's full
+        blocks when it shares, else none."""
+        return self.shared_blocks * self.block_size if scheme.shared else 0
+
     def _prefill_tokens(self, n: int, scheme: Scheme) -> int:
+        """Prompt tokens `n` requests compute: the first all of its prompt, the others
+        their prompt past the shared prefix."""
         w = self.workload
-        prefix = self.shared_blocks * self.block_size if scheme.shared else 0
-        return w.prompt_tokens + (n - 1) * (w.prompt_tokens - prefix)
+        return w.prompt_tokens + (n - 1) * (w.prompt_tokens - self._prefix(scheme))
 
     def _steady_state(self, scheme: Scheme) -> tuple[int, float, float, float]:
         """Poisson arrivals at rate λ, served by continuous batching with chunked prefill:
@@ -408,7 +405,7 @@ class Planner:
         Returns (b, TTFT, time from first token to completion, τ)."""
         w, d, fmt = self.workload, scheme.draft, scheme.kv_format
         lam = w.rate_per_s
-        prefix = self.shared_blocks * self.block_size if scheme.shared else 0
+        prefix = self._prefix(scheme)
         p_new = w.prompt_tokens - prefix
         rows = d.draft_length + 1 if d is not None else 1
         per_round = d.expected_outputs() if d is not None else 1.0

@@ -68,6 +68,17 @@ class Workload:
                    source=where)
 
 
+def expected_outputs(acceptance: tuple[float, ...]) -> float:
+    """`1 + Σ_{j≤m} Π_{i≤j} a_i`: tokens one speculative round emits on average with
+    conditional acceptance `a_i` per position (docs/architecture.md, "Speculative
+    decoding")."""
+    total, keep = 1.0, 1.0
+    for a in acceptance:
+        keep *= a
+        total += keep
+    return total
+
+
 @dataclass(frozen=True)
 class DraftSource:
     """A speculative-decoding draft source as the planner prices it."""
@@ -93,13 +104,9 @@ class DraftSource:
     source: str = ""
 
     def expected_outputs(self, length: int | None = None) -> float:
-        """Expected tokens one round emits with `length` drafts (default: all):
-        `1 + Σ_{j≤m} Π_{i≤j} a_i` (docs/architecture.md, "Speculative decoding")."""
-        total, keep = 1.0, 1.0
-        for a in self.acceptance[:self.draft_length if length is None else length]:
-            keep *= a
-            total += keep
-        return total
+        """Expected tokens one round emits with `length` drafts (default: all)."""
+        return expected_outputs(self.acceptance[:self.draft_length if length is None
+                                                else length])
 
     def passes(self) -> int:
         """Draft passes per round."""

@@ -18,9 +18,10 @@ from runtime.request import Request
 
 @dataclass(frozen=True)
 class Delta:
-    """New output since the last delta; `finished` is set on the last one. `tokens` are the
-    output token ids sampled since the last delta and `logprobs` theirs, when the request
-    asked for them (text may lag its tokens while a stop string could still match)."""
+    """New output since the last delta; `finished` is set on the last one. For a request
+    that asked for logprobs, `tokens` are the output token ids sampled since the last delta
+    and `logprobs` theirs (text may lag its tokens while a stop string could still
+    match); empty otherwise."""
 
     text: str
     finished: bool = False
@@ -81,9 +82,10 @@ class OutputHub:
             first, new_tokens = s.sent_tokens, req.num_output_tokens - s.sent_tokens
             s.sent_tokens += new_tokens
             if text or new_tokens or done:
-                tokens = tuple(req.output_token_ids[first:s.sent_tokens])
-                lps = tuple(req.output_logprobs[first:s.sent_tokens]) \
-                    if req.sampling.logprobs is not None else ()
+                tokens, lps = (), ()
+                if req.sampling.logprobs is not None:  # only their reports use the ids
+                    tokens = tuple(req.output_token_ids[first:s.sent_tokens])
+                    lps = tuple(req.output_logprobs[first:s.sent_tokens])
                 s.loop.call_soon_threadsafe(s.queue.put_nowait,
                                             Delta(text, done, tokens, lps))
             if done:

@@ -60,7 +60,8 @@ def test_efficiencies_are_the_best_points_against_the_peaks() -> None:
     assert efficiencies(pts, model, bandwidth=1e3, flops=1e3) == (1.0, 1.0)  # capped at 1
 
 
-def test_calibrate_writes_profiles_the_sim_can_use(tiny_llama: Path, tmp_path: Path) -> None:
+def test_calibrate_writes_profiles_the_sim_can_use(tiny_llama: Path, tmp_path: Path,
+                                                   monkeypatch) -> None:
     env = {"KVDECK_CACHE": str(tmp_path)}
     r = kvdeck("calibrate", str(tiny_llama), "--quick", "--device", "cpu", "--name", "tiny",
                "--json", env=env)
@@ -81,15 +82,9 @@ def test_calibrate_writes_profiles_the_sim_can_use(tiny_llama: Path, tmp_path: P
     assert float(fixed_ms) == pytest.approx(data["fit"]["fixed_ms"], rel=1e-5)
     assert int(layers) == 2 and int(kv) == 2 * 2 * 2 * 16 * 4
     # The hardware profile carries measured efficiencies and the link, not 1.0 placeholders.
-    os.environ["KVDECK_CACHE"], before = str(tmp_path), os.environ.get("KVDECK_CACHE")
-    try:
-        measured = HardwareProfile.load(hw)
-        decode = ModelProfile.load("tiny").decode_times[hw]
-    finally:
-        if before is None:
-            del os.environ["KVDECK_CACHE"]
-        else:
-            os.environ["KVDECK_CACHE"] = before
+    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
+    measured = HardwareProfile.load(hw)
+    decode = ModelProfile.load("tiny").decode_times[hw]
     assert (measured.mfu, measured.mbu) == (data["mfu"], data["mbu"])
     assert 0 < measured.mbu < 1 and 0 < measured.mfu <= 1
     # The measured decode steps the planner interpolates: (batch, context, seconds).

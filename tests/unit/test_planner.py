@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 
 from runtime.errors import ConfigError
-from runtime.planner import Planner, Scheme, expected_outputs
+from runtime.planner import Planner, Scheme
 from runtime.profiles import HardwareProfile, ModelProfile, user_profiles_dir
-from runtime.workloads import DraftSource, Workload, draft_sources
+from runtime.workloads import DraftSource, Workload, draft_sources, expected_outputs
 
 GIB = 2**30
 
