@@ -176,6 +176,8 @@ class Engine:
         self.watched: Request | None = None
         self._watched_id: str | None = None
         self._snapshots = SnapshotBuilder(self)
+        self._grammars = None
+        """Compiles output constraints (`guided.Grammars`), made on the first one."""
 
     # -- thread-safe submission -------------------------------------------------------------
 
@@ -200,6 +202,7 @@ class Engine:
                                "use stop token ids instead.")
         if n == 0:
             raise RequestError("The prompt is empty; a prompt needs at least one token.")
+        guide = self._start_guide(sampling) if sampling.guide is not None else None
         if n > self.max_model_len - 1:
             raise RequestError(f"The prompt has {n:,} tokens but the model's context allows "
                                f"at most {self.max_model_len - 1:,}.")
@@ -222,8 +225,28 @@ class Engine:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                      sampling.stop)
         req.tracked = track
+        req.guide = guide
         self.post(AddRequest(req))
         return req
+
+    def _start_guide(self, sampling: SamplingParams):
+        """A request's grammar state (`runtime/guided.py`), compiled on the caller's thread;
+        RequestError when the constraint does not compile or this engine cannot apply it."""
+        if self.executor.name == "sim":
+            raise RequestError("Constrained output (a JSON schema, regex, choice or grammar) "
+                               "needs a model executor (torch or llama_cpp); the sim executor "
+                               "computes no logits to constrain.")
+        if self.tokenizer is None:
+            raise RequestError("Constrained output needs the model's tokenizer, and this "
+                               "engine has none.")
+        with self._lock:
+            if self._grammars is None:
+                from runtime.guided import Grammars
+
+                ends = (*self.executor.eos_token_ids, *self.tokenizer.end_of_turn_ids)
+                self._grammars = Grammars(self.tokenizer, tuple(dict.fromkeys(ends)),
+                                          self.executor.vocab_size)
+        return self._grammars.start(sampling.guide)
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         """Abort a request; returns at once. Its blocks come back after the in-flight step."""

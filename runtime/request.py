@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from runtime.guided import Guide, GuideSpec
 
 
 class RequestStatus(enum.Enum):
@@ -59,6 +63,8 @@ class SamplingParams:
     """End-of-sequence and `stop_token_ids` are masked until this many tokens are out."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to the logits (OpenAI's, −100 to 100)."""
+    guide: GuideSpec | None = None
+    """An output constraint (JSON schema, regex, choices, grammar): `runtime/guided.py`."""
 
     @property
     def processes_logits(self) -> bool:
@@ -150,6 +156,8 @@ class Request(Progress):
     """One `sampling.TokenLogprobs` per output token when `sampling.logprobs` is set."""
     tracked: bool = False
     """Snapshots carry this request's text (the console's prompt follows it)."""
+    guide: Guide | None = None
+    """Its grammar state while it follows `sampling.guide` (the engine starts it)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

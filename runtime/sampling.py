@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.guided import apply_mask
 from runtime.request import Request
 
 
@@ -94,11 +95,26 @@ def sampling_probs(logits: torch.Tensor, sp) -> torch.Tensor:
                          dim=-1)
 
 
+def constrain(scores: torch.Tensor, raw: torch.Tensor, allowed: torch.Tensor | None
+              ) -> torch.Tensor:
+    """`scores` with the tokens a grammar refuses at -inf (`allowed`: a bool row, None for
+    an unconstrained request). Should processors have masked everything the grammar allows
+    (`min_tokens` holding back the end a finished grammar needs), the grammar wins."""
+    if allowed is None:
+        return scores
+    masked = apply_mask(scores, allowed)
+    if scores is not raw and not torch.isfinite(masked).any():
+        masked = apply_mask(raw, allowed)
+    return masked
+
+
 def sample(logits: torch.Tensor, requests: list[Request], base_seed: int = 0,
-           eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[TokenLogprobs | None]]:
+           eos_token_ids: tuple[int, ...] = (), masks: dict[str, torch.Tensor] | None = None
+           ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of `logits` [N, vocab] (float32) for the matching request, after
-    its logit processors (`process_logits`; `eos_token_ids` for `min_tokens`). Logprobs
-    are the model's own distribution, before processors, as OpenAI and vLLM report them."""
+    its logit processors (`process_logits`; `eos_token_ids` for `min_tokens`) and its
+    grammar's mask (`masks`: request id → allowed tokens, `guided.MaskJob`). Logprobs are
+    the model's own distribution, before processors, as OpenAI and vLLM report them."""
     logits = logits.float().cpu()
     greedy = logits.argmax(dim=-1).tolist()
     tokens: list[int] = []
@@ -107,8 +123,11 @@ def sample(logits: torch.Tensor, requests: list[Request], base_seed: int = 0,
         sp = req.sampling
         scores = process_logits(logits[row], req, eos_token_ids) if sp.processes_logits \
             else logits[row]
+        allowed = masks.get(req.request_id) if masks else None
+        scores = constrain(scores, logits[row], allowed)
         if sp.temperature == 0.0:
-            token = int(scores.argmax()) if sp.processes_logits else greedy[row]
+            token = int(scores.argmax()) if sp.processes_logits or allowed is not None \
+                else greedy[row]
         else:
             probs = sampling_probs(scores, sp)
             token = int(torch.multinomial(probs, 1, generator=request_generator(req, base_seed)))
@@ -126,17 +145,23 @@ def sample(logits: torch.Tensor, requests: list[Request], base_seed: int = 0,
 
 
 def sample_draft(logits: torch.Tensor, req: Request, draft: list[int], base_seed: int = 0,
-                 q: torch.Tensor | None = None) -> list[int]:
+                 q: torch.Tensor | None = None, allowed: torch.Tensor | None = None
+                 ) -> list[int]:
     """The tokens a speculating request emits: `logits` [1 + len(draft), vocab] score its
     last token and each draft token; a sampling request keeps draft tokens by speculative
     sampling under its temperature, top-k and top-p (`runtime/spec/verify.py`), drawing from
     its own generator, so a seeded request stays reproducible. `q` [len(draft), vocab]: the
     draft model's distributions the draft was drawn from (None: a deterministic proposer).
-    Greedy requests are verified by the caller from the same argmax plain decoding uses."""
+    Greedy requests are verified by the caller from the same argmax plain decoding uses.
+    `allowed` [1 + len(draft), vocab]: a guided request's grammar masks per position
+    (`guided.Guide.draft_allowed`); a draft token the grammar refuses has probability 0 and
+    is rejected, so the result follows the constrained distribution exactly."""
     from runtime.spec.verify import verify_sampled
 
     sp = req.sampling
     logits = logits.float().cpu()
+    if allowed is not None:
+        logits = apply_mask(logits, allowed)
     p = torch.stack([sampling_probs(row, sp) for row in logits])
     tokens, _ = verify_sampled(p, draft, q, request_generator(req, base_seed))
     return tokens

@@ -155,6 +155,8 @@ class Scheduler:
                         admitted_time=parent.admitted_time,
                         first_token_time=parent.first_token_time,
                         token_times=list(parent.token_times))
+        if parent.guide is not None:
+            child.guide = parent.guide.fork()
         self.kv.fork(parent, child)
         self.running.append(child)
         return child
@@ -714,6 +716,14 @@ class Scheduler:
         if det is not None:
             det.push(token)
             if det.stopped_by is not None:
+                status = RequestStatus.FINISHED_STOPPED
+        guide = req.guide
+        if guide is not None and status is None:
+            if not guide.commit(token):  # masking prevents this; end the output, say why
+                req.events.append((req.token_times[-1] if req.token_times else 0.0,
+                                   f"left its constraint: {guide.error}"))
+                status = RequestStatus.FINISHED_STOPPED
+            elif guide.finished:  # complete, and nothing may follow but the end
                 status = RequestStatus.FINISHED_STOPPED
         return status
 

@@ -66,6 +66,7 @@ from runtime.errors import ConfigError
 from runtime.executors.llama_cpp_context import KV_TYPES, LlamaContext, LlamaModel, Row, lib
 from runtime.executors.llama_cpp_draft import LlamaDraft
 from runtime.executors.online_fit import OnlineFit
+from runtime.guided import MaskJob, apply_mask
 from runtime.models.gguf import read_gguf
 from runtime.models.info import model_info_from_gguf
 from runtime.plan import Conversion, ScheduledChunk, SchedulerOutput, StepResult, StepTiming
@@ -428,7 +429,12 @@ class LlamaCppExecutor:
                 groups.append(rows)
         if decodes:
             groups.append(decodes)
-        logits = self._ctx.decode(groups, num_out)
+        job = MaskJob([c.request for c, _, _ in wants if not c.num_draft],
+                      [(c.request, list(c.draft)) for c, _, _ in wants if c.num_draft])
+        try:  # the grammar masks are computed while llama.cpp decodes
+            logits = self._ctx.decode(groups, num_out)
+        finally:
+            masks = job.wait()
         for chunk, seq, _ in prepared:  # decoded: the slots now hold these positions
             self._length[seq] = chunk.start + chunk.num_new_tokens
         sampled: dict[str, int] = {}
@@ -437,7 +443,7 @@ class LlamaCppExecutor:
         plain = [(c, i) for c, i, _ in wants if not c.num_draft]
         if plain:
             toks, lps = sample(logits[[i for _, i in plain]], [c.request for c, _ in plain],
-                               self.seed, self.eos_token_ids)
+                               self.seed, self.eos_token_ids, masks)
             for (c, _), tok, lp in zip(plain, toks, lps, strict=True):
                 sampled[c.request_id] = tok
                 if lp is not None:
@@ -445,11 +451,15 @@ class LlamaCppExecutor:
         for c, i, k in wants:
             if c.num_draft:
                 rows_logits = logits[i:i + k]
-                spec[c.request_id] = verify_greedy(rows_logits.argmax(-1).tolist(),
-                                                   list(c.draft))[0] \
-                    if c.request.sampling.temperature == 0.0 else \
-                    sample_draft(rows_logits, c.request, list(c.draft), self.seed,
-                                 q.get(c.request_id))
+                allowed = masks.get(c.request_id)
+                if c.request.sampling.temperature == 0.0:
+                    if allowed is not None:
+                        rows_logits = apply_mask(rows_logits.float(), allowed)
+                    spec[c.request_id] = verify_greedy(rows_logits.argmax(-1).tolist(),
+                                                       list(c.draft))[0]
+                else:
+                    spec[c.request_id] = sample_draft(rows_logits, c.request, list(c.draft),
+                                                      self.seed, q.get(c.request_id), allowed)
         seconds = time.perf_counter() - t0
         context = sum(c.start + c.num_new_tokens for c in plan.chunks)
         weights = self.weight_bytes

@@ -20,6 +20,7 @@ from runtime.executors.kv_codecs import get_codec, kv_formats_for
 from runtime.executors.link import measure_link
 from runtime.executors.online_fit import OnlineFit
 from runtime.executors.paged_kv import PagedBatch, PagedKVCache, paged_attention
+from runtime.guided import MaskJob, apply_mask
 from runtime.models.arch import ModelConfig, model_config
 from runtime.models.gguf import read_gguf
 from runtime.models.kernels import FLOAT, KernelTable, describe, load_or_measure
@@ -478,14 +479,18 @@ class TorchExecutor:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             return paged_attention(kv, batch, layer, cfg.window(layer), cfg.attn_scale, q, k, v)
 
-        hidden = self.model.forward(batch.tokens, batch.positions, attend)
+        reqs = [c.request for c in plan.chunks if c.sample and not c.num_draft]
+        job = MaskJob(reqs, [(c.request, list(c.draft)) for c in plan.chunks if c.num_draft])
+        try:  # the grammar masks are computed while the forward pass runs
+            hidden = self.model.forward(batch.tokens, batch.positions, attend)
+        finally:
+            masks = job.wait()
         sampled: dict[str, int] = {}
         logprobs: dict = {}
         shortlisted = False
         if batch.sample_ids:
-            reqs = [c.request for c in plan.chunks if c.sample and not c.num_draft]
             rows = hidden[batch.sample_rows]
-            plain_greedy = not self.record_logits and all(
+            plain_greedy = not self.record_logits and not masks and all(
                 r.sampling.temperature == 0.0 and r.sampling.logprobs is None
                 and not r.sampling.processes_logits for r in reqs)
             tokens = self.model.greedy_tokens(rows) if plain_greedy else None
@@ -497,11 +502,11 @@ class TorchExecutor:
                 if self.record_logits:
                     for rid, req, row in zip(batch.sample_ids, reqs, logits, strict=True):
                         self.logits_log.append((rid, req.num_tokens, row.cpu().clone()))
-                tokens, lps = sample(logits, reqs, self.seed, self.eos_token_ids)
+                tokens, lps = sample(logits, reqs, self.seed, self.eos_token_ids, masks)
                 sampled = dict(zip(batch.sample_ids, tokens, strict=True))
                 logprobs = {rid: lp for rid, lp in zip(batch.sample_ids, lps, strict=True)
                             if lp is not None}
-        spec = self._verify(plan, batch, hidden, q) if batch.verify else {}
+        spec = self._verify(plan, batch, hidden, q, masks) if batch.verify else {}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
@@ -521,21 +526,26 @@ class TorchExecutor:
                           draft_seconds=draft_seconds, spec=spec)
 
     def _verify(self, plan: SchedulerOutput, batch: PagedBatch, hidden: torch.Tensor,
-                q: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+                q: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]
+                ) -> dict[str, list[int]]:
         """Each speculating chunk's emitted tokens: its `1 + k` rows scored, the draft kept
-        by the lossless rule (`q`: the draft model's distributions per sampling request).
-        Greedy takes the argmax exactly as plain decoding does (the int8 shortlist rescored
-        in float where there is one)."""
+        by the lossless rule (`q`: the draft model's distributions per sampling request;
+        `masks`: a guided request's grammar masks per position). Greedy takes the argmax
+        exactly as plain decoding does (the int8 shortlist rescored in float where there is
+        one; the masked float logits for a guided request)."""
         out: dict[str, list[int]] = {}
         for index, row in batch.verify:
             chunk = plan.chunks[index]
             req, draft = chunk.request, list(chunk.draft)
             rows = hidden[row:row + 1 + len(draft)]
+            allowed = masks.get(req.request_id)
             if req.sampling.temperature == 0.0:
-                out[req.request_id] = verify_greedy(self.model.argmax_tokens(rows), draft)[0]
+                best = self.model.argmax_tokens(rows) if allowed is None else \
+                    apply_mask(self.model.logits(rows).float().cpu(), allowed).argmax(-1).tolist()
+                out[req.request_id] = verify_greedy(best, draft)[0]
             else:
                 out[req.request_id] = sample_draft(self.model.logits(rows), req, draft,
-                                                   self.seed, q.get(req.request_id))
+                                                   self.seed, q.get(req.request_id), allowed)
         return out
 
     def propose(self, req, k: int, knobs) -> list[int]:

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 from runtime.engine import Engine
 from runtime.engine_loop import EngineLoop
 from runtime.errors import ConfigError, EngineFailedError, QueueFullError, RequestError
+from runtime.guided import ConstraintError
 from runtime.request import Request as EngineRequest
 from runtime.request import RequestStatus, SamplingParams
 from runtime.server.api_errors import error, validation_sentence
@@ -180,6 +181,13 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             return error(400, "This server runs the sim executor, which computes no logits; "
                               "logprobs need a real model.", "logprobs")
         try:
+            guided = body.guide_spec()
+        except (RequestError, ValueError) as e:
+            return error(400, str(e))
+        if guided is not None and engine.executor.name == "sim":
+            return error(400, "This server runs the sim executor, which computes no logits; "
+                              "constrained output needs a real model.", guided[0])
+        try:
             bias = body.bias_pairs()
             vocab = tokenizer.vocab_size
             if any(token >= vocab for token, _ in bias):
@@ -196,10 +204,15 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=body.repetition_penalty or 1.0, min_p=body.min_p or 0.0,
-                min_tokens=body.min_tokens or 0, logit_bias=bias)
-            req = engine.add_request(prompt, sampling,
-                                     request_id=f"{'chat' if chat else 'cmpl'}-"
-                                                f"{uuid.uuid4().hex[:12]}")
+                min_tokens=body.min_tokens or 0, logit_bias=bias,
+                guide=guided[1] if guided else None)
+            rid = f"{'chat' if chat else 'cmpl'}-{uuid.uuid4().hex[:12]}"
+            # A constraint compiles on submission (milliseconds; the vocabulary's first
+            # reading takes seconds): off the event loop.
+            req = await off_loop(engine.add_request, prompt, sampling, request_id=rid) \
+                if guided else engine.add_request(prompt, sampling, request_id=rid)
+        except ConstraintError as e:
+            return error(400, str(e), guided[0])
         except (RequestError, ConfigError, ValueError) as e:
             return error(400, str(e))
         except QueueFullError as e:

@@ -14,9 +14,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from runtime.guided import GuideSpec, choice_spec
 
 
 def valid_unicode(text: str) -> str:
@@ -38,7 +41,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False),
@@ -47,6 +49,77 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "service_tier": (None, "auto", "default"),
 }
 """Fields this server does not implement yet, with their neutral values."""
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: a named schema."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: Text
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: Text | None = None
+    strict: bool | None = None
+    """Accepted; the output always follows the schema exactly."""
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or a JSON schema."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_asked(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("needs a 'json_schema' object when its type is json_schema, and "
+                             "none otherwise")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its current name for the guided_* fields): one of a
+    JSON schema, a regex, a list of choices, a grammar (Lark or GBNF) or any JSON object."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    # vLLM's, not implemented here: refused by name when given.
+    whitespace_pattern: Any = None
+    structural_tag: Any = None
+    disable_fallback: Any = None
+    disable_any_whitespace: Any = None
+    disable_additional_properties: Any = None
+
+    @model_validator(mode="after")
+    def _implemented(self):
+        for name in ("whitespace_pattern", "structural_tag", "disable_fallback",
+                     "disable_any_whitespace", "disable_additional_properties"):
+            if getattr(self, name) not in (None, False):
+                raise NotImplementedField(f"structured_outputs.{name}")
+        return self
+
+    def specs(self) -> list[tuple[str, GuideSpec]]:
+        out = []
+        if self.json_ is not None:
+            out.append(("structured_outputs.json", schema_spec(self.json_)))
+        if self.regex is not None:
+            out.append(("structured_outputs.regex", GuideSpec("regex", self.regex)))
+        if self.choice is not None:
+            out.append(("structured_outputs.choice", choice_spec(self.choice)))
+        if self.grammar is not None:
+            out.append(("structured_outputs.grammar", GuideSpec("grammar", self.grammar)))
+        if self.json_object:
+            out.append(("structured_outputs.json_object", GuideSpec("json_object")))
+        return out
+
+
+def schema_spec(schema: dict | str) -> GuideSpec:
+    """A JSON-schema constraint from a schema object or its JSON text."""
+    return GuideSpec("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
 
 
 class StreamOptions(BaseModel):
@@ -90,12 +163,20 @@ class GenerateBody(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0,
                                                  allow_inf_nan=False)]] | None = None
     """OpenAI's: token id (as a string, JSON keys being strings) → bias added to its logit."""
+    response_format: ResponseFormat | None = None
+    """OpenAI's: text, json_object or json_schema (`runtime/guided.py`)."""
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's current constraint field."""
+    guided_json: dict[str, Any] | Text | None = None
+    """vLLM's names before 0.12, still sent by older clients."""
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
     # Known but not implemented: accepted only at their neutral values (see NEUTRAL).
     top_logprobs: Any = None
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -123,6 +204,32 @@ class GenerateBody(BaseModel):
     def num_logprobs(self) -> int | None:
         """Alternatives per token to report (None: no logprobs asked for)."""
         return None
+
+    def guide_spec(self) -> tuple[str, GuideSpec] | None:
+        """(field, constraint) this request asks for, or None; ValueError when it names
+        more than one (RequestError from `guided` when one is malformed)."""
+        found: list[tuple[str, GuideSpec]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", GuideSpec("json_object")))
+        elif rf is not None and rf.type == "json_schema":
+            schema = rf.json_schema.schema_
+            found.append(("response_format", schema_spec(schema if schema is not None
+                                                         else {})))
+        if self.structured_outputs is not None:
+            found.extend(self.structured_outputs.specs())
+        if self.guided_json is not None:
+            found.append(("guided_json", schema_spec(self.guided_json)))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", GuideSpec("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", choice_spec(self.guided_choice)))
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", GuideSpec("grammar", self.guided_grammar)))
+        if len(found) > 1:
+            raise ValueError("A request takes one output constraint; this one names "
+                             f"{' and '.join(name for name, _ in found)}.")
+        return found[0] if found else None
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs; a key that is not a token id raises

@@ -15,6 +15,7 @@ from runtime.executors.torch import TorchExecutor
 from runtime.request import SamplingParams
 from runtime.spec.stats import SpecStats
 from runtime.tokenizer import Tokenizer
+from tests.kernel_ties import assert_equal_up_to_kernel_ties
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +34,7 @@ CODE = [
 
 
 EXECUTORS = ["torch", "llama_cpp"]
+PLAIN = "The capital of France is"
 
 
 def run(path, method: str, draft=None, texts=TEXTS, max_tokens: int = 32,
@@ -58,7 +60,7 @@ def run(path, method: str, draft=None, texts=TEXTS, max_tokens: int = 32,
     for i, text in enumerate(texts):
         e.add_request(tok.encode(text), greedy, request_id=f"t{i}")
     # A request with logprobs decodes one token a step beside the speculating ones.
-    e.add_request(tok.encode("The capital of France is"),
+    e.add_request(tok.encode(PLAIN),
                   SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                                  logprobs=1),
                   request_id="plain")
@@ -72,36 +74,6 @@ def run(path, method: str, draft=None, texts=TEXTS, max_tokens: int = 32,
     del e, ex
     gc.collect()
     return outputs, passes, stats
-
-
-def assert_equal_up_to_kernel_ties(path, texts, expected, got, tol: float = 0.05) -> None:
-    """Outputs equal, or each request's first differing token a near-tie of the target's
-    logits (within `tol`) after the tokens both agree on. llama.cpp's kernels are not
-    batch-invariant: a verify chunk's rows are computed with other row counts than a lone
-    decode row, and a tie can break either way (see docs/llama_cpp.md); a wrong verify,
-    rollback or draft stream would diverge at a clear winner."""
-    import numpy as np
-    from llama_cpp import Llama
-
-    from runtime.tokenizer import quiet_stderr
-
-    differing = [rid for rid in expected if got[rid] != expected[rid]]
-    if not differing:
-        return
-    tok = Tokenizer(path)
-    prompts = {f"t{i}": t for i, t in enumerate(texts)} | {"plain": "The capital of France is"}
-    with quiet_stderr():
-        llm = Llama(str(path), n_ctx=512, n_threads=2, verbose=False, logits_all=True)
-    for rid in differing:
-        a, b = expected[rid], got[rid]
-        i = next(j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-        seq = tok.encode(prompts[rid]) + a[:i]
-        llm.reset()
-        llm.eval(seq)
-        row = np.asarray(llm.scores[len(seq) - 1])
-        assert abs(row[a[i]] - row[b[i]]) < tol, (rid, i, row[a[i]], row[b[i]])
-    del llm
-    gc.collect()
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -121,7 +93,8 @@ def test_draft_model_speculation_on_the_qwen_pair_is_lossless(qwen_pair, executo
     got, passes, stats = run(target, "draft", draft, texts=CODE, max_tokens=24,
                              executor=executor)
     if executor == "llama_cpp":
-        assert_equal_up_to_kernel_ties(target, CODE, expected, got)
+        prompts = {f"t{i}": t for i, t in enumerate(CODE)} | {"plain": PLAIN}
+        assert_equal_up_to_kernel_ties(target, prompts, expected, got)
     else:
         assert got == expected
     assert stats.acceptance_rate > 0.5  # the 0.5B agrees with the 1.5B on most code tokens
