@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from runtime.checks import AnswerCheck
 
 
 class RequestStatus(enum.Enum):
@@ -118,6 +122,9 @@ class Progress:
     predicted_finish: float | None = None
     """Admission control's latest forecast of the finish time, made when it or a later
     request was admitted (`runtime/forecast.py`); None without admission control."""
+    correct: bool | None = None
+    """Whether the finished answer passed the request's check (`runtime/checks.py`); None
+    when it carried none or did not finish with an answer."""
 
 
 @dataclass(eq=False)
@@ -150,6 +157,8 @@ class Request(Progress):
     """One `sampling.TokenLogprobs` per output token when `sampling.logprobs` is set."""
     tracked: bool = False
     """Snapshots carry this request's text (the console's prompt follows it)."""
+    check: AnswerCheck | None = None
+    """What the answer must satisfy to count as correct (sets `correct` at the finish)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
