@@ -214,7 +214,7 @@ def run_trace(
     from console.run_views import render_summary
     from runtime.metrics import SLO
     from runtime.recording import record_headless
-    from runtime.runner import run_arrivals
+    from runtime.runner import needs_tokenizer, run_arrivals
     from runtime.session import build_session
     from runtime.trace import load_arrivals
 
@@ -226,7 +226,7 @@ def run_trace(
         resolved = settings.resolve("sim")
         slo = SLO(slo_ttft, slo_tpot, slo_e2e)
         arrivals = load_arrivals(trace, fmt, limit=limit, time_scale=time_scale)
-        session = build_session(resolved, with_tokenizer=False)
+        session = build_session(resolved, with_tokenizer=needs_tokenizer(arrivals))
         engine = session.engine
         recorder = record_headless(engine, record) if record else None
         try:
