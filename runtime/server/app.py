@@ -180,6 +180,10 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             return error(400, "This server runs the sim executor, which computes no logits; "
                               "logprobs need a real model.", "logprobs")
         try:
+            check = body.answer_check()
+        except RequestError as e:
+            return error(400, str(e), "check")
+        try:
             bias = body.bias_pairs()
             vocab = tokenizer.vocab_size
             if any(token >= vocab for token, _ in bias):
@@ -199,7 +203,7 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
                 min_tokens=body.min_tokens or 0, logit_bias=bias)
             req = engine.add_request(prompt, sampling,
                                      request_id=f"{'chat' if chat else 'cmpl'}-"
-                                                f"{uuid.uuid4().hex[:12]}")
+                                                f"{uuid.uuid4().hex[:12]}", check=check)
         except (RequestError, ConfigError, ValueError) as e:
             return error(400, str(e))
         except QueueFullError as e:
