@@ -18,6 +18,7 @@ stop.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any
 from runtime.errors import KvdeckError, RequestError
 
 CHECK_KINDS = ("json_schema", "regex", "expected")
+log = logging.getLogger("kvdeck.checks")
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,10 @@ def parse_check(obj: object, *, where: str = "The check",
         if not isinstance(value, dict):
             raise error(f"{where} has a json_schema that is not a JSON object; a schema is "
                         "an object such as {\"type\": \"object\"}.")
-        source = json.dumps(value, separators=(",", ":"))
+        try:
+            source = json.dumps(value, separators=(",", ":"))
+        except RecursionError:
+            raise error(f"{where} has a json_schema nested too deeply to check.") from None
     elif not isinstance(value, str):
         raise error(f"{where} has {kind} {json.dumps(value)[:40]}, which is not a string.")
     else:
@@ -100,6 +105,32 @@ def _compile(kind: str, source: str) -> Callable[[str], bool]:
 
 def _schema_test(source: str) -> Callable[[str], bool]:
     # Imported here: only schema checks need it, and it costs every command's start-up.
+    from referencing.exceptions import Unresolvable
+
+    try:
+        validator = _validator(source)
+    except RecursionError:
+        raise ValueError("has a json_schema nested too deeply to check") from None
+
+    def test(text: str) -> bool:
+        try:
+            return validator.is_valid(json.loads(text))
+        # Not JSON, or nested deeper than the parser or a recursive schema can follow:
+        # the answer fails its check, and the engine thread goes on.
+        except (ValueError, RecursionError, Unresolvable):
+            return False
+        except Exception:  # noqa: BLE001 - a client's schema must never stop the engine
+            log.warning("a json_schema check raised; the answer counts as failing it",
+                        exc_info=True)
+            return False
+
+    return test
+
+
+def _validator(source: str):
+    """A jsonschema validator for a schema given as JSON text; ValueError (the end of a
+    sentence) for one that is not a valid schema of a dialect jsonschema knows, or refers
+    outside itself."""
     from jsonschema import SchemaError
     from jsonschema.validators import validator_for
     from referencing import Registry, Resource
@@ -113,13 +144,18 @@ def _schema_test(source: str) -> Callable[[str], bool]:
     if not isinstance(schema, dict):
         raise ValueError("has a json_schema that is not a JSON object; a schema is an object "
                          "such as {\"type\": \"object\"}")
-    cls = validator_for(schema)
+    # Without a default, an unknown $schema gives None instead of a silent latest draft.
+    cls = validator_for(schema, default=None) if "$schema" in schema else \
+        validator_for(schema)
+    if cls is None:
+        raise ValueError(f"has a json_schema whose $schema {schema['$schema']!r} names no "
+                         "dialect this kvdeck knows; leave it out (draft 2020-12) or name "
+                         "draft 4, 6, 7, 2019-09 or 2020-12")
     try:
         cls.check_schema(schema)
     except SchemaError as e:
         raise ValueError(f"has a json_schema that is not a valid JSON Schema: {e.message} "
                          f"(at {e.json_path})") from None
-    validator = cls(schema)
     # An unresolvable reference would otherwise fail every answer: refuse it now.
     root = Resource.from_contents(
         schema, default_specification=specification_with(cls.META_SCHEMA["$schema"]))
@@ -130,16 +166,7 @@ def _schema_test(source: str) -> Callable[[str], bool]:
         except Unresolvable:
             raise ValueError(f"has a json_schema whose $ref {ref!r} points nowhere; "
                              "references must point inside the schema") from None
-
-    def test(text: str) -> bool:
-        try:
-            return validator.is_valid(json.loads(text))
-        # Not JSON, or nested deeper than the parser or a recursive schema can follow:
-        # the answer fails its check, and the engine thread goes on.
-        except (ValueError, RecursionError, Unresolvable):
-            return False
-
-    return test
+    return cls(schema)
 
 
 def _refs(node: object) -> list[str]:

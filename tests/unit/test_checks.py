@@ -21,6 +21,15 @@ from runtime.replay import summarize_run
 from runtime.request import SamplingParams
 from runtime.standin import StandInTokenizer
 
+
+def deep(n: int) -> dict:
+    """A schema of arrays nested `n` deep."""
+    schema: dict = {}
+    for _ in range(n):
+        schema = {"items": schema}
+    return schema
+
+
 PERSON = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
           "properties": {"name": {"type": "string"},
                          "age": {"type": "integer", "minimum": 0}}}
@@ -39,7 +48,10 @@ def test_json_schema_check_parses_and_validates_the_answer() -> None:
     local_ref = {"$defs": {"age": {"type": "integer"}}, "type": "object",
                  "properties": {"age": {"$ref": "#/$defs/age"}}}
     assert parse_check({"json_schema": local_ref}).passes('{"age": 3}')
+    assert parse_check({"json_schema": deep(50)}).passes("[[[1]]]")
     assert not parse_check({"json_schema": local_ref}).passes('{"age": "3"}')
+    recursive = parse_check({"json_schema": {"$ref": "#"}})  # valid, and never satisfied
+    assert not recursive.passes("1")
 
 
 def test_regex_must_match_the_whole_answer() -> None:
@@ -76,6 +88,13 @@ def test_checks_round_trip_through_their_json_shape() -> None:
     ({"json_schema": {"$ref": "https://example.com/s.json"}}, "The check has a json_schema "
      "whose $ref 'https://example.com/s.json' points nowhere; references must point inside "
      "the schema."),
+    ({"json_schema": {"$schema": "https://example.com/my-dialect"}}, "The check has a "
+     "json_schema whose $schema 'https://example.com/my-dialect' names no dialect this "
+     "kvdeck knows; leave it out (draft 2020-12) or name draft 4, 6, 7, 2019-09 or 2020-12."),
+    ({"json_schema": {"type": "string", "pattern": "(?<=a+)b"}}, "The check has a json_schema "
+     "that is not a valid JSON Schema: '(?<=a+)b' is not a 'regex' (at $.pattern)."),
+    ({"json_schema": deep(2_000)}, "The check has a json_schema nested too deeply to check."),
+    ({"json_schema": deep(600)}, "The check has a json_schema nested too deeply to check."),
     ({"json_schema": "object"}, "The check has a json_schema that is not a JSON object; a "
      "schema is an object such as {\"type\": \"object\"}."),
     ({"expected": 42}, "The check has expected 42, which is not a string."),
