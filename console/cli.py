@@ -214,7 +214,7 @@ def run_trace(
     from console.run_views import render_summary
     from runtime.metrics import SLO
     from runtime.recording import record_headless
-    from runtime.runner import run_arrivals
+    from runtime.runner import needs_tokenizer, run_arrivals
     from runtime.session import build_session
     from runtime.trace import load_arrivals
 
@@ -226,7 +226,7 @@ def run_trace(
         resolved = settings.resolve("sim")
         slo = SLO(slo_ttft, slo_tpot, slo_e2e)
         arrivals = load_arrivals(trace, fmt, limit=limit, time_scale=time_scale)
-        session = build_session(resolved, with_tokenizer=False)
+        session = build_session(resolved, with_tokenizer=needs_tokenizer(arrivals))
         engine = session.engine
         recorder = record_headless(engine, record) if record else None
         try:
@@ -716,6 +716,20 @@ def bench(
                                           help="Tokens per Mooncake hash id."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup",
                                 help="Send one uncounted short request first."),
+    retries: int = typer.Option(0, "--retries",
+                                help="Send a request again, up to N times, while its answer "
+                                     "fails its check (a trace's \"check\") or it errors; "
+                                     "reports the retries and the time to a correct answer "
+                                     "(from the first send). Retries help only where answers "
+                                     "vary: see --temperature."),
+    temperature: float = typer.Option(0.0, "--temperature",
+                                      help="Sampling temperature of every request; above 0, "
+                                           "each send carries its own seed, so a run is "
+                                           "reproducible and a retry draws a new answer."),
+    send_checks: bool = typer.Option(False, "--send-checks",
+                                     help="Also send each trace check as kvdeck's \"check\" "
+                                          "field, so a kvdeck server counts it in its own "
+                                          "goodput (/metrics)."),
     as_json: bool = typer.Option(False, "--json", help="Print summary and every request."),
     output: str = typer.Option(None, "--output", "-o", help="Also write the JSON here."),
     slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
@@ -724,14 +738,21 @@ def bench(
     settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
     """Send a trace (or synthetic Poisson/gamma load) to a server and report TTFT, TPOT, ITL,
-    E2E, throughput and goodput with vLLM's serving-benchmark definitions. --model names the
-    model the server serves (default gemma3-270m)."""
+    E2E, throughput and goodput with vLLM's serving-benchmark definitions; requests that
+    carry a check count as good only when their answer passes it. --model names the model
+    the server serves (default gemma3-270m)."""
     import asyncio
 
     from rich.progress import Progress
 
     from console.run_views import render_summary
-    from runtime.loadgen import EXACT_LENGTH_FIELDS, RequestShape, cap_arrivals, run_bench
+    from runtime.loadgen import (
+        EXACT_LENGTH_FIELDS,
+        MAX_RETRIES,
+        RequestShape,
+        cap_arrivals,
+        run_bench,
+    )
     from runtime.metrics import SLO
     from runtime.trace import load_arrivals, synthetic_arrivals
 
@@ -748,18 +769,23 @@ def bench(
     slo = guarded(lambda: SLO(slo_ttft, slo_tpot, slo_e2e))
     if concurrency is not None:
         guarded(lambda: check_int("--concurrency", concurrency, 1, 1 << 16))
+    guarded(lambda: check_int("--retries", retries, 0, MAX_RETRIES))
+    guarded(lambda: check_float("--temperature", temperature, 0.0, 2.0))
     if exact_length_field not in EXACT_LENGTH_FIELDS:
         fail(f"--exact-length-field must be one of {', '.join(EXACT_LENGTH_FIELDS)}, got "
              f"{exact_length_field!r}.")
-    if in_process and (concurrency or text_prompts or exact_length_field != "ignore_eos"):
-        fail("--concurrency, --text-prompts and --exact-length-field shape HTTP requests; "
-             "with --in-process, cap running requests with --max-num-seqs.")
+    if in_process and (concurrency or text_prompts or exact_length_field != "ignore_eos"
+                       or retries or temperature or send_checks):
+        fail("--concurrency, --text-prompts, --exact-length-field, --retries, --temperature "
+             "and --send-checks shape HTTP requests; with --in-process, cap running requests "
+             "with --max-num-seqs.")
     if in_process:
-        from runtime.runner import run_arrivals
+        from runtime.runner import needs_tokenizer, run_arrivals
         from runtime.session import build_session
 
         def local() -> dict:
-            session = build_session(settings.resolve("torch"), with_tokenizer=False)
+            session = build_session(settings.resolve("torch"),
+                                    with_tokenizer=needs_tokenizer(items))
             try:
                 return run_arrivals(session.engine, items,
                                     vocab_size=min(vocab_size, session.vocab_size), slo=slo,
@@ -779,14 +805,15 @@ def bench(
                 from runtime.tokenizer import Tokenizer
 
                 text = passage_prompts(Tokenizer(resolve_model(model)))
-            return RequestShape(vocab_size, hash_block_tokens, text, exact_length_field)
+            return RequestShape(vocab_size, hash_block_tokens, text, exact_length_field,
+                                temperature, send_checks)
 
         request_shape = guarded(shape)
         with Progress(console=err, transient=True) as progress:
             task = progress.add_task(f"{len(items)} requests → {url}", total=len(items))
             result = asyncio.run(run_bench(url, model, items, shape=request_shape,
                                            api_key=api_key, slo=slo, concurrency=concurrency,
-                                           warmup=warmup,
+                                           warmup=warmup, retries=retries,
                                            on_done=lambda _: progress.advance(task)))
     if output:
         Path(output).write_text(json.dumps(result, indent=1))

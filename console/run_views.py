@@ -37,6 +37,16 @@ ROWS: list[tuple[str, tuple[str, ...], float, str, bool | None]] = [
     ("finish forecast |error| (%)", ("finish_forecast_error",), 100, "{:,.2f}", False),
 ]
 
+CHECK_ROWS: list[tuple[str, tuple[str, ...], float, str, bool | None]] = [
+    ("answers checked", ("num_checked",), 1, "{:,.0f}", None),
+    ("answers correct", ("num_correct",), 1, "{:,.0f}", True),
+    ("retries", ("retries",), 1, "{:,.0f}", False),
+    ("requests answered correctly", ("answered_correctly",), 1, "{:,.0f}", True),
+    ("time to correct p50 (s)", ("time_to_correct_s", "p50"), 1, "{:,.3f}", False),
+    ("time to correct p99 (s)", ("time_to_correct_s", "p99"), 1, "{:,.3f}", False),
+]
+"""Answer checks and `kvdeck bench --retries`: shown where a run checked answers or retried."""
+
 
 def lookup(summary: dict, path: tuple[str, ...]) -> float | None:
     value = summary
@@ -51,13 +61,18 @@ def fmt(value: float | None, scale: float, pattern: str) -> str:
     return "—" if value is None else pattern.format(value * scale)
 
 
+def checked(*summaries: dict) -> bool:
+    """Whether any of the runs checked answers or retried requests."""
+    return any(s.get("num_checked") or s.get("retries") for s in summaries)
+
+
 def render_summary(console: Console, title: str, summary: dict) -> None:
     table = Table(title=escape(title))
     table.add_column("metric")
     table.add_column("value", justify="right")
     statuses = ", ".join(f"{k} {v:,}" for k, v in sorted(summary.get("statuses", {}).items()))
     table.add_row("statuses", statuses or "—")
-    for label, path, scale, pattern, _ in ROWS:
+    for label, path, scale, pattern, _ in ROWS + (CHECK_ROWS if checked(summary) else []):
         table.add_row(label, fmt(lookup(summary, path), scale, pattern))
     console.print(table)
 
@@ -69,7 +84,8 @@ def render_compare(console: Console, name_a: str, a: dict, name_b: str, b: dict)
     table.add_column(f"B: {escape(name_b)}", justify="right")
     table.add_column("Δ", justify="right")
     table.add_column("B/A", justify="right")
-    for label, path, scale, pattern, higher_better in ROWS:
+    for label, path, scale, pattern, higher_better in \
+            ROWS + (CHECK_ROWS if checked(a, b) else []):
         va, vb = lookup(a, path), lookup(b, path)
         delta = ratio = "—"
         if va is not None and vb is not None:

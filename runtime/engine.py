@@ -27,6 +27,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+from runtime.checks import AnswerCheck
 from runtime.clock import PacedClock, VirtualClock, WallClock
 from runtime.config import EngineConfig, Knobs
 from runtime.errors import (
@@ -184,13 +185,14 @@ class Engine:
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
                     *, request_id: str | None = None, arrival_time: float | None = None,
                     deadline_s: float | None = None, priority: int = 0,
-                    track: bool = False) -> Request:
+                    track: bool = False, check: AnswerCheck | None = None) -> Request:
         """Validate and queue a request; returns it at once (it runs on the engine thread).
 
         `arrival_time` in the future (engine clock) schedules the arrival, as trace replay
         does; `deadline_s` is relative to arrival; `track` puts the request's text in every
-        snapshot (the console's prompt). Raises RequestError, QueueFullError or
-        EngineFailedError.
+        snapshot (the console's prompt); `check` is what the answer must satisfy to count
+        as correct (it needs a tokenizer: checks read text). Raises RequestError,
+        QueueFullError or EngineFailedError.
         """
         if self.failure is not None:
             raise EngineFailedError(f"The engine has stopped ({self.failure.message}); it "
@@ -200,6 +202,9 @@ class Engine:
         if sampling.stop and self.tokenizer is None:
             raise RequestError("Stop strings need a tokenizer, and this engine has none; "
                                "use stop token ids instead.")
+        if check is not None and self.tokenizer is None:
+            raise RequestError("Answer checks read the answer's text, which needs a "
+                               "tokenizer, and this engine has none.")
         if n == 0:
             raise RequestError("The prompt is empty; a prompt needs at least one token.")
         guide = self._start_guide(sampling) if sampling.guide is not None else None
@@ -220,7 +225,7 @@ class Engine:
         arrival = self.clock.arrival_time() if arrival_time is None else arrival_time
         req = Request(rid, list(prompt_token_ids), sampling, arrival_time=arrival,
                       deadline=arrival + deadline_s if deadline_s is not None else None,
-                      priority=priority)
+                      priority=priority, check=check)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                      sampling.stop)
@@ -652,10 +657,13 @@ class Engine:
             self._num_queued -= len(done) + len(cancelled)
         for req in done:
             self.completed.append(req)
+            if req.check is not None and req.status in (RequestStatus.FINISHED_STOPPED,
+                                                        RequestStatus.FINISHED_LENGTH):
+                req.correct = req.check.passes(req.output_text or "")
             self.figures.on_finish(request_metrics(req))
             self.executor.forget(req.request_id)
             record.finished.append(Finished(req.request_id, req.status.value, req.reason,
-                                            req.finish_time))
+                                            req.finish_time, req.correct))
         for req in done + cancelled:
             for callback in self.on_finish:
                 callback(req)

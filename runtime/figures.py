@@ -12,10 +12,10 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from runtime.metrics import SLO, Distribution, RequestMetrics
+from runtime.metrics import SLO, Distribution, RequestMetrics, good
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 """Upper bounds (seconds) of the latency histograms, as vLLM's exporter uses."""
@@ -140,8 +140,13 @@ class RunFigures:
         self.recent_itls: deque[float] = deque(maxlen=itl_window)
         self.histograms = {name: Histogram() for name in ("ttft", "itl", "e2e", "queue")}
         self.num_good = 0
-        """Finished requests that met their deadline (or had none)."""
+        """Finished requests that met their deadline (or had none) and passed their answer
+        check (or carried none)."""
         self.num_with_deadline = 0
+        self.num_checked = 0
+        """Finished answers that carried a check (`runtime/checks.py`)."""
+        self.num_check_failures = 0
+        """Of those, the answers that failed it."""
         self.prompt_tokens = 0
         """Prompt tokens computed (prefill, including recomputation)."""
         self.generation_tokens = 0
@@ -184,10 +189,13 @@ class RunFigures:
             h["itl"].observe(x)
         if m.e2e is not None:
             h["e2e"].observe(m.e2e)
-            if m.met_deadline is not False:
+            if m.met_deadline is not False and m.correct is not False:
                 self.num_good += 1
         if m.deadline is not None:
             self.num_with_deadline += 1
+        if m.correct is not None:
+            self.num_checked += 1
+            self.num_check_failures += not m.correct
         if m.queue_time is not None:
             h["queue"].observe(m.queue_time)
         self.num_finished_seen += 1
@@ -216,13 +224,14 @@ class RunFigures:
 
     def rolling(self) -> dict:
         """Latency distributions over the most recently finished requests, the fraction of
-        them that were good, and the Little's-law check over the run up to the end of its
-        last step (not the wall clock now, so live, replay and run-trace agree on a run). The
-        distributions are recomputed only when a request finished since the last call."""
+        them that were good (on time, and correct where checked), and the Little's-law check
+        over the run up to the end of its last step (not the wall clock now, so live, replay
+        and run-trace agree on a run). The distributions are recomputed only when a request
+        finished since the last call."""
         if self._rolling is None or self._rolling[0] != self.num_finished_seen:
             recent = list(self.recent)
             done = [m for m in recent if m.status.startswith("finished")]
-            good = [m for m in done if m.met_deadline is not False]
+            good = [m for m in done if m.met_deadline is not False and m.correct is not False]
             residence = [m.finish - m.arrival for m in recent if m.finish is not None]
             self._rolling = (self.num_finished_seen, {
                 "forecast_error": forecast_error(recent),
@@ -232,6 +241,7 @@ class RunFigures:
                 "e2e": Distribution.of(m.e2e for m in recent if m.e2e is not None),
                 "good_fraction": len(good) / len(done) if done else None,
                 "has_deadlines": any(m.deadline is not None for m in recent),
+                "has_checks": any(m.correct is not None for m in recent),
                 "mean_residence": math.fsum(residence) / len(residence) if residence else None,
             })
         figures = dict(self._rolling[1])
@@ -265,7 +275,8 @@ class RunFigures:
         return FiguresView(
             status_counts=dict(self.status_counts),
             histograms={k: h.view() for k, h in self.histograms.items()},
-            num_good=self.num_good, prompt_tokens=self.prompt_tokens,
+            num_good=self.num_good, num_checked=self.num_checked,
+            num_check_failures=self.num_check_failures, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, busy_seconds=self.busy_seconds,
             num_steps=self.num_steps, history=tuple(self.buckets), bucket_s=self.bucket_s)
 
@@ -278,6 +289,7 @@ class RunFigures:
             "recent_itls": list(self.recent_itls),
             "histograms": {k: h.to_json() for k, h in self.histograms.items()},
             "num_good": self.num_good, "num_with_deadline": self.num_with_deadline,
+            "num_checked": self.num_checked, "num_check_failures": self.num_check_failures,
             "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
             "decode_tokens": self.decode_tokens,
             "resident_seconds": self.resident_seconds, "busy_seconds": self.busy_seconds,
@@ -300,6 +312,9 @@ class RunFigures:
                     "resident_seconds", "busy_seconds", "num_steps", "sum_batch_size",
                     "sum_batch_tokens", "first_time", "last_time"):
             setattr(self, key, d[key])
+        # Runs recorded before answer checks have no check counts.
+        self.num_checked = d.get("num_checked", 0)
+        self.num_check_failures = d.get("num_check_failures", 0)
         self.buckets.extend(Bucket(**b) for b in d["buckets"])
         for p, m in d.get("recent_steps", ()):
             self._observe_step(p, m)
@@ -313,6 +328,8 @@ class FiguresView:
     status_counts: dict[str, int]
     histograms: dict[str, HistogramView]
     num_good: int
+    num_checked: int
+    num_check_failures: int
     prompt_tokens: int
     generation_tokens: int
     busy_seconds: float
@@ -330,21 +347,19 @@ def forecast_error(ms: Sequence[RequestMetrics]) -> tuple[float, int] | None:
     return (math.fsum(errors) / len(errors), len(errors)) if errors else None
 
 
-def summarize(ms: Sequence[RequestMetrics], stats: RunFigures | None = None, slo: SLO = SLO(),
-              correct: Callable[[str], bool] | None = None) -> dict:
+def summarize(ms: Sequence[RequestMetrics], stats: RunFigures | None = None,
+              slo: SLO = SLO()) -> dict:
     """A run's figures as plain data: counts, latency distributions, throughput, goodput,
-    Little's law, per-step figures and accelerator-seconds per good result. `stats`: the
-    engine's running figures (None for a remote server, whose steps are not seen).
-
-    `correct(request_id)` is the per-request correctness flag; None counts all as correct.
-    """
+    answer checks, Little's law, per-step figures and accelerator-seconds per good result.
+    `stats`: the engine's running figures (None for a remote server, whose steps are not
+    seen). Good requests met the SLOs and passed their check if they carried one."""
     stats = stats or RunFigures()
     start = min((m.arrival for m in ms), default=0.0)
     end = max((m.finish for m in ms if m.finish is not None), default=start)
     span = max(end - start, 1e-12)
     finished = [m for m in ms if m.status in ("finished_stopped", "finished_length")]
-    good = [m for m in finished
-            if slo.met(m) and (correct is None or correct(m.request_id))]
+    good_ones = [m for m in finished if good(m, slo)]
+    checked = [m for m in ms if m.correct is not None]
     residence = [m.finish - m.arrival for m in ms if m.finish is not None]
     arrival_rate = len(residence) / span
     steps = stats.num_steps
@@ -356,8 +371,10 @@ def summarize(ms: Sequence[RequestMetrics], stats: RunFigures | None = None, slo
         "statuses": statuses,
         "makespan_s": span if ms else 0.0,
         "completion_throughput_rps": len(finished) / span,
-        "goodput_rps": len(good) / span,
-        "num_good": len(good),
+        "goodput_rps": len(good_ones) / span,
+        "num_good": len(good_ones),
+        "num_checked": len(checked),
+        "num_correct": sum(1 for m in checked if m.correct),
         "output_tokens_per_s": sum(m.output_tokens for m in finished) / span,
         "prompt_tokens": sum(m.prompt_tokens for m in ms),
         "cached_prompt_tokens": sum(m.cached_tokens for m in ms),
@@ -385,7 +402,8 @@ def summarize(ms: Sequence[RequestMetrics], stats: RunFigures | None = None, slo
             "decode_tokens": stats.decode_tokens,
             "generated_tokens": stats.generation_tokens,
         },
-        "accelerator_s_per_good_result": stats.busy_seconds / len(good) if good else None,
+        "accelerator_s_per_good_result": stats.busy_seconds / len(good_ones) if good_ones
+        else None,
         "finish_forecast_error": (forecast_error(ms) or (None,))[0],
         "slo": asdict(slo),
     }

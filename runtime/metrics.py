@@ -5,8 +5,8 @@ vs goodput").
     E2E   = TTFT + Σ ITL                 TPOT  = (E2E − TTFT) / (G − 1)
 
 Times count from the request's scheduled arrival, so queueing outside the engine counts.
-Goodput counts only requests that finished, were correct (a hook) and met every SLO and
-their deadline, per second of observed time.
+Goodput counts only requests that finished, passed their answer check if they carried one
+(`runtime/checks.py`) and met every SLO and their deadline, per second of observed time.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ class RequestMetrics:
     met_deadline: bool | None
     predicted_finish: float | None = None
     """Admission control's forecast of `finish`, made at admission."""
+    correct: bool | None = None
+    """Whether the answer passed its check; None: no check, or no answer to check."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,7 +72,7 @@ def request_metrics(req: Request) -> RequestMetrics:
         queue_time=req.admitted_time - req.arrival_time if req.admitted_time is not None
         else None,
         itls=itls, deadline=req.deadline, met_deadline=met,
-        predicted_finish=req.predicted_finish,
+        predicted_finish=req.predicted_finish, correct=req.correct,
     )
 
 
@@ -120,6 +122,7 @@ class SLO:
                 check_float(name, v, 0.0, 1e9)
 
     def met(self, m: RequestMetrics) -> bool:
+        """Finished within every bound (correctness is `good`'s business)."""
         if m.status not in ("finished_stopped", "finished_length"):
             return False
         if self.ttft_s is not None and (m.ttft is None or m.ttft > self.ttft_s):
@@ -129,3 +132,8 @@ class SLO:
         if self.e2e_s is not None and (m.e2e is None or m.e2e > self.e2e_s):
             return False
         return not (self.require_deadline and m.met_deadline is False)
+
+
+def good(m: RequestMetrics, slo: SLO) -> bool:
+    """Counts towards goodput: finished within the SLOs, and correct if it was checked."""
+    return slo.met(m) and m.correct is not False

@@ -118,7 +118,8 @@ class Recorder:
                 req.arrival_time, req.num_prompt_tokens, req.sampling.max_tokens,
                 prompt_tokens=tuple(req.prompt_token_ids),
                 deadline_s=req.deadline - req.arrival_time if req.deadline is not None
-                else None, priority=req.priority, request_id=req.request_id))
+                else None, priority=req.priority, request_id=req.request_id,
+                check=req.check))
 
     def close(self) -> None:
         with self._lock:

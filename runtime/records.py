@@ -219,6 +219,9 @@ class Finished(NamedTuple):
     status: str
     reason: str | None
     time: float
+    correct: bool | None = None
+    """Whether its answer passed its check (`runtime/checks.py`); None: it carried none.
+    Written only when not None, so runs without checks read as before."""
 
 
 @dataclass(slots=True)
@@ -317,6 +320,9 @@ class StepRecord:
             if value:
                 d[name] = [list(x) for x in value] if isinstance(value, list) and \
                     isinstance(value[0], tuple) else value
+        if self.finished:  # in its place among the keys; the flag only where checked
+            d["finished"] = [list(f) if f.correct is not None else list(f[:4])
+                             for f in self.finished]
         if self.arrived:
             d["arrived"] = [r.arrival_json() for r in self.arrived]
         if self.kv:

@@ -226,6 +226,7 @@ class TraceState:
                 raise RunFormatError(f"Step {rec.step} finishes request {f.request_id!r}, "
                                      "which the run never introduced.")
             r.status, r.reason, r.finish_time = RequestStatus(f.status), f.reason, f.time
+            r.correct = f.correct
             m = request_metrics(r)
             self.figures.on_finish(m)
             self.finished.append(m)

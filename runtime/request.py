@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from runtime.errors import ConfigError
 
 if TYPE_CHECKING:
+    from runtime.checks import AnswerCheck
     from runtime.guided import Guide, GuideSpec
 
 
@@ -124,6 +125,9 @@ class Progress:
     predicted_finish: float | None = None
     """Admission control's latest forecast of the finish time, made when it or a later
     request was admitted (`runtime/forecast.py`); None without admission control."""
+    correct: bool | None = None
+    """Whether the finished answer passed the request's check (`runtime/checks.py`); None
+    when it carried none or did not finish with an answer."""
 
 
 @dataclass(eq=False)
@@ -158,6 +162,8 @@ class Request(Progress):
     """Snapshots carry this request's text (the console's prompt follows it)."""
     guide: Guide | None = None
     """Its grammar state while it follows `sampling.guide` (the engine starts it)."""
+    check: AnswerCheck | None = None
+    """What the answer must satisfy to count as correct (sets `correct` at the finish)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

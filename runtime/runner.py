@@ -3,7 +3,9 @@
 Arrivals are handed to the engine as they come due (tokens are synthesized then, not up
 front), so memory stays proportional to the requests in flight even for the 12,031-request
 Mooncake trace. A request the engine refuses (prompt longer than the context, say) is
-recorded as rejected with the reason — never silently dropped.
+recorded as rejected with the reason — never silently dropped. Arrivals that carry an
+answer check need an engine with a tokenizer (`needs_tokenizer`); their answers end where
+the model ends them (end-of-sequence is honoured), up to the traced output length.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ def _rejected(a: Arrival, rid: str, reason: str) -> RequestMetrics:
                           None, None)
 
 
+def needs_tokenizer(arrivals: Sequence[Arrival]) -> bool:
+    """Whether any arrival carries an answer check (checks read the answer's text)."""
+    return any(a.check is not None for a in arrivals)
+
+
 def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int,
                  hash_block_tokens: int = 512, slo: SLO = SLO(),
                  on_step: Callable[[Engine], None] | None = None,
@@ -43,10 +50,13 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
                 on_arrival(a)
             try:
                 tokens = synthesize_tokens(a, i, vocab_size, hash_block_tokens)
-                # Traces fix output lengths: generate exactly that many tokens.
-                sampling = SamplingParams(max_tokens=a.output_len, ignore_eos=True)
+                # Traces fix output lengths: generate exactly that many tokens, unless the
+                # answer is checked: then it ends where the model ends it.
+                sampling = SamplingParams(max_tokens=a.output_len,
+                                          ignore_eos=a.check is None)
                 engine.add_request(tokens, sampling, request_id=rid, arrival_time=a.arrival_s,
-                                   deadline_s=a.deadline_s, priority=a.priority)
+                                   deadline_s=a.deadline_s, priority=a.priority,
+                                   check=a.check)
             except KvdeckError as e:
                 metrics.append(_rejected(a, rid, str(e)))
             i += 1

@@ -14,7 +14,12 @@ kvdeck JSONL schema, one object per line (only `arrival_s` and a prompt are requ
     {"arrival_s": 0.25, "prompt_len": 2048, "output_len": 256,
      "prefix_group": "sys", "prefix_len": 1024, "deadline_s": 7.0, "priority": 0,
      "id": "r1"}
-    {"arrival_s": 0.5, "prompt_tokens": [2, 651, 3681], "output_len": 16}
+    {"arrival_s": 0.5, "prompt_tokens": [2, 651, 3681], "output_len": 16,
+     "check": {"expected": "Paris"}}
+
+`check` (optional) is what the answer must satisfy to count as correct, in the API's shape:
+exactly one of `{"json_schema": {...}}`, `{"regex": "..."}`, `{"expected": "..."}`
+(`runtime/checks.py`).
 
 Files are parsed as data only; a malformed line raises a TraceError naming the file, the line
 and the problem.
@@ -32,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.checks import AnswerCheck, parse_check
 from runtime.errors import TraceError
 from runtime.records import json_object
 from runtime.resources import SAMPLE_TRACES, sample_trace
@@ -53,6 +59,8 @@ class Arrival:
     deadline_s: float | None = None
     priority: int = 0
     request_id: str | None = None
+    check: AnswerCheck | None = None
+    """What the answer must satisfy to count as correct (None: no check)."""
 
     def to_json(self) -> dict:
         """This arrival as a kvdeck JSONL object (tokens included, so replays are exact)."""
@@ -71,6 +79,8 @@ class Arrival:
             d["deadline_s"] = self.deadline_s
         if self.priority:
             d["priority"] = self.priority
+        if self.check is not None:
+            d["check"] = self.check.to_json()
         return d
 
 
@@ -211,6 +221,8 @@ def _read_kvdeck(path: Path) -> Iterator[Arrival]:
             deadline_s=_num(o, "deadline_s", where),
             priority=_int(o, "priority", where, -(1 << 31), 0),
             request_id=str(o["id"]) if "id" in o else None,
+            check=parse_check(o["check"], where=f"The check on {where}", error=TraceError)
+            if "check" in o else None,
         )
 
 

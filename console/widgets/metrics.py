@@ -1,5 +1,6 @@
-"""Metrics panel: latency percentiles, throughput, KV usage and prefix hit rate over time
-(sparklines, with knob changes marked), and resident requests.
+"""Metrics panel: latency percentiles, throughput and goodput, KV usage and prefix hit rate
+over time (sparklines, with knob changes marked), resident requests, and answer checks
+passed where requests carried them.
 
 Every number and chart comes from the snapshot: the latency figures and the time-bucketed
 history are kept by the engine (`runtime/figures.py`), so the live console and replay of
@@ -63,9 +64,12 @@ class MetricsPanel(SnapshotPanel):
         marks = {i for i, b in enumerate(history) if b.knob_change}
         good = r.get("good_fraction")
         line = f"done {throughput:.2f}/s" if narrow else f"throughput {throughput:.2f} req/s"
-        if r.get("has_deadlines") and good is not None:
+        deadlines, checks = r.get("has_deadlines"), r.get("has_checks")
+        if (deadlines or checks) and good is not None:
+            what = "met deadlines" if not checks else \
+                "on time and correct" if deadlines else "correct"
             line += f" · good {good:.0%}" if narrow else \
-                f" · goodput {throughput * good:.2f} req/s ({good:.0%} met deadlines)"
+                f" · goodput {throughput * good:.2f} req/s ({good:.0%} {what})"
         rates = (f"in {rate('arrivals'):.1f}/s · {rate('generated_tokens'):,.0f} tok/s"
                  if narrow else
                  f"in {rate('arrivals'):.2f} req/s · prompt {rate('prefill_tokens'):,.0f} · "
@@ -77,6 +81,7 @@ class MetricsPanel(SnapshotPanel):
         lines = [
             table,
             Text(line),
+            *self._check_lines(snap, narrow),
             Text(rates),
             Text(f"resident {resident} now\nmean {mean} · λT {predicted}" if narrow else
                  f"resident {resident} now · mean {mean} vs λ·T {predicted} · "
@@ -96,6 +101,18 @@ class MetricsPanel(SnapshotPanel):
             lines.append(Text(f"the simulation is {snap.lag_s:,.1f} s behind its pace",
                               style="bold yellow"))
         self.update(Group(*lines))
+
+    @staticmethod
+    def _check_lines(snap: EngineSnapshot, narrow: bool) -> list[Text]:
+        """Answers that passed their check, of those checked (none: no line)."""
+        f = snap.figures
+        if f is None or not f.num_checked:
+            return []
+        n, passed = f.num_checked, f.num_checked - f.num_check_failures
+        return [Text(f"correct {passed:,}/{n:,}" if narrow else
+                     f"answers correct {passed:,} of {n:,} checked "
+                     f"({f.num_check_failures:,} failed)",
+                     style="yellow" if f.num_check_failures else "")]
 
     @staticmethod
     def _model_lines(r: dict, narrow: bool, tiny: bool) -> list[Text]:

@@ -11,6 +11,7 @@ does not stall other clients. Errors are OpenAI-shaped (see `api_errors.py`); th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from runtime.checks import parse_check
 from runtime.engine import Engine
 from runtime.engine_loop import EngineLoop
 from runtime.errors import ConfigError, EngineFailedError, QueueFullError, RequestError
@@ -188,6 +190,16 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             return error(400, "This server runs the sim executor, which computes no logits; "
                               "constrained output needs a real model.", guided[0])
         try:
+            check = body.answer_check()
+        except RequestError as e:
+            return error(400, str(e), "check")
+        if check is None and guided is not None and guided[1].kind == "json_schema":
+            # The schema an answer was constrained to is what it must satisfy: one cut
+            # short by max_tokens is finished but not good. (A schema llguidance compiles
+            # but jsonschema cannot read goes unchecked.)
+            with contextlib.suppress(RequestError):
+                check = parse_check({"json_schema": json.loads(guided[1].source)})
+        try:
             bias = body.bias_pairs()
             vocab = tokenizer.vocab_size
             if any(token >= vocab for token, _ in bias):
@@ -209,8 +221,11 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             rid = f"{'chat' if chat else 'cmpl'}-{uuid.uuid4().hex[:12]}"
             # A constraint compiles on submission (milliseconds; the vocabulary's first
             # reading takes seconds): off the event loop.
-            req = await off_loop(engine.add_request, prompt, sampling, request_id=rid) \
-                if guided else engine.add_request(prompt, sampling, request_id=rid)
+            if guided:
+                req = await off_loop(engine.add_request, prompt, sampling, request_id=rid,
+                                     check=check)
+            else:
+                req = engine.add_request(prompt, sampling, request_id=rid, check=check)
         except ConstraintError as e:
             return error(400, str(e), guided[0])
         except (RequestError, ConfigError, ValueError) as e:

@@ -81,8 +81,15 @@ class SnapshotCollector:
                                       for b, n in h.cumulative()], h.sum)
                 yield family
             yield counter("kvdeck:goodput_requests",
-                          "Finished requests that met their deadline (if they had one).",
+                          "Finished requests that met their deadline (if they had one) and "
+                          "passed their answer check (if they carried one).",
                           figures.num_good)
+            yield counter("kvdeck:checked_requests",
+                          "Finished answers that carried an answer check.",
+                          figures.num_checked)
+            yield counter("kvdeck:check_failures",
+                          "Finished answers that failed their answer check (finished, not "
+                          "good).", figures.num_check_failures)
         blocks = GaugeMetricFamily("kvdeck:kv_blocks", "KV blocks by state.",
                                    labels=["model_name", "state"])
         for code, name in enumerate(STATE_NAMES):

@@ -10,6 +10,8 @@
 - `max_completion_tokens`, OpenAI's current name, takes precedence over `max_tokens`.
 - Chat content is a string or a list of text parts; roles are system, developer (treated as
   system), user and assistant.
+- `check` is kvdeck's extension: what the answer must satisfy to count as correct
+  (`runtime/checks.py`); it changes nothing in the answer, only whether it counts as good.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from runtime.checks import AnswerCheck, parse_check
 from runtime.guided import GuideSpec, choice_spec
 
 
@@ -128,6 +131,22 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class CheckBody(BaseModel):
+    """kvdeck's `check`: exactly one of a JSON schema the answer must validate against, a
+    regex it must match in full, or the expected answer."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_schema: dict[str, Any] | None = None
+    regex: Text | None = None
+    expected: Text | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if len(self.model_dump(exclude_none=True)) != 1:
+            raise ValueError("must hold exactly one of json_schema, regex or expected")
+        return self
+
+
 class GenerateBody(BaseModel):
     """What completions and chat share."""
 
@@ -172,6 +191,8 @@ class GenerateBody(BaseModel):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+    check: CheckBody | None = None
+    """kvdeck's extension: what the answer must satisfy to count as correct (goodput)."""
     # Known but not implemented: accepted only at their neutral values (see NEUTRAL).
     top_logprobs: Any = None
     echo: Any = None
@@ -230,6 +251,12 @@ class GenerateBody(BaseModel):
             raise ValueError("A request takes one output constraint; this one names "
                              f"{' and '.join(name for name, _ in found)}.")
         return found[0] if found else None
+    def answer_check(self) -> AnswerCheck | None:
+        """The request's check; a schema or regex that is not valid raises RequestError with
+        one sentence naming it."""
+        if self.check is None:
+            return None
+        return parse_check(self.check.model_dump(exclude_none=True), where="'check'")
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs; a key that is not a token id raises

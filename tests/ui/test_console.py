@@ -464,3 +464,25 @@ async def test_80x24_shows_knob_values_queue_essentials_and_the_keys_that_matter
                    if k.region.right <= 80 and k.region.width}
         assert {"Quit", "Pause", "Knobs", "Requests", "Record", "Prompt", "Charts", "Help",
                 "Theme"} <= visible
+
+
+async def test_metrics_panel_counts_answers_that_passed_their_checks(app) -> None:
+    """Requests with checks among the traffic: the panel says how many answers passed, and
+    goodput leaves out the wrong ones."""
+    from runtime.checks import parse_check
+    from runtime.request import SamplingParams
+
+    async with app.run_test(size=(160, 48)) as pilot:
+        advance(app, 5)
+        await pilot.pause()
+        assert "correct" not in panel_text(app.query_one("#metrics"))
+        words = parse_check({"regex": r"\s*[a-z]+( [a-z]+)*\s*"})  # the stand-in's answers
+        wrong = parse_check({"expected": "Paris"})
+        reqs = [app.engine.add_request([5, 6, 7], SamplingParams(max_tokens=4), check=c)
+                for c in (words, wrong, wrong)]
+        while not all(r.status.is_finished for r in reqs):
+            advance(app, 5)
+        await pilot.pause()
+        text = panel_text(app.query_one("#metrics"))
+        # The panel's narrow forms at this size; only the three checked requests are done.
+        assert "correct 1/3" in text and "good 33%" in text

@@ -52,19 +52,50 @@ def test_goodput_counts_only_requests_meeting_slos_and_correct() -> None:
         finished("slow-ttft", 0.0, [2.0, 2.1]),
         finished("late", 0.0, [0.1, 6.0], deadline=5.0),
         finished("wrong", 0.0, [0.1, 0.2]),
+        finished("right", 0.0, [0.1, 0.2]),
         finished("aborted", 0.0, [0.1], status=RequestStatus.ABORTED),
     ]
+    reqs[3].correct, reqs[4].correct = False, True
     ms = [request_metrics(r) for r in reqs]
     stats = RunFigures()
     stats.busy_seconds = 3.0
-    s = summarize(ms, stats, SLO(ttft_s=1.0),
-                  correct=lambda rid: rid != "wrong")
-    assert s["num_good"] == 1
+    s = summarize(ms, stats, SLO(ttft_s=1.0))
+    assert s["num_good"] == 2  # fast, and right: wrong met the SLO but failed its check
+    assert (s["num_checked"], s["num_correct"]) == (2, 1)
     assert s["makespan_s"] == 6.0
-    assert s["goodput_rps"] == pytest.approx(1 / 6.0)
-    assert s["completion_throughput_rps"] == pytest.approx(4 / 6.0)
-    assert s["accelerator_s_per_good_result"] == 3.0
-    assert s["statuses"] == {"finished_length": 4, "aborted": 1}
+    assert s["goodput_rps"] == pytest.approx(2 / 6.0)
+    assert s["completion_throughput_rps"] == pytest.approx(5 / 6.0)
+    assert s["accelerator_s_per_good_result"] == 1.5
+    assert s["statuses"] == {"finished_length": 5, "aborted": 1}
+
+
+def test_running_figures_count_checks_and_keep_failures_out_of_goodput() -> None:
+    """The engine's figures (what /metrics, the console and replay read): a failed check is
+    finished but not good; the counts survive a checkpoint, and a checkpoint written before
+    checks existed loads with none."""
+    f = RunFigures()
+    outcomes = {"unchecked": None, "right": True, "wrong": False, "wrong-late": False}
+    for i, (rid, correct) in enumerate(outcomes.items()):
+        r = finished(rid, 0.0, [0.1, 0.2 + i], deadline=9.0 if rid != "wrong-late" else 0.1)
+        r.correct = correct
+        f.on_finish(request_metrics(r))
+    assert (f.num_good, f.num_checked, f.num_check_failures) == (2, 3, 2)
+    rolling = f.rolling()
+    assert rolling["good_fraction"] == 0.5 and rolling["has_checks"]
+    view = f.view()
+    assert (view.num_good, view.num_checked, view.num_check_failures) == (2, 3, 2)
+    again = RunFigures()
+    again.load(f.to_json())
+    assert (again.num_good, again.num_checked, again.num_check_failures) == (2, 3, 2)
+    assert [m.correct for m in again.recent] == list(outcomes.values())
+    old = f.to_json()
+    del old["num_checked"], old["num_check_failures"]
+    for m in old["recent"]:
+        del m["correct"]
+    before = RunFigures()
+    before.load(old)
+    assert (before.num_checked, before.num_check_failures) == (0, 0)
+    assert not before.rolling()["has_checks"]
 
 
 def test_bad_slo_is_refused() -> None:

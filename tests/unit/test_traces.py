@@ -66,6 +66,46 @@ def test_own_jsonl_with_prefix_groups(tmp_path: Path) -> None:
     assert load_arrivals(p2) == a
 
 
+def test_own_jsonl_carries_answer_checks(tmp_path: Path) -> None:
+    p = tmp_path / "checked.jsonl"
+    p.write_text(
+        '{"arrival_s": 0, "prompt_tokens": [5, 6], "check": {"expected": "Paris"}}\n'
+        '{"arrival_s": 1, "prompt_len": 9, "check": {"regex": "\\\\d+"}}\n'
+        '{"arrival_s": 2, "prompt_len": 9, "check": {"json_schema": {"type": "array"}}}\n'
+        '{"arrival_s": 3, "prompt_len": 9}\n')
+    a = load_arrivals(p)
+    assert [x.check.to_json() if x.check else None for x in a] == [
+        {"expected": "Paris"}, {"regex": "\\d+"}, {"json_schema": {"type": "array"}}, None]
+    assert a[1].check.passes("2024") and not a[2].check.passes("{}")
+    p2 = tmp_path / "round.jsonl"
+    p2.write_text("\n".join(__import__("json").dumps(x.to_json()) for x in a))
+    assert load_arrivals(p2) == a
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("re.jsonl", '{"arrival_s": 0, "prompt_len": 5}\n'
+     '{"arrival_s": 1, "prompt_len": 5, "check": {"regex": "(a"}}\n',
+     "The check on " + "{dir}/re.jsonl line 2 has a regex that does not compile (missing ), "
+     "unterminated subpattern at position 0); patterns use Python's re syntax."),
+    ("schema.jsonl", '{"arrival_s": 0, "prompt_len": 5, "check": {"json_schema": '
+     '{"type": 5}}}\n', "line 1 has a json_schema that is not a valid JSON Schema: 5 is "
+     "not valid under any of the given schemas (at $.type)."),
+    ("two.jsonl", '{"arrival_s": 0, "prompt_len": 5, "check": {"regex": "a", '
+     '"expected": "a"}}\n', "two.jsonl line 1 must be an object with exactly one of the "
+     "keys json_schema, regex or expected"),
+    ("text.jsonl", '{"arrival_s": 0, "prompt_len": 5, "check": "Paris"}\n',
+     "text.jsonl line 1 must be an object with exactly one of the keys json_schema, regex "
+     "or expected, got \"Paris\"."),
+])
+def test_malformed_checks_name_line_and_problem(tmp_path: Path, name: str, content: str,
+                                                message: str) -> None:
+    p = tmp_path / name
+    p.write_text(content)
+    with pytest.raises(TraceError) as err:
+        load_arrivals(p)
+    assert message.replace("{dir}", str(tmp_path)) in str(err.value)
+
+
 @pytest.mark.parametrize("name, content, message", [
     ("bad.jsonl", '{"arrival_s": 0, "prompt_len": 5}\n{oops\n',
      "bad.jsonl line 2 is not valid JSON"),
