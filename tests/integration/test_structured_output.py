@@ -172,3 +172,17 @@ def test_the_sim_refuses_constraints_in_one_sentence() -> None:
             "model": model, "prompt": "hi", "max_tokens": 4,
             "response_format": {"type": "json_object"}})
     assert r.status_code == 400 and "needs a real model" in r.json()["error"]["message"]
+
+
+def test_a_schema_answer_cut_short_fails_its_check(server, client) -> None:
+    """A json_schema constraint is also the answer's check: one that max_tokens cuts off is
+    finished but not good (/metrics' check counters and goodput say so)."""
+    from tests.integration.test_checks_server import counters, moved
+
+    before = counters(server)
+    for max_tokens in (4, 160):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Invent a teacher."}],
+            max_tokens=max_tokens, temperature=0, response_format=schema_format(PERSON))
+    good, checked, failed = moved(before, counters(server))
+    assert (checked, failed) == (2, 1) and good <= 1
