@@ -784,6 +784,12 @@ class Engine:
         self.kv.check_integrity()
         for req in self.scheduler.running:
             assert req.request_id in self.kv.tables
+            if req.sampling.prompt_logprobs is not None:
+                # Every computed prompt position scored its next token, once.
+                scored = len(req.prompt_logprobs_out)
+                want = min(req.num_computed_tokens, req.num_prompt_tokens - 1)
+                assert want <= scored <= req.num_prompt_tokens - 1, \
+                    f"{req.request_id} scored {scored} prompt tokens, computed {want}"
         for req in self.scheduler.waiting:
             assert req.request_id not in self.kv.tables
             assert (req.status is RequestStatus.SWAPPED) == \

@@ -53,6 +53,19 @@ class ScheduledChunk:
     def num_pairs(self) -> int:
         return causal_pairs(self.num_new_tokens, self.start)
 
+    @property
+    def prompt_scored(self) -> range:
+        """Positions of this chunk whose logits the executor turns into prompt logprobs
+        (`SamplingParams.prompt_logprobs`): position q's logits score prompt token q + 1, so
+        the scored positions run to the prompt's second-to-last one. Positions scored
+        before (a recompute after preemption) are not scored again. Empty for a request
+        that scores no prompt."""
+        scored = self.request.num_prompt_scored
+        if scored is None:
+            return range(0)
+        return range(max(self.start, scored),
+                     min(self.start + self.num_new_tokens, self.request.num_prompt_tokens - 1))
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -133,6 +146,9 @@ class StepResult:
     """Request id -> error message for requests the executor could not run."""
     logprobs: dict[str, object] = field(default_factory=dict)
     """Request id -> `sampling.TokenLogprobs` for requests that asked for logprobs."""
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    """Request id -> one `sampling.TokenLogprobs` per position of its chunk's
+    `prompt_scored`, in order: the prompt token after each position."""
     transfers: list = field(default_factory=list)
     """`records.Transfer` per copy between device and host the step made (the plan's
     block copies and weight prefetches), with its timing."""

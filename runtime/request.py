@@ -51,6 +51,11 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    """Report each output token's log-probability and this many alternatives (None: off)."""
+    prompt_logprobs: int | None = None
+    """Score the prompt too (vLLM's name): every prompt token after the first gets its
+    log-probability given the tokens before it, and this many alternatives (None: off).
+    Such a request reuses no cached prefix it has not scored itself."""
     presence_penalty: float = 0.0
     """Subtracted from the logit of every token already in the output (OpenAI's)."""
     frequency_penalty: float = 0.0
@@ -85,6 +90,9 @@ class SamplingParams:
             raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ConfigError(f"logprobs must be between 0 and 20, got {self.logprobs}.")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ConfigError("prompt_logprobs must be between 0 and 20, got "
+                              f"{self.prompt_logprobs}.")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must not be empty.")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -158,6 +166,9 @@ class Request(Progress):
     """A `tokenizer.IncrementalDetokenizer` when the engine has a tokenizer."""
     output_logprobs: list = field(default_factory=list)
     """One `sampling.TokenLogprobs` per output token when `sampling.logprobs` is set."""
+    prompt_logprobs_out: list = field(default_factory=list)
+    """With `sampling.prompt_logprobs`: one `sampling.TokenLogprobs` per prompt token from
+    the second on, in order, as the prefill scores them (entry i is token i + 1's)."""
     tracked: bool = False
     """Snapshots carry this request's text (the console's prompt follows it)."""
     guide: Guide | None = None
@@ -201,6 +212,16 @@ class Request(Progress):
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def num_prompt_scored(self) -> int | None:
+        """With `sampling.prompt_logprobs`, prompt positions whose logits are scored yet
+        (position q's logits score prompt token q + 1, so q < this is done); None when the
+        request scores no prompt or has scored all of it."""
+        if self.sampling.prompt_logprobs is None:
+            return None
+        n = len(self.prompt_logprobs_out)
+        return n if n < len(self.prompt_token_ids) - 1 else None
 
     @property
     def num_pending_tokens(self) -> int:

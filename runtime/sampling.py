@@ -132,16 +132,24 @@ def sample(logits: torch.Tensor, requests: list[Request], base_seed: int = 0,
             probs = sampling_probs(scores, sp)
             token = int(torch.multinomial(probs, 1, generator=request_generator(req, base_seed)))
         tokens.append(token)
-        if sp.logprobs is None:
-            logprobs.append(None)
-            continue
-        lp = torch.log_softmax(logits[row], dim=-1)
-        alts: tuple[tuple[int, float], ...] = ()
-        if sp.logprobs:
-            top = torch.topk(lp, sp.logprobs)
-            alts = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-        logprobs.append(TokenLogprobs(float(lp[token]), alts))
+        logprobs.append(None if sp.logprobs is None else
+                        score_tokens(logits[row:row + 1], [token], sp.logprobs)[0])
     return tokens, logprobs
+
+
+def score_tokens(logits: torch.Tensor, tokens: list[int], num_alternatives: int
+                 ) -> list[TokenLogprobs]:
+    """Each row of `logits` [N, vocab] scoring the matching token of `tokens`: the token's
+    log-probability under the model's own distribution (the log-softmax of the raw logits,
+    before any processor) and the `num_alternatives` most likely tokens. Sampled tokens'
+    logprobs and prompt logprobs both come from here."""
+    lp = torch.log_softmax(logits.float().cpu(), dim=-1)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    if not num_alternatives:
+        return [TokenLogprobs(v, ()) for v in chosen]
+    top = torch.topk(lp, num_alternatives, dim=-1)
+    return [TokenLogprobs(v, tuple(zip(i, t, strict=True)))
+            for v, i, t in zip(chosen, top.indices.tolist(), top.values.tolist(), strict=True)]
 
 
 def sample_draft(logits: torch.Tensor, req: Request, draft: list[int], base_seed: int = 0,

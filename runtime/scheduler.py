@@ -152,6 +152,7 @@ class Scheduler:
                         arrival_time=parent.arrival_time, deadline=parent.deadline,
                         priority=parent.priority, status=RequestStatus.RUNNING,
                         output_token_ids=list(parent.output_token_ids),
+                        prompt_logprobs_out=list(parent.prompt_logprobs_out),
                         admitted_time=parent.admitted_time,
                         first_token_time=parent.first_token_time,
                         token_times=list(parent.token_times))
@@ -671,6 +672,8 @@ class Scheduler:
             start = chunk.start
             end = start + chunk.num_new_tokens
             req.num_computed_tokens = end
+            if result.prompt_logprobs:
+                req.prompt_logprobs_out.extend(result.prompt_logprobs.get(req.request_id, ()))
             status = None
             if chunk.num_draft:
                 status, end = self._apply_draft(chunk, result.spec[req.request_id], now,

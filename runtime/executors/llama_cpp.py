@@ -2,9 +2,10 @@
 
 One llama.cpp context holds every request, each as a *sequence id*; each engine step is one
 `llama_batch` mixing decode rows, prefill chunks and speculative verify chunks across
-sequences, with logits requested only for the rows that sample (or verify). kvdeck's shared
-sampler (`runtime/sampling.py`) picks tokens from those logits, so seeds, stop strings,
-logprobs and speculation behave as with the torch executor.
+sequences, with logits requested only for the rows that sample (or verify, or score prompt
+tokens). kvdeck's shared sampler (`runtime/sampling.py`) picks tokens from those logits, so
+seeds, stop strings, logprobs, prompt logprobs and speculation behave as with the torch
+executor.
 
 **KV: blocks, slots and cells.** kvdeck's block manager stays the source of truth for
 admission, capacity, sharing and the block map. llama.cpp keeps K and V in *cells*, one
@@ -71,7 +72,7 @@ from runtime.models.gguf import read_gguf
 from runtime.models.info import model_info_from_gguf
 from runtime.plan import Conversion, ScheduledChunk, SchedulerOutput, StepResult, StepTiming
 from runtime.profiles import StepFit
-from runtime.sampling import sample, sample_draft
+from runtime.sampling import sample, sample_draft, score_tokens
 from runtime.snapshot import WeightsView
 from runtime.spec.ngram import propose_for
 from runtime.spec.verify import verify_greedy
@@ -383,7 +384,7 @@ class LlamaCppExecutor:
     def execute(self, plan: SchedulerOutput) -> StepResult:
         """One `llama_decode` per prefill or verify chunk (with the positions its slot
         must recompute first), then one for all decode rows: see the module docstring for
-        why. Logits come back only for rows that sample or verify."""
+        why. Logits come back only for rows that sample, verify or score prompt tokens."""
         assert self._ctx is not None, "bind_kv must run before execute"
         t0 = time.perf_counter()
         for rid in plan.preempted:
@@ -408,15 +409,30 @@ class LlamaCppExecutor:
         if self.draft is not None:  # fills `draft` of the chunks that plan draft positions
             draft_seconds, q = self.draft.run(plan, {c.request_id: seq for c, seq, _ in
                                                      prepared}, self.batch_invariant)
+        scoring: list[tuple[ScheduledChunk, int, range]] = []
+        """(chunk, its first logits row, the positions) per chunk that scores prompt
+        positions."""
         for chunk, seq, redo in prepared:
             start, n, req = chunk.start, chunk.num_new_tokens, chunk.request
             tokens = [*req.token_slice(start, start + 1), *chunk.draft] if chunk.num_draft \
                 else req.token_slice(start, start + n)
             outputs = n if chunk.num_draft else (1 if chunk.sample else 0)
+            # Prompt positions to score come before the rows that sample (which sit at or
+            # past the prompt's last token), so their logits rows come first.
+            scored = chunk.prompt_scored
+            if scored:
+                scoring.append((chunk, num_out, scored))
             rows = [(t, pos, seq, -1) for pos, t in enumerate(redo, start - len(redo))]
             for i, tok in enumerate(tokens):
-                out = num_out + i - (n - outputs) if i >= n - outputs else -1
-                rows.append((tok, start + i, seq, out))
+                pos = start + i
+                if i >= n - outputs:
+                    out = num_out + len(scored) + i - (n - outputs)
+                elif pos in scored:
+                    out = num_out + pos - scored.start
+                else:
+                    out = -1
+                rows.append((tok, pos, seq, out))
+            num_out += len(scored)
             if outputs:
                 wants.append((chunk, num_out, outputs))
                 num_out += outputs
@@ -460,6 +476,11 @@ class LlamaCppExecutor:
                 else:
                     spec[c.request_id] = sample_draft(rows_logits, c.request, list(c.draft),
                                                       self.seed, q.get(c.request_id), allowed)
+        prompt_logprobs = {  # position q's logits score prompt token q + 1
+            c.request_id: score_tokens(logits[i:i + len(r)],
+                                       c.request.prompt_token_ids[r.start + 1:r.stop + 1],
+                                       c.request.sampling.prompt_logprobs)
+            for c, i, r in scoring}
         seconds = time.perf_counter() - t0
         context = sum(c.start + c.num_new_tokens for c in plan.chunks)
         weights = self.weight_bytes
@@ -470,7 +491,7 @@ class LlamaCppExecutor:
                             weights + context * self.kv_bytes_per_token(self.kv_format))
         self.timing.observe(num_rows, timing.num_pairs, seconds - draft_seconds)
         return StepResult(sampled, timing, errors=errors, logprobs=logprobs, spec=spec,
-                          draft_seconds=draft_seconds)
+                          draft_seconds=draft_seconds, prompt_logprobs=prompt_logprobs)
 
     def propose(self, req, k: int, knobs) -> list[int]:
         """n-gram prompt lookup over the request's latest tokens (as the torch executor)."""

@@ -38,7 +38,7 @@ from runtime.profiles import StepFit
 from runtime.quality import QualityCache
 from runtime.records import Transfer
 from runtime.resources import cache_dir
-from runtime.sampling import sample, sample_draft
+from runtime.sampling import TokenLogprobs, sample, sample_draft, score_tokens
 from runtime.snapshot import WeightsView
 from runtime.spec.draft_model import DraftModel
 from runtime.spec.ngram import propose_for
@@ -507,6 +507,7 @@ class TorchExecutor:
                 logprobs = {rid: lp for rid, lp in zip(batch.sample_ids, lps, strict=True)
                             if lp is not None}
         spec = self._verify(plan, batch, hidden, q, masks) if batch.verify else {}
+        prompt_logprobs = self._score_prompts(plan, hidden)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
@@ -523,7 +524,35 @@ class TorchExecutor:
         if not transfers:  # copies would blur the compute model; drafting has its own
             self.timing.observe(batch.tokens.numel(), timing.num_pairs, seconds - draft_seconds)
         return StepResult(sampled, timing, logprobs=logprobs, transfers=transfers,
-                          draft_seconds=draft_seconds, spec=spec)
+                          draft_seconds=draft_seconds, spec=spec,
+                          prompt_logprobs=prompt_logprobs)
+
+    SCORE_ROWS = 64
+    """Prompt rows turned into logits at a time: a row's logits are a vocabulary of floats
+    (1 MiB on Gemma 3), so a long chunk is scored in slices."""
+
+    def _score_prompts(self, plan: SchedulerOutput, hidden: torch.Tensor
+                       ) -> dict[str, list[TokenLogprobs]]:
+        """Prompt logprobs of every chunk that scores prompt positions
+        (`ScheduledChunk.prompt_scored`): each position's logits score the prompt token
+        after it. `hidden` holds the chunks' rows in plan order."""
+        out: dict[str, list[TokenLogprobs]] = {}
+        row = 0
+        for c in plan.chunks:
+            scored = c.prompt_scored
+            if scored:
+                req = c.request
+                first = row + scored.start - c.start
+                lps: list[TokenLogprobs] = []
+                for a in range(scored.start, scored.stop, self.SCORE_ROWS):
+                    b = min(a + self.SCORE_ROWS, scored.stop)
+                    logits = self.model.logits(hidden[first + a - scored.start:
+                                                      first + b - scored.start])
+                    lps.extend(score_tokens(logits, req.prompt_token_ids[a + 1:b + 1],
+                                            req.sampling.prompt_logprobs))
+                out[c.request_id] = lps
+            row += c.num_new_tokens
+        return out
 
     def _verify(self, plan: SchedulerOutput, batch: PagedBatch, hidden: torch.Tensor,
                 q: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]

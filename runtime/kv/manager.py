@@ -257,8 +257,12 @@ class BlockManager:
     def _reusable(req: Request) -> list[int]:
         """Tokens whose KV may come from the cache: all known tokens but the last, so the
         step that computes the last one yields logits (a preempted request's generated
-        tokens count too)."""
-        return req.token_slice(0, req.num_tokens - 1)
+        tokens count too). A request scoring its prompt (`prompt_logprobs`) needs the
+        logits of every prompt position it has not scored yet, so it reuses none of
+        those."""
+        end = req.num_tokens - 1
+        scored = req.num_prompt_scored
+        return req.token_slice(0, end if scored is None else min(end, scored))
 
     def prefix_chain(self, req: Request) -> list[PrefixNode]:
         """The cached nodes an admission of `req` would reuse now (no side effects)."""

@@ -164,7 +164,9 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
                               f"{tokenizer.vocab_size - 1}.", "tokens")
         return JSONResponse({"prompt": await off_loop(tokenizer.decode, body.tokens)})
 
-    async def generate(request: Request, body: GenerateBody, prompt: list[int], chat: bool):
+    async def generate(request: Request, body: GenerateBody, prompt: list[int], chat: bool,
+                       echo: str | None = None):
+        """`echo`: the prompt's text, to put before the completion's (completions' `echo`)."""
         if body.model != model_id:
             return error(404, f"The model '{body.model}' does not exist; this server serves "
                               f"'{model_id}'.", "model")
@@ -173,7 +175,12 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             return down
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         limit = body.output_limit()
-        if limit is None:
+        # `max_tokens: 0` with echo scores the prompt only. The engine still samples the
+        # one token the prefill yields anyway (as vLLM does); the answer leaves it out.
+        echo_only = limit == 0
+        if echo_only:
+            limit = 1
+        elif limit is None:
             room = engine.max_model_len - len(prompt)
             limit = max(min(limits.default_max_tokens if chat
                             else COMPLETIONS_DEFAULT_MAX_TOKENS, room), 1)
@@ -213,6 +220,7 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
                 temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                 max_tokens=limit, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
                 stop_token_ids=tuple(dict.fromkeys(ends)), logprobs=body.num_logprobs(),
+                prompt_logprobs=body.num_logprobs() if echo is not None else None,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=body.repetition_penalty or 1.0, min_p=body.min_p or 0.0,
@@ -234,7 +242,7 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             return error(429, str(e))
         except EngineFailedError as e:
             return error(503, str(e))
-        answer = Answer(req, model_id, chat, hub.watch(req), tokenizer)
+        answer = Answer(req, model_id, chat, hub.watch(req), tokenizer, echo, echo_only)
         if not body.stream:
             return await answer.whole(request, engine, hub, limits.request_timeout_s)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -244,18 +252,25 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionBody):
+        if body.max_tokens == 0 and not body.echo:
+            return error(400, "'max_tokens' must be at least 1, or 0 with 'echo': true (the "
+                              "prompt scored, nothing generated).", "max_tokens")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 return error(400, f"'prompt' holds {len(prompt)} prompts; this server takes "
                                   "one prompt per request.", "prompt")
             prompt = prompt[0]
+        echo = prompt if body.echo and isinstance(prompt, str) else None
         if isinstance(prompt, str):
             prompt = await off_loop(tokenizer.encode, prompt)
         elif any(t >= tokenizer.vocab_size for t in prompt):
             return error(400, f"'prompt' token ids must be from 0 to "
                               f"{tokenizer.vocab_size - 1}.", "prompt")
-        return await generate(request, body, prompt, chat=False)
+        elif body.echo and prompt:
+            echo = (await off_loop(token_pieces, tokenizer, prompt)).decode(
+                "utf-8", errors="replace")
+        return await generate(request, body, prompt, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatBody):
@@ -273,28 +288,47 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
                  metrics_need_key=limits.metrics_need_key)
 
 
-class Answer:
-    """One request's answer, whole or streamed, in OpenAI's shapes."""
+def token_pieces(tokenizer, tokens: list[int]) -> bytes:
+    """The text of token ids as their logprobs report it: each token's bytes in the context
+    of the ones before it (leading-space rules; `decode` drops a leading space), joined."""
+    return b"".join(tokenizer.token_bytes(t, tokens[max(i - 4, 0):i])
+                    for i, t in enumerate(tokens))
 
-    def __init__(self, req: EngineRequest, model_id: str, chat: bool, stream, tokenizer=None):
+
+class Answer:
+    """One request's answer, whole or streamed, in OpenAI's shapes.
+
+    Completions' `echo` (`echo` holds the prompt's text): the first choice (the first
+    chunk of a stream, as vLLM streams it) starts with the prompt's text, and with
+    logprobs its report starts with the prompt's tokens — the first with null logprob and
+    alternatives, each later one scored given the tokens before it — and `text_offset`
+    runs from 0 over the prompt, then the completion. `echo_only` (`max_tokens: 0`): the
+    token the engine sampled is left out of the text, the report and the usage."""
+
+    def __init__(self, req: EngineRequest, model_id: str, chat: bool, stream, tokenizer=None,
+                 echo: str | None = None, echo_only: bool = False):
         self.req, self.model_id, self.chat, self.stream = req, model_id, chat, stream
         self.tokenizer = tokenizer
+        self.echo, self.echo_only = echo, echo_only
+        self.echoed = False
         self.created = int(time.time())
         self.reported: list[int] = []
-        """Output tokens whose logprobs were reported (the context of the next ones' bytes)."""
+        """Tokens whose logprobs were reported (the context of the next ones' bytes)."""
         self.reported_bytes = b""
 
     def usage(self) -> dict:
         r = self.req
-        return {"prompt_tokens": r.num_prompt_tokens, "completion_tokens": r.num_output_tokens,
-                "total_tokens": r.num_prompt_tokens + r.num_output_tokens,
+        out = 0 if self.echo_only else r.num_output_tokens
+        return {"prompt_tokens": r.num_prompt_tokens, "completion_tokens": out,
+                "total_tokens": r.num_prompt_tokens + out,
                 "prompt_tokens_details": {"cached_tokens": r.num_cached_tokens}}
 
-    def logprobs(self, tokens: tuple[int, ...], lps: tuple, final: bool = False
-                 ) -> dict | None:
+    def logprobs(self, tokens: tuple[int, ...], lps: tuple, final: bool = False,
+                 prompt: tuple | None = None) -> dict | None:
         """The tokens' logprobs in OpenAI's shape: chat's `{"content": [{token, logprob,
         bytes, top_logprobs}]}`, or completions' legacy `{tokens, token_logprobs,
-        top_logprobs, text_offset}`. None when the request asked for none."""
+        top_logprobs, text_offset}`. None when the request asked for none. `prompt`: the
+        echoed prompt's logprobs (its second token on), reported first."""
         if self.req.sampling.logprobs is None or self.tokenizer is None:
             return None
         tokens, lps = tuple(tokens), tuple(lps)
@@ -306,14 +340,24 @@ class Answer:
             tokens, lps = tokens[:-1], lps[:-1]
         tok = self.tokenizer
         raw, offsets = [], []
-        for t in tokens:
-            # A token's bytes after the ones before it (leading-space rules); the offset
-            # counts the whole characters of the text before it.
-            b = tok.token_bytes(t, self.reported[-4:])
-            offsets.append(len(self.reported_bytes.decode("utf-8", errors="ignore")))
-            self.reported.append(t)
-            self.reported_bytes += b
-            raw.append(b)
+
+        def report(ts) -> None:
+            for t in ts:
+                # A token's bytes after the ones before it (leading-space rules); the offset
+                # counts the whole characters of the text before it.
+                b = tok.token_bytes(t, self.reported[-4:])
+                offsets.append(len(self.reported_bytes.decode("utf-8", errors="ignore")))
+                self.reported.append(t)
+                self.reported_bytes += b
+                raw.append(b)
+
+        if prompt is not None:
+            report(self.req.prompt_token_ids)
+            # The completion's offsets count from the end of the echoed text.
+            self.reported_bytes = (self.echo or "").encode()
+            # The first prompt token has nothing before it to be scored on: null.
+            lps = (None, *prompt, *lps)
+        report(tokens)
         pieces = [b.decode("utf-8", errors="replace") for b in raw]
         if self.chat:
             def alt(token: int, logprob: float) -> dict:
@@ -325,17 +369,27 @@ class Answer:
                 {"token": piece, "logprob": lp.logprob, "bytes": list(b),
                  "top_logprobs": [alt(t, v) for t, v in lp.top]}
                 for piece, b, lp in zip(pieces, raw, lps, strict=True)], "refusal": None}
-        return {"tokens": pieces, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{tok.token_bytes(t).decode("utf-8", errors="replace"): v
+        return {"tokens": pieces,
+                "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+                "top_logprobs": [None if lp is None else
+                                 {tok.token_bytes(t).decode("utf-8", errors="replace"): v
                                   for t, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 
     def choice(self, text: str, final: bool, delta: bool, tokens: tuple[int, ...] = (),
-               lps: tuple = ()) -> dict:
-        reason = ("length" if self.req.status is RequestStatus.FINISHED_LENGTH else "stop") \
-            if final else None
+               lps: tuple = (), prompt_lps: tuple = ()) -> dict:
+        """One choice (whole or a stream's delta); `prompt_lps`: the prompt's logprobs,
+        which the first one reports when echoing."""
+        length = self.echo_only or self.req.status is RequestStatus.FINISHED_LENGTH
+        reason = ("length" if length else "stop") if final else None
+        if self.echo_only:
+            text, tokens, lps = "", (), ()
+        prompt = None
+        if self.echo is not None and not self.echoed:
+            self.echoed = True
+            text, prompt = self.echo + text, tuple(prompt_lps)
         c: dict = {"index": 0, "finish_reason": reason,
-                   "logprobs": self.logprobs(tokens, lps, final)}
+                   "logprobs": self.logprobs(tokens, lps, final, prompt)}
         if self.chat:
             c["delta" if delta else "message"] = {"role": "assistant", "content": text}
         else:
@@ -352,15 +406,16 @@ class Answer:
                     timeout_s: float | None) -> Response:
         """Wait for the whole answer while watching the client: a disconnect or the timeout
         aborts the request."""
-        async def collect() -> tuple[str, tuple[int, ...], tuple]:
-            parts, tokens, lps = [], [], []
+        async def collect() -> tuple[str, tuple[int, ...], tuple, tuple]:
+            parts, tokens, lps, prompt = [], [], [], []
             while True:
                 d = await self.stream.get()
                 parts.append(d.text)
                 tokens.extend(d.tokens)
                 lps.extend(d.logprobs)
+                prompt.extend(d.prompt_logprobs)
                 if d.finished:
-                    return "".join(parts), tuple(tokens), tuple(lps)
+                    return "".join(parts), tuple(tokens), tuple(lps), tuple(prompt)
 
         text_task = asyncio.ensure_future(collect())
         gone_task = asyncio.ensure_future(wait_for_disconnect(request))
@@ -416,11 +471,13 @@ class Answer:
                     yield event({"error": {"message": problem, "type": "service_unavailable",
                                            "param": None, "code": 503}})
                     return
-                if d.text or d.finished or (d.logprobs and self.req.sampling.logprobs is not None):
+                echo = self.echo is not None and not self.echoed
+                if d.text or d.finished or echo or \
+                        (d.logprobs and self.req.sampling.logprobs is not None):
                     payload = {"id": rid, "object": kind, "created": self.created,
                                "model": self.model_id,
                                "choices": [self.choice(d.text, d.finished, True, d.tokens,
-                                                       d.logprobs)]}
+                                                       d.logprobs, d.prompt_logprobs)]}
                     if include_usage:
                         payload["usage"] = None
                     yield event(payload)

@@ -281,9 +281,15 @@ class NotImplementedField(ValueError):
 
 class CompletionBody(GenerateBody):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    """0 only with `echo`: the prompt is scored, nothing is generated (app.py checks)."""
     logprobs: Annotated[int, Field(ge=0, le=20)] | bool | None = None
     """OpenAI's legacy form: the sampled token's logprob and this many alternatives
     (`false` and null: none)."""
+    echo: bool | None = None
+    """OpenAI's: the prompt's text comes before the completion's, and with `logprobs` the
+    prompt's tokens come first in them (the first with null logprobs)."""
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"echo"})
 
     def num_logprobs(self) -> int | None:
         if self.logprobs is None or self.logprobs is False:

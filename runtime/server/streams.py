@@ -21,12 +21,15 @@ class Delta:
     """New output since the last delta; `finished` is set on the last one. For a request
     that asked for logprobs, `tokens` are the output token ids sampled since the last delta
     and `logprobs` theirs (text may lag its tokens while a stop string could still
-    match); empty otherwise."""
+    match); empty otherwise. The first delta of a request that asked for prompt logprobs
+    carries them all in `prompt_logprobs` (the prefill has scored the whole prompt before
+    the first token is sampled)."""
 
     text: str
     finished: bool = False
     tokens: tuple[int, ...] = ()
     logprobs: tuple = ()
+    prompt_logprobs: tuple = ()
 
 
 class RequestStream:
@@ -36,6 +39,7 @@ class RequestStream:
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.sent_tokens = 0
         self.sent_chars = 0
+        self.sent_any = False
 
     async def get(self) -> Delta:
         return await self.queue.get()
@@ -86,7 +90,11 @@ class OutputHub:
                 if req.sampling.logprobs is not None:  # only their reports use the ids
                     tokens = tuple(req.output_token_ids[first:s.sent_tokens])
                     lps = tuple(req.output_logprobs[first:s.sent_tokens])
+                prompt = ()
+                if not s.sent_any and req.sampling.prompt_logprobs is not None:
+                    prompt = tuple(req.prompt_logprobs_out)
+                s.sent_any = True
                 s.loop.call_soon_threadsafe(s.queue.put_nowait,
-                                            Delta(text, done, tokens, lps))
+                                            Delta(text, done, tokens, lps, prompt))
             if done:
                 self.forget(req.request_id)

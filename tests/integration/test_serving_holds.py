@@ -351,7 +351,10 @@ def test_cached_tokens_are_reported(server) -> None:
      "logprobs"),
     ({"logprobs": 21}, 400, "'logprobs' must be at most 20", "logprobs"),
     ({"top_logprobs": 2}, 400, "'top_logprobs' is not supported", "top_logprobs"),
-    ({"echo": True}, 400, "'echo' is not supported", "echo"),
+    ({"echo": True, "logprobs": 1}, 400,
+     "This server runs the sim executor, which computes no logits", "logprobs"),
+    ({"max_tokens": 0}, 400, "'max_tokens' must be at least 1, or 0 with 'echo': true",
+     "max_tokens"),
     ({"suffix": "x"}, 400, "'suffix' is not supported", "suffix"),
     ({"best_of": 3}, 400, "'best_of' is not supported", "best_of"),
     ({"logit_bias": {"x": 1}}, 400, "logit_bias keys must be token ids, got 'x'.", None),
@@ -381,6 +384,27 @@ def test_strict_fields_and_unimplemented_ones_are_named(server, extra, status, n
     r = httpx.post(url(server, "/v1/completions"), content=body,
                    headers={"content-type": "application/json"})
     assert_openai_error(r, status, needle, param)
+
+
+def test_echo_on_the_sim_is_text_and_chat_takes_none(server) -> None:
+    """Echo without logprobs needs no logits: the prompt's text, whole and as a stream's
+    first chunk, and alone with `max_tokens: 0`. Chat has no echo."""
+    client = openai.OpenAI(base_url=url(server, "/v1"), api_key="none", max_retries=0)
+    prompt = "one two three"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True)
+    plain = r.choices[0].text[len(prompt):]
+    assert r.choices[0].text.startswith(prompt) and len(plain.split()) == 3
+    assert r.choices[0].logprobs is None and r.usage.completion_tokens == 3
+    chunks = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, echo=True, stream=True) if c.choices]
+    assert chunks[0].startswith(prompt) and len("".join(chunks)[len(prompt):].split()) == 3
+    only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True)
+    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
+    assert only.choices[0].finish_reason == "length"
+    r = httpx.post(url(server, "/v1/chat/completions"), json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "echo": True})
+    assert_openai_error(r, 400, "'echo' is not supported", "echo")
+    settled(server)
 
 
 def test_neutral_values_of_unimplemented_fields_are_accepted(server) -> None:

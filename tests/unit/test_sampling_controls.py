@@ -1,6 +1,7 @@
 """The sampler's logit processors on hand-made logits: logit_bias, the repetition, presence
 and frequency penalties, min_tokens (end-of-sequence and stop ids masked) and min_p; each
-request with one takes the full sampler and never drafts."""
+request with one takes the full sampler and never drafts. Prompt logprobs: which positions
+a chunk scores, and the scores themselves."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from runtime.errors import ConfigError
+from runtime.plan import ScheduledChunk
 from runtime.request import Request, SamplingParams
-from runtime.sampling import process_logits, sample
+from runtime.sampling import TokenLogprobs, process_logits, sample, score_tokens
 
 EOS = 0
 
@@ -82,3 +84,31 @@ def test_processors_take_the_full_sampler_and_validate() -> None:
                         ({"logit_bias": ((1, 200.0),)}, "logit_bias maps token ids")]:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             SamplingParams(**kw)
+
+
+def test_each_prompt_token_after_the_first_is_scored_by_one_chunk_once() -> None:
+    with pytest.raises(ConfigError, match="prompt_logprobs must be between 0 and 20, got 21."):
+        SamplingParams(prompt_logprobs=21)
+    req = request(prompt=range(10), prompt_logprobs=0)
+
+    def scored(start: int, n: int) -> range:
+        return ScheduledChunk(req, n, start, [], start + n == 10).prompt_scored
+
+    # Position q scores token q + 1: the last prompt position samples instead.
+    assert scored(0, 4) == range(0, 4) and scored(4, 6) == range(4, 9)
+    req.prompt_logprobs_out.extend([TokenLogprobs(0.0, ())] * 6)
+    assert req.num_prompt_scored == 6
+    assert scored(0, 10) == range(6, 9)  # a recompute after preemption: 0–5 are done
+    req.prompt_logprobs_out.extend([TokenLogprobs(0.0, ())] * 3)
+    assert req.num_prompt_scored is None and scored(0, 10) == range(0)
+    assert request(prompt=range(10)).num_prompt_scored is None  # not asked for
+
+
+def test_scores_are_the_raw_logits_log_softmax_with_alternatives() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 3.0, 0.0]])
+    lp = torch.log_softmax(logits, -1)
+    got = score_tokens(logits, [1, 0], 2)
+    assert [g.logprob for g in got] == pytest.approx([float(lp[0, 1]), float(lp[1, 0])])
+    assert [t for t, _ in got[0].top] == [0, 1] and got[1].top[0][0] == 2
+    assert got[1].top[0][1] == pytest.approx(float(lp[1, 2]))
+    assert score_tokens(logits, [3, 3], 0)[0].top == ()
