@@ -78,6 +78,8 @@ from runtime.transfers import TransferLog, host_checkpoint
 
 log = logging.getLogger("kvdeck.engine")
 MAX_TRACKED = 8
+MAX_BRANCHES = 64
+"""The most samples of one prompt (`n`, `best_of`)."""
 
 
 class Engine:
@@ -185,14 +187,19 @@ class Engine:
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
                     *, request_id: str | None = None, arrival_time: float | None = None,
                     deadline_s: float | None = None, priority: int = 0,
-                    track: bool = False, check: AnswerCheck | None = None) -> Request:
+                    track: bool = False, check: AnswerCheck | None = None,
+                    branches: int = 1) -> Request:
         """Validate and queue a request; returns it at once (it runs on the engine thread).
 
         `arrival_time` in the future (engine clock) schedules the arrival, as trace replay
         does; `deadline_s` is relative to arrival; `track` puts the request's text in every
         snapshot (the console's prompt); `check` is what the answer must satisfy to count
-        as correct (it needs a tokenizer: checks read text). Raises RequestError,
-        QueueFullError or EngineFailedError.
+        as correct (it needs a tokenizer: checks read text); `branches` > 1 (the API's `n`)
+        samples the prompt
+        that many times: the request returned is the first sample and `branches` holds the
+        others, which share its prompt's KV blocks (one prefill). Seeded branches take
+        seeds `seed`, `seed + 1`, ... (as vLLM's). Raises RequestError, QueueFullError or
+        EngineFailedError.
         """
         if self.failure is not None:
             raise EngineFailedError(f"The engine has stopped ({self.failure.message}); it "
@@ -207,6 +214,8 @@ class Engine:
                                "tokenizer, and this engine has none.")
         if n == 0:
             raise RequestError("The prompt is empty; a prompt needs at least one token.")
+        if not 1 <= branches <= MAX_BRANCHES:
+            raise RequestError(f"n must be from 1 to {MAX_BRANCHES}, got {branches}.")
         guide = self._start_guide(sampling) if sampling.guide is not None else None
         if n > self.max_model_len - 1:
             raise RequestError(f"The prompt has {n:,} tokens but the model's context allows "
@@ -217,20 +226,32 @@ class Engine:
                 f"context of {self.max_model_len:,} tokens; at most "
                 f"{self.max_model_len - n:,} new tokens fit.")
         with self._lock:
-            if self._num_queued >= self.config.max_waiting:
+            if self._num_queued + branches > self.config.max_waiting:
                 raise QueueFullError(f"The waiting queue is full ({self.config.max_waiting:,} "
-                                     "requests); retry later.")
-            self._num_queued += 1
+                                     "requests, each of n samples counting); retry later.")
+            self._num_queued += branches
             rid = request_id or f"req-{next(self._ids)}"
         arrival = self.clock.arrival_time() if arrival_time is None else arrival_time
-        req = Request(rid, list(prompt_token_ids), sampling, arrival_time=arrival,
-                      deadline=arrival + deadline_s if deadline_s is not None else None,
-                      priority=priority, check=check)
-        if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                     sampling.stop)
-        req.tracked = track
+
+        def make(request_id: str, params: SamplingParams) -> Request:
+            r = Request(request_id, list(prompt_token_ids), params, arrival_time=arrival,
+                        deadline=arrival + deadline_s if deadline_s is not None else None,
+                        priority=priority, check=check)
+            if self.tokenizer is not None:
+                r.detokenizer = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids,
+                                                       params.stop)
+            r.tracked = track
+            return r
+
+        req = make(rid, sampling)
         req.guide = guide
+        seed = sampling.seed
+        # Branches sample on their own (their seeds, or their ids), and the prompt's
+        # logprobs are the first sample's to report.
+        req.branches = [make(f"{rid}.{i}", dataclasses.replace(
+            sampling, seed=None if seed is None else seed + i, prompt_logprobs=None))
+            for i in range(1, branches)]
+        req.branched = not req.branches
         self.post(AddRequest(req))
         return req
 
@@ -492,9 +513,11 @@ class Engine:
                 if r.request_id == rid:
                     self._future.pop(i)
                     heapq.heapify(self._future)
-                    r.status, r.reason = RequestStatus.ABORTED, reason
-                    r.finish_time = r.arrival_time
-                    self._cancelled.append(r)
+                    for x in (r, *r.branches):  # its other samples never started either
+                        x.status, x.reason = RequestStatus.ABORTED, reason
+                        x.finish_time = x.arrival_time
+                        self._cancelled.append(x)
+                    r.branched = True
                     break
 
     def _release_arrivals(self, record: StepRecord) -> float:
@@ -564,6 +587,9 @@ class Engine:
         self.clock.wait_until_due(self.stop_event)  # a paced sim step takes its time
         t1 = self.state_end = self.clock.now()
         self.scheduler.update(plan, result, t1)
+        for child, parent in self.scheduler.take_branched():
+            record.forked.append(Forked(child.request_id, parent.request_id,
+                                        child.sampling.max_tokens, True))
         self.last_batch = BatchView(plan.step, plan.num_decode_tokens, plan.num_prefill_tokens,
                                     len(plan.chunks), plan.token_budget, plan.max_num_seqs,
                                     dt, len(plan.preempted), plan.limit, plan.predicted_s,
@@ -701,6 +727,8 @@ class Engine:
         self.scheduler.waiting.clear()
         self._future.clear()
         self.kv.in_flight = False
+        # Samples of a prompt whose branches never started end with it.
+        future += [b for r in admitted + future if not r.branched for b in r.branches]
         for req in admitted + future:
             req.status, req.reason, req.finish_time = RequestStatus.ABORTED, reason, now
         for req in admitted:

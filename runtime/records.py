@@ -205,11 +205,14 @@ class Transfer(NamedTuple):
 
 
 class Forked(NamedTuple):
-    """A running request branched: the child shares the parent's blocks and tokens."""
+    """A running request branched: the child shares the parent's blocks and tokens — or,
+    for a `branch` (another sample of the prompt, `n` > 1), the parent's prompt but its
+    last position, with no output yet."""
 
     request_id: str
     parent_id: str
     max_tokens: int
+    branch: bool = False
 
 
 class Finished(NamedTuple):

@@ -170,9 +170,17 @@ class TraceState:
             self.figures.on_arrival(rec.t0 - a.arrival_time)
         for f in rec.forked:
             parent = self._request(f.parent_id, rec)
-            self.requests[f.request_id] = dataclasses.replace(
+            child = dataclasses.replace(
                 parent, request_id=f.request_id, max_tokens=f.max_tokens, num_cached_tokens=0,
                 num_preemptions=0, token_times=list(parent.token_times))
+            if f.branch:  # another sample: the prompt but its last position, no output
+                child.token_times, child.num_output_tokens = [], 0
+                child.first_token_time = None
+                child.num_computed_tokens = parent.num_prompt_tokens - 1
+                child.status = RequestStatus.RUNNING
+                child.admitted_time = parent.admitted_time if parent.admitted_time \
+                    is not None else rec.t0
+            self.requests[f.request_id] = child
         for sw in rec.switches:  # requests preempted to fit a re-laid pool
             for rid in sw.get("preempted", ()):
                 self._preempted(rid, rec)

@@ -175,6 +175,11 @@ class Request(Progress):
     """Its grammar state while it follows `sampling.guide` (the engine starts it)."""
     check: AnswerCheck | None = None
     """What the answer must satisfy to count as correct (sets `correct` at the finish)."""
+    branches: list[Request] = field(default_factory=list)
+    """The other samples of this prompt (`n` > 1): made with the request, started sharing
+    its prompt's blocks when the prompt is computed (`Scheduler._start_branches`)."""
+    branched: bool = False
+    """Its branches have started (or there were none to start)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

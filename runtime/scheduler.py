@@ -100,6 +100,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
+        self.branched: list[tuple[Request, Request]] = []
+        """(branch, its first sample) started since the engine last took them (it records
+        them)."""
         """Requests that reached a final state since the engine last collected them."""
         self.num_preemptions = 0
         self.num_swapped = 0
@@ -162,11 +165,37 @@ class Scheduler:
         self.running.append(child)
         return child
 
+    def _start_branches(self, parent: Request, now: float) -> None:
+        """Start the other samples of `parent`'s prompt, which it has just computed: each
+        shares the prompt's blocks (reference counts) but its last position, which it
+        recomputes as its first step to sample its own first token — writing it copies a
+        shared partial tail block (copy-on-write) or takes a fresh one. Runs before the
+        parent's first token is taken, so a grammar state forks from the prompt's end."""
+        parent.branched = True
+        m = parent.num_prompt_tokens - 1
+        # The prompt's full blocks enter the prefix cache first, so the branches' chains
+        # start from the parent's nodes (caching later would meet them as strangers).
+        self.kv.cache_computed(parent)
+        for child in parent.branches:
+            child.status = RequestStatus.RUNNING
+            child.admitted_time = parent.admitted_time
+            child.events.append((now, f"branched from {parent.request_id}"))
+            if parent.guide is not None:
+                child.guide = parent.guide.fork()
+            self.kv.fork(parent, child)
+            self.kv.truncate(child, m)
+            self.running.append(child)
+            self.branched.append((child, parent))
+
     def reject(self, req: Request, reason: str, now: float) -> None:
         self._finish(req, RequestStatus.REJECTED, reason, now)
 
     def _finish(self, req: Request, status: RequestStatus, reason: str | None,
                 now: float) -> None:
+        if req.branches and not req.branched:  # ended before its prompt was computed
+            req.branched = True
+            for child in req.branches:
+                self._finish(child, status, reason, now)
         req.status = status
         req.reason = reason
         req.finish_time = now
@@ -679,6 +708,8 @@ class Scheduler:
                 status, end = self._apply_draft(chunk, result.spec[req.request_id], now,
                                                 result.timing.seconds)
             elif chunk.sample:
+                if req.branches and not req.branched:  # the prompt is in: branch from it
+                    self._start_branches(req, now)
                 chunk.emitted = 1
                 token = sampled[req.request_id]
                 out = req.output_token_ids
@@ -773,6 +804,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    def take_branched(self) -> list[tuple[Request, Request]]:
+        """Branches started since the last call (`_start_branches`)."""
+        started, self.branched = self.branched, []
+        return started
 
     def take_finished(self) -> list[Request]:
         done, self.finished = self.finished, []
