@@ -50,6 +50,14 @@ class ScheduledChunk:
         return self.request.request_id
 
     @property
+    def branches(self) -> list:
+        """The other samples of the prompt this chunk completes (`n` > 1): the executor
+        draws each one's first token from this chunk's last logits row too (their own
+        seeds, the same distribution), and the scheduler's update starts them."""
+        r = self.request
+        return r.branches if self.sample and not r.branched else []
+
+    @property
     def num_pairs(self) -> int:
         return causal_pairs(self.num_new_tokens, self.start)
 

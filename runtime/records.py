@@ -206,8 +206,8 @@ class Transfer(NamedTuple):
 
 class Forked(NamedTuple):
     """A running request branched: the child shares the parent's blocks and tokens — or,
-    for a `branch` (another sample of the prompt, `n` > 1), the parent's prompt but its
-    last position, with no output yet."""
+    for a `branch` (another sample of the prompt, `n` > 1), the parent's prompt and a first
+    token of its own, drawn in the step that computed the prompt."""
 
     request_id: str
     parent_id: str

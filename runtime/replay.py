@@ -173,10 +173,10 @@ class TraceState:
             child = dataclasses.replace(
                 parent, request_id=f.request_id, max_tokens=f.max_tokens, num_cached_tokens=0,
                 num_preemptions=0, token_times=list(parent.token_times))
-            if f.branch:  # another sample: the prompt but its last position, no output
-                child.token_times, child.num_output_tokens = [], 0
-                child.first_token_time = None
-                child.num_computed_tokens = parent.num_prompt_tokens - 1
+            if f.branch:  # another sample: the prompt, and its first token from this step
+                child.token_times, child.num_output_tokens = [rec.t1], 1
+                child.first_token_time = rec.t1
+                child.num_computed_tokens = parent.num_prompt_tokens
                 child.status = RequestStatus.RUNNING
                 child.admitted_time = parent.admitted_time if parent.admitted_time \
                     is not None else rec.t0

@@ -152,6 +152,28 @@ def score_tokens(logits: torch.Tensor, tokens: list[int], num_alternatives: int
             for v, i, t in zip(chosen, top.indices.tolist(), top.values.tolist(), strict=True)]
 
 
+def sample_branches(logits: torch.Tensor, chunks: list, base_seed: int = 0,
+                    eos_token_ids: tuple[int, ...] = (),
+                    masks: dict[str, torch.Tensor] | None = None
+                    ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+    """The first tokens of the other samples of prompts completed this step (`n` > 1):
+    row j of `logits` is the last row of `chunks[j]`, and each of its `branches` draws from
+    that row with its own generator (and its first sample's grammar mask). Returns
+    (request id → token, request id → logprobs)."""
+    rows, reqs, branch_masks = [], [], {}
+    for j, chunk in enumerate(chunks):
+        for b in chunk.branches:
+            rows.append(j)
+            reqs.append(b)
+            if masks and chunk.request_id in masks:
+                branch_masks[b.request_id] = masks[chunk.request_id]
+    if not reqs:
+        return {}, {}
+    tokens, lps = sample(logits[rows], reqs, base_seed, eos_token_ids, branch_masks)
+    return ({r.request_id: t for r, t in zip(reqs, tokens, strict=True)},
+            {r.request_id: lp for r, lp in zip(reqs, lps, strict=True) if lp is not None})
+
+
 def sample_draft(logits: torch.Tensor, req: Request, draft: list[int], base_seed: int = 0,
                  q: torch.Tensor | None = None, allowed: torch.Tensor | None = None
                  ) -> list[int]:

@@ -165,27 +165,30 @@ class Scheduler:
         self.running.append(child)
         return child
 
-    def _start_branches(self, parent: Request, now: float) -> None:
-        """Start the other samples of `parent`'s prompt, which it has just computed: each
-        shares the prompt's blocks (reference counts) but its last position, which it
-        recomputes as its first step to sample its own first token — writing it copies a
-        shared partial tail block (copy-on-write) or takes a fresh one. Runs before the
-        parent's first token is taken, so a grammar state forks from the prompt's end."""
+    def _start_branches(self, parent: Request, branches: list[Request], result: StepResult,
+                        now: float) -> None:
+        """Start the other samples of `parent`'s prompt, which this step computed: each
+        shares every block of the prompt by reference count — its first write copies the
+        shared partial tail (copy-on-write) — and takes the first token the executor drew
+        for it from the prompt's last logits row. Runs before the parent takes its own
+        first token, so a grammar state forks from the prompt's end."""
         parent.branched = True
-        m = parent.num_prompt_tokens - 1
         # The prompt's full blocks enter the prefix cache first, so the branches' chains
         # start from the parent's nodes (caching later would meet them as strangers).
         self.kv.cache_computed(parent)
-        for child in parent.branches:
+        for child in branches:
             child.status = RequestStatus.RUNNING
             child.admitted_time = parent.admitted_time
             child.events.append((now, f"branched from {parent.request_id}"))
             if parent.guide is not None:
                 child.guide = parent.guide.fork()
             self.kv.fork(parent, child)
-            self.kv.truncate(child, m)
             self.running.append(child)
             self.branched.append((child, parent))
+            status = self._take_token(child, result, now)
+            if status is not None:
+                self.running.remove(child)
+                self._finish(child, status, status.value, now)
 
     def reject(self, req: Request, reason: str, now: float) -> None:
         self._finish(req, RequestStatus.REJECTED, reason, now)
@@ -687,7 +690,6 @@ class Scheduler:
         requests that stopped, cache newly full blocks. Returns requests finished now."""
         done: list[Request] = []
         errors = result.errors
-        sampled = result.sampled
         p = self.kv.block_size
         emitted = 0
         for chunk in plan.chunks:
@@ -708,21 +710,12 @@ class Scheduler:
                 status, end = self._apply_draft(chunk, result.spec[req.request_id], now,
                                                 result.timing.seconds)
             elif chunk.sample:
-                if req.branches and not req.branched:  # the prompt is in: branch from it
-                    self._start_branches(req, now)
+                branches = chunk.branches
+                if branches:  # the prompt is in: its other samples start from it
+                    self._start_branches(req, branches, result, now)
+                    done.extend(b for b in branches if b.status.is_finished)
                 chunk.emitted = 1
-                token = sampled[req.request_id]
-                out = req.output_token_ids
-                out.append(token)
-                if result.logprobs:
-                    lp = result.logprobs.get(req.request_id)
-                    if lp is not None:
-                        req.output_logprobs.append(lp)
-                req.token_times.append(now)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                    req.events.append((now, "first token"))
-                status = self._stop_after(req, token)
+                status = self._take_token(req, result, now)
             emitted += chunk.emitted
             if end // p != start // p:  # a block was completed: it may enter the cache
                 self.kv.cache_computed(req)
@@ -733,6 +726,20 @@ class Scheduler:
         if emitted:
             self._last_step = (result.timing.seconds, emitted)
         return done
+
+    def _take_token(self, req: Request, result: StepResult, now: float) -> RequestStatus | None:
+        """Append the token sampled for `req` (and its logprobs); its stop status."""
+        token = result.sampled[req.request_id]
+        req.output_token_ids.append(token)
+        if result.logprobs:
+            lp = result.logprobs.get(req.request_id)
+            if lp is not None:
+                req.output_logprobs.append(lp)
+        req.token_times.append(now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            req.events.append((now, "first token"))
+        return self._stop_after(req, token)
 
     def _stop_after(self, req: Request, token: int) -> RequestStatus | None:
         """The stop rules for `token`, just appended to `req`'s output: end of sequence or a

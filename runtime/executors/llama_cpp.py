@@ -72,7 +72,7 @@ from runtime.models.gguf import read_gguf
 from runtime.models.info import model_info_from_gguf
 from runtime.plan import Conversion, ScheduledChunk, SchedulerOutput, StepResult, StepTiming
 from runtime.profiles import StepFit
-from runtime.sampling import sample, sample_draft, score_tokens
+from runtime.sampling import sample, sample_branches, sample_draft, score_tokens
 from runtime.snapshot import WeightsView
 from runtime.spec.ngram import propose_for
 from runtime.spec.verify import verify_greedy
@@ -458,12 +458,17 @@ class LlamaCppExecutor:
         spec: dict[str, list[int]] = {}
         plain = [(c, i) for c, i, _ in wants if not c.num_draft]
         if plain:
-            toks, lps = sample(logits[[i for _, i in plain]], [c.request for c, _ in plain],
-                               self.seed, self.eos_token_ids, masks)
+            rows = logits[[i for _, i in plain]]
+            toks, lps = sample(rows, [c.request for c, _ in plain], self.seed,
+                               self.eos_token_ids, masks)
             for (c, _), tok, lp in zip(plain, toks, lps, strict=True):
                 sampled[c.request_id] = tok
                 if lp is not None:
                     logprobs[c.request_id] = lp
+            more, more_lps = sample_branches(rows, [c for c, _ in plain], self.seed,
+                                             self.eos_token_ids, masks)
+            sampled.update(more)
+            logprobs.update(more_lps)
         for c, i, k in wants:
             if c.num_draft:
                 rows_logits = logits[i:i + k]

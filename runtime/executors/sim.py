@@ -335,15 +335,16 @@ class SimExecutor:
             if chunk.num_draft:
                 spec[chunk.request.request_id] = self._verify(chunk)
             elif chunk.sample:
-                req = chunk.request
-                tok = token(req.request_id, start + n)
-                if len(req.output_token_ids) < req.sampling.min_tokens and (
-                        tok == self.config.eos_token_id or tok in req.sampling.stop_token_ids):
-                    # min_tokens masks EOS and the stop ids: the next non-ending token
-                    tok = token(req.request_id, start + n, eos=False)
-                    while tok in req.sampling.stop_token_ids:
-                        tok = (tok + 1) % self.config.vocab_size
-                sampled[req.request_id] = tok
+                for req in (chunk.request, *chunk.branches):
+                    tok = token(req.request_id, start + n)
+                    if len(req.output_token_ids) < req.sampling.min_tokens and (
+                            tok == self.config.eos_token_id
+                            or tok in req.sampling.stop_token_ids):
+                        # min_tokens masks EOS and the stop ids: the next non-ending token
+                        tok = token(req.request_id, start + n, eos=False)
+                        while tok in req.sampling.stop_token_ids:
+                            tok = (tok + 1) % self.config.vocab_size
+                    sampled[req.request_id] = tok
         seconds = self.estimate_step_seconds(num_new, num_pairs, context) if plan.chunks else 0.0
         transfers: list[Transfer] = []
         if plan.transfers:

@@ -38,7 +38,7 @@ from runtime.profiles import StepFit
 from runtime.quality import QualityCache
 from runtime.records import Transfer
 from runtime.resources import cache_dir
-from runtime.sampling import TokenLogprobs, sample, sample_draft, score_tokens
+from runtime.sampling import TokenLogprobs, sample, sample_branches, sample_draft, score_tokens
 from runtime.snapshot import WeightsView
 from runtime.spec.draft_model import DraftModel
 from runtime.spec.ngram import propose_for
@@ -479,7 +479,8 @@ class TorchExecutor:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             return paged_attention(kv, batch, layer, cfg.window(layer), cfg.attn_scale, q, k, v)
 
-        reqs = [c.request for c in plan.chunks if c.sample and not c.num_draft]
+        sampling = [c for c in plan.chunks if c.sample and not c.num_draft]
+        reqs = [c.request for c in sampling]
         job = MaskJob(reqs, [(c.request, list(c.draft)) for c in plan.chunks if c.num_draft])
         try:  # the grammar masks are computed while the forward pass runs
             hidden = self.model.forward(batch.tokens, batch.positions, attend)
@@ -497,6 +498,8 @@ class TorchExecutor:
             if tokens is not None:
                 sampled = dict(zip(batch.sample_ids, tokens, strict=True))
                 shortlisted = True
+                for c, t in zip(sampling, tokens, strict=True):  # greedy samples agree
+                    sampled.update((b.request_id, t) for b in c.branches)
             else:
                 logits = self.model.logits(rows)
                 if self.record_logits:
@@ -506,6 +509,10 @@ class TorchExecutor:
                 sampled = dict(zip(batch.sample_ids, tokens, strict=True))
                 logprobs = {rid: lp for rid, lp in zip(batch.sample_ids, lps, strict=True)
                             if lp is not None}
+                more, more_lps = sample_branches(logits, sampling, self.seed,
+                                                 self.eos_token_ids, masks)
+                sampled.update(more)
+                logprobs.update(more_lps)
         spec = self._verify(plan, batch, hidden, q, masks) if batch.verify else {}
         prompt_logprobs = self._score_prompts(plan, hidden)
         if self.device.type == "cuda":

@@ -14,9 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import time
 import uuid
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -31,8 +29,8 @@ from runtime.engine import Engine
 from runtime.engine_loop import EngineLoop
 from runtime.errors import ConfigError, EngineFailedError, QueueFullError, RequestError
 from runtime.guided import ConstraintError
-from runtime.request import Request as EngineRequest
-from runtime.request import RequestStatus, SamplingParams
+from runtime.request import SamplingParams
+from runtime.server.answer import Answer, Reply
 from runtime.server.api_errors import error, validation_sentence
 from runtime.server.guard import Guard
 from runtime.server.metrics import ServerMetrics
@@ -69,14 +67,6 @@ def config_json(settings: Settings | None, engine: Engine) -> dict:
     return {"settings": settings.flat() if settings is not None else None,
             "engine": dataclasses.asdict(engine.config),
             "num_blocks": engine.kv.num_blocks, "max_model_len": engine.max_model_len}
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    """Return when the client closes the connection (the body was read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
@@ -184,6 +174,17 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             room = engine.max_model_len - len(prompt)
             limit = max(min(limits.default_max_tokens if chat
                             else COMPLETIONS_DEFAULT_MAX_TOKENS, room), 1)
+        samples = body.num_samples()
+        if samples < body.n:
+            return error(400, f"'best_of' ({samples}) must be at least 'n' ({body.n}).",
+                         "best_of")
+        if samples > body.n and body.stream:
+            return error(400, "'best_of' cannot be used with 'stream' (the best samples are "
+                              "known only at the end).", "best_of")
+        if samples > body.n and engine.executor.name == "sim":
+            return error(400, "This server runs the sim executor, which computes no logits; "
+                              "'best_of' ranks samples by their log-probabilities and needs "
+                              "a real model.", "best_of")
         if isinstance(body, ChatBody) and body.top_logprobs and not body.logprobs:
             return error(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs")
         if body.num_logprobs() is not None and engine.executor.name == "sim":
@@ -219,7 +220,10 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             sampling = SamplingParams(
                 temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                 max_tokens=limit, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
-                stop_token_ids=tuple(dict.fromkeys(ends)), logprobs=body.num_logprobs(),
+                stop_token_ids=tuple(dict.fromkeys(ends)),
+                # best_of ranks its samples by their tokens' log-probabilities.
+                logprobs=body.num_logprobs() if body.num_logprobs() is not None
+                else (0 if samples > body.n else None),
                 prompt_logprobs=body.num_logprobs() if echo is not None else None,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
@@ -231,9 +235,10 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             # reading takes seconds): off the event loop.
             if guided:
                 req = await off_loop(engine.add_request, prompt, sampling, request_id=rid,
-                                     check=check)
+                                     check=check, branches=samples)
             else:
-                req = engine.add_request(prompt, sampling, request_id=rid, check=check)
+                req = engine.add_request(prompt, sampling, request_id=rid, check=check,
+                                         branches=samples)
         except ConstraintError as e:
             return error(400, str(e), guided[0])
         except (RequestError, ConfigError, ValueError) as e:
@@ -242,12 +247,15 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             return error(429, str(e))
         except EngineFailedError as e:
             return error(503, str(e))
-        answer = Answer(req, model_id, chat, hub.watch(req), tokenizer, echo, echo_only)
+        report = body.num_logprobs() is not None
+        reply = Reply([Answer(r, chat, hub.watch(r), tokenizer, echo, echo_only, index=i,
+                              report=report, prompt_of=req)
+                       for i, r in enumerate([req, *req.branches])], model_id, body.n)
         if not body.stream:
-            return await answer.whole(request, engine, hub, limits.request_timeout_s)
+            return await reply.whole(request, engine, hub, limits.request_timeout_s)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(answer.events(engine, hub, include_usage,
-                                               limits.request_timeout_s),
+        return StreamingResponse(reply.events(engine, hub, include_usage,
+                                              limits.request_timeout_s),
                                  media_type="text/event-stream")
 
     @app.post("/v1/completions")
@@ -293,202 +301,3 @@ def token_pieces(tokenizer, tokens: list[int]) -> bytes:
     of the ones before it (leading-space rules; `decode` drops a leading space), joined."""
     return b"".join(tokenizer.token_bytes(t, tokens[max(i - 4, 0):i])
                     for i, t in enumerate(tokens))
-
-
-class Answer:
-    """One request's answer, whole or streamed, in OpenAI's shapes.
-
-    Completions' `echo` (`echo` holds the prompt's text): the first choice (the first
-    chunk of a stream, as vLLM streams it) starts with the prompt's text, and with
-    logprobs its report starts with the prompt's tokens — the first with null logprob and
-    alternatives, each later one scored given the tokens before it — and `text_offset`
-    runs from 0 over the prompt, then the completion. `echo_only` (`max_tokens: 0`): the
-    token the engine sampled is left out of the text, the report and the usage."""
-
-    def __init__(self, req: EngineRequest, model_id: str, chat: bool, stream, tokenizer=None,
-                 echo: str | None = None, echo_only: bool = False):
-        self.req, self.model_id, self.chat, self.stream = req, model_id, chat, stream
-        self.tokenizer = tokenizer
-        self.echo, self.echo_only = echo, echo_only
-        self.echoed = False
-        self.created = int(time.time())
-        self.reported: list[int] = []
-        """Tokens whose logprobs were reported (the context of the next ones' bytes)."""
-        self.reported_bytes = b""
-
-    def usage(self) -> dict:
-        r = self.req
-        out = 0 if self.echo_only else r.num_output_tokens
-        return {"prompt_tokens": r.num_prompt_tokens, "completion_tokens": out,
-                "total_tokens": r.num_prompt_tokens + out,
-                "prompt_tokens_details": {"cached_tokens": r.num_cached_tokens}}
-
-    def logprobs(self, tokens: tuple[int, ...], lps: tuple, final: bool = False,
-                 prompt: tuple | None = None) -> dict | None:
-        """The tokens' logprobs in OpenAI's shape: chat's `{"content": [{token, logprob,
-        bytes, top_logprobs}]}`, or completions' legacy `{tokens, token_logprobs,
-        top_logprobs, text_offset}`. None when the request asked for none. `prompt`: the
-        echoed prompt's logprobs (its second token on), reported first."""
-        if self.req.sampling.logprobs is None or self.tokenizer is None:
-            return None
-        tokens, lps = tuple(tokens), tuple(lps)
-        # The token that ended the answer (end of turn, end of sequence) is not part of its
-        # text, and OpenAI reports none for it.
-        ends = {*self.req.sampling.stop_token_ids, self.tokenizer.eos_token_id}
-        if final and tokens and tokens[-1] in ends and \
-                self.req.status is RequestStatus.FINISHED_STOPPED:
-            tokens, lps = tokens[:-1], lps[:-1]
-        tok = self.tokenizer
-        raw, offsets = [], []
-
-        def report(ts) -> None:
-            for t in ts:
-                # A token's bytes after the ones before it (leading-space rules); the offset
-                # counts the whole characters of the text before it.
-                b = tok.token_bytes(t, self.reported[-4:])
-                offsets.append(len(self.reported_bytes.decode("utf-8", errors="ignore")))
-                self.reported.append(t)
-                self.reported_bytes += b
-                raw.append(b)
-
-        if prompt is not None:
-            report(self.req.prompt_token_ids)
-            # The completion's offsets count from the end of the echoed text.
-            self.reported_bytes = (self.echo or "").encode()
-            # The first prompt token has nothing before it to be scored on: null.
-            lps = (None, *prompt, *lps)
-        report(tokens)
-        pieces = [b.decode("utf-8", errors="replace") for b in raw]
-        if self.chat:
-            def alt(token: int, logprob: float) -> dict:
-                b = tok.token_bytes(token)
-                return {"token": b.decode("utf-8", errors="replace"), "logprob": logprob,
-                        "bytes": list(b)}
-
-            return {"content": [
-                {"token": piece, "logprob": lp.logprob, "bytes": list(b),
-                 "top_logprobs": [alt(t, v) for t, v in lp.top]}
-                for piece, b, lp in zip(pieces, raw, lps, strict=True)], "refusal": None}
-        return {"tokens": pieces,
-                "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
-                "top_logprobs": [None if lp is None else
-                                 {tok.token_bytes(t).decode("utf-8", errors="replace"): v
-                                  for t, v in lp.top} for lp in lps],
-                "text_offset": offsets}
-
-    def choice(self, text: str, final: bool, delta: bool, tokens: tuple[int, ...] = (),
-               lps: tuple = (), prompt_lps: tuple = ()) -> dict:
-        """One choice (whole or a stream's delta); `prompt_lps`: the prompt's logprobs,
-        which the first one reports when echoing."""
-        length = self.echo_only or self.req.status is RequestStatus.FINISHED_LENGTH
-        reason = ("length" if length else "stop") if final else None
-        if self.echo_only:
-            text, tokens, lps = "", (), ()
-        prompt = None
-        if self.echo is not None and not self.echoed:
-            self.echoed = True
-            text, prompt = self.echo + text, tuple(prompt_lps)
-        c: dict = {"index": 0, "finish_reason": reason,
-                   "logprobs": self.logprobs(tokens, lps, final, prompt)}
-        if self.chat:
-            c["delta" if delta else "message"] = {"role": "assistant", "content": text}
-        else:
-            c["text"] = text
-        return c
-
-    def failure(self) -> str | None:
-        r = self.req
-        if r.status in (RequestStatus.REJECTED, RequestStatus.ABORTED):
-            return f"The request was {r.status.value}: {r.reason}."
-        return None
-
-    async def whole(self, request: Request, engine: Engine, hub: OutputHub,
-                    timeout_s: float | None) -> Response:
-        """Wait for the whole answer while watching the client: a disconnect or the timeout
-        aborts the request."""
-        async def collect() -> tuple[str, tuple[int, ...], tuple, tuple]:
-            parts, tokens, lps, prompt = [], [], [], []
-            while True:
-                d = await self.stream.get()
-                parts.append(d.text)
-                tokens.extend(d.tokens)
-                lps.extend(d.logprobs)
-                prompt.extend(d.prompt_logprobs)
-                if d.finished:
-                    return "".join(parts), tuple(tokens), tuple(lps), tuple(prompt)
-
-        text_task = asyncio.ensure_future(collect())
-        gone_task = asyncio.ensure_future(wait_for_disconnect(request))
-        done, _ = await asyncio.wait({text_task, gone_task}, timeout=timeout_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        gone_task.cancel()
-        rid = self.req.request_id
-        if text_task not in done:
-            text_task.cancel()
-            gone = gone_task in done
-            engine.abort(rid, "client disconnected" if gone else
-                         f"ran longer than the server's --request-timeout of {timeout_s:g} s")
-            hub.forget(rid)
-            if gone:
-                return Response(status_code=499)  # nobody is listening
-            return error(504, f"The request ran longer than the server's limit of "
-                              f"{timeout_s:g} s (--request-timeout) and was aborted.")
-        problem = self.failure()
-        if problem is not None:
-            return error(503, problem)
-        kind = "chat.completion" if self.chat else "text_completion"
-        return JSONResponse({"id": rid, "object": kind, "created": self.created,
-                             "model": self.model_id,
-                             "choices": [self.choice(*text_task.result()[:1], True, False,
-                                                     *text_task.result()[1:])],
-                             "usage": self.usage()})
-
-    async def events(self, engine: Engine, hub: OutputHub, include_usage: bool,
-                     timeout_s: float | None) -> AsyncIterator[str]:
-        """Server-sent events; a failed request ends with an error event."""
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        rid = self.req.request_id
-        deadline = time.monotonic() + timeout_s if timeout_s else None
-
-        def event(payload: dict) -> str:
-            return "data: " + json.dumps(payload) + "\n\n"
-
-        try:
-            while True:
-                remaining = None if deadline is None else max(deadline - time.monotonic(), 0)
-                try:
-                    d = await asyncio.wait_for(self.stream.get(), remaining)
-                except asyncio.TimeoutError:
-                    engine.abort(rid, f"ran longer than the server's --request-timeout of "
-                                      f"{timeout_s:g} s")
-                    yield event({"error": {
-                        "message": f"The request ran longer than the server's limit of "
-                                   f"{timeout_s:g} s (--request-timeout) and was aborted.",
-                        "type": "timeout_error", "param": None, "code": 504}})
-                    return
-                problem = self.failure() if d.finished else None
-                if problem is not None:
-                    yield event({"error": {"message": problem, "type": "service_unavailable",
-                                           "param": None, "code": 503}})
-                    return
-                echo = self.echo is not None and not self.echoed
-                if d.text or d.finished or echo or \
-                        (d.logprobs and self.req.sampling.logprobs is not None):
-                    payload = {"id": rid, "object": kind, "created": self.created,
-                               "model": self.model_id,
-                               "choices": [self.choice(d.text, d.finished, True, d.tokens,
-                                                       d.logprobs, d.prompt_logprobs)]}
-                    if include_usage:
-                        payload["usage"] = None
-                    yield event(payload)
-                if d.finished:
-                    if include_usage:
-                        yield event({"id": rid, "object": kind, "created": self.created,
-                                     "model": self.model_id, "choices": [],
-                                     "usage": self.usage()})
-                    yield "data: [DONE]\n\n"
-                    return
-        finally:
-            if not self.req.status.is_finished:  # the client went away mid-stream
-                engine.abort(rid, "client disconnected")
-            hub.forget(rid)

@@ -160,7 +160,8 @@ class GenerateBody(BaseModel):
     """vLLM's extension; 0 and -1 mean off."""
     seed: int | None = None
     stop: Text | list[Text] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, Field(ge=1, le=64)] = 1
+    """Samples of the prompt to return (they share its KV blocks: one prefill)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -226,6 +227,10 @@ class GenerateBody(BaseModel):
         """Alternatives per token to report (None: no logprobs asked for)."""
         return None
 
+    def num_samples(self) -> int:
+        """Samples to generate (`n`, or completions' `best_of`)."""
+        return self.n
+
     def guide_spec(self) -> tuple[str, GuideSpec] | None:
         """(field, constraint) this request asks for, or None; ValueError when it names
         more than one (RequestError from `guided` when one is malformed)."""
@@ -289,7 +294,13 @@ class CompletionBody(GenerateBody):
     echo: bool | None = None
     """OpenAI's: the prompt's text comes before the completion's, and with `logprobs` the
     prompt's tokens come first in them (the first with null logprobs)."""
-    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"echo"})
+    best_of: Annotated[int, Field(ge=1, le=64)] | None = None
+    """OpenAI's legacy: sample this many (at least `n`), return the `n` whose tokens are
+    most likely (cumulative log-probability); not with `stream`."""
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"echo", "best_of"})
+
+    def num_samples(self) -> int:
+        return self.best_of or self.n
 
     def num_logprobs(self) -> int | None:
         if self.logprobs is None or self.logprobs is False:

@@ -19,7 +19,7 @@ from runtime.request import RequestStatus, SamplingParams
 from tests.integration.test_engine_sim import view_of
 
 P = 16
-PROMPT = 95 * P + 1  # position PROMPT-1 opens block 95: blocks 0-94 are shared
+PROMPT = 95 * P + 1  # 95 full blocks, shared; the last prompt token opens block 95
 KNOBS = Knobs(max_num_batched_tokens=2048, chunk_size=2048, max_num_seqs=16)
 
 
@@ -46,9 +46,9 @@ def test_four_branches_hold_the_prompt_once(tmp_path: Path) -> None:
             e.check_integrity()
             live.append(view_of(e.snapshot()))
         running = [b for b in branches if b.status is RequestStatus.RUNNING]
-        if len(running) < 4 or not all(b.output_token_ids for b in branches):
-            continue
-        shared = (PROMPT - 1) // P
+        if len(running) < 4 or not all(len(b.output_token_ids) >= 2 for b in branches):
+            continue  # until each sample has written past the prompt (and copied its tail)
+        shared = PROMPT // P
         private = [e.kv.blocks_needed(b.num_computed_tokens) - shared for b in branches]
         tables = [e.kv.tables[b.request_id] for b in branches]
         assert all(t[:shared] == tables[0][:shared] for t in tables)  # the prompt, once
@@ -60,7 +60,9 @@ def test_four_branches_hold_the_prompt_once(tmp_path: Path) -> None:
     rec.close()
     assert seen_nine
     assert all(len(b.output_token_ids) == 200 for b in branches)
-    assert e.kv.num_cow_copies == 0  # PROMPT-1 opens a block: nothing shared to copy
+    # The shared partial tail (block 95, one prompt token) is copied by the first three
+    # samples to write into it; the last one then holds it alone.
+    assert e.kv.num_cow_copies == 3
     # The recording replays the branches, block for block, step for step.
     replay = Replay(*read_run(tmp_path))
     state = replay.initial_state()
@@ -78,7 +80,7 @@ def test_a_shared_partial_tail_is_copied_on_write() -> None:
                         branches=3)
     e.run_until_idle()
     e.check_integrity()
-    # Position 39 sits in block 2 beside positions 32-38: each branch copies that block.
+    # Block 2 holds prompt positions 32-39: two samples copy it, the third keeps it.
     assert e.kv.num_cow_copies == 2
     assert all(len(b.output_token_ids) == 8 for b in [req, *req.branches])
 
