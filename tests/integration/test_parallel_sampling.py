@@ -98,3 +98,157 @@ def test_branches_end_with_a_request_that_never_ran() -> None:
     e.check_integrity()
     with pytest.raises(RequestError, match="n must be from 1 to 64"):
         e.add_request([1, 2], SamplingParams(), branches=65)
+
+
+# -- on Gemma 3 270M ---------------------------------------------------------------------------
+
+DENSE = {"weight_format": "dense", "kv_format": "fp32"}
+
+
+@pytest.fixture(scope="module")
+def gemma_engine(gemma_path):
+    from runtime.session import build_session
+    from runtime.settings import resolve
+
+    # Dense weights: the mixed int8 kernels tile rows, so a row's result depends on where it
+    # sits in the batch, and greedy samples could part at a near-tie.
+    session = build_session(resolve({"model": str(gemma_path), "device": "cpu",
+                                     "block_size": 16, **DENSE}), live=False)
+    yield session.engine
+    session.engine.check_integrity()
+
+
+def test_gemma_samples_share_the_prompt_and_follow_their_seeds(gemma_engine) -> None:
+    e = gemma_engine
+    prompt = e.tokenizer.encode("The history of the printing press begins " * 12)
+    greedy = e.add_request(prompt, SamplingParams(temperature=0, max_tokens=24,
+                                                  ignore_eos=True), branches=4)
+    e.run_until_idle()
+    assert len({tuple(b.output_token_ids) for b in (greedy, *greedy.branches)}) == 1
+
+    def seeded() -> list[list[int]]:
+        r = e.add_request(prompt, SamplingParams(temperature=1.0, seed=11, max_tokens=40,
+                                                 ignore_eos=True), branches=4)
+        branches = [r, *r.branches]
+        checked = False
+        while e.has_work:
+            e.step()
+            e.check_integrity()
+            if all(b.status is RequestStatus.RUNNING and len(b.output_token_ids) >= 2
+                   for b in branches):
+                # The prompt's full blocks once, each sample's own blocks past them (the
+                # prefix cache would merge identical full blocks: greedy samples share
+                # theirs, which is why the count is taken on differing samples).
+                shared = len(prompt) // 16
+                private = [e.kv.blocks_needed(b.num_computed_tokens) - shared
+                           for b in branches]
+                assert len(physical(e, branches)) == shared + sum(private)
+                checked = True
+        assert checked
+        return [list(b.output_token_ids) for b in branches]
+
+    first = seeded()
+    assert seeded() == first  # each sample reproducible
+    assert len({tuple(o) for o in first}) == 4  # and the samples differ
+
+
+# -- through the API, with the official openai client ------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(gemma_path):
+    from runtime.server.serve import ApiServer
+    from tests.integration.test_server import gemma_session
+
+    srv = ApiServer(gemma_session(gemma_path, kv_memory_bytes=128 << 20, **DENSE),
+                    port=0).start()
+    yield srv
+    srv.stop()
+    srv.engine.check_integrity()
+
+
+@pytest.fixture()
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none",
+                         max_retries=0)
+
+
+def test_n_returns_n_choices(client) -> None:
+    from tests.integration.test_server import MODEL
+
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, n=4,
+                                  temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert len({c.text for c in r.choices}) == 1  # greedy samples agree
+    assert r.usage.completion_tokens == 48 and r.usage.prompt_tokens == 5
+
+    def seeded() -> list[str]:
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+            max_tokens=10, n=3, temperature=1.0, seed=7)
+        return [c.message.content for c in chat.choices]
+
+    first = seeded()
+    assert seeded() == first and len(set(first)) > 1
+
+
+def test_streamed_choices_follow_their_index(client) -> None:
+    from tests.integration.test_server import MODEL
+
+    kw = {"model": MODEL, "prompt": "The weather today", "max_tokens": 10, "n": 3,
+          "temperature": 1.0, "seed": 5}
+    whole = client.completions.create(**kw)
+    texts: dict[int, str] = {}
+    finished = set()
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1, 2}
+    assert [texts[i] for i in range(3)] == [c.text for c in whole.choices]
+
+
+def test_best_of_returns_the_most_likely_samples(client) -> None:
+    from tests.integration.test_server import MODEL
+
+    kw = {"model": MODEL, "prompt": "My favourite food is", "max_tokens": 8,
+          "temperature": 1.0, "seed": 21, "logprobs": 0}
+    all_four = client.completions.create(n=4, **kw)  # the same four samples (seeds)
+    ranked = sorted(all_four.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = client.completions.create(n=2, best_of=4, **kw)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+    # Every sample generated is billed, as OpenAI bills best_of.
+    assert best.usage.completion_tokens == all_four.usage.completion_tokens
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"n": 3, "best_of": 2}, "must be at least 'n'"),
+    ({"best_of": 3, "stream": True}, "cannot be used with 'stream'"),
+    ({"n": 65}, "at most 64"),
+])
+def test_bad_sample_counts_are_400(server, extra, needle) -> None:
+    import httpx
+
+    from tests.integration.test_server import MODEL
+
+    r = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 3, **extra})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"]
+
+
+def test_the_sim_serves_n_and_refuses_best_of() -> None:
+    import httpx
+
+    from tests.servers import sim_process
+
+    with sim_process() as srv:
+        model = httpx.get(f"{srv.url}/models", timeout=30).json()["data"][0]["id"]
+        r = httpx.post(f"{srv.url}/completions", timeout=60,
+                       json={"model": model, "prompt": "hi", "max_tokens": 5, "n": 3})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+        r = httpx.post(f"{srv.url}/completions", timeout=60,
+                       json={"model": model, "prompt": "hi", "max_tokens": 5, "best_of": 3})
+        assert r.status_code == 400 and "needs a real model" in r.json()["error"]["message"]
