@@ -25,6 +25,7 @@ from textual.widgets import DataTable, Header, Input
 
 from console.base_app import ConsoleApp
 from console.layout import SNAPSHOT_PANELS, compose_panels
+from console.prompt_options import parse_prompt
 from console.screens.charts import ChartsScreen
 from console.screens.plan import PlanScreen
 from console.screens.requests import RequestsScreen
@@ -249,27 +250,37 @@ class KvdeckApp(ConsoleApp):
                 event.input.value = ""
                 self.screen.set_focus(None)  # the console's keys work again; / asks again
 
-    def submit_prompt(self, text: str) -> str | None:
-        """Send `text` to the engine as a greedy request and follow it in the panels: a chat
-        turn on an instruct model, a plain completion otherwise. Returns its request id."""
-        if not text.strip():
-            self.notify("Type a prompt first.", severity="warning")
-            return None
+    def submit_prompt(self, line: str) -> str | None:
+        """Send the prompt line to the engine and follow it in the panels: a chat turn on an
+        instruct model, a plain completion otherwise; greedy unless its leading options
+        (`console/prompt_options.py`: n=, temp=, seed=, json=, regex=, choice=) say
+        otherwise. Returns its request id."""
         tok = self.engine.tokenizer
         chat, _ = prompt_mode(tok)
+        try:
+            opts = parse_prompt(line)
+        except KvdeckError as e:
+            self.notify(str(e), title="Prompt", severity="error")
+            return None
+        text = opts.text
+        if not text:
+            self.notify("Type a prompt first.", severity="warning")
+            return None
         self._prompts += 1
         try:
             if chat:
                 ids = tok.encode(tok.render_chat([{"role": "user", "content": text}]),
                                  add_bos=False)
-                sampling = SamplingParams(temperature=0.0, max_tokens=CHAT_MAX_TOKENS,
+                sampling = SamplingParams(temperature=opts.temperature, seed=opts.seed,
+                                          max_tokens=CHAT_MAX_TOKENS, guide=opts.guide,
                                           stop_token_ids=tok.end_of_turn_ids)
             else:
                 # Without a tokenizer, bytes stand in for tokens.
                 ids = tok.encode(text) if tok is not None else [3 + b for b in text.encode()]
-                sampling = SamplingParams(temperature=0.0, max_tokens=COMPLETION_MAX_TOKENS)
+                sampling = SamplingParams(temperature=opts.temperature, seed=opts.seed,
+                                          max_tokens=COMPLETION_MAX_TOKENS, guide=opts.guide)
             req = self.engine.add_request(ids, sampling, request_id=f"prompt-{self._prompts}",
-                                          track=True)
+                                          track=True, branches=opts.n)
         except KvdeckError as e:
             self.notify(str(e), title="Prompt", severity="error")
             return None

@@ -73,7 +73,7 @@ from runtime.snapshot import (
     SnapshotBuilder,
     TrackedOutput,
 )
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer, forced_runs
 from runtime.transfers import TransferLog, host_checkpoint
 
 log = logging.getLogger("kvdeck.engine")
@@ -768,15 +768,23 @@ class Engine:
                              tuple(table) if table else ())
 
     def tracked_outputs(self) -> list[TrackedOutput]:
-        out = []
-        for req in self.tracked.values():
-            text = req.output_text
-            if text is None:
-                text = " ".join(map(str, req.output_token_ids))
-            out.append(TrackedOutput(req.request_id, req.status.value, req.num_prompt_tokens,
-                                     req.num_output_tokens, req.sampling.max_tokens, text,
-                                     req.reason))
-        return out
+        return [self._tracked_output(req) for req in self.tracked.values()]
+
+    def _tracked_output(self, req: Request) -> TrackedOutput:
+        """A followed request's text (forced runs marked when constrained) and its
+        branches'."""
+        text = req.output_text
+        if text is None:
+            text = " ".join(map(str, req.output_token_ids))
+        guide = req.guide
+        segments = forced_runs(self.tokenizer, req.prompt_token_ids, req.output_token_ids,
+                               guide.forced) if guide is not None and self.tokenizer else ()
+        branches = tuple(self._tracked_output(b) for b in req.branches
+                         if b.status is not RequestStatus.WAITING)
+        return TrackedOutput(req.request_id, req.status.value, req.num_prompt_tokens,
+                             req.num_output_tokens, req.sampling.max_tokens, text, req.reason,
+                             req.sampling.guide.label if req.sampling.guide else None,
+                             segments, branches)
 
     def snapshot(self, max_prefix_nodes: int = 256) -> EngineSnapshot:
         """Build an immutable view; call from the engine thread (or when it is stopped)."""

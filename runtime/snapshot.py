@@ -144,6 +144,13 @@ class TrackedOutput:
     max_tokens: int
     text: str
     reason: str | None
+    constraint: str | None = None
+    """What its output follows (`guided.GuideSpec.label`), if constrained."""
+    segments: tuple[tuple[str, bool], ...] = ()
+    """A constrained output's text in runs of (text, forced): forced runs are tokens the
+    grammar left no choice about (keys, punctuation)."""
+    branches: tuple[TrackedOutput, ...] = ()
+    """Its other samples (`n` > 1), once started."""
 
 
 @dataclass(frozen=True)

@@ -187,3 +187,21 @@ class IncrementalDetokenizer:
         out = self.text[self.emitted:]
         self.emitted = len(self.text)
         return out
+
+
+def forced_runs(tokenizer: Tokenizer, prompt: list[int], output: list[int],
+                forced: list[bool]) -> tuple[tuple[str, bool], ...]:
+    """`output`'s text in runs of (text, forced) — `forced[i]`: a grammar allowed token i
+    nothing else — decoded token by token as `IncrementalDetokenizer` does."""
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    prev = list(prompt[-8:])
+    runs: list[list] = []
+    for i, token in enumerate(output):
+        piece = utf8.decode(tokenizer.token_bytes(token, prev))
+        prev = (prev + [token])[-8:]
+        flag = i < len(forced) and forced[i]
+        if runs and runs[-1][1] == flag:
+            runs[-1][0] += piece
+        elif piece:
+            runs.append([piece, flag])
+    return tuple((text, flag) for text, flag in runs)

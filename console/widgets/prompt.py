@@ -56,19 +56,42 @@ class PromptPanel(Vertical):
         self.mode = mode
 
     def compose(self) -> ComposeResult:
-        yield PromptInput(placeholder=f"/ to type a prompt · Enter sends it · Esc leaves · "
-                                      f"{self.mode}", id="prompt-input")
+        yield PromptInput(placeholder=f"/ to type a prompt (options first: n=4 temp=0.8 "
+                                      f"json={{...}} regex=... choice=a|b) · Enter sends it · "
+                                      f"Esc leaves · {self.mode}", id="prompt-input")
         with VerticalScroll(id="prompt-scroll"):
             yield Static("", id="prompt-output")
 
     def show_tracked(self, t: TrackedOutput | None) -> None:
         """Show the followed request's text so far (from the latest snapshot), wrapped, and
-        keep the newest line in view."""
+        keep the newest line in view: each sample on its own line when it asked for several,
+        tokens a constraint forced underlined."""
         out = self.query_one("#prompt-output", Static)
         if t is None:
             out.update("")
             return
-        line = Text(f"{t.request_id} [{t.status}, {t.num_output_tokens} tokens] ", style="bold")
-        line.append(t.text)
-        out.update(line)
+        text = tracked_text(t)
+        for i, b in enumerate(t.branches, 1):
+            text.append("\n")
+            text.append_text(tracked_text(b, f"  sample {i + 1}"))
+        out.update(text)
         self.query_one("#prompt-scroll", VerticalScroll).scroll_end(animate=False)
+
+
+FORCED_STYLE = "underline dim"
+"""How tokens a constraint forced are shown (the grammar allowed nothing else there)."""
+
+
+def tracked_text(t: TrackedOutput, name: str | None = None) -> Text:
+    """One followed sample: its id (or `name`), status and tokens, the constraint it
+    follows, then its text with forced runs marked."""
+    head = f"{name or t.request_id} [{t.status}, {t.num_output_tokens} tokens"
+    if t.constraint and name is None:
+        head += f", {t.constraint}; forced underlined"
+    line = Text(head + "] ", style="bold")
+    if t.segments:
+        for piece, forced in t.segments:
+            line.append(piece, style=FORCED_STYLE if forced else "")
+    else:
+        line.append(t.text)
+    return line

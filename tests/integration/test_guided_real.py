@@ -96,3 +96,27 @@ def test_constrained_outputs_with_and_without_speculation(gemma_path, executor) 
     assert sum(spec["items"].guide.forced) > 10  # the keys and punctuation are forced
     e0.close()
     e1.close()
+
+
+def test_the_console_marks_forced_tokens(gemma_path) -> None:
+    """The followed request's text comes in runs: the schema's keys and punctuation forced
+    (underlined in the prompt panel), the values chosen by the model."""
+    from console.widgets.prompt import FORCED_STYLE, tracked_text
+
+    e = make_engine(gemma_path, "torch", "off")
+    spec = GuideSpec("json_schema", json.dumps(ITEMS))
+    req = e.add_request(e.tokenizer.encode(PROMPT), SamplingParams(temperature=0,
+                                                                  max_tokens=90, guide=spec),
+                        track=True, branches=2)
+    e.run_until_idle()
+    (t,) = e.tracked_outputs()
+    assert "".join(text for text, _ in t.segments) == req.output_text
+    forced = "".join(text for text, f in t.segments if f)
+    assert '{"people": [{"name": "' in forced and '"age": ' in forced
+    assert t.constraint.startswith("json_schema") and len(t.branches) == 1
+    assert t.branches[0].segments  # the other sample's grammar forked with it
+    line = tracked_text(t)
+    assert "forced underlined" in line.plain
+    assert any(span.style == FORCED_STYLE for span in line.spans)
+    e.check_integrity()
+    e.close()

@@ -486,3 +486,34 @@ async def test_metrics_panel_counts_answers_that_passed_their_checks(app) -> Non
         text = panel_text(app.query_one("#metrics"))
         # The panel's narrow forms at this size; only the three checked requests are done.
         assert "correct 1/3" in text and "good 33%" in text
+
+
+async def test_prompt_options_send_several_samples_that_share_the_prompt(app) -> None:
+    async with app.run_test(size=(160, 48)) as pilot:
+        advance(app, 3)
+        await pilot.press("slash")
+        app.query_one("#prompt-input", Input).value = \
+            "n=3 temp=0.9 seed=4 " + "What is paged attention? " * 6
+        await pilot.press("enter")
+        rid = app.prompt_id
+        shared_seen = False
+        for _ in range(100):
+            advance(app, 1)
+            (t,) = [t for t in app.latest.tracked if t.request_id == rid]
+            tables = {r.request_id: r.block_table for r in app.latest.running}
+            mine = [tables[i] for i in (rid, f"{rid}.1", f"{rid}.2") if i in tables]
+            if len(mine) == 3:  # the three samples hold the prompt's first block once
+                shared_seen |= mine[0][0] == mine[1][0] == mine[2][0]
+            if t.status.startswith("finished") and all(
+                    b.status.startswith("finished") for b in t.branches):
+                break
+        assert shared_seen and len(t.branches) == 2
+        out = str(app.query_one("#prompt-output").render())
+        assert "sample 2 [finished_length, 48 tokens]" in out and "sample 3 [" in out
+        assert len({t.text, *(b.text for b in t.branches)}) == 3  # seeded, and different
+        for bad, sentence in [("n=x hi", "n= must be a whole number from 1 to 64"),
+                              ("regex=\\d+ hi", "needs a model executor")]:
+            await pilot.press("slash")
+            app.query_one("#prompt-input", Input).value = bad
+            await pilot.press("enter")
+            assert any(sentence in n.message for n in app._notifications), bad
