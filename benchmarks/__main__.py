@@ -8,6 +8,7 @@ from benchmarks import (
     planner_vs_torch,
     quantization,
     speculation,
+    structured_output,
     torch_vs_llama,
 )
 
@@ -27,3 +28,5 @@ if __name__ == "__main__":
     itl_target.main()
     print()
     planner_vs_torch.main()
+    print()
+    structured_output.main()

@@ -20,7 +20,7 @@ from runtime.executors.kv_codecs import get_codec, kv_formats_for
 from runtime.executors.link import measure_link
 from runtime.executors.online_fit import OnlineFit
 from runtime.executors.paged_kv import PagedBatch, PagedKVCache, paged_attention
-from runtime.guided import MaskJob, apply_mask
+from runtime.guided import MaskJob
 from runtime.models.arch import ModelConfig, model_config
 from runtime.models.gguf import read_gguf
 from runtime.models.kernels import FLOAT, KernelTable, describe, load_or_measure
@@ -491,10 +491,11 @@ class TorchExecutor:
         shortlisted = False
         if batch.sample_ids:
             rows = hidden[batch.sample_rows]
-            plain_greedy = not self.record_logits and not masks and all(
+            plain_greedy = not self.record_logits and all(
                 r.sampling.temperature == 0.0 and r.sampling.logprobs is None
                 and not r.sampling.processes_logits for r in reqs)
-            tokens = self.model.greedy_tokens(rows) if plain_greedy else None
+            tokens = self.model.greedy_tokens(rows, self._allowed(reqs, masks)) \
+                if plain_greedy else None
             if tokens is not None:
                 sampled = dict(zip(batch.sample_ids, tokens, strict=True))
                 shortlisted = True
@@ -576,13 +577,22 @@ class TorchExecutor:
             rows = hidden[row:row + 1 + len(draft)]
             allowed = masks.get(req.request_id)
             if req.sampling.temperature == 0.0:
-                best = self.model.argmax_tokens(rows) if allowed is None else \
-                    apply_mask(self.model.logits(rows).float().cpu(), allowed).argmax(-1).tolist()
+                best = self.model.argmax_tokens(rows, allowed)
                 out[req.request_id] = verify_greedy(best, draft)[0]
             else:
                 out[req.request_id] = sample_draft(self.model.logits(rows), req, draft,
                                                    self.seed, q.get(req.request_id), allowed)
         return out
+
+    def _allowed(self, reqs: list, masks: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The grammar masks of a batch of sampling rows as one [S, vocab] bool tensor (an
+        unconstrained row allows everything); None when no row is constrained."""
+        rows = [masks.get(r.request_id) for r in reqs] if masks else []
+        if not any(m is not None for m in rows):
+            return None
+        width = next(m for m in rows if m is not None).shape[-1]
+        every = torch.ones(width, dtype=torch.bool)
+        return torch.stack([every if m is None else m for m in rows])
 
     def propose(self, req, k: int, knobs) -> list[int]:
         """Draft tokens under the knobs' speculative method: n-gram prompt lookup over the

@@ -189,15 +189,24 @@ class Transformer:
         elif self.shortlist_head is None:
             self.shortlist_head = Int8Linear(head.weight)
 
-    def argmax_tokens(self, hidden: torch.Tensor) -> list[int]:
+    def argmax_tokens(self, hidden: torch.Tensor, allowed: torch.Tensor | None = None
+                      ) -> list[int]:
         """Greedy tokens: through the int8 shortlist where there is one, else the float
-        logits' argmax."""
-        tokens = self.greedy_tokens(hidden)
-        return tokens if tokens is not None else self.logits(hidden).argmax(-1).tolist()
+        logits' argmax; `allowed` [S, vocab] (bool) limits each row to a grammar's tokens."""
+        tokens = self.greedy_tokens(hidden, allowed)
+        if tokens is not None:
+            return tokens
+        logits = self.logits(hidden)
+        if allowed is not None:
+            allowed = _widen(allowed, logits.shape[-1]).to(logits.device)
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        return logits.argmax(-1).tolist()
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+    def greedy_tokens(self, hidden: torch.Tensor, allowed: torch.Tensor | None = None
+                      ) -> list[int] | None:
         """Argmax tokens via an int8 shortlist rescored exactly in float, or None when the
-        model has no int8 shortlist head.
+        model has no int8 shortlist head. `allowed` [S, vocab] (bool): only those tokens
+        compete (a grammar's mask), in the shortlist and in the rescoring.
 
         The int8 head's logits err by ~0.3 on average; the exact float logits of its top 64
         candidates decide. The result equals the full-precision argmax unless that error
@@ -206,9 +215,15 @@ class Transformer:
         if self.shortlist_head is None:
             return None
         h = rms_norm(hidden, self.out_norm, self.cfg.rms_eps)
-        candidates = self.shortlist_head(h).topk(self.SHORTLIST, dim=-1).indices   # [S, k]
+        approx = self.shortlist_head(h)
+        if allowed is not None:
+            allowed = _widen(allowed, approx.shape[-1]).to(approx.device)
+            approx = approx.masked_fill(~allowed, float("-inf"))
+        candidates = approx.topk(self.SHORTLIST, dim=-1).indices                    # [S, k]
         weights = self.head.weight[candidates]                                       # [S, k, d]
         exact = torch.einsum("sd,skd->sk", h.to(weights.dtype), weights)
+        if allowed is not None:  # fewer than k allowed: the refused fill the shortlist
+            exact = exact.masked_fill(~allowed.gather(1, candidates), float("-inf"))
         return candidates.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1).tolist()
 
     # -- weight formats ---------------------------------------------------------------------
@@ -263,3 +278,9 @@ class Transformer:
     def matrix_weight_bytes(self) -> int:
         """Bytes of matrices one step reads once (the embedding only when tied)."""
         return sum(m.num_bytes for m in self.matrices())
+
+
+def _widen(allowed: torch.Tensor, width: int) -> torch.Tensor:
+    """A grammar mask over the tokenizer's vocabulary, refusing a head's padding rows."""
+    extra = width - allowed.shape[-1]
+    return torch.nn.functional.pad(allowed, (0, extra), value=False) if extra > 0 else allowed
