@@ -16,6 +16,7 @@ from runtime.executors.sim import SimConfig, SimExecutor
 from runtime.recording import read_run, record_headless
 from runtime.replay import Replay
 from runtime.request import RequestStatus, SamplingParams
+from runtime.snapshot import CACHED_ACTIVE, PRIVATE, SHARED
 from tests.integration.test_engine_sim import view_of
 
 P = 16
@@ -57,6 +58,14 @@ def test_four_branches_hold_the_prompt_once(tmp_path: Path) -> None:
             seen_nine = True
             assert len(physical(e, branches)) == 131
             assert sum(len(t) for t in tables) == 416
+            # The KV map shows the prompt's blocks shared and the samples' own private;
+            # the prefix tree branches after the prompt's last full block.
+            states = e.snapshot().kv.states
+            assert all(states[b] == SHARED for b in tables[0][:shared])
+            assert all(states[b] in (PRIVATE, CACHED_ACTIVE) for t in tables
+                       for b in t[shared:])
+            last = e.kv.tree.node_of_block[tables[0][shared - 1]]
+            assert len([c for c in last.children.values() if c.block >= 0]) == 4
     rec.close()
     assert seen_nine
     assert all(len(b.output_token_ids) == 200 for b in branches)
