@@ -17,6 +17,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from runtime.engine import MAX_BRANCHES
 from runtime.errors import RequestError
 from runtime.guided import GuideSpec, choice_spec
 
@@ -75,8 +76,9 @@ def _number(name: str, value: str) -> int | float:
         number = float(value) if name == "temp" else int(value)
     except ValueError:
         number = None
-    if name == "n" and (number is None or not 1 <= number <= 64):
-        raise RequestError(f"n= must be a whole number from 1 to 64, got {value!r}.")
+    if name == "n" and (number is None or not 1 <= number <= MAX_BRANCHES):
+        raise RequestError(f"n= must be a whole number from 1 to {MAX_BRANCHES}, got "
+                           f"{value!r}.")
     if name == "temp" and (number is None or not 0 <= number <= 2):
         raise RequestError(f"temp= must be a number from 0 to 2, got {value!r}.")
     if name == "seed" and number is None:

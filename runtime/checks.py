@@ -3,7 +3,8 @@
 A request may carry one check, in the same JSON shape on the API and in a kvdeck trace:
 
     {"json_schema": {...}}   the answer parses as JSON and validates against the schema
-    {"regex": "..."}         the answer matches the pattern in full (Python `re.fullmatch`)
+    {"regex": "..."}         the answer matches the pattern in full (Python's re syntax;
+                             matched with the `regex` module under a time limit)
     {"expected": "..."}      the answer equals this text, both stripped of surrounding
                              whitespace (models often open with a space or a newline;
                              case and inner spacing stay significant: they can be the answer)
@@ -17,12 +18,14 @@ stop.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import regex
 
 from runtime.errors import KvdeckError, RequestError
 
@@ -84,17 +87,33 @@ def parse_check(obj: object, *, where: str = "The check",
         raise error(str(e).replace("The check", where, 1)) from None
 
 
+MATCH_TIMEOUT_S = 0.5
+"""The longest one pattern match of a check may run (a client's pattern can backtrack
+exponentially, and checks run on the engine thread): past it the answer fails its check."""
+
+
+def _match(pattern, text: str, how: str) -> bool:
+    """`pattern.fullmatch` or `.search` under MATCH_TIMEOUT_S (False once it runs out)."""
+    try:
+        return getattr(pattern, how)(text, timeout=MATCH_TIMEOUT_S) is not None
+    except TimeoutError:
+        log.warning("a check's pattern %r ran past %.1f s on a %d-character answer; the "
+                    "answer counts as failing it", pattern.pattern[:80], MATCH_TIMEOUT_S,
+                    len(text))
+        return False
+
+
 def _compile(kind: str, source: str) -> Callable[[str], bool]:
     """The test for a check; ValueError with the end of a sentence ("has a regex that...")
     when it is not a valid one."""
     if kind == "regex":
         try:
-            pattern = re.compile(source)
-        except re.error as e:
+            pattern = regex.compile(source)
+        except regex.error as e:
             where = f" at position {e.pos}" if e.pos is not None else ""
             raise ValueError(f"has a regex that does not compile ({e.msg}{where}); "
                              "patterns use Python's re syntax") from None
-        return lambda text: pattern.fullmatch(text) is not None
+        return lambda text: _match(pattern, text, "fullmatch")
     if kind == "expected":
         want = source.strip()
         return lambda text: text.strip() == want
@@ -166,7 +185,40 @@ def _validator(source: str):
         except Unresolvable:
             raise ValueError(f"has a json_schema whose $ref {ref!r} points nowhere; "
                              "references must point inside the schema") from None
-    return cls(schema)
+    return _with_timed_patterns(cls)(schema)
+
+
+def _with_timed_patterns(cls):
+    """`cls` with its `pattern` and `patternProperties` keywords matched under
+    MATCH_TIMEOUT_S (jsonschema's own use `re`, which no time limit stops)."""
+    from jsonschema import ValidationError
+    from jsonschema.validators import extend
+
+    def pattern(validator, patrn, instance, schema):
+        if validator.is_type(instance, "string") and \
+                not _match(_compiled(patrn), instance, "search"):
+            yield ValidationError(f"{instance!r} does not match {patrn!r}")
+
+    def pattern_properties(validator, properties, instance, schema):
+        if not validator.is_type(instance, "object"):
+            return
+        for patrn, subschema in properties.items():
+            for key, value in instance.items():
+                if _match(_compiled(patrn), key, "search"):
+                    yield from validator.descend(value, subschema, path=key,
+                                                 schema_path=patrn)
+
+    return extend(cls, {"pattern": pattern, "patternProperties": pattern_properties})
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(patrn: str):
+    """A schema's pattern, compiled once. One `regex` cannot read (`re` read it when the
+    schema was checked) matches nothing: the answer fails rather than the engine."""
+    try:
+        return regex.compile(patrn)
+    except regex.error:
+        return regex.compile(r"(?!)")
 
 
 def _refs(node: object) -> list[str]:

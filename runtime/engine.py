@@ -216,6 +216,9 @@ class Engine:
             raise RequestError("The prompt is empty; a prompt needs at least one token.")
         if not 1 <= branches <= MAX_BRANCHES:
             raise RequestError(f"n must be from 1 to {MAX_BRANCHES}, got {branches}.")
+        if branches > self.config.max_waiting:
+            raise RequestError(f"n = {branches} samples cannot all queue: the waiting queue "
+                               f"holds {self.config.max_waiting:,} requests (--max-waiting).")
         guide = self._start_guide(sampling) if sampling.guide is not None else None
         if n > self.max_model_len - 1:
             raise RequestError(f"The prompt has {n:,} tokens but the model's context allows "
@@ -676,7 +679,7 @@ class Engine:
         """Hand finished requests to their listeners. Requests cancelled before they arrived
         never entered the engine: their clients are told, the figures and trace are not."""
         done = self.scheduler.take_finished()
-        cancelled, self._cancelled = self._cancelled, []
+        cancelled, self._cancelled = self._cancelled + self.scheduler.take_unstarted(), []
         if not done and not cancelled:
             return
         with self._lock:

@@ -6,7 +6,8 @@ for Gemma's 262K vocabulary (an Earley parser over a lexer, no per-grammar preco
 token tables), covers JSON Schema broadly (including `$ref`, `anyOf`, string formats and
 length bounds), takes Lark and GBNF grammars and regexes, reads the vocabulary straight
 from llama.cpp's (the tokenizer this project already loads), and needs neither
-`transformers` nor a compiler; it also rolls back consumed tokens, which speculation needs.
+`transformers` nor a compiler; a grammar state copies cheaply, so speculation walks a
+draft on a copy.
 
 The pieces:
 
@@ -33,6 +34,8 @@ import torch
 from runtime.errors import RequestError
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z][\w-]*\s*::=", re.MULTILINE)
+"""A GBNF rule at the start of a line (Lark writes `name: ...`)."""
 
 # Compact separators: a small model is not tempted into endless whitespace between items.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ",
@@ -74,6 +77,9 @@ class GuideSpec:
                 schema = json.loads(self.source)
             except ValueError as e:
                 raise ConstraintError(f"The JSON schema is not valid JSON ({e}).") from None
+            except RecursionError:
+                raise ConstraintError("The JSON schema is nested too deeply to compile.") \
+                    from None
             if not isinstance(schema, dict | bool):
                 raise ConstraintError("A JSON schema must be an object (or true/false), got "
                                    f"{type(schema).__name__}.")
@@ -86,7 +92,7 @@ class GuideSpec:
             return LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
         text = self.source
-        if "::=" in text:  # GBNF (llama.cpp's grammar format), as vLLM's clients send it
+        if _GBNF_RULE.search(text):  # GBNF (llama.cpp's format), as vLLM's clients send it
             from llguidance.gbnf_to_lark import gbnf_to_lark
             try:
                 text = gbnf_to_lark(text)
@@ -203,24 +209,25 @@ class Guide:
 
     def draft_allowed(self, draft: list[int]) -> torch.Tensor:
         """Masks [len(draft) + 1, vocab] for verifying `draft`: row i is what the grammar
-        allows after the first i draft tokens. Rows past the first draft token the grammar
-        refuses repeat the last valid state: verification rejects that token (its
-        probability is 0 there), so those rows are never reached. The grammar is rolled
-        back to where it was."""
-        valid = self.matcher.validate_tokens(draft)
+        allows after the first i draft tokens. The draft is walked on a copy of the
+        grammar state, so the request's own state never holds a token until it is emitted
+        (rejected drafts never reach it). Rows past the first draft token the grammar
+        refuses repeat that position's mask: verification rejects the token there (its
+        probability is 0), so those rows are never reached."""
+        walk = self.matcher.deep_copy()
         rows = []
-        for i in range(valid + 1):
-            rows.append(self._bitmask())
-            if i < valid:
-                self.matcher.consume_token(draft[i])
-        if valid:
-            self.matcher.rollback(valid)
-        rows.extend(rows[-1:] * (len(draft) - valid))
+        for token in draft:
+            rows.append(self._bitmask(walk))
+            if not walk.consume_token(token):
+                break
+        else:
+            rows.append(self._bitmask(walk))  # the position after the whole draft
+        rows.extend(rows[-1:] * (len(draft) + 1 - len(rows)))
         return unpack(torch.stack(rows), self.vocab_size)
 
-    def _bitmask(self) -> torch.Tensor:
+    def _bitmask(self, matcher=None) -> torch.Tensor:
         bits = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
-        self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+        (matcher or self.matcher).unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
         return bits
 
 
@@ -255,18 +262,31 @@ class MaskJob:
     def __init__(self, sampling: list, verifying: list[tuple[object, list[int]]]):
         self._sampling = [r for r in sampling if r.guide is not None]
         self._verifying = [(r, d) for r, d in verifying if r.guide is not None]
+        self._masks: dict[str, torch.Tensor] = {}
+        self.errors: dict[str, str] = {}
+        """Request id → why its grammar cannot go on (an error state, a mask that allows
+        nothing): the executor fails those requests in this step's result."""
         self._future: Future | None = _WORKER.submit(self._compute) \
             if self._sampling or self._verifying else None
-        self._masks: dict[str, torch.Tensor] = {}
 
     def _compute(self) -> dict[str, torch.Tensor]:
-        out = {r.request_id: r.guide.allowed() for r in self._sampling}
-        for r, draft in self._verifying:
-            out[r.request_id] = r.guide.draft_allowed(draft)
+        out = {}
+        for r, draft in [(r, None) for r in self._sampling] + self._verifying:
+            matcher = r.guide.matcher
+            if matcher.is_error():  # e.g. a user grammar past llguidance's limits
+                self.errors[r.request_id] = ("its constraint failed: "
+                                             f"{_first_line(matcher.get_error())}")
+                continue
+            mask = r.guide.allowed() if draft is None else r.guide.draft_allowed(draft)
+            if not (mask if mask.dim() == 1 else mask[0]).any():
+                self.errors[r.request_id] = "its constraint allows no token here"
+                continue
+            out[r.request_id] = mask
         return out
 
     def wait(self) -> dict[str, torch.Tensor]:
-        """Request id → allowed-token mask (a row, or rows for a verify chunk)."""
+        """Request id → allowed-token mask (a row, or rows for a verify chunk); requests
+        in `errors` have none."""
         if self._future is not None:
             self._masks = self._future.result()
             self._future = None

@@ -143,13 +143,22 @@ def score_tokens(logits: torch.Tensor, tokens: list[int], num_alternatives: int
     log-probability under the model's own distribution (the log-softmax of the raw logits,
     before any processor) and the `num_alternatives` most likely tokens. Sampled tokens'
     logprobs and prompt logprobs both come from here."""
-    lp = torch.log_softmax(logits.float().cpu(), dim=-1)
-    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
-    if not num_alternatives:
-        return [TokenLogprobs(v, ()) for v in chosen]
-    top = torch.topk(lp, num_alternatives, dim=-1)
-    return [TokenLogprobs(v, tuple(zip(i, t, strict=True)))
-            for v, i, t in zip(chosen, top.indices.tolist(), top.values.tolist(), strict=True)]
+    out: list[TokenLogprobs] = []
+    for a in range(0, len(tokens), SCORE_ROWS):  # a row's log-softmax is a vocabulary
+        b = min(a + SCORE_ROWS, len(tokens))      # of floats: a long prompt in slices
+        lp = torch.log_softmax(logits[a:b].float().cpu(), dim=-1)
+        chosen = lp[torch.arange(b - a), torch.tensor(tokens[a:b], dtype=torch.long)].tolist()
+        if not num_alternatives:
+            out.extend(TokenLogprobs(v, ()) for v in chosen)
+            continue
+        top = torch.topk(lp, num_alternatives, dim=-1)
+        out.extend(TokenLogprobs(v, tuple(zip(i, t, strict=True))) for v, i, t in
+                   zip(chosen, top.indices.tolist(), top.values.tolist(), strict=True))
+    return out
+
+
+SCORE_ROWS = 64
+"""Rows scored at a time (1 MiB of floats per row on Gemma 3's vocabulary)."""
 
 
 def sample_branches(logits: torch.Tensor, chunks: list, base_seed: int = 0,

@@ -100,10 +100,13 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
+        """Requests that reached a final state since the engine last collected them."""
         self.branched: list[tuple[Request, Request]] = []
         """(branch, its first sample) started since the engine last took them (it records
         them)."""
-        """Requests that reached a final state since the engine last collected them."""
+        self.unstarted: list[Request] = []
+        """Samples that ended with their request before they started (the engine tells
+        their listeners; they never ran, so no record or figure counts them)."""
         self.num_preemptions = 0
         self.num_swapped = 0
         """Preemptions that swapped the victim's KV out (the rest recomputed)."""
@@ -188,7 +191,7 @@ class Scheduler:
             status = self._take_token(child, result, now)
             if status is not None:
                 self.running.remove(child)
-                self._finish(child, status, status.value, now)
+                self._finish(child, status, self._why(child, status), now)
 
     def reject(self, req: Request, reason: str, now: float) -> None:
         self._finish(req, RequestStatus.REJECTED, reason, now)
@@ -197,8 +200,11 @@ class Scheduler:
                 now: float) -> None:
         if req.branches and not req.branched:  # ended before its prompt was computed
             req.branched = True
-            for child in req.branches:
-                self._finish(child, status, reason, now)
+            for child in req.branches:  # its samples never started: no record, no figures
+                child.status, child.reason, child.finish_time = status, reason, now
+                child.events.append((now, f"{status.value}: {reason} (with "
+                                          f"{req.request_id})"))
+                self.unstarted.append(child)
         req.status = status
         req.reason = reason
         req.finish_time = now
@@ -721,7 +727,7 @@ class Scheduler:
                 self.kv.cache_computed(req)
             if status is not None:
                 self.running.remove(req)
-                self._finish(req, status, status.value, now)
+                self._finish(req, status, self._why(req, status), now)
                 done.append(req)
         if emitted:
             self._last_step = (result.timing.seconds, emitted)
@@ -760,13 +766,17 @@ class Scheduler:
                 status = RequestStatus.FINISHED_STOPPED
         guide = req.guide
         if guide is not None and status is None:
-            if not guide.commit(token):  # masking prevents this; end the output, say why
-                req.events.append((req.token_times[-1] if req.token_times else 0.0,
-                                   f"left its constraint: {guide.error}"))
-                status = RequestStatus.FINISHED_STOPPED
+            if not guide.commit(token):  # masking prevents this: end it, and say why
+                req.error = f"the output left its constraint ({guide.error})"
+                status = RequestStatus.ABORTED
             elif guide.finished:  # complete, and nothing may follow but the end
                 status = RequestStatus.FINISHED_STOPPED
         return status
+
+    @staticmethod
+    def _why(req: Request, status: RequestStatus) -> str:
+        """The reason a request that stopped after a token is finished with."""
+        return req.error if status is RequestStatus.ABORTED and req.error else status.value
 
     def _apply_draft(self, chunk: ScheduledChunk, tokens: list[int], now: float,
                      seconds: float) -> tuple[RequestStatus | None, int]:
@@ -816,6 +826,11 @@ class Scheduler:
         """Branches started since the last call (`_start_branches`)."""
         started, self.branched = self.branched, []
         return started
+
+    def take_unstarted(self) -> list[Request]:
+        """Samples (`n` > 1) that ended with their request before they started."""
+        ended, self.unstarted = self.unstarted, []
+        return ended
 
     def take_finished(self) -> list[Request]:
         done, self.finished = self.finished, []

@@ -451,6 +451,7 @@ class LlamaCppExecutor:
             logits = self._ctx.decode(groups, num_out)
         finally:
             masks = job.wait()
+        errors.update(job.errors)
         for chunk, seq, _ in prepared:  # decoded: the slots now hold these positions
             self._length[seq] = chunk.start + chunk.num_new_tokens
         sampled: dict[str, int] = {}

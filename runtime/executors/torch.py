@@ -531,8 +531,8 @@ class TorchExecutor:
                             plan.num_pairs, weights + kv_read)
         if not transfers:  # copies would blur the compute model; drafting has its own
             self.timing.observe(batch.tokens.numel(), timing.num_pairs, seconds - draft_seconds)
-        return StepResult(sampled, timing, logprobs=logprobs, transfers=transfers,
-                          draft_seconds=draft_seconds, spec=spec,
+        return StepResult(sampled, timing, errors=job.errors, logprobs=logprobs,
+                          transfers=transfers, draft_seconds=draft_seconds, spec=spec,
                           prompt_logprobs=prompt_logprobs)
 
     SCORE_ROWS = 64

@@ -2,8 +2,8 @@
 whole or as stream deltas; a `Reply` gathers the `n` choices of one API request (its
 samples share the prompt's KV blocks: `Engine.add_request(branches=...)`), waits for them
 while watching the client, and streams their deltas tagged with each choice's `index`.
-With `best_of`, the samples are ranked by the cumulative log-probability of their tokens
-and the best `n` are returned (OpenAI's legacy completions).
+With `best_of`, the samples are ranked by the mean log-probability of their tokens and the
+best `n` are returned (OpenAI's legacy completions).
 """
 
 from __future__ import annotations
@@ -145,9 +145,11 @@ class Answer:
             return f"The request was {r.status.value}: {r.reason}."
         return None
 
-    def cumulative_logprob(self, lps: tuple) -> float:
-        """The sum of the sampled tokens' log-probabilities (how `best_of` ranks)."""
-        return sum(lp.logprob for lp in lps if lp is not None)
+    def mean_logprob(self, lps: tuple) -> float:
+        """The sampled tokens' mean log-probability: how `best_of` ranks, as OpenAI defines
+        it ("the highest log probability per token"; a sum would favour short answers)."""
+        values = [lp.logprob for lp in lps if lp is not None]
+        return sum(values) / len(values) if values else float("-inf")
 
 
 class Reply:
@@ -215,7 +217,7 @@ class Reply:
         results = texts.result()
         ranked = list(zip(self.answers, results, strict=True))
         if len(ranked) > self.n:  # best_of: the n most likely samples, best first
-            ranked.sort(key=lambda ar: -ar[0].cumulative_logprob(ar[1][2]))
+            ranked.sort(key=lambda ar: -ar[0].mean_logprob(ar[1][2]))
             ranked = ranked[:self.n]
         choices = []
         for index, (a, (text, tokens, lps, prompt)) in enumerate(ranked):

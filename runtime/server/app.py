@@ -205,7 +205,7 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             # The schema an answer was constrained to is what it must satisfy: one cut
             # short by max_tokens is finished but not good. (A schema llguidance compiles
             # but jsonschema cannot read goes unchecked.)
-            with contextlib.suppress(RequestError):
+            with contextlib.suppress(RequestError, ValueError, RecursionError):
                 check = parse_check({"json_schema": json.loads(guided[1].source)})
         try:
             bias = body.bias_pairs()

@@ -22,7 +22,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from runtime.checks import AnswerCheck, parse_check
-from runtime.guided import GuideSpec, choice_spec
+from runtime.engine import MAX_BRANCHES
+from runtime.guided import ConstraintError, GuideSpec, choice_spec
 
 
 def valid_unicode(text: str) -> str:
@@ -122,7 +123,12 @@ class StructuredOutputs(BaseModel):
 
 def schema_spec(schema: dict | str) -> GuideSpec:
     """A JSON-schema constraint from a schema object or its JSON text."""
-    return GuideSpec("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+    if isinstance(schema, str):
+        return GuideSpec("json_schema", schema)
+    try:
+        return GuideSpec("json_schema", json.dumps(schema))
+    except RecursionError:
+        raise ConstraintError("The JSON schema is nested too deeply to compile.") from None
 
 
 class StreamOptions(BaseModel):
@@ -160,7 +166,7 @@ class GenerateBody(BaseModel):
     """vLLM's extension; 0 and -1 mean off."""
     seed: int | None = None
     stop: Text | list[Text] | None = None
-    n: Annotated[int, Field(ge=1, le=64)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_BRANCHES)] = 1
     """Samples of the prompt to return (they share its KV blocks: one prefill)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -294,7 +300,7 @@ class CompletionBody(GenerateBody):
     echo: bool | None = None
     """OpenAI's: the prompt's text comes before the completion's, and with `logprobs` the
     prompt's tokens come first in them (the first with null logprobs)."""
-    best_of: Annotated[int, Field(ge=1, le=64)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_BRANCHES)] | None = None
     """OpenAI's legacy: sample this many (at least `n`), return the `n` whose tokens are
     most likely (cumulative log-probability); not with `stream`."""
     IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"echo", "best_of"})

@@ -88,8 +88,8 @@ def test_checks_from_the_openai_client_move_goodput_and_failures(sim: ApiServer)
 
 
 @pytest.mark.parametrize("check, sentence", [
-    ({"regex": "(unclosed"}, "'check' has a regex that does not compile (missing ), "
-     "unterminated subpattern at position 0); patterns use Python's re syntax."),
+    ({"regex": "(unclosed"}, "'check' has a regex that does not compile (missing ) at "
+     "position 9); patterns use Python's re syntax."),
     ({"json_schema": {"type": "objekt"}}, "'check' has a json_schema that is not a valid JSON "
      "Schema: 'objekt' is not valid under any of the given schemas (at $.type)."),
     ({"regex": "a", "expected": "a"}, "'check' must hold exactly one of json_schema, regex or "

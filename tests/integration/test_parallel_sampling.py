@@ -94,12 +94,25 @@ def test_a_shared_partial_tail_is_copied_on_write() -> None:
     assert all(len(b.output_token_ids) == 8 for b in [req, *req.branches])
 
 
-def test_branches_end_with_a_request_that_never_ran() -> None:
+def test_branches_end_with_a_request_that_never_ran(tmp_path: Path) -> None:
     e = sim_engine(num_blocks=40)
+    rec = record_headless(e, tmp_path)
+    ended: list[str] = []
+    e.on_finish.append(lambda r: ended.append(r.request_id))
     too_big = e.add_request([3] * (50 * P), SamplingParams(max_tokens=4), branches=3)
     e.run_until_idle()
+    rec.close()
     for b in [too_big, *too_big.branches]:
         assert b.status is RequestStatus.REJECTED and b.finish_time is not None
+    assert sorted(ended) == sorted(b.request_id for b in [too_big, *too_big.branches])
+    # The samples never ran: the run's records and figures count the request once, and
+    # the recording replays.
+    assert e.figures.status_counts == {"rejected": 1}
+    replay = Replay(*read_run(tmp_path))
+    state = replay.initial_state()
+    for record in replay.steps:
+        state.apply(record)
+    assert "req-0.1" not in state.requests
     aborted = e.add_request([4] * 30, SamplingParams(max_tokens=4), branches=2)
     e.abort(aborted.request_id, "client went away")
     e.run_until_idle()
@@ -107,6 +120,10 @@ def test_branches_end_with_a_request_that_never_ran() -> None:
     e.check_integrity()
     with pytest.raises(RequestError, match="n must be from 1 to 64"):
         e.add_request([1, 2], SamplingParams(), branches=65)
+    small = Engine(EngineConfig(block_size=P, num_blocks=40, max_waiting=4, knobs=KNOBS),
+                   SimExecutor(SimConfig()))
+    with pytest.raises(RequestError, match="n = 5 samples cannot all queue"):
+        small.add_request([1, 2], SamplingParams(), branches=5)
 
 
 # -- on Gemma 3 270M ---------------------------------------------------------------------------
@@ -225,7 +242,8 @@ def test_best_of_returns_the_most_likely_samples(client) -> None:
     kw = {"model": MODEL, "prompt": "My favourite food is", "max_tokens": 8,
           "temperature": 1.0, "seed": 21, "logprobs": 0}
     all_four = client.completions.create(n=4, **kw)  # the same four samples (seeds)
-    ranked = sorted(all_four.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    ranked = sorted(all_four.choices, key=lambda c: -sum(c.logprobs.token_logprobs)
+                    / len(c.logprobs.token_logprobs))  # per token, as OpenAI defines best
     best = client.completions.create(n=2, best_of=4, **kw)
     assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
     assert [c.index for c in best.choices] == [0, 1]

@@ -152,6 +152,8 @@ def test_regex_and_grammar(client) -> None:
      "not supported"),
     ({"guided_grammar": "start: nothing_here"}, "guided_grammar", "unknown name"),
     ({"guided_json": 5}, "guided_json", "must be"),
+    ({"guided_json": "{nope"}, "guided_json", "not valid JSON"),
+    ({"structured_outputs": {"json": "[1, 2]"}}, "structured_outputs.json", "must be an object"),
 ])
 def test_a_bad_constraint_is_400_with_one_sentence(server, extra, param, needle) -> None:
     url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
@@ -186,3 +188,19 @@ def test_a_schema_answer_cut_short_fails_its_check(server, client) -> None:
             max_tokens=max_tokens, temperature=0, response_format=schema_format(PERSON))
     good, checked, failed = moved(before, counters(server))
     assert (checked, failed) == (2, 1) and good <= 1
+
+
+@pytest.mark.parametrize("depth", [300, 5000])
+def test_a_schema_nested_too_deeply_is_400(server, depth) -> None:
+    """Deeper than the server's encoders recurse (a body parser may take it): one
+    sentence, and the server goes on."""
+    schema = '{"type": "object", "properties": {"x": ' * depth + "{}" + "}}" * depth
+    body = f'{{"model": "{MODEL}", "prompt": "hi", "max_tokens": 3, "guided_json": {schema}}}'
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    r = httpx.post(url, content=body, headers={"Content-Type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.endswith(".") and "\n" not in message
+    assert httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
+                      timeout=60).status_code == 200

@@ -76,8 +76,8 @@ def test_checks_round_trip_through_their_json_shape() -> None:
 
 
 @pytest.mark.parametrize("shape, sentence", [
-    ({"regex": "(ab"}, "The check has a regex that does not compile (missing ), unterminated "
-     "subpattern at position 0); patterns use Python's re syntax."),
+    ({"regex": "(ab"}, "The check has a regex that does not compile (missing ) at position "
+     "3); patterns use Python's re syntax."),
     ({"json_schema": {"type": "integr"}}, "The check has a json_schema that is not a valid "
      "JSON Schema: 'integr' is not valid under any of the given schemas (at $.type)."),
     ({"json_schema": {"properties": {"a": {"minimum": "zero"}}}}, "The check has a "
@@ -180,3 +180,19 @@ def test_step_records_write_the_flag_only_where_checked() -> None:
     assert d["finished"] == [["a", "finished_stopped", None, 2.0],
                              ["b", "finished_length", None, 2.0, False]]
     assert StepRecord.from_json(d, "new").finished == rec.finished
+
+
+def test_a_pattern_that_backtracks_forever_fails_in_bounded_time() -> None:
+    """A client's pattern runs on the engine thread: past its time limit the answer fails
+    its check, whether the pattern is the check or inside its schema."""
+    evil = "(a|aa)+c"
+    text = "a" * 40  # exponentially many ways to split it: runs out of time
+    assert not AnswerCheck("regex", evil).passes(text)
+    schema = {"type": "object", "properties": {"x": {"type": "string", "pattern": evil}},
+              "patternProperties": {evil: {"type": "string"}}}
+    check = AnswerCheck("json_schema", json.dumps(schema))
+    assert not check.passes(json.dumps({"x": text}))
+    # A key the pattern cannot be decided on in time is taken as not matching it: the
+    # object is then valid (no other keyword constrains that key), and the check returns.
+    assert check.passes(json.dumps({text: 1}))
+    assert AnswerCheck("regex", r"\d+").passes("123")

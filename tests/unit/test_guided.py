@@ -74,7 +74,7 @@ def test_a_fork_follows_its_own_tokens(grammars) -> None:
     assert twin.allowed()[ids(grammars, "no")[0]]
 
 
-def test_draft_masks_score_each_position_and_roll_back(grammars) -> None:
+def test_draft_masks_score_each_position_and_leave_the_state_alone(grammars) -> None:
     g = grammars.start(GuideSpec("regex", r"[0-9]{3}-[0-9]{4}"))
     before = g.allowed().clone()
     digits = ids(grammars, "555")
@@ -85,8 +85,20 @@ def test_draft_masks_score_each_position_and_roll_back(grammars) -> None:
     for i, t in enumerate(digits):  # each valid draft token allowed where it stands
         assert rows[i][t]
     assert not rows[len(digits)][draft[len(digits)]]  # the refused one: probability 0
-    assert torch.equal(g.allowed(), before)  # rolled back to where it was
+    assert torch.equal(g.allowed(), before)  # the request's state is where it was
     assert g.commit(digits[0])
+
+
+def test_a_draft_running_past_the_grammars_end(grammars) -> None:
+    """A draft that completes the grammar and goes on to an end token (as a draft model
+    proposes `}` then end-of-turn) leaves the request's grammar state intact."""
+    g = grammars.start(GuideSpec("regex", "ab"))
+    (ab,) = ids(grammars, "ab")
+    eos = grammars.end_ids[0]
+    rows = g.draft_allowed([ab, eos, eos])
+    assert rows[0][ab] and rows[1][eos] and not rows[1][ab]
+    assert torch.equal(rows[0], g.allowed())  # untouched by the walk
+    assert g.commit(ab) and g.finished
 
 
 @pytest.mark.parametrize("spec, needle", [
@@ -157,3 +169,20 @@ def test_draft_verification_under_a_mask_rejects_refused_tokens() -> None:
         out = sample_draft(logits, req, [2, 1], allowed=allowed)
         assert out[0] != 2
         req.output_token_ids.append(0)
+
+
+def test_a_grammar_in_error_fails_its_request_not_the_step(grammars) -> None:
+    """A matcher in an error state (a refused token, a user grammar past llguidance's
+    limits) gives no mask: the step's result fails that request with a sentence, and the
+    others' masks are computed as usual."""
+    from runtime.guided import MaskJob
+
+    broken = Request("broken", [1], SamplingParams(temperature=1.0))
+    broken.guide = grammars.start(GuideSpec("regex", "[0-9]+"))
+    assert not broken.guide.commit(ids(grammars, "x")[0])
+    fine = Request("fine", [1], SamplingParams(temperature=1.0))
+    fine.guide = grammars.start(GuideSpec("regex", "[0-9]+"))
+    job = MaskJob([broken, fine], [])
+    masks = job.wait()
+    assert set(masks) == {"fine"}
+    assert job.errors["broken"].startswith("its constraint failed:")
