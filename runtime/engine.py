@@ -231,7 +231,7 @@ class Engine:
         with self._lock:
             if self._num_queued + branches > self.config.max_waiting:
                 raise QueueFullError(f"The waiting queue is full ({self.config.max_waiting:,} "
-                                     "requests, each of n samples counting); retry later.")
+                                     "requests); retry later.")
             self._num_queued += branches
             rid = request_id or f"req-{next(self._ids)}"
         arrival = self.clock.arrival_time() if arrival_time is None else arrival_time

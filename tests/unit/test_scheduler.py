@@ -90,7 +90,7 @@ def test_static_mode_never_admits_into_a_running_group() -> None:
         if rec.admitted:
             assert not running, "admitted while a static group was still running"
             running |= set(rec.admitted)
-        for rid, _status, _, _ in rec.finished:
+        for rid, *_ in rec.finished:
             running.discard(rid)
     assert len(e.completed) == 12
     assert_drained(e)
