@@ -47,3 +47,28 @@ def serve_process(*args: str, env: dict | None = None,
         proc.wait(30)
 
 
+@contextmanager
+def in_process(session) -> Iterator:
+    """An `ApiServer` for `session` on 127.0.0.1, any free port, in this process; stopped
+    afterwards, its engine's integrity checked."""
+    from runtime.server.serve import ApiServer
+
+    srv = ApiServer(session, port=0).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        srv.engine.check_integrity()
+
+
+def idle(server, timeout: float = 60) -> None:
+    """Wait until an in-process server's published snapshot shows an idle engine (what
+    /metrics reads)."""
+    end = time.monotonic() + timeout
+    while True:
+        snap = server.loop.latest
+        if snap is not None and not snap.running and not snap.waiting and \
+                snap.step == server.engine.step_count and not server.engine.has_work:
+            return
+        assert time.monotonic() < end
+        time.sleep(0.05)

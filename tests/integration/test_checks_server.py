@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,32 +19,12 @@ from runtime.loadgen import attempt_seed
 from runtime.server.serve import ApiServer
 from runtime.session import build_session
 from runtime.settings import resolve
+from tests.servers import idle, in_process
 
 COUNTERS = ("kvdeck:goodput_requests_total", "kvdeck:checked_requests_total",
             "kvdeck:check_failures_total")
 WORDS = r"\s*[a-z]+( [a-z]+)*\s*"
 """What the sim's stand-in tokenizer answers: lower-case pseudo-words, one per token."""
-
-
-def start(settings: dict) -> ApiServer:
-    return ApiServer(build_session(resolve(settings), live=True), port=0).start()
-
-
-def stop(server: ApiServer) -> None:
-    server.stop()
-    server.engine.check_integrity()
-
-
-def idle(server: ApiServer, timeout: float = 60) -> None:
-    """Wait until the published snapshot shows an idle engine (what /metrics reads)."""
-    end = time.monotonic() + timeout
-    while True:
-        snap = server.loop.latest
-        if snap is not None and not snap.running and not snap.waiting and \
-                snap.step == server.engine.step_count and not server.engine.has_work:
-            return
-        assert time.monotonic() < end
-        time.sleep(0.05)
 
 
 def counters(server: ApiServer) -> dict[str, float]:
@@ -61,9 +40,9 @@ def moved(before: dict[str, float], after: dict[str, float]) -> tuple[float, ...
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[ApiServer]:
-    srv = start({"executor": "sim", "served_model_name": "sim"})
-    yield srv
-    stop(srv)
+    with in_process(build_session(resolve({"executor": "sim", "served_model_name": "sim"}),
+                                  live=True)) as srv:
+        yield srv
 
 
 def test_checks_from_the_openai_client_move_goodput_and_failures(sim: ApiServer) -> None:
@@ -111,10 +90,10 @@ def test_a_bad_check_is_a_400_with_one_sentence(sim: ApiServer, check, sentence:
 
 @pytest.fixture(scope="module")
 def gemma(gemma_path) -> Iterator[ApiServer]:
-    srv = start({"model": str(gemma_path), "device": "cpu", "served_model_name": "gemma3-270m",
-                 "kv_memory_bytes": 128 << 20})
-    yield srv
-    stop(srv)
+    with in_process(build_session(resolve({
+            "model": str(gemma_path), "device": "cpu", "served_model_name": "gemma3-270m",
+            "kv_memory_bytes": 128 << 20}), live=True)) as srv:
+        yield srv
 
 
 @pytest.mark.slow

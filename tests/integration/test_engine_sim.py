@@ -79,6 +79,20 @@ def view_of(snap: EngineSnapshot) -> dict:
                         f.generation_tokens, f.history)}
 
 
+def assert_replays_as_lived(run: Path, live: list[dict]) -> Replay:
+    """Replay the run in `run` record by record: after each, the pool holds together and the
+    view equals the live one taken after the same step (`view_of`)."""
+    replay = Replay(*read_run(run))
+    state = replay.initial_state()
+    for step, (record, expected) in enumerate(zip(replay.steps, live, strict=True)):
+        state.apply(record)
+        state.check_integrity()
+        got = view_of(state.snapshot())
+        for key in expected:
+            assert got[key] == expected[key], f"{key} differs after record {step}"
+    return replay
+
+
 def drive(e: Engine, steps: int, live: list[dict], fork_at: int | None = None) -> None:
     """Step `e` (the test is its engine thread), capturing a view after every step; at
     step `fork_at`, branch a running request so copy-on-write happens."""
@@ -117,15 +131,7 @@ def test_replay_rebuilds_every_step_with_every_event_kind(tmp_path: Path) -> Non
     _, records = read_run(tmp_path)
     assert every_event_kind(records) == {"ref", "unref", "cow", "cache", "evict", "hit",
                                          "reserve"}
-    replay = Replay(*read_run(tmp_path))
-    state = replay.initial_state()
-    assert len(replay.steps) == len(live) > 50
-    for step, (record, expected) in enumerate(zip(replay.steps, live, strict=True)):
-        state.apply(record)
-        state.check_integrity()
-        got = view_of(state.snapshot())
-        for key in expected:
-            assert got[key] == expected[key], f"{key} differs after record {step}"
+    assert len(assert_replays_as_lived(tmp_path, live).steps) > 50
     statuses = {r.request_id: r.status for r in e.completed}
     assert statuses["too-big"] is RequestStatus.REJECTED
     assert statuses["r39"] is RequestStatus.ABORTED

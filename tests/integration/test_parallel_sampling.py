@@ -17,7 +17,7 @@ from runtime.recording import read_run, record_headless
 from runtime.replay import Replay
 from runtime.request import RequestStatus, SamplingParams
 from runtime.snapshot import CACHED_ACTIVE, PRIVATE, SHARED
-from tests.integration.test_engine_sim import view_of
+from tests.integration.test_engine_sim import assert_replays_as_lived, view_of
 
 P = 16
 PROMPT = 95 * P + 1  # 95 full blocks, shared; the last prompt token opens block 95
@@ -73,14 +73,7 @@ def test_four_branches_hold_the_prompt_once(tmp_path: Path) -> None:
     # samples to write into it; the last one then holds it alone.
     assert e.kv.num_cow_copies == 3
     # The recording replays the branches, block for block, step for step.
-    replay = Replay(*read_run(tmp_path))
-    state = replay.initial_state()
-    for step, (record, expected) in enumerate(zip(replay.steps, live, strict=True)):
-        state.apply(record)
-        state.check_integrity()
-        got = view_of(state.snapshot())
-        for key in expected:
-            assert got[key] == expected[key], f"{key} differs after record {step}"
+    assert_replays_as_lived(tmp_path, live)
 
 
 def test_a_shared_partial_tail_is_copied_on_write() -> None:
@@ -182,14 +175,11 @@ def test_gemma_samples_share_the_prompt_and_follow_their_seeds(gemma_engine) -> 
 
 @pytest.fixture(scope="module")
 def server(gemma_path):
-    from runtime.server.serve import ApiServer
     from tests.integration.test_server import gemma_session
+    from tests.servers import in_process
 
-    srv = ApiServer(gemma_session(gemma_path, kv_memory_bytes=128 << 20, **DENSE),
-                    port=0).start()
-    yield srv
-    srv.stop()
-    srv.engine.check_integrity()
+    with in_process(gemma_session(gemma_path, kv_memory_bytes=128 << 20, **DENSE)) as srv:
+        yield srv
 
 
 @pytest.fixture()

@@ -15,7 +15,7 @@ from runtime.server.serve import ApiServer
 from runtime.session import Session, build_session
 from runtime.settings import resolve
 from tests.reference_forward import contiguous_logits
-from tests.servers import sim_process
+from tests.servers import idle, in_process, sim_process
 from tests.ui.panel_text import panel_text
 
 pytestmark = pytest.mark.slow
@@ -29,29 +29,15 @@ def gemma_session(gemma_path, **settings) -> Session:
 
 @pytest.fixture(scope="module")
 def server(gemma_path):
-    srv = ApiServer(gemma_session(gemma_path, kv_memory_bytes=256 << 20, max_waiting=48),
-                    port=0).start()
-    yield srv
-    srv.stop()
-    srv.engine.check_integrity()
+    with in_process(gemma_session(gemma_path, kv_memory_bytes=256 << 20,
+                                  max_waiting=48)) as srv:
+        yield srv
 
 
 @pytest.fixture()
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none",
                          max_retries=0)
-
-
-def idle(server: ApiServer, timeout: float = 60) -> None:
-    """Wait until the published snapshot shows an idle engine (what /metrics reads)."""
-    end = time.monotonic() + timeout
-    while True:
-        snap = server.loop.latest
-        if snap is not None and not snap.running and not snap.waiting and \
-                snap.step == server.engine.step_count and not server.engine.has_work:
-            return
-        assert time.monotonic() < end
-        time.sleep(0.05)
 
 
 def test_models_and_health(server, client) -> None:
@@ -505,11 +491,9 @@ def exact(gemma_path):
     """A server computing in fp32 throughout (dense weights, fp32 KV): its prompt logprobs
     are held to a contiguous forward of the prompt within 1e-4. (The default server's
     measured bf16 and int8 kernels, and fp16 KV, move them by up to 0.1 nats.)"""
-    srv = ApiServer(gemma_session(gemma_path, kv_memory_bytes=64 << 20, weight_format="dense",
-                                  kv_format="fp32"), port=0).start()
-    yield srv
-    srv.stop()
-    srv.engine.check_integrity()
+    with in_process(gemma_session(gemma_path, kv_memory_bytes=64 << 20,
+                                  weight_format="dense", kv_format="fp32")) as srv:
+        yield srv
 
 
 def client_of(srv: ApiServer) -> openai.OpenAI:

@@ -13,9 +13,8 @@ import jsonschema
 import openai
 import pytest
 
-from runtime.server.serve import ApiServer
 from tests.integration.test_server import MODEL, gemma_session
-from tests.servers import sim_process
+from tests.servers import in_process, sim_process
 
 pytestmark = pytest.mark.slow
 
@@ -54,10 +53,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def server(gemma_path):
-    srv = ApiServer(gemma_session(gemma_path, kv_memory_bytes=256 << 20), port=0).start()
-    yield srv
-    srv.stop()
-    srv.engine.check_integrity()
+    with in_process(gemma_session(gemma_path, kv_memory_bytes=256 << 20)) as srv:
+        yield srv
 
 
 @pytest.fixture()
