@@ -85,8 +85,8 @@ def test_own_jsonl_carries_answer_checks(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name, content, message", [
     ("re.jsonl", '{"arrival_s": 0, "prompt_len": 5}\n'
      '{"arrival_s": 1, "prompt_len": 5, "check": {"regex": "(a"}}\n',
-     "The check on " + "{dir}/re.jsonl line 2 has a regex that does not compile (missing ), "
-     "unterminated subpattern at position 0); patterns use Python's re syntax."),
+     "The check on " + "{dir}/re.jsonl line 2 has a regex that does not compile (missing ) at "
+     "position 2); patterns use Python's re syntax."),
     ("schema.jsonl", '{"arrival_s": 0, "prompt_len": 5, "check": {"json_schema": '
      '{"type": 5}}}\n', "line 1 has a json_schema that is not a valid JSON Schema: 5 is "
      "not valid under any of the given schemas (at $.type)."),
