@@ -45,7 +45,8 @@ class PromptInput(Input):
 
 class PromptPanel(Vertical):
     DEFAULT_CSS = """
-    PromptPanel { height: auto; max-height: 9; dock: bottom; }
+    PromptPanel { height: auto; max-height: 9; dock: bottom; margin-bottom: 1; }
+    /* margin-bottom: the footer docks to the same edge and would hide the last line. */
     PromptPanel Input { height: 3; }
     PromptPanel #prompt-scroll { height: auto; max-height: 6; padding: 0 1; }
     PromptPanel #prompt-output { color: $text-muted; }
@@ -75,7 +76,10 @@ class PromptPanel(Vertical):
             text.append("\n")
             text.append_text(tracked_text(b, f"  sample {i + 1}"))
         out.update(text)
-        self.query_one("#prompt-scroll", VerticalScroll).scroll_end(animate=False)
+        scroll = self.query_one("#prompt-scroll", VerticalScroll)
+        scroll.scroll_end(animate=False)
+        # And again once the new lines are laid out (they may add to the end).
+        self.call_after_refresh(scroll.scroll_end, animate=False)
 
 
 FORCED_STYLE = "underline dim"
