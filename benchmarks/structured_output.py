@@ -18,8 +18,7 @@ import json
 import time
 from pathlib import Path
 
-import jsonschema
-
+from runtime.checks import AnswerCheck
 from runtime.config import EngineConfig, Knobs
 from runtime.engine import Engine
 from runtime.guided import GuideSpec
@@ -68,13 +67,8 @@ def run(ex, tok: Tokenizer, constrained: bool) -> dict:
     # answers' lengths (constrained ones end when their schema does).
     steps = [r.dt for r in records if r.dt and len(r.plan) == 8
              and all(p.num_new_tokens == 1 for p in r.plan)]
-    valid = 0
-    for r in reqs:
-        try:
-            jsonschema.validate(json.loads(r.output_text), SCHEMA)
-            valid += 1
-        except (ValueError, jsonschema.ValidationError):
-            pass
+    check = AnswerCheck("json_schema", json.dumps(SCHEMA))  # what answer checks judge by
+    valid = sum(check.passes(r.output_text or "") for r in reqs)
     step = sum(steps) / len(steps)
     return {"constrained": constrained, "output_tokens": tokens, "wall_s": wall,
             "batch8_steps": len(steps), "batch8_step_s": step, "batch8_tokens_per_s": 8 / step,
