@@ -44,6 +44,10 @@ class ScheduledChunk:
     emitted: int = 0
     """Set by the scheduler's update: tokens the request took from the step (0 or 1, up to
     `1 + len(draft)` when speculating)."""
+    window_tables: list[list[int]] | None = None
+    """With `free_window_kv` (`kv/groups.py`): the page table of each sliding-window
+    sub-group, one page per block like `block_table` (which then holds the full-attention
+    layers' pages), −1 where a block behind the window was freed. None: one group."""
 
     @property
     def request_id(self) -> str:
@@ -83,7 +87,8 @@ class SchedulerOutput:
     time: float
     chunks: list[ScheduledChunk] = field(default_factory=list)
     cow_copies: list[tuple[int, int]] = field(default_factory=list)
-    """(src, dst) block copies to perform before the forward pass."""
+    """(src, dst) block copies to perform before the forward pass (pages, with
+    `free_window_kv`: a page is copied in every slot)."""
     preempted: list[str] = field(default_factory=list)
     swapped: list[str] = field(default_factory=list)
     """Of `preempted`, those whose KV was swapped out to the host tier."""
