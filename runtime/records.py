@@ -141,11 +141,47 @@ class HostResize(NamedTuple):
     kind = "host_resize"
 
 
+class WinRef(NamedTuple):
+    """A request's sliding-window block `index` now holds `pages` (one per local sub-group,
+    `kv/groups.py`): appended, or replacing the pages there (copy-on-write, a cached twin)."""
+
+    request_id: str
+    index: int
+    pages: list[int]
+    kind = "win_ref"
+
+
+class WinUnref(NamedTuple):
+    """A request dropped its sliding-window block `index`: behind the window (freed in
+    place) or at the end of its table (truncated or released)."""
+
+    request_id: str
+    index: int
+    pages: list[int]
+    kind = "win_unref"
+
+
+class WinCache(NamedTuple):
+    """The prefix cache keeps node `node_id`'s sliding-window pages."""
+
+    node_id: int
+    pages: list[int]
+    kind = "win_cache"
+
+
+class WinEvict(NamedTuple):
+    """The prefix cache dropped node `node_id`'s sliding-window pages (the node stays)."""
+
+    node_id: int
+    kind = "win_evict"
+
+
 KVEvent = (Ref | Unref | Cow | Cache | Evict | Hit | Reserve | Relayout | SwapOut | SwapIn
-           | Unswap | Demote | Promote | HostResize)
+           | Unswap | Demote | Promote | HostResize | WinRef | WinUnref | WinCache | WinEvict)
 KV_EVENTS: dict[str, type] = {c.kind: c for c in (Ref, Unref, Cow, Cache, Evict, Hit, Reserve,
                                                    Relayout, SwapOut, SwapIn, Unswap, Demote,
-                                                   Promote, HostResize)}
+                                                   Promote, HostResize, WinRef, WinUnref,
+                                                   WinCache, WinEvict)}
 
 
 def kv_event_to_json(ev: KVEvent) -> list:

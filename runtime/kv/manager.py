@@ -29,8 +29,10 @@ from collections.abc import Callable
 from runtime.kv.block_pool import BlockPool
 from runtime.kv.cache_admission import CacheAdmission
 from runtime.kv.formats import blocks_for_tokens
+from runtime.kv.groups import LayerGroups
 from runtime.kv.prefix_tree import PrefixNode, PrefixTree, default_recompute_cost
 from runtime.kv.tiers import HOST_SWAPPED, HostTier
+from runtime.kv.window import WindowTables
 from runtime.records import (
     Cache,
     Cow,
@@ -49,17 +51,21 @@ from runtime.records import (
 from runtime.request import Request
 
 
-class BlockManager:
-    """Paged KV accounting for one engine."""
+class BlockManager(WindowTables):
+    """Paged KV accounting for one engine. With layer groups (`groups`, `kv/window.py`)
+    its blocks are pages and each request also has sliding-window tables."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
                  cache_capacity: int = 0, eviction_policy: str = "lru",
                  namespace: str = "default", bytes_per_block: int = 1,
                  recompute_cost: Callable[[int, int], float] = default_recompute_cost,
                  clock: Callable[[], int] = lambda: 0, host_blocks: int = 0,
-                 link_seconds: Callable[[int], float] = lambda nbytes: 0.0):
+                 link_seconds: Callable[[int], float] = lambda nbytes: 0.0,
+                 groups: LayerGroups | None = None):
         """`host_blocks`: the host tier's size in blocks (0: none); `link_seconds`: time
-        to copy that many bytes one way between device and host (the measured link)."""
+        to copy that many bytes one way between device and host (the measured link);
+        `groups`: free sliding-window KV (`num_blocks` are then pages; no host tier)."""
+        assert groups is None or not host_blocks, "window pages have no host tier"
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size)
         self.events: list[KVEvent] = []
@@ -91,6 +97,7 @@ class BlockManager:
         self.num_swap_ins = 0
         self.admission = CacheAdmission()
         """Which completed blocks may enter the prefix cache (`cache_admission.py`)."""
+        self._init_window(groups, num_blocks)
 
     # -- knobs ------------------------------------------------------------------------------
 
@@ -129,6 +136,13 @@ class BlockManager:
             for i, b in enumerate(table):
                 if b in moves:
                     table[i] = moves[b]
+        for tables in self.window_tables.values():
+            for table in tables:
+                table[:] = [moves.get(b, b) for b in table]
+        flags = self.page_groups
+        for old, new in moves.items():
+            flags[new] = flags[old]
+        self.page_groups = (flags + bytearray(max(num_blocks - len(flags), 0)))[:num_blocks]
         self.tree.move_blocks(moves, bytes_per_block)
         self.tree.rename_namespace(self.namespace, namespace)
         self.namespace = namespace
@@ -249,7 +263,21 @@ class BlockManager:
     def _take(self) -> int:
         if not self.pool.can_take():
             self.tree.evict_one()
-        return self.pool.take()
+        block = self.pool.take()
+        if self.groups:
+            self.page_groups[block] = 0  # a window table marks its own
+        return block
+
+    def pages_for(self, num_tokens: int, chunk_size: int) -> int:
+        """Pages one request of `num_tokens` tokens needs at its largest, computing
+        `chunk_size` tokens a step: blocks, and with layer groups the window blocks it
+        holds at once too (the window behind a chunk, and the chunk)."""
+        blocks = self.blocks_needed(num_tokens)
+        if not self.groups:
+            return blocks
+        p, w = self.block_size, self.groups.window
+        window = min(blocks, -(-(w - 1 + min(chunk_size, num_tokens)) // p) + 1)
+        return blocks + window * self.local_pages
 
     # -- prefix reuse -----------------------------------------------------------------------
 
@@ -268,7 +296,7 @@ class BlockManager:
         """The cached nodes an admission of `req` would reuse now (no side effects)."""
         if not self.enable_caching:
             return []
-        return self.tree.match(self.namespace, self._reusable(req))
+        return self.window_cut(self.tree.match(self.namespace, self._reusable(req)))
 
     def peek_prefix(self, req: Request) -> int:
         """Cached tokens an admission of `req` would reuse now (no side effects)."""
@@ -286,8 +314,11 @@ class BlockManager:
         target = req.max_total_tokens if reserve_full else hit + num_new_tokens
         # Demoted blocks in the chain are promoted into device blocks of their own.
         need = self.blocks_needed(target) - sum(1 for n in chain if not n.on_host)
+        if self.groups:
+            need += (self.blocks_needed(target) - len(chain)) * self.local_pages
         # Reused blocks that are currently evictable stop being available once referenced.
         evictable = sum(1 for n in chain if n.block >= 0 and self.pool.refcount[n.block] == 1)
+        evictable += self._window_hit_evictable(chain)
         return need <= self.num_available_blocks() - evictable
 
     def admit(self, req: Request, num_new_tokens: int, reserve_full: bool) -> list[tuple[int, int]]:
@@ -302,7 +333,7 @@ class BlockManager:
         chain: list[PrefixNode] = []
         if self.enable_caching:
             reusable = self._reusable(req)
-            chain = self.tree.match(self.namespace, reusable)
+            chain = self.window_cut(self.tree.match(self.namespace, reusable))
             self.tree.record_lookup(chain, len(reusable), self.clock())
             if self.admission.k > 1:
                 p = self.block_size
@@ -322,13 +353,18 @@ class BlockManager:
             self.events.append(Ref(rid, len(table), node.block))
             table.append(node.block)
         self._chains[rid] = chain
+        if self.groups:
+            self._window_admit(rid, chain)
         hit = len(chain) * self.block_size
         req.num_computed_tokens = hit
         req.num_cached_tokens = hit
         if self.enable_caching:
             self.events.append(Hit(rid, hit))
         if reserve_full:
-            promise = self.blocks_needed(req.max_total_tokens) - len(table)
+            # Window blocks are promised whole too: a conservative bound (they are freed
+            # as the request moves on, and a freed page returns to the pool).
+            promise = (self.blocks_needed(req.max_total_tokens) - len(table)) * \
+                (1 + self.local_pages)
             self.reserved[rid] = promise
             self.num_reserved += promise
             self.events.append(Reserve(rid, promise))
@@ -350,7 +386,8 @@ class BlockManager:
         """
         table = self.tables[req.request_id]
         end = req.num_computed_tokens + num_new_tokens
-        if end <= len(table) * self.block_size and not self._tail_is_shared(req):
+        if end <= len(table) * self.block_size and not self._tail_is_shared(req) and \
+                not (self.groups and self._window_tail_shared(req)):
             return []
         if not self.can_allocate(req, num_new_tokens):
             return None
@@ -363,10 +400,13 @@ class BlockManager:
 
     def _new_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
         table = self.tables[req.request_id]
-        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
-        if self._tail_is_shared(req) and num_new_tokens > 0:
-            need += 1  # copy-on-write of the shared partial tail
-        return max(need, 0)
+        blocks = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
+        need = max(blocks, 0) * (1 + self.local_pages)
+        if num_new_tokens > 0:  # copy-on-write of a shared partial tail
+            need += self._tail_is_shared(req)
+            if self.groups and self._window_tail_shared(req):
+                need += self.local_pages
+        return need
 
     def _tail_is_shared(self, req: Request) -> bool:
         table = self.tables[req.request_id]
@@ -400,6 +440,8 @@ class BlockManager:
             block = self._take_for(rid)
             self.events.append(Ref(rid, len(table), block))
             table.append(block)
+        if self.groups:
+            self._window_grow(req, num_new_tokens, cows)
         return cows
 
     def _take_for(self, rid: str) -> int:
@@ -444,12 +486,13 @@ class BlockManager:
         full = min(req.num_computed_tokens // p, len(table))
         now = self.clock()
         pool = self.pool
+        window = self.groups is not None
         while len(chain) < full:
             k = len(chain)
             key = tuple(req.token_slice(k * p, (k + 1) * p))
             parent = chain[-1] if chain else None
             twin = (parent or self.tree.root(self.namespace)).children.get(key)
-            if twin is not None and twin.on_host:
+            if twin is not None and twin.on_host and not window:
                 # The same content was demoted: this block becomes its device copy (no
                 # copy needed) and the host block is freed.
                 host_block = twin.host_block
@@ -472,6 +515,8 @@ class BlockManager:
             if node.block == table[k]:
                 self.events.append(Cache(node.node_id, parent.node_id if parent else 0,
                                          node.block, node.depth_tokens))
+                if window:
+                    self._window_cache(rid, k, node)
             else:
                 self.pool.incref(node.block)
                 self.tree.on_block_used(node.block)
@@ -479,6 +524,8 @@ class BlockManager:
                 table[k] = node.block
                 self.events.append(Ref(rid, k, node.block))
                 self._drop(old)
+                if window:
+                    self._window_cache(rid, k, node)
             chain.append(node)
 
     # -- fork, truncate, release ------------------------------------------------------------
@@ -496,6 +543,8 @@ class BlockManager:
             self.tree.on_block_used(block)
             self.events.append(Ref(cid, i, block))
         self._chains[cid] = list(self._chains.get(parent.request_id, []))
+        if self.groups:
+            self._window_fork(parent, child, len(src))
         child.num_computed_tokens = parent.num_computed_tokens
 
     def truncate(self, req: Request, num_tokens: int) -> None:
@@ -503,6 +552,8 @@ class BlockManager:
         rid = req.request_id
         table = self.tables[rid]
         keep = self.blocks_needed(num_tokens)
+        if self.groups:
+            self._window_truncate(rid, num_tokens)
         while len(table) > keep:
             self._unref_last(rid, table)
         req.num_computed_tokens = min(req.num_computed_tokens, num_tokens)
@@ -527,6 +578,7 @@ class BlockManager:
         table = self.tables.pop(rid, None)
         if table is None:
             return
+        self._window_release(rid)
         while table:
             self._unref_last(rid, table)
         promised = self.reserved.pop(rid, 0)
@@ -575,6 +627,8 @@ class BlockManager:
         self.pool.check_integrity()
         self.tree.check_integrity()
         counts = [0] * self.pool.num_blocks
+        self._window_integrity(counts)
+        assert set(self.window_tables) == (set(self.tables) if self.groups else set())
         for rid, table in self.tables.items():
             for b in table:
                 counts[b] += 1

@@ -19,6 +19,12 @@ them back first (a host hit). Host residency is closed downwards — a host node
 are host nodes — so a matched chain is device nodes followed by host nodes, and a device
 node counts as a leaf for eviction when it has no *device* children.
 
+With `free_window_kv` (`kv/groups.py`) a node may also keep its block's sliding-window
+pages (`local`), which a request released once it moved past them: a later hit can then
+end at this node without recomputing the window before it. The cache's reference on them
+is evictable on its own (the node stays, its full-attention page too), in the order they
+were released; `evict_one` takes whichever is older, those pages or the LRU leaf.
+
 Eviction policies (device victims; the host tier's own victims follow the same policy):
 
 - `lru`: least recently used leaf first (a lazy heap keyed by last access).
@@ -40,7 +46,7 @@ from dataclasses import dataclass, field
 
 from runtime.kv.block_pool import BlockStates
 from runtime.kv.tiers import HOST_DEMOTED, HostTier
-from runtime.records import Demote, Evict
+from runtime.records import Demote, Evict, WinCache, WinEvict
 
 RecomputeCost = Callable[[int, int], float]
 """(tokens before the block, tokens in the block) -> seconds to recompute it."""
@@ -69,6 +75,8 @@ class PrefixNode:
     children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
     host_block: int = -1
     """The host block holding a demoted node's KV (−1: on the device, in `block`)."""
+    local: tuple[int, ...] = ()
+    """Its sliding-window pages, when the cache keeps them (`free_window_kv`)."""
 
     @property
     def on_host(self) -> bool:
@@ -157,6 +165,10 @@ class PrefixTree:
         self.num_demotions = 0
         self.num_promotions = 0
         self.num_host_hit_tokens = 0
+        self.local_of_page: dict[int, PrefixNode] = {}
+        """Sliding-window page -> the node whose pages it is."""
+        self._local_free: dict[PrefixNode, int] = {}
+        """Nodes whose window pages only the cache holds, oldest release first -> step."""
 
     # -- lookup -----------------------------------------------------------------------------
 
@@ -210,7 +222,7 @@ class PrefixTree:
             self.version += 1
             return existing
         if self.capacity and len(self.node_of_block) >= self.capacity:
-            if self.evict_one() is None:
+            if self.evict_one(node_only=True) is None:
                 return None
         return self._add(next(self._ids), parent, key, block, now, self.num_lookups)
 
@@ -238,10 +250,11 @@ class PrefixTree:
 
     def export(self) -> tuple[list[list[int]], dict[str, int]]:
         """The tree as checkpoint data: [node id, parent id, block, end token, hits, last
-        access, created lookup, host block] per node (parents first), and the counters."""
+        access, created lookup, host block, window pages] per node (parents first), and the
+        counters."""
         nodes = [[n.node_id, n.parent.node_id if n.parent else 0,
                   n.block, n.depth_tokens, n.hits, n.last_access, n.created_lookup,
-                  n.host_block]
+                  n.host_block, list(n.local)]
                  for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]
         counters = {"lookups": self.num_lookups, "query_tokens": self.num_query_tokens,
                     "hit_tokens": self.num_hit_tokens, "evictions": self.num_evictions,
@@ -257,6 +270,8 @@ class PrefixTree:
                 self.host_nodes_restore(node_id, parent_id, host_block, last_access, created)
             else:
                 self.restore(node_id, parent_id, block, last_access, created)
+                if len(rest) > 1 and rest[1]:
+                    self.attach_local(self.nodes[node_id], rest[1], last_access)
             self.nodes[node_id].hits = hits
         self.num_lookups = counters["lookups"]
         self.num_query_tokens = counters["query_tokens"]
@@ -292,7 +307,10 @@ class PrefixTree:
         (the host tier is empty then: `BlockManager.drop_host_tier`)."""
         for node in self.node_of_block.values():
             node.block = moves.get(node.block, node.block)
+            if node.local:
+                node.local = tuple(moves.get(p, p) for p in node.local)
         self.node_of_block = {n.block: n for n in self.node_of_block.values()}
+        self.local_of_page = {p: n for n in self.node_of_block.values() for p in n.local}
         self.bytes_per_block = bytes_per_block
         self.version += 1
 
@@ -322,12 +340,53 @@ class PrefixTree:
             node.last_access = now
             self._leaves.discard(node)
             self._note_if_evictable(node)
+        elif self.local_of_page:
+            node = self.local_of_page.get(block)
+            if node is not None:
+                self._note_local(node, now)
 
     def on_block_used(self, block: int) -> None:
         """A request took a reference to a cached block: it is no longer evictable."""
         node = self.node_of_block.get(block)
         if node is not None:
             self._leaves.discard(node)
+        elif self.local_of_page:
+            node = self.local_of_page.get(block)
+            if node is not None:
+                self._local_free.pop(node, None)
+
+    # -- sliding-window pages (free_window_kv) ----------------------------------------------
+
+    def attach_local(self, node: PrefixNode, pages: list[int], now: int) -> None:
+        """Keep `pages`, the sliding-window pages of `node`'s block, in the cache."""
+        assert not node.local and node.block >= 0, f"node {node.node_id} cannot take pages"
+        for page in pages:
+            self.pool.mark_cached(page)
+            self.local_of_page[page] = node
+        node.local = tuple(pages)
+        self._note_local(node, now)
+        self.events.append(WinCache(node.node_id, list(pages)))
+        self.version += 1
+
+    def _note_local(self, node: PrefixNode, now: int) -> None:
+        rc = self.pool.refcount
+        if all(rc[p] == 1 for p in node.local):
+            self._local_free.pop(node, None)
+            self._local_free[node] = now  # to the end: released last
+
+    def drop_local(self, node: PrefixNode) -> None:
+        """Free `node`'s window pages, which only the cache holds (the node stays)."""
+        self._free_local(node)
+        self.events.append(WinEvict(node.node_id))
+        self.version += 1
+
+    def _free_local(self, node: PrefixNode) -> None:
+        for page in node.local:
+            del self.local_of_page[page]
+            freed = self.pool.unmark_cached(page)
+            assert freed, f"window page {page} of node {node.node_id} is still in use"
+        node.local = ()
+        self._local_free.pop(node, None)
 
     @property
     def num_evictable(self) -> int:
@@ -363,11 +422,20 @@ class PrefixTree:
             return min(self._leaves, key=lambda n: (self._eviction_loss(n), n.node_id))
         return _oldest(self._heap, self._leaves)
 
-    def evict_one(self) -> int | None:
+    def evict_one(self, node_only: bool = False) -> int | None:
         """Evict one evictable device leaf — demoted to the host tier when that is worth it
-        and possible, dropped otherwise; returns the freed device block, or None if none is
-        evictable."""
+        and possible, dropped otherwise — or, when they were released before that leaf was
+        last used, one node's sliding-window pages (not with `node_only`: the capacity
+        counts nodes); returns a freed device block (page), or None if none is evictable."""
         node = self._pick_victim()
+        if not node_only and self._local_free:
+            oldest = next(iter(self._local_free))
+            if node is None or self._local_free[oldest] <= node.last_access:
+                if node is not None and self.policy != "value":  # it stays a candidate
+                    heapq.heappush(self._heap, (node.last_access, node.node_id, node))
+                page = oldest.local[0]
+                self.drop_local(oldest)
+                return page
         if node is None:
             return None
         block = node.block
@@ -430,6 +498,7 @@ class PrefixTree:
 
     def demote_to(self, node: PrefixNode, host_block: int) -> None:
         """Account `node` as living in `host_block` (live, or replaying a Demote)."""
+        assert not node.local, "window pages have no host tier (free_window_kv refuses one)"
         self._leaves.discard(node)
         del self.node_of_block[node.block]
         freed = self.pool.unmark_cached(node.block)
@@ -496,6 +565,8 @@ class PrefixTree:
             del self.node_of_block[node.block]
             freed = self.pool.unmark_cached(node.block)
             assert freed, "an evictable block must have no other reference"
+            if node.local:  # its window pages go with it (replay's Evict does the same)
+                self._free_local(node)
             self.events.append(Evict(node.node_id, node.block))
         self.num_evictions += 1
         self.version += 1
@@ -614,7 +685,14 @@ class PrefixTree:
         if self.host is not None:
             assert self.host.num_demoted == len(on_host), "demoted count disagrees"
         flagged = {b for b in range(self.pool.num_blocks) if self.pool.cached[b]}
-        assert flagged == seen, "pool cache flags disagree with the tree"
+        assert flagged == seen | set(self.local_of_page), \
+            "pool cache flags disagree with the tree"
+        for page, n in self.local_of_page.items():
+            assert page in n.local and n.block >= 0, f"window page {page} misfiled"
+            assert page not in seen, f"page {page} is both a window and a full page"
+        for n in self.nodes.values():
+            free = bool(n.local) and all(self.pool.refcount[p] == 1 for p in n.local)
+            assert (n in self._local_free) == free, f"node {n.node_id} window-free mismatch"
         if self.capacity and len(seen) > self.capacity:
             # Only blocks that running requests still use may exceed a lowered capacity.
             assert not self._leaves, "over capacity while blocks are evictable"
