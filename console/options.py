@@ -122,6 +122,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("host_kv_memory_bytes", ("--host-kv-memory-gib",), float,
          "Host KV tier in GiB, for swapped-out requests and demoted prefix blocks (default 0: "
          "none; pinned memory on CUDA).", ENGINE, convert=lambda gib: _gib_to_bytes_or_zero(gib)),
+    Flag("free_window_kv", ("--free-window-kv/--no-free-window-kv",), bool,
+         "Free sliding-window layers' KV behind the window (torch; models mixing full and "
+         "sliding-window layers such as Gemma 3; no host tier) (default off).", ENGINE),
     Flag("max_num_seqs", ("--max-num-seqs",), int, "Most requests per iteration (default 256).",
          ENGINE),
     Flag("max_num_batched_tokens", ("--max-num-batched-tokens",), int,

@@ -174,6 +174,10 @@ class EngineConfig:
     """Overrides the block count derived from `kv_memory_bytes` (tests use tiny pools)."""
     host_kv_memory_bytes: int = 0
     """Host tier budget for swapped-out and demoted KV blocks (0: no host tier)."""
+    free_window_kv: bool = False
+    """Keep sliding-window layers' KV in blocks of their own and free those behind the
+    window (`kv/groups.py`; torch executor, models mixing full and sliding-window layers,
+    no host tier). `num_blocks` then counts pages."""
     max_model_len: int | None = None
     """Context limit; None takes the executor's model context."""
     max_waiting: int = 4096

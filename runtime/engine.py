@@ -104,8 +104,14 @@ class Engine:
             executor.set_weight_formats(formats)
         if config.knobs.offload_layers:  # before sizing the pool: offload frees memory for it
             executor.set_offload(config.knobs.offload_layers, config.knobs.offload_buffers)
+        self.groups = executor.layer_groups() if config.free_window_kv else None
+        """The layer groups when sliding-window KV is freed (`kv/groups.py`), else None."""
+        if self.groups is not None and config.host_kv_memory_bytes:
+            raise ConfigError("free_window_kv cannot have a host KV tier: window pages are "
+                              "not swapped or demoted; drop --host-kv-memory-gib or "
+                              "--free-window-kv.")
         num_blocks = self.pool_blocks(self.kv_format)
-        executor.bind_kv(num_blocks, config.block_size, self.kv_format)
+        executor.bind_kv(num_blocks, config.block_size, self.kv_format, groups=self.groups)
         host_blocks = config.host_blocks(self.kv_bytes_per_token)
         executor.bind_host_kv(host_blocks)
         text = format_weight_format(formats)
@@ -127,11 +133,12 @@ class Engine:
             num_blocks, config.block_size, enable_caching=k.enable_prefix_caching,
             cache_capacity=k.prefix_cache_capacity, eviction_policy=k.eviction_policy,
             namespace=self._namespace(self.kv_format),
-            bytes_per_block=self.kv_bytes_per_token * config.block_size,
+            bytes_per_block=self.block_bytes(self.kv_format),
             recompute_cost=lambda h, c: executor.estimate_step_seconds(
                 c, causal_pairs(c, h), h + c),
             clock=lambda: self.step_count, host_blocks=host_blocks,
             link_seconds=lambda nbytes: nbytes / executor.link_bandwidth,
+            groups=self.groups,
         )
         self.kv.admission.configure(k.cache_admission_k, k.cache_admission_window)
         self.transfer_log = TransferLog()
@@ -301,8 +308,16 @@ class Engine:
         over the bytes a block takes — the target's KV and, with a draft model, its twin's."""
         e = self.executor
         return self.config.blocks_for_budget(
-            e.kv_bytes_per_token(kv_format) + e.draft_kv_bytes_per_token(kv_format),
-            e.offload_gain_bytes)
+            self.block_bytes(kv_format) // self.config.block_size
+            + e.draft_kv_bytes_per_token(kv_format), e.offload_gain_bytes)
+
+    def block_bytes(self, kv_format: str) -> int:
+        """Bytes of the target's KV one block (one page, with layer groups: the layers of
+        one page) takes in `kv_format`."""
+        per_token = self.executor.kv_bytes_per_token(kv_format)
+        if self.groups is not None:
+            per_token = per_token * self.groups.page_layers // self.groups.num_layers
+        return per_token * self.config.block_size
 
     def check_knobs(self, knobs: Knobs) -> None:
         """Bounds that depend on this engine's executor and pool (ConfigError if broken)."""
@@ -445,7 +460,7 @@ class Engine:
             dropped += 1
         kv.tree.demote = demote
         bpt = self.executor.kv_bytes_per_token(kv_format)
-        where = kv.relayout(num_blocks, bpt * self.config.block_size,
+        where = kv.relayout(num_blocks, self.block_bytes(kv_format),
                             self._namespace(kv_format))
         src = sorted(where)
         conv = self.executor.convert_kv(kv_format, num_blocks, src, [where[b] for b in src])
@@ -809,6 +824,8 @@ class Engine:
             step=self.step_count, time=self.clock.now(),
             knobs=dataclasses.asdict(sched.knobs), requests=requests,
             tables={rid: list(t) for rid, t in kv.tables.items()},
+            window_tables={rid: [list(t) for t in wt] for rid, wt in kv.window_tables.items()}
+            if kv.groups else None,
             reserved=dict(kv.reserved), nodes=nodes, tree=tree_counters,
             counters={"preemptions": sched.num_preemptions, "cow": kv.num_cow_copies,
                       "swapped": sched.num_swapped},

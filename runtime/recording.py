@@ -58,6 +58,7 @@ def engine_header(engine: Engine) -> dict:
         "offload": engine.executor.describe_offload(),
         "offload_gain_bytes": engine.executor.offload_gain_bytes,
         "max_model_len": engine.max_model_len,
+        "layer_groups": dataclasses.asdict(engine.groups) if engine.groups else None,
         "config": dataclasses.asdict(engine.config),
     }
 

@@ -450,9 +450,10 @@ class Checkpoint:
     tables: dict[str, list[int]]
     reserved: dict[str, int]
     nodes: list[list]
-    """[node id, parent id, block, end token, hits, last access, created lookup, host block]
-    per cached block, parents before children (block −1 for one on the host tier, host
-    block −1 for one on the device; older runs lack the host block)."""
+    """[node id, parent id, block, end token, hits, last access, created lookup, host block,
+    window pages] per cached block, parents before children (block −1 for one on the host
+    tier, host block −1 for one on the device; older runs lack the host block and the
+    window pages)."""
     tree: dict[str, int]
     """Prefix-tree counters: lookups, query tokens, hit tokens, evictions."""
     counters: dict[str, int]
@@ -470,6 +471,9 @@ class Checkpoint:
     spec: dict[str, Any] | None = None
     """Speculative decoding's counters (`spec.stats.SpecStats.to_json`); None in older
     runs."""
+    window_tables: dict[str, list[list[int]]] | None = None
+    """With `free_window_kv`: each running request's sliding-window page tables (−1 where
+    freed); None otherwise."""
 
     def to_json(self) -> dict:
         d = {"kind": self.kind}
@@ -481,7 +485,8 @@ class Checkpoint:
     @classmethod
     def from_json(cls, d: dict, where: str) -> Checkpoint:
         try:
-            optional = {"pool": None, "switches": [], "host": None, "spec": None}
+            optional = {"pool": None, "switches": [], "host": None, "spec": None,
+                        "window_tables": None}
             values = {f.name: d[f.name] for f in fields(cls) if f.name not in optional}
             values.update({k: d.get(k, v) for k, v in optional.items()})
             values["requests"] = [RequestState.from_json(r) for r in values["requests"]]

@@ -20,8 +20,10 @@ from runtime.config import Knobs
 from runtime.errors import RunFormatError
 from runtime.figures import RunFigures, kv_summary, step_figures, summarize
 from runtime.kv.block_pool import BlockStates
+from runtime.kv.groups import LayerGroups
 from runtime.kv.prefix_tree import PrefixTree
 from runtime.kv.tiers import HOST_DEMOTED, HOST_SWAPPED, HostTier
+from runtime.kv.window import held_by_group
 from runtime.metrics import SLO, RequestMetrics, request_metrics
 from runtime.records import (
     Cache,
@@ -41,9 +43,13 @@ from runtime.records import (
     SwapOut,
     Unref,
     Unswap,
+    WinCache,
+    WinEvict,
+    WinRef,
+    WinUnref,
 )
 from runtime.request import RequestStatus
-from runtime.snapshot import BatchView, EngineSnapshot, KVView, RequestView
+from runtime.snapshot import BatchView, EngineSnapshot, KVView, RequestView, WindowView
 from runtime.spec.stats import SpecStats
 from runtime.transfers import TransferLog, TransfersView, host_checkpoint
 
@@ -67,6 +73,12 @@ class TraceState:
         self.num_swap_outs = 0
         self.num_swap_ins = 0
         self.tables: dict[str, list[int]] = {}
+        self.window_tables: dict[str, list[list[int]]] = {}
+        """With `free_window_kv`: the sliding-window page tables (`kv/window.py`)."""
+        groups = header.get("layer_groups")
+        self.groups = LayerGroups(groups["num_layers"], tuple(groups["local_layers"]),
+                                  groups["window"]) if groups else None
+        self.page_groups = bytearray(n)
         self.requests: dict[str, RequestState] = {}
         self.reserved: dict[str, int] = {}
         self.num_reserved = 0
@@ -106,11 +118,24 @@ class TraceState:
             if sw["knob"] == "offload_layers":
                 self.offload, self.offload_gain_bytes = sw["offload"], sw["gain"]
         self.tree.load(cp.nodes, cp.tree)
+        if len(self.page_groups) != self.num_blocks:
+            self.page_groups = bytearray(self.num_blocks)
+        for node in self.tree.nodes.values():
+            for page in node.local:
+                self.page_groups[page] = 1
         for rid, table in cp.tables.items():
             self.tables[rid] = list(table)
             for block in table:
                 self.pool.incref(block)
                 self.tree.on_block_used(block)
+        for rid, wt in (cp.window_tables or {}).items():
+            self.window_tables[rid] = [list(t) for t in wt]
+            for table in wt:
+                for page in table:
+                    if page >= 0:
+                        self.pool.incref(page)
+                        self.tree.on_block_used(page)
+                        self.page_groups[page] = 1
         self.reserved = dict(cp.reserved)
         self.num_reserved = sum(cp.reserved.values())
         self.num_preemptions = cp.counters["preemptions"]
@@ -267,6 +292,7 @@ class TraceState:
             table = self.tables.setdefault(ev.request_id, [])
             pool.incref(ev.block)
             tree.on_block_used(ev.block)
+            self.page_groups[ev.block] = 0
             if ev.index == len(table):
                 table.append(ev.block)
             else:  # a replacement (copy-on-write, or a duplicate switched to the cached block)
@@ -329,13 +355,61 @@ class TraceState:
             tree.promote(tree.nodes[ev.node_id], ev.block, hit=bool(ev.hit))
         elif isinstance(ev, HostResize):
             self.host.resize(ev.num_blocks)
+        elif isinstance(ev, WinRef | WinUnref | WinCache | WinEvict):
+            self._apply_window(ev, rec)
         elif isinstance(ev, Relayout):
             moves = {old: new for old, new in ev.moves}
             pool.relayout(ev.num_blocks, moves)
             for table in self.tables.values():
                 table[:] = [moves.get(b, b) for b in table]
+            for wt in self.window_tables.values():
+                for table in wt:
+                    table[:] = [moves.get(b, b) for b in table]
+            flags = self.page_groups
+            for old, new in moves.items():
+                flags[new] = flags[old]
+            self.page_groups = (flags + bytearray(max(ev.num_blocks - len(flags), 0))
+                                )[:ev.num_blocks]
             tree.move_blocks(moves, ev.bytes_per_block)
             self.num_blocks, self.bytes_per_block = ev.num_blocks, ev.bytes_per_block
+
+    def _apply_window(self, ev, rec: StepRecord) -> None:
+        """A sliding-window event (`kv/window.py`), as the live manager applied it."""
+        pool, tree = self.pool, self.tree
+        if isinstance(ev, WinRef):
+            wt = self.window_tables.setdefault(ev.request_id, [[] for _ in ev.pages])
+            for table, page in zip(wt, ev.pages, strict=True):
+                pool.incref(page)
+                tree.on_block_used(page)
+                self.page_groups[page] = 1
+                while len(table) < ev.index:  # blocks a hit left behind its window
+                    table.append(-1)
+                if ev.index == len(table):
+                    table.append(page)
+                else:  # a replacement: copy-on-write, or a cached twin's pages
+                    old, table[ev.index] = table[ev.index], page
+                    if old >= 0:
+                        self._drop(old, rec.step)
+        elif isinstance(ev, WinUnref):
+            wt = self.window_tables.get(ev.request_id)
+            if not wt or len(wt[0]) <= ev.index or \
+                    [t[ev.index] for t in wt] != list(ev.pages):
+                raise RunFormatError(f"Step {rec.step} drops window pages {ev.pages} from "
+                                     f"{ev.request_id!r}, which does not hold them there.")
+            for table in wt:
+                table[ev.index] = -1
+                while table and table[-1] < 0:
+                    table.pop()
+            if not wt[0]:
+                del self.window_tables[ev.request_id]
+            for page in ev.pages:
+                self._drop(page, rec.step)
+        elif isinstance(ev, WinCache):
+            for page in ev.pages:
+                self.page_groups[page] = 1
+            tree.attach_local(tree.nodes[ev.node_id], ev.pages, rec.step)
+        else:
+            tree.drop_local(tree.nodes[ev.node_id])
 
     def _drop(self, block: int, step: int) -> None:
         self.pool.decref(block)
@@ -350,6 +424,13 @@ class TraceState:
 
     def block_states(self) -> bytes:
         return bytes(self.pool.states)
+
+    def window_view(self) -> WindowView | None:
+        if self.groups is None:
+            return None
+        full, window = held_by_group(self.pool.states, self.page_groups)
+        return WindowView(self.groups.describe(), bytes(self.page_groups), full, window,
+                          self.groups.pages_per_local_block)
 
     def _view(self, r: RequestState) -> RequestView:
         return RequestView(r.request_id, r.status.value, r.num_prompt_tokens,
@@ -368,7 +449,7 @@ class TraceState:
                     tree.hit_rate, tree.num_evictions, self.num_cow, tree.num_query_tokens,
                     tree.num_hit_tokens, (),
                     h.get("draft_kv_bytes_per_token", {}).get(kv_format, 0) * self.block_size,
-                    h.get("draft_model", ""))
+                    h.get("draft_model", ""), self.window_view())
         live = [r for r in self.requests.values() if r.arrival_time <= self.time]
         counts = self.figures.status_counts
         knobs = Knobs(**self.knobs) if self.knobs else Knobs()
@@ -409,6 +490,11 @@ class TraceState:
         for table in self.tables.values():
             for b in table:
                 counts[b] += 1
+        for wt in self.window_tables.values():
+            for table in wt:
+                for b in table:
+                    if b >= 0:
+                        counts[b] += 1
         for b in range(self.num_blocks):
             assert self.pool.refcount[b] == counts[b] + self.pool.cached[b], f"block {b}"
 

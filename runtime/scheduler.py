@@ -265,6 +265,10 @@ class Scheduler:
                 else "sequence limit (max_num_seqs) reached"
         if self.kv.copies:
             plan.transfers = self.kv.take_copies()
+        if self.kv.groups:  # the window tables, as they stand once planning is done
+            wt = self.kv.window_tables
+            for c in plan.chunks:
+                c.window_tables = wt.get(c.request_id)
         plan.predicted_s = (self._target or StepTotals(self.estimate, plan.chunks)).seconds()
         return plan
 
@@ -641,11 +645,13 @@ class Scheduler:
     def _never_fits(self, req: Request, full: bool) -> str | None:
         """A reason the request can never be admitted with this pool, or None."""
         tokens = req.max_total_tokens if full else req.num_tokens
-        need = self.kv.blocks_needed(tokens)
+        need = self.kv.pages_for(tokens, self.knobs.chunk_size)
         if need > self.kv.num_blocks:
             what = "prompt + max_tokens − 1" if full else "its prompt"
-            return (f"needs {need:,} KV blocks for {what} ({tokens:,} tokens) but the pool has "
-                    f"{self.kv.num_blocks:,} blocks of {self.kv.block_size} tokens")
+            unit = "pages (full-attention and window blocks)" if self.kv.groups else "blocks"
+            return (f"needs {need:,} KV {unit} for {what} ({tokens:,} tokens) but the pool "
+                    f"has {self.kv.num_blocks:,} {unit.split()[0]} of "
+                    f"{self.kv.block_size} tokens")
         return None
 
     def _deadlines(self) -> bool:
@@ -725,6 +731,8 @@ class Scheduler:
             emitted += chunk.emitted
             if end // p != start // p:  # a block was completed: it may enter the cache
                 self.kv.cache_computed(req)
+            if self.kv.groups:  # after any rollback: the window of its next position
+                self.kv.slide(req)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status, self._why(req, status), now)

@@ -101,6 +101,22 @@ class WeightsView:
 
 
 @dataclass(frozen=True)
+class WindowView:
+    """The pool's two layer groups under `free_window_kv` (`kv/groups.py`)."""
+
+    layout: str
+    """`LayerGroups.describe()`: the layers of each group, the window, the page."""
+    page_groups: bytes
+    """Per page, 1 for a sliding-window page (meaningful for pages in use)."""
+    full_pages: int
+    """Pages requests hold for the full-attention layers."""
+    window_pages: int
+    """Pages requests hold for the sliding-window layers."""
+    pages_per_block: int
+    """Pages one window block takes."""
+
+
+@dataclass(frozen=True)
 class KVView:
     num_blocks: int
     block_size: int
@@ -123,6 +139,8 @@ class KVView:
     draft_bytes_per_block: int = 0
     """Bytes of each block's twin in the draft model's pool (0 without a draft model)."""
     draft_model: str = ""
+    window: WindowView | None = None
+    """The two layer groups when sliding-window KV is freed (blocks are then pages)."""
 
     @property
     def cached_fraction(self) -> float:
@@ -269,7 +287,15 @@ class SnapshotBuilder:
                       tree.num_evictions, kv.num_cow_copies, tree.num_query_tokens,
                       tree.num_hit_tokens, e.executor.kv_formats,
                       e.executor.draft_kv_bytes_per_token(e.kv_format) * kv.block_size,
-                      e.executor.draft_model_name)
+                      e.executor.draft_model_name, self.window_view())
+
+    def window_view(self) -> WindowView | None:
+        kv = self.engine.kv
+        if kv.groups is None:
+            return None
+        full, window = kv.window_counts()
+        return WindowView(kv.groups.describe(), bytes(kv.page_groups), full, window,
+                          kv.groups.pages_per_local_block)
 
     def transfers_view(self) -> TransfersView:
         e = self.engine

@@ -1,5 +1,6 @@
 """KV block map: every physical block as a cell coloured by its state; a selected request's
-block table highlighted; totals and usage."""
+block table highlighted; totals and usage. With `free_window_kv` the cells are pages, and
+pages of the sliding-window layers are drawn ▄ beside the full-attention layers' █."""
 
 from __future__ import annotations
 
@@ -40,6 +41,20 @@ def host_row(states: bytes, width: int) -> Text:
     return row
 
 
+WINDOW_CHAR = "▄"
+
+
+def window_text(kv: KVView) -> Text:
+    """One line for the two layer groups: the pages each holds now, and the layout."""
+    w = kv.window
+    line = Text()
+    line.append(f"█ full-attention {w.full_pages:,} pages", style="bold")
+    line.append(" · ")
+    line.append(f"{WINDOW_CHAR} window {w.window_pages:,} pages", style="bold")
+    line.append(f" ({w.layout})", style="dim")
+    return line
+
+
 def draft_text(kv: KVView) -> str:
     """The draft model's share of the pool: every block has a twin in its pool."""
     target = kv.bytes_per_block
@@ -73,6 +88,11 @@ def switch_text(sw: dict) -> str:
     return text
 
 
+def _all_window(page_groups: bytes, states: bytes, start: int) -> bool:
+    """Whether every page in use among `states` (pages from `start`) is a window page."""
+    return all(page_groups[start + i] for i, s in enumerate(states) if s != FREE)
+
+
 class KVMapPanel(SnapshotPanel):
     """The paged KV pool, block by block (or group by group when it does not fit)."""
 
@@ -93,7 +113,9 @@ class KVMapPanel(SnapshotPanel):
         switch = switch_text(kv_switches[-1]) if kv_switches else ""
         switch_rows = -(-len(switch) // width) if switch else 0
         host = snap.transfers is not None and snap.transfers.host_blocks > 0
-        rows = max(self.size.height - 5 - switch_rows - (2 if host else 0)
+        window = kv.window
+        window_rows = -(-len(window_text(kv).plain) // width) if window else 0
+        rows = max(self.size.height - 5 - switch_rows - (2 if host else 0) - window_rows
                    - (1 if kv.draft_bytes_per_block else 0), 1)
         cells = width * rows
         per_cell = max(-(-kv.num_blocks // cells), 1)
@@ -107,6 +129,8 @@ class KVMapPanel(SnapshotPanel):
             group = states[start:start + per_cell]
             state = max(group, key=lambda s: RANK[s])
             char, style = STYLES[state]
+            if window and state != FREE and _all_window(window.page_groups, group, start):
+                char = WINDOW_CHAR
             if highlight and any(b in highlight for b in range(start, start + len(group))):
                 char, style = "◆", "bold yellow"
             grid.append(char, style=style)
@@ -121,12 +145,17 @@ class KVMapPanel(SnapshotPanel):
             char, style = STYLES[state]
             legend.append(f"{char}{abbrev if short else ' ' + name} {counts[state]} ",
                           style=style)
-        self.border_subtitle = (f"{kv.num_blocks} × {kv.block_size} tok · {kv.kv_format} · "
+        unit = " pages" if window else ""
+        self.border_subtitle = (f"{kv.num_blocks}{unit} × {kv.block_size} tok · "
+                                f"{kv.kv_format} · "
                                 f"{kv.usage:.0%} used · {kv.num_reserved} reserved")
-        scale = f"1 cell = {per_cell} blocks" if per_cell > 1 else "1 cell = 1 block"
+        what = "page" if window else "block"
+        scale = f"1 cell = {per_cell} {what}s" if per_cell > 1 else f"1 cell = 1 {what}"
         sel = f" · highlighted: {self.selected}" if highlight else ""
         self.grid = grid
         lines = [legend, Text(scale + sel, style="dim")]
+        if window:
+            lines.append(window_text(kv))
         if kv.draft_bytes_per_block:
             lines.append(Text(draft_text(kv), style="dim"))
         if switch:
