@@ -23,7 +23,7 @@ from typing import Any
 TORCH_ONLY: dict[str, Any] = {
     "device": "auto", "dtype": None, "int4_group_size": 32,
     "int8_group_size": 64, "weight_activations": "measured", "offload_layers": 0,
-    "host_kv_memory_bytes": 0, "preemption": "recompute",
+    "host_kv_memory_bytes": 0, "preemption": "recompute", "free_window_kv": False,
 }
 """Torch-executor settings, with the values that leave them unused."""
 
