@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from runtime.kv.groups import LayerGroups
 from runtime.plan import Conversion, SchedulerOutput, StepResult
 from runtime.snapshot import WeightsView
 
@@ -61,9 +62,21 @@ class Executor(Protocol):
         """Predicted time of one draft-model pass over `num_rows` rows (draft length rule)."""
         ...
 
-    def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
+    def layer_groups(self) -> LayerGroups:
+        """The model's full-attention and sliding-window layer groups, for `free_window_kv`
+        (`kv/groups.py`); a ConfigError sentence when this executor or model cannot free
+        window KV (no sliding-window layers, or KV the executor does not lay out itself)."""
+        ...
+
+    def bind_kv(self, num_blocks: int, block_size: int, kv_format: str,
+                groups: LayerGroups | None = None) -> None:
         """Create (or size) the physical KV pool the block tables index into (and the draft
-        model's twin pool, if any)."""
+        model's twin pool, if any). With `groups` (from `layer_groups`) the pool is
+        `num_blocks` *pages* of `groups.page_layers` layers each: plans then carry each
+        chunk's local sub-group tables in `ScheduledChunk.window_tables`, copy-on-write
+        pairs, transfers and `convert_kv` ids are page ids, and a local layer never reads
+        a block before its window (−1 entries there). The draft model's twin pool stays
+        indexed by the global table."""
         ...
 
     def bind_host_kv(self, num_blocks: int) -> None:

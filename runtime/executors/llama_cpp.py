@@ -68,6 +68,7 @@ from runtime.executors.llama_cpp_context import KV_TYPES, LlamaContext, LlamaMod
 from runtime.executors.llama_cpp_draft import LlamaDraft
 from runtime.executors.online_fit import OnlineFit
 from runtime.guided import MaskJob, apply_mask
+from runtime.kv.groups import LayerGroups
 from runtime.models.gguf import read_gguf
 from runtime.models.info import model_info_from_gguf
 from runtime.plan import Conversion, ScheduledChunk, SchedulerOutput, StepResult, StepTiming
@@ -186,10 +187,17 @@ class LlamaCppExecutor:
         """One draft pass over `num_rows` rows (0 without a draft model)."""
         return self.draft.pass_seconds(num_rows) if self.draft is not None else 0.0
 
-    def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
+    def layer_groups(self) -> LayerGroups:
+        """Refused: llama.cpp lays out its own KV cells."""
+        raise ConfigError("free_window_kv frees pages of kvdeck's own KV pool, but llama.cpp "
+                          "keeps its own KV cells; use the torch executor for free_window_kv.")
+
+    def bind_kv(self, num_blocks: int, block_size: int, kv_format: str,
+                groups: LayerGroups | None = None) -> None:
         """(Re)create the context: `num_blocks × block_size` cells of `kv_format` in
         `n_parallel` streams; every slot starts empty. A slot's cells cap a request's
-        tokens (`max_model_len`)."""
+        tokens (`max_model_len`). `groups` is always None here (`layer_groups` refuses)."""
+        assert groups is None, "llama.cpp has no layer groups"
         self.kv_bytes_per_token(kv_format)  # refuses what llama.cpp cannot store
         self._free_context()
         per_slot = num_blocks * block_size // self.n_parallel

@@ -7,6 +7,12 @@ Per step, `PagedBatch.build` turns a plan into index tensors once; every layer t
 decode rows (keys gathered through a padded `[B, max_blocks]` block index, masked to each
 row's length) and (3) one attention per prefill chunk (causal within the chunk, full over
 its cached prefix). Sliding-window layers mask keys outside their window.
+
+With layer groups (`kv/groups.py`, `free_window_kv`) the pool holds pages of a few layers'
+slots, and the index tensors are built once per table — the global table and each local
+sub-group's — with a layer writing and reading its own slot through its table. A local
+table is read only from the first block its rows' windows reach: the blocks before it may
+have been freed.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.executors.kv_codecs import KVCodec
+from runtime.kv.groups import LayerGroups
 from runtime.plan import SchedulerOutput
 
 
@@ -146,11 +153,25 @@ def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, length: torch.T
 
 @dataclass
 class PrefillChunk:
+    """A chunk of more than one row: rows `row … row + num_new − 1` of the batch, at
+    positions `start, start + 1, …`."""
+
     row: int
     num_new: int
     start: int
-    blocks: torch.Tensor
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class TableIndex:
+    """One block table's index tensors for a step, used by every layer that reads through
+    that table: the slot each new token's K/V is written to, the blocks each decode row and
+    prefill chunk reads and the masks over those blocks' keys (by window)."""
+
+    slots: torch.Tensor
+    decode_blocks: torch.Tensor | None
+    decode_masks: dict[int | None, torch.Tensor]
+    prefill_blocks: list[torch.Tensor]
+    prefill_masks: list[dict[int | None, torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -165,6 +186,59 @@ class BatchRow:
     """Sample at the last row, reported under this id (None: no sample)."""
     verify: bool = False
     """Every row is scored (a speculating chunk: `PagedBatch.verify`)."""
+    window_tables: list[list[int]] | None = None
+    """With layer groups: each local sub-group's page table (`ScheduledChunk.window_tables`);
+    `table` then holds the global layers' pages."""
+
+
+class _Reach:
+    """Which blocks of its table each row of a batch reads — from its `first` block to the
+    one holding its last token — and the masks over those keys. The masks depend only on
+    the rows, not on the table, so the local sub-groups' tables share one reach."""
+
+    def __init__(self, rows: list[BatchRow], firsts: list[int], block_size: int,
+                 windows: set[int | None], device: torch.device):
+        p = block_size
+        self.rows, self.firsts, self.block_size, self.device = rows, firsts, p, device
+        self.ends = [-(-(r.start + len(r.tokens)) // p) for r in rows]
+        self.decode = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
+        self.prefill = [i for i, r in enumerate(rows) if len(r.tokens) > 1]
+        self.width = max((self.ends[i] - firsts[i] for i in self.decode), default=0)
+        self.decode_masks: dict[int | None, torch.Tensor] = {}
+        if self.decode:
+            qpos = self._t([rows[i].start for i in self.decode])[:, None]
+            kpos = torch.arange(self.width * p, device=device)[None, :]
+            if any(firsts[i] for i in self.decode):  # key positions per row: [B, width·p]
+                kpos = self._t([firsts[i] * p for i in self.decode])[:, None] + kpos
+            for w in windows:
+                self.decode_masks[w] = _window_mask(qpos, kpos, qpos + 1, w)[:, None, None, :]
+        self.prefill_masks: list[dict[int | None, torch.Tensor]] = []
+        for i in self.prefill:
+            start, n = rows[i].start, len(rows[i].tokens)
+            qpos = torch.arange(start, start + n, device=device)[:, None]
+            kpos = torch.arange(firsts[i] * p, self.ends[i] * p, device=device)[None, :]
+            self.prefill_masks.append({w: _window_mask(qpos, kpos, qpos.new_tensor(start + n), w)
+                                       for w in windows})
+
+    def _t(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def index(self, tables: list[list[int]]) -> TableIndex:
+        """The index tensors of one table per row (entries before a row's `first` block
+        are never read: freed pages are −1 there)."""
+        p, firsts, ends = self.block_size, self.firsts, self.ends
+        slots = [tb[pos // p] * p + pos % p for tb, r in zip(tables, self.rows, strict=True)
+                 for pos in range(r.start, r.start + len(r.tokens))]
+        decode_blocks = None
+        if self.decode:
+            # Pad with the row's own first block: a valid page, hidden by the mask.
+            decode_blocks = self._t([
+                tables[i][firsts[i]:ends[i]]
+                + [tables[i][firsts[i]]] * (self.width - ends[i] + firsts[i])
+                for i in self.decode])
+        prefill_blocks = [self._t(tables[i][firsts[i]:ends[i]]) for i in self.prefill]
+        return TableIndex(self._t(slots), decode_blocks, self.decode_masks, prefill_blocks,
+                          self.prefill_masks)
 
 
 @dataclass
@@ -173,21 +247,25 @@ class PagedBatch:
 
     tokens: torch.Tensor
     positions: torch.Tensor
-    slots: torch.Tensor
     sample_rows: torch.Tensor
     sample_ids: list[str]
     verify: list[tuple[int, int]] = field(default_factory=list)
     """(chunk index, first row) of each speculating chunk: its `1 + len(draft)` rows are
     all scored (`runtime/spec/verify.py`)."""
     decode_rows: torch.Tensor | None = None
-    decode_blocks: torch.Tensor | None = None
-    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    tables: dict[int, TableIndex] = field(default_factory=dict)
+    """Index tensors per table: −1 the rows' `table` (every layer's without groups, the
+    global layers' with them), t ≥ 0 local sub-group t's (`LayerGroups.place`)."""
+    groups: LayerGroups | None = None
     num_context_tokens: int = 0
+    """Keys the rows attend over in a full-attention layer, summed over rows."""
+    num_window_tokens: int = 0
+    """Keys the rows attend over in a sliding-window layer (with groups; else 0)."""
 
     @classmethod
     def build(cls, plan: SchedulerOutput, block_size: int, windows: set[int | None],
-              device: torch.device) -> PagedBatch:
+              device: torch.device, groups: LayerGroups | None = None) -> PagedBatch:
         """The batch for a plan: each chunk's tokens from its request, a speculating chunk's
         last known token followed by its draft."""
         rows = []
@@ -197,91 +275,92 @@ class PagedBatch:
                 assert len(c.draft) == c.num_draft, "a speculating chunk reached the " \
                     "executor without its draft"
                 toks = [*req.token_slice(start, start + 1), *c.draft]
-                rows.append(BatchRow(toks, start, c.block_table, None, True))
+                rows.append(BatchRow(toks, start, c.block_table, None, True, c.window_tables))
             else:
                 rows.append(BatchRow(req.token_slice(start, start + n), start, c.block_table,
-                                     c.request_id if c.sample else None))
-        return cls.from_rows(rows, block_size, windows, device)
+                                     c.request_id if c.sample else None, False,
+                                     c.window_tables))
+        return cls.from_rows(rows, block_size, windows, device, groups)
 
     @classmethod
     def from_rows(cls, batch_rows: list[BatchRow], block_size: int, windows: set[int | None],
-                  device: torch.device) -> PagedBatch:
-        """The batch for explicit rows (a draft model's passes use this directly)."""
+                  device: torch.device, groups: LayerGroups | None = None) -> PagedBatch:
+        """The batch for explicit rows (a draft model's passes use this directly). With
+        `groups`, `windows` is unused: global tables take no window, local ones the
+        groups' window, and every row must carry its `window_tables`."""
         tokens: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         dec_rows: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_pos: list[int] = []
         prefills: list[PrefillChunk] = []
         verify: list[tuple[int, int]] = []
         context = 0
-        p = block_size
         for index, r in enumerate(batch_rows):
             row = len(tokens)
-            table, start, n = r.table, r.start, len(r.tokens)
+            start, n = r.start, len(r.tokens)
             tokens.extend(r.tokens)
+            positions.extend(range(start, start + n))
             if r.verify:
                 verify.append((index, row))
-            for pos in range(start, start + n):
-                positions.append(pos)
-                slots.append(table[pos // p] * p + pos % p)
             context += start + n
             if r.sample_id is not None:
                 sample_rows.append(row + n - 1)
                 sample_ids.append(r.sample_id)
-            nb = -(-(start + n) // p)
             if n == 1:
                 dec_rows.append(row)
-                dec_tables.append(table[:nb])
-                dec_pos.append(start)
             else:
-                prefills.append(PrefillChunk(row, n, start,
-                                             torch.tensor(table[:nb], device=device)))
+                prefills.append(PrefillChunk(row, n, start))
 
         def t(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        batch = cls(t(tokens), t(positions), t(slots), t(sample_rows), sample_ids,
-                    verify=verify, prefills=prefills, num_context_tokens=context)
-        if dec_rows:
-            width = max(len(tb) for tb in dec_tables)
-            padded = [tb + [tb[0]] * (width - len(tb)) for tb in dec_tables]
-            batch.decode_rows = t(dec_rows)
-            batch.decode_blocks = t(padded)
-            qpos = t(dec_pos)[:, None]
-            kpos = torch.arange(width * p, device=device)[None, :]
-            for w in windows:
-                batch.decode_masks[w] = _window_mask(qpos, kpos, qpos + 1, w)[:, None, None, :]
-        for ch in prefills:
-            qpos = torch.arange(ch.start, ch.start + ch.num_new, device=device)[:, None]
-            kpos = torch.arange(len(ch.blocks) * p, device=device)[None, :]
-            for w in windows:
-                ch.masks[w] = _window_mask(qpos, kpos, qpos.new_tensor(ch.start + ch.num_new),
-                                           w)
+        batch = cls(t(tokens), t(positions), t(sample_rows), sample_ids, verify=verify,
+                    decode_rows=t(dec_rows) if dec_rows else None, prefills=prefills,
+                    groups=groups, num_context_tokens=context)
+        zeros = [0] * len(batch_rows)
+        tables = [r.table for r in batch_rows]
+        if groups is None:
+            batch.tables[-1] = _Reach(batch_rows, zeros, block_size, windows, device
+                                      ).index(tables)
+            return batch
+        assert all(r.window_tables is not None
+                   and len(r.window_tables) == groups.pages_per_local_block
+                   for r in batch_rows), "a row reached a grouped pool without its window tables"
+        batch.tables[-1] = _Reach(batch_rows, zeros, block_size, {None}, device).index(tables)
+        # A local layer's query at q reads keys from q − w + 1: blocks wholly before the
+        # first query's window are skipped (and may be freed).
+        firsts = [groups.first_live_block(r.start, block_size) for r in batch_rows]
+        local = _Reach(batch_rows, firsts, block_size, {groups.window}, device)
+        for sub in range(groups.pages_per_local_block):
+            batch.tables[sub] = local.index([r.window_tables[sub] for r in batch_rows])
+        batch.num_window_tokens = sum(
+            r.start + len(r.tokens) - max(0, r.start - groups.window + 1) for r in batch_rows)
         return batch
 
 
 def paged_attention(kv: PagedKVCache, batch: PagedBatch, layer: int, window: int | None,
                     scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                     ) -> torch.Tensor:
-    """Write this step's K/V into their slots, then attend every row over its context."""
-    kv.write(layer, batch.slots, k, v)
+    """Write this step's K/V into their slots, then attend every row over its context. With
+    layer groups the layer's K/V live in one slot of its table's pages (`groups.place`)."""
+    table, slot = (-1, layer) if batch.groups is None else batch.groups.place(layer)
+    ix = batch.tables[table]
+    kv.write(slot, ix.slots, k, v)
     out = torch.empty_like(q)
     if batch.decode_rows is not None:
-        keys, values = kv.gather(layer, batch.decode_blocks, q.dtype)  # [B, L, KVH, d]
+        keys, values = kv.gather(slot, ix.decode_blocks, q.dtype)      # [B, L, KVH, d]
         qd = q[batch.decode_rows].unsqueeze(2)                         # [B, H, 1, d]
         o = F.scaled_dot_product_attention(
             qd, keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=batch.decode_masks[window], scale=scale, enable_gqa=True)
+            attn_mask=ix.decode_masks[window], scale=scale, enable_gqa=True)
         out[batch.decode_rows] = o.squeeze(2)
-    for ch in batch.prefills:
-        keys, values = kv.gather(layer, ch.blocks, q.dtype)          # [L, KVH, d]
+    for ch, blocks, masks in zip(batch.prefills, ix.prefill_blocks, ix.prefill_masks,
+                                 strict=True):
+        keys, values = kv.gather(slot, blocks, q.dtype)               # [L, KVH, d]
         qc = q[ch.row:ch.row + ch.num_new].transpose(0, 1)[None]      # [1, H, n, d]
         o = F.scaled_dot_product_attention(
             qc, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=ch.masks[window], scale=scale, enable_gqa=True)
+            attn_mask=masks[window], scale=scale, enable_gqa=True)
         out[ch.row:ch.row + ch.num_new] = o[0].transpose(0, 1)
     return out

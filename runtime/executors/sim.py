@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from runtime.config import check_choice, check_float, check_int
 from runtime.errors import ConfigError
 from runtime.kv.formats import KV_FORMATS
+from runtime.kv.groups import LayerGroups
 from runtime.models.weight_formats import (
     GROUPS,
     PARAM_BYTES,
@@ -178,7 +179,19 @@ class SimExecutor:
     def kv_bytes_per_token(self, kv_format: str) -> int:
         return self.model.kv_bytes_per_token(kv_format)
 
-    def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
+    def layer_groups(self) -> LayerGroups:
+        """Refused: the sim holds no KV bytes, so there is nothing to free."""
+        m = self.model
+        if not m.sliding_window:
+            raise ConfigError(f"free_window_kv needs a model with sliding-window layers; the "
+                              f"sim's model card {m.name} has none, so there is nothing to free.")
+        raise ConfigError(f"free_window_kv lays out real KV pages; the sim models {m.name}'s "
+                          "steps without a KV pool, so it needs the torch executor.")
+
+    def bind_kv(self, num_blocks: int, block_size: int, kv_format: str,
+                groups: LayerGroups | None = None) -> None:
+        """`groups` is always None here (`layer_groups` refuses)."""
+        assert groups is None, "the sim has no layer groups"
         # Accounting only: nothing to allocate.
         self._kv_bytes_per_token = self.kv_bytes_per_token(kv_format)
         self.block_size = block_size

@@ -21,6 +21,7 @@ from runtime.executors.link import measure_link
 from runtime.executors.online_fit import OnlineFit
 from runtime.executors.paged_kv import PagedBatch, PagedKVCache, paged_attention
 from runtime.guided import MaskJob
+from runtime.kv.groups import LayerGroups, layer_groups
 from runtime.models.arch import ModelConfig, model_config
 from runtime.models.gguf import read_gguf
 from runtime.models.kernels import FLOAT, KernelTable, describe, load_or_measure
@@ -154,7 +155,10 @@ class TorchExecutor:
         """The KV formats this model's pool can use on this device."""
         self.kv: PagedKVCache | None = None
         self.host_kv: PagedKVCache | None = None
-        """The host tier's bytes (`bind_host_kv`), same format as the pool."""
+        """The host tier's bytes (`bind_host_kv`), same format and layout as the pool."""
+        self.groups: LayerGroups | None = None
+        """The page layout the pool was bound with (`free_window_kv`); None: a block holds
+        every layer."""
         self.kv_format = "fp16"
         self.num_layers = info.num_layers
         self.link = measure_link(self.device)
@@ -400,23 +404,35 @@ class TorchExecutor:
         """One draft-model pass over `num_rows` rows (0 without a draft model)."""
         return self.draft.pass_seconds(num_rows) if self.draft is not None else 0.0
 
+    def layer_groups(self) -> LayerGroups:
+        info = self.cfg.info
+        return layer_groups(info.num_layers, info.sliding_window_layers, info.sliding_window,
+                            info.name)
+
     def bind_host_kv(self, num_blocks: int) -> None:
-        """(Re)create the host tier's storage, `num_blocks` blocks in the pool's format
-        (pinned beside a CUDA pool); its contents start empty."""
+        """(Re)create the host tier's storage, `num_blocks` blocks in the pool's format and
+        layout (pinned beside a CUDA pool); its contents start empty."""
         assert self.kv is not None, "bind_kv must run before bind_host_kv"
         info = self.cfg.info
         self.host_kv = None
         if num_blocks:
-            self.host_kv = PagedKVCache(info.num_layers, num_blocks, self.kv.block_size,
+            self.host_kv = PagedKVCache(self.kv.num_layers, num_blocks, self.kv.block_size,
                                         info.num_kv_heads, info.head_dim, self.kv.codec,
                                         torch.device("cpu"), pin=self.device.type == "cuda")
 
-    def bind_kv(self, num_blocks: int, block_size: int, kv_format: str) -> None:
+    def bind_kv(self, num_blocks: int, block_size: int, kv_format: str,
+                groups: LayerGroups | None = None) -> None:
+        """The pool: `num_blocks` blocks of every layer, or with `groups` pages of
+        `groups.page_layers` layer slots each (the draft's twins stay one per page id)."""
         info = self.cfg.info
+        assert groups is None or groups == self.layer_groups(), \
+            "the layer groups bound are not this model's"
         codec = get_codec(kv_format, info.head_dim, self.device)
         self.kv_format = kv_format
-        self.kv = PagedKVCache(info.num_layers, num_blocks, block_size, info.num_kv_heads,
-                               info.head_dim, codec, self.device)
+        self.groups = groups
+        slots = groups.page_layers if groups is not None else info.num_layers
+        self.kv = PagedKVCache(slots, num_blocks, block_size, info.num_kv_heads, info.head_dim,
+                               codec, self.device)
         if self.draft is not None:
             self.draft.bind(num_blocks, block_size, kv_format)
 
@@ -430,7 +446,7 @@ class TorchExecutor:
         t0 = time.perf_counter()
         old = self.kv
         self.host_kv = None  # emptied by the engine; re-bound in the new format
-        self.kv = old.convert(codec, num_blocks, src, dst)
+        self.kv = old.convert(codec, num_blocks, src, dst)  # same layout: pages stay pages
         if self.draft is not None:  # block ids moved: the twins are recomputed as needed
             self.draft.bind(num_blocks, old.block_size, kv_format)
         if self.device.type == "cuda":
@@ -438,9 +454,16 @@ class TorchExecutor:
         seconds = time.perf_counter() - t0
         moved = len(src) * old.block_size
         self.kv_format = kv_format
-        return Conversion(seconds, True,
-                          moved * self.cfg.info.kv_bytes_per_token(old.codec.name),
-                          moved * self.cfg.info.kv_bytes_per_token(kv_format))
+        return Conversion(seconds, True, moved * self._block_bytes_per_token(old.codec.name),
+                          moved * self._block_bytes_per_token(kv_format))
+
+    def _block_bytes_per_token(self, kv_format: str) -> int:
+        """Bytes one token of a pool block holds: every layer's, or with groups a page's
+        `page_layers` layers (the model's layers are alike, so bytes split evenly)."""
+        info = self.cfg.info
+        if self.groups is None:
+            return info.kv_bytes_per_token(kv_format)
+        return info.kv_bytes_per_token(kv_format) // info.num_layers * self.groups.page_layers
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
                               num_context_tokens: int) -> float:
@@ -473,7 +496,8 @@ class TorchExecutor:
         if self.draft is not None:
             self.draft.copy_blocks(plan.cow_copies)
             draft_seconds, q = self.draft.run(plan)
-        batch = PagedBatch.build(plan, self.kv.block_size, self._windows, self.device)
+        batch = PagedBatch.build(plan, self.kv.block_size, self._windows, self.device,
+                                 self.groups)
         cfg, kv = self.cfg, self.kv
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -521,7 +545,7 @@ class TorchExecutor:
         seconds = time.perf_counter() - t0
         if self.offload is not None:
             transfers.extend(self.offload.transfers())
-        kv_read = batch.num_context_tokens * self.cfg.info.kv_bytes_per_token(self.kv_format)
+        kv_read = self._kv_read_bytes(batch)
         weights = self.model.matrix_weight_bytes
         if shortlisted:  # the int8 copy of the head was read instead of the float one
             weights += self.model.shortlist_head.num_bytes - self.model.head.num_bytes
@@ -534,6 +558,18 @@ class TorchExecutor:
         return StepResult(sampled, timing, errors=job.errors, logprobs=logprobs,
                           transfers=transfers, draft_seconds=draft_seconds, spec=spec,
                           prompt_logprobs=prompt_logprobs)
+
+    def _kv_read_bytes(self, batch: PagedBatch) -> int:
+        """KV bytes the step's attention read: every layer over each row's context, or with
+        groups the local layers over at most their window (the model's layers are alike)."""
+        info = self.cfg.info
+        per_token = info.kv_bytes_per_token(self.kv_format)
+        g = self.groups
+        if g is None:
+            return batch.num_context_tokens * per_token
+        per_layer = per_token // info.num_layers
+        return per_layer * (len(g.global_layers) * batch.num_context_tokens
+                            + len(g.local_layers) * batch.num_window_tokens)
 
     SCORE_ROWS = 64
     """Prompt rows turned into logits at a time: a row's logits are a vocabulary of floats
