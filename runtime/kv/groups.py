@@ -74,7 +74,8 @@ class LayerGroups:
     def describe(self) -> str:
         return (f"{len(self.global_layers)} full-attention and {len(self.local_layers)} "
                 f"sliding-window layers (window {self.window:,}); a page holds "
-                f"{self.page_layers} layers, a local block {self.pages_per_local_block} pages")
+                f"{self.page_layers} layer{'s' if self.page_layers > 1 else ''}, a local block "
+                f"{self.pages_per_local_block} pages")
 
 
 def layer_groups(num_layers: int, local_layers: tuple[int, ...], window: int | None,

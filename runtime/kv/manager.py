@@ -543,9 +543,10 @@ class BlockManager(WindowTables):
             self.tree.on_block_used(block)
             self.events.append(Ref(cid, i, block))
         self._chains[cid] = list(self._chains.get(parent.request_id, []))
+        child.num_computed_tokens = parent.num_computed_tokens
         if self.groups:
             self._window_fork(parent, child, len(src))
-        child.num_computed_tokens = parent.num_computed_tokens
+            self.slide(child)  # the parent may not have slid past this step's blocks yet
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Roll `req` back to its first `num_tokens` tokens, releasing whole blocks past them."""

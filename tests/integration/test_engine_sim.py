@@ -69,7 +69,11 @@ def view_of(snap: EngineSnapshot) -> dict:
                        v.cached_tokens, v.admitted_time, v.num_preemptions, v.block_table)
                       for v in views)
     f = snap.figures
-    return {"states": snap.kv.states, "prefix": snap.prefix_nodes,
+    w = snap.kv.window  # layer groups: each page in use, full-attention or window
+    window = (bytes(g if s else 0 for s, g in zip(snap.kv.states, w.page_groups,
+                                                   strict=True)),
+              w.full_pages, w.window_pages) if w else None
+    return {"states": snap.kv.states, "prefix": snap.prefix_nodes, "window": window,
             "running": requests(snap.running), "waiting": requests(snap.waiting),
             "recent": {k: v for k, v in snap.recent.items()},
             "counts": (snap.num_finished, snap.num_rejected, snap.num_aborted,
