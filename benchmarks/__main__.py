@@ -10,6 +10,7 @@ from benchmarks import (
     speculation,
     structured_output,
     torch_vs_llama,
+    window_kv,
 )
 
 if __name__ == "__main__":
@@ -30,3 +31,5 @@ if __name__ == "__main__":
     planner_vs_torch.main()
     print()
     structured_output.main()
+    print()
+    window_kv.main()
