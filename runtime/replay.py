@@ -23,7 +23,7 @@ from runtime.kv.block_pool import BlockStates
 from runtime.kv.groups import LayerGroups
 from runtime.kv.prefix_tree import PrefixTree
 from runtime.kv.tiers import HOST_DEMOTED, HOST_SWAPPED, HostTier
-from runtime.kv.window import held_by_group
+from runtime.kv.window import held_by_group, move_window_pages
 from runtime.metrics import SLO, RequestMetrics, request_metrics
 from runtime.records import (
     Cache,
@@ -362,14 +362,8 @@ class TraceState:
             pool.relayout(ev.num_blocks, moves)
             for table in self.tables.values():
                 table[:] = [moves.get(b, b) for b in table]
-            for wt in self.window_tables.values():
-                for table in wt:
-                    table[:] = [moves.get(b, b) for b in table]
-            flags = self.page_groups
-            for old, new in moves.items():
-                flags[new] = flags[old]
-            self.page_groups = (flags + bytearray(max(ev.num_blocks - len(flags), 0))
-                                )[:ev.num_blocks]
+            self.page_groups = move_window_pages(self.window_tables, self.page_groups, moves,
+                                                 ev.num_blocks)
             tree.move_blocks(moves, ev.bytes_per_block)
             self.num_blocks, self.bytes_per_block = ev.num_blocks, ev.bytes_per_block
 

@@ -32,7 +32,7 @@ from runtime.kv.formats import blocks_for_tokens
 from runtime.kv.groups import LayerGroups
 from runtime.kv.prefix_tree import PrefixNode, PrefixTree, default_recompute_cost
 from runtime.kv.tiers import HOST_SWAPPED, HostTier
-from runtime.kv.window import WindowTables
+from runtime.kv.window import WindowTables, move_window_pages
 from runtime.records import (
     Cache,
     Cow,
@@ -136,13 +136,8 @@ class BlockManager(WindowTables):
             for i, b in enumerate(table):
                 if b in moves:
                     table[i] = moves[b]
-        for tables in self.window_tables.values():
-            for table in tables:
-                table[:] = [moves.get(b, b) for b in table]
-        flags = self.page_groups
-        for old, new in moves.items():
-            flags[new] = flags[old]
-        self.page_groups = (flags + bytearray(max(num_blocks - len(flags), 0)))[:num_blocks]
+        self.page_groups = move_window_pages(self.window_tables, self.page_groups, moves,
+                                             num_blocks)
         self.tree.move_blocks(moves, bytes_per_block)
         self.tree.rename_namespace(self.namespace, namespace)
         self.namespace = namespace

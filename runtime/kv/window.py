@@ -37,6 +37,18 @@ def held_by_group(states: bytes, page_groups: bytes) -> tuple[int, int]:
     return held.count(1) - window, window
 
 
+def move_window_pages(window_tables: dict[str, list[list[int]]], page_groups: bytearray,
+                      moves: dict[int, int], num_pages: int) -> bytearray:
+    """Re-lay window tables and group flags after the pool moved pages (`old -> new`) and
+    now has `num_pages` pages (a KV format switch); returns the new flags."""
+    for tables in window_tables.values():
+        for table in tables:
+            table[:] = [moves.get(b, b) for b in table]
+    for old, new in moves.items():
+        page_groups[new] = page_groups[old]
+    return (page_groups + bytearray(max(num_pages - len(page_groups), 0)))[:num_pages]
+
+
 class WindowTables:
     """Window-table operations of `BlockManager` (a mixin: it reads the manager's pool,
     tree, events and reservations). Every method is a no-op without layer groups."""
