@@ -321,6 +321,10 @@ class Engine:
 
     def check_knobs(self, knobs: Knobs) -> None:
         """Bounds that depend on this engine's executor and pool (ConfigError if broken)."""
+        if knobs.preemption != "recompute" and self.groups is not None:
+            raise ConfigError(f"preemption {knobs.preemption} needs a host KV tier, which "
+                              "free_window_kv rules out (window pages are not swapped); use "
+                              "recompute.")
         if knobs.preemption != "recompute" and not self.kv.has_host_tier:
             raise ConfigError(f"preemption {knobs.preemption} needs a host KV tier; give it "
                               "--host-kv-memory-gib (setting host_kv_memory_bytes) of at least "

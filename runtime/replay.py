@@ -162,6 +162,8 @@ class TraceState:
             requests=[dataclasses.replace(r, token_times=list(r.token_times))
                       for r in self.requests.values()],
             tables={rid: list(t) for rid, t in self.tables.items()},
+            window_tables={rid: [list(t) for t in wt] for rid, wt in self.window_tables.items()}
+            if self.groups else None,
             reserved=dict(self.reserved), nodes=nodes, tree=tree_counters,
             counters={"preemptions": self.num_preemptions, "cow": self.num_cow,
                       "swapped": self.num_swapped},

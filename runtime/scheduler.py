@@ -645,7 +645,7 @@ class Scheduler:
     def _never_fits(self, req: Request, full: bool) -> str | None:
         """A reason the request can never be admitted with this pool, or None."""
         tokens = req.max_total_tokens if full else req.num_tokens
-        need = self.kv.pages_for(tokens, self.knobs.chunk_size)
+        need = self.kv.pages_for(tokens, self.knobs.chunk_size, full)
         if need > self.kv.num_blocks:
             what = "prompt + max_tokens − 1" if full else "its prompt"
             unit = "pages (full-attention and window blocks)" if self.kv.groups else "blocks"

@@ -263,13 +263,16 @@ class BlockManager(WindowTables):
             self.page_groups[block] = 0  # a window table marks its own
         return block
 
-    def pages_for(self, num_tokens: int, chunk_size: int) -> int:
+    def pages_for(self, num_tokens: int, chunk_size: int, reserve_full: bool = False) -> int:
         """Pages one request of `num_tokens` tokens needs at its largest, computing
         `chunk_size` tokens a step: blocks, and with layer groups the window blocks it
-        holds at once too (the window behind a chunk, and the chunk)."""
+        holds at once too (the window behind a chunk, and the chunk) — or, under full
+        reservation, every window block, which is what `admit` promises."""
         blocks = self.blocks_needed(num_tokens)
         if not self.groups:
             return blocks
+        if reserve_full:
+            return blocks * (1 + self.local_pages)
         p, w = self.block_size, self.groups.window
         window = min(blocks, -(-(w - 1 + min(chunk_size, num_tokens)) // p) + 1)
         return blocks + window * self.local_pages
@@ -459,7 +462,7 @@ class BlockManager(WindowTables):
         excess as soon as it becomes evictable."""
         cap = self.tree.capacity
         while cap and self.tree.num_nodes > cap:
-            if self.tree.evict_one() is None:
+            if self.tree.evict_one(node_only=True) is None:
                 break
 
     # -- caching computed blocks ------------------------------------------------------------
@@ -495,13 +498,15 @@ class BlockManager(WindowTables):
                 self.events.append(Promote(twin.node_id, host_block, table[k], 0))
                 chain.append(twin)
                 continue
-            if twin is not None and pool.refcount[twin.block] == 1 and \
-                    pool.refcount[table[k]] > 1 and \
-                    pool.num_free + self.tree.num_evictable - 1 < self.num_reserved:
-                # Switching to the cached twin would take an evictable block without freeing
-                # ours (a fork still holds it) and break a reservation's promise: stay
-                # private for now; a later call retries.
-                return
+            if twin is not None:
+                # Switching to the cached twin takes its evictable blocks (and window pages)
+                # without freeing ours while a fork still holds them: if that would break a
+                # reservation's promise, stay private for now; a later call retries.
+                cost = int(pool.refcount[twin.block] == 1 and pool.refcount[table[k]] > 1)
+                if window:
+                    cost += self._window_twin_cost(rid, k, twin)
+                if cost and pool.num_free + self.tree.num_evictable - cost < self.num_reserved:
+                    return
             if twin is None and not self.admission.allows(rid, k, key, self.namespace):
                 return  # not seen often enough yet (cache admission): stays private
             node = self.tree.insert(self.namespace, parent, key, table[k], now)

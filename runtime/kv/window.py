@@ -33,7 +33,7 @@ def held_by_group(states: bytes, page_groups: bytes) -> tuple[int, int]:
     states and the group flags (one byte each per page): two big-integer operations instead
     of a pass over the pool in Python."""
     held = states.translate(_HELD)
-    window = (int.from_bytes(held) & int.from_bytes(bytes(page_groups))).bit_count()
+    window = (int.from_bytes(held, "big") & int.from_bytes(page_groups, "big")).bit_count()
     return held.count(1) - window, window
 
 
@@ -144,6 +144,7 @@ class WindowTables:
                 self._drop(src)
                 cows.append((src, dst))
             self.events.append(WinRef(rid, idx, fresh))
+            self.num_cow_copies += len(fresh)  # pages copied, as replay counts a plan's
         target = len(self.tables[rid])
         while len(wt[0]) < target:
             pages = [self._take_for(rid) for _ in wt]
@@ -179,6 +180,15 @@ class WindowTables:
         self._window_start[rid] = first
         self.num_window_frees += first - start
         return first - start
+
+    def _window_twin_cost(self, rid: str, k: int, twin: PrefixNode) -> int:
+        """Evictable pages that adopting `twin`'s window pages for block `k` would take
+        without freeing `rid`'s own (a fork still holds them)."""
+        mine = self.window_tables[rid][0][k]
+        rc = self.pool.refcount
+        if mine < 0 or not twin.local or rc[twin.local[0]] != 1 or rc[mine] == 1:
+            return 0
+        return len(twin.local)
 
     def _window_cache(self, rid: str, k: int, node: PrefixNode) -> None:
         """Block `k` of `rid` is cached as `node`: the cache keeps the request's window

@@ -15,6 +15,7 @@ from runtime.engine import Engine
 from runtime.errors import ConfigError
 from runtime.executors.torch import TorchExecutor
 from runtime.recording import record_headless
+from runtime.replay import TraceState
 from runtime.request import Request, SamplingParams
 from tests.integration.test_engine_sim import assert_replays_as_lived, view_of
 
@@ -28,10 +29,10 @@ def tiny(tiny_gemma3):
     ex.close()
 
 
-def engine(ex, free: bool, chunk_size: int = 8, **knobs) -> Engine:
+def engine(ex, free: bool, chunk_size: int = 8, num_blocks: int = 400, **knobs) -> Engine:
     knobs = {"weight_format": "dense", "kv_format": "fp32", "max_num_batched_tokens": 64,
              "chunk_size": chunk_size, "max_num_seqs": 8, **knobs}
-    return Engine(EngineConfig(block_size=4, num_blocks=400, free_window_kv=free,
+    return Engine(EngineConfig(block_size=4, num_blocks=num_blocks, free_window_kv=free,
                                knobs=Knobs(**knobs)), ex)
 
 
@@ -162,3 +163,63 @@ def test_gemma3_long_prompt(gemma_path: Path) -> None:
     measured = 18 * blocks / (3 * pages)
     assert measured == pytest.approx(expected)
     assert measured > 3.5
+
+
+def test_recording_started_mid_run_and_scrubbing_back(tiny, tmp_path: Path) -> None:
+    """A recording that starts while requests hold window pages (its checkpoint carries
+    them) replays as lived; a checkpoint replay takes of its own state, to scrub back,
+    restores every window table too."""
+    e = engine(tiny, True)
+    reqs = [e.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    for _ in range(7):
+        e.step()
+    assert any(t[0] == -1 for wt in e.kv.window_tables.values() for t in wt)
+    rec = record_headless(e, tmp_path)
+    live: list[dict] = []
+    while e.has_work:
+        if e.step() is not None:
+            live.append(view_of(e.snapshot()))
+        e.check_integrity()
+    rec.close()
+    assert all(r.status.value == "finished_length" for r in reqs)
+    replay = assert_replays_as_lived(tmp_path, live)
+    state = replay.initial_state()
+    for record in replay.steps[:3]:
+        state.apply(record)
+    back = TraceState(replay.header)
+    back.restore(state.checkpoint())
+    back.check_integrity()
+    assert back.window_tables == state.window_tables
+    for record, expected in zip(replay.steps[3:], live[3:], strict=True):
+        back.apply(record)
+        back.check_integrity()
+        assert view_of(back.snapshot())["window"] == expected["window"]
+
+
+def test_forked_window_tails_replay_with_their_copies(tiny, tmp_path: Path) -> None:
+    e = engine(tiny, True)
+    rec = record_headless(e, tmp_path)
+    live: list[dict] = []
+    run(e, [[4, 5, 6, 7] * 10 + [9]], live=live, branches=3)
+    rec.close()
+    # Three samples share the prompt's partial tail: two copy it, its full-attention page
+    # and its 6 window pages each, and the replay counts the same copies.
+    assert e.kv.num_cow_copies == 2 * (1 + 6)
+    assert_replays_as_lived(tmp_path, live)
+
+
+def test_full_reservation_counts_every_window_page(tiny) -> None:
+    e = engine(tiny, True, reservation="full", num_blocks=300)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ok = e.add_request(PROMPTS[0], sp)
+    # 220 tokens are 55 blocks: 385 pages promised in full, more than the pool's 300 (a
+    # lazy admission would need 55 + 5 window blocks of 6 pages at most).
+    big = e.add_request([3 + i % 80 for i in range(200)], sp)
+    assert e.kv.pages_for(220, 8) == 85
+    while e.has_work:
+        e.step()
+        e.check_integrity()
+    assert ok.status.value == "finished_length"
+    assert big.status.value == "rejected"
+    assert "needs 385 KV pages (full-attention and window blocks) for prompt + max_tokens" \
+        in big.reason
