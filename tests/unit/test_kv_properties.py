@@ -62,14 +62,23 @@ class KVMachine(RuleBasedStateMachine):
         k = min(k, req.num_pending_tokens)
         if not self.mgr.can_allocate(req, k):  # growth or a copy-on-write may need a block
             return
-        cows = self.mgr.allocate(req, k)
-        for src, dst in cows:
-            assert self.mgr.pool.refcount[dst] == 1 and self.mgr.tables[rid].count(dst) == 1
-            assert src not in self.mgr.tables[rid]
+        held = self._tables(rid)
+        for src, dst in self.mgr.allocate(req, k):
+            assert self.mgr.pool.refcount[dst] == 1
+            assert sum(t.count(dst) for t in held) == 1
+            assert not any(src in t for t in held)
         req.num_computed_tokens += k
         if req.num_pending_tokens == 0:
             req.output_token_ids.append(token)
         self.mgr.cache_computed(req)
+        self._computed(req)
+
+    def _tables(self, rid) -> list[list[int]]:
+        """Every table of `rid` a copy-on-write may write into."""
+        return [self.mgr.tables[rid]]
+
+    def _computed(self, req) -> None:
+        """Hook: `req` just computed tokens."""
 
     @rule(target=requests, rid=requests)
     def fork(self, rid):

@@ -138,24 +138,10 @@ class WindowMachine(KVMachine):
         self.mgr = BlockManager(60, 4, cache_capacity=0, clock=lambda: self.now,
                                 groups=GROUPS)
 
-    @rule(rid=KVMachine.requests, k=st.integers(1, 6), token=st.integers(0, 2))
-    def compute(self, rid, k, token):
-        req = self._req(rid)
-        if req is None:
-            return
-        self._tick()
-        k = min(k, req.num_pending_tokens)
-        if not self.mgr.can_allocate(req, k):
-            return
-        for src, dst in self.mgr.allocate(req, k):
-            held = [self.mgr.tables[rid], *self.mgr.window_tables[rid]]
-            assert self.mgr.pool.refcount[dst] == 1
-            assert sum(t.count(dst) for t in held) == 1
-            assert not any(src in t for t in held)
-        req.num_computed_tokens += k
-        if req.num_pending_tokens == 0:
-            req.output_token_ids.append(token)
-        self.mgr.cache_computed(req)
+    def _tables(self, rid) -> list[list[int]]:
+        return [self.mgr.tables[rid], *self.mgr.window_tables[rid]]
+
+    def _computed(self, req) -> None:
         self.mgr.slide(req)
 
     @rule(rid=KVMachine.requests, data=st.data())
