@@ -316,7 +316,7 @@ class Engine:
         one page) takes in `kv_format`."""
         per_token = self.executor.kv_bytes_per_token(kv_format)
         if self.groups is not None:
-            per_token = per_token * self.groups.page_layers // self.groups.num_layers
+            per_token = self.groups.page_share(per_token)
         return per_token * self.config.block_size
 
     def check_knobs(self, knobs: Knobs) -> None:

@@ -23,7 +23,7 @@ from runtime.kv.block_pool import BlockStates
 from runtime.kv.groups import LayerGroups
 from runtime.kv.prefix_tree import PrefixTree
 from runtime.kv.tiers import HOST_DEMOTED, HOST_SWAPPED, HostTier
-from runtime.kv.window import held_by_group, move_window_pages
+from runtime.kv.window import move_window_pages
 from runtime.metrics import SLO, RequestMetrics, request_metrics
 from runtime.records import (
     Cache,
@@ -49,7 +49,7 @@ from runtime.records import (
     WinUnref,
 )
 from runtime.request import RequestStatus
-from runtime.snapshot import BatchView, EngineSnapshot, KVView, RequestView, WindowView
+from runtime.snapshot import BatchView, EngineSnapshot, KVView, RequestView, window_view
 from runtime.spec.stats import SpecStats
 from runtime.transfers import TransferLog, TransfersView, host_checkpoint
 
@@ -421,13 +421,6 @@ class TraceState:
     def block_states(self) -> bytes:
         return bytes(self.pool.states)
 
-    def window_view(self) -> WindowView | None:
-        if self.groups is None:
-            return None
-        full, window = held_by_group(self.pool.states, self.page_groups)
-        return WindowView(self.groups.describe(), bytes(self.page_groups), full, window,
-                          self.groups.pages_per_local_block)
-
     def _view(self, r: RequestState) -> RequestView:
         return RequestView(r.request_id, r.status.value, r.num_prompt_tokens,
                            r.num_computed_tokens, r.num_output_tokens, r.max_tokens,
@@ -445,7 +438,8 @@ class TraceState:
                     tree.hit_rate, tree.num_evictions, self.num_cow, tree.num_query_tokens,
                     tree.num_hit_tokens, (),
                     h.get("draft_kv_bytes_per_token", {}).get(kv_format, 0) * self.block_size,
-                    h.get("draft_model", ""), self.window_view())
+                    h.get("draft_model", ""),
+                    window_view(self.groups, self.pool.states, self.page_groups))
         live = [r for r in self.requests.values() if r.arrival_time <= self.time]
         counts = self.figures.status_counts
         knobs = Knobs(**self.knobs) if self.knobs else Knobs()

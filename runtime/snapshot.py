@@ -27,7 +27,9 @@ from runtime.kv.block_pool import (
     SHARED,
     STATE_NAMES,
 )
+from runtime.kv.groups import LayerGroups
 from runtime.kv.prefix_tree import NodeSummary
+from runtime.kv.window import held_by_group
 from runtime.spec.stats import SpeculationView
 from runtime.transfers import TransfersView
 
@@ -112,8 +114,15 @@ class WindowView:
     """Pages requests hold for the full-attention layers."""
     window_pages: int
     """Pages requests hold for the sliding-window layers."""
-    pages_per_block: int
-    """Pages one window block takes."""
+
+
+def window_view(groups: LayerGroups | None, states: bytes | bytearray,
+                page_groups: bytearray) -> WindowView | None:
+    """The two groups as a snapshot shows them (live or replayed); None without groups."""
+    if groups is None:
+        return None
+    full, window = held_by_group(states, page_groups)
+    return WindowView(groups.describe(), bytes(page_groups), full, window)
 
 
 @dataclass(frozen=True)
@@ -287,15 +296,8 @@ class SnapshotBuilder:
                       tree.num_evictions, kv.num_cow_copies, tree.num_query_tokens,
                       tree.num_hit_tokens, e.executor.kv_formats,
                       e.executor.draft_kv_bytes_per_token(e.kv_format) * kv.block_size,
-                      e.executor.draft_model_name, self.window_view())
-
-    def window_view(self) -> WindowView | None:
-        kv = self.engine.kv
-        if kv.groups is None:
-            return None
-        full, window = kv.window_counts()
-        return WindowView(kv.groups.describe(), bytes(kv.page_groups), full, window,
-                          kv.groups.pages_per_local_block)
+                      e.executor.draft_model_name,
+                      window_view(kv.groups, kv.pool.states, kv.page_groups))
 
     def transfers_view(self) -> TransfersView:
         e = self.engine

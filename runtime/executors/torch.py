@@ -460,10 +460,8 @@ class TorchExecutor:
     def _block_bytes_per_token(self, kv_format: str) -> int:
         """Bytes one token of a pool block holds: every layer's, or with groups a page's
         `page_layers` layers (the model's layers are alike, so bytes split evenly)."""
-        info = self.cfg.info
-        if self.groups is None:
-            return info.kv_bytes_per_token(kv_format)
-        return info.kv_bytes_per_token(kv_format) // info.num_layers * self.groups.page_layers
+        per_token = self.cfg.info.kv_bytes_per_token(kv_format)
+        return per_token if self.groups is None else self.groups.page_share(per_token)
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
                               num_context_tokens: int) -> float:

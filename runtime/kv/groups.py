@@ -24,6 +24,7 @@ everything) to L/p + 5·(⌈(w − 1)/p⌉ + 1): about 4.6× fewer at 8K.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from runtime.errors import ConfigError
 
@@ -37,27 +38,37 @@ class LayerGroups:
     window: int
     """Keys a local layer's query sees, itself included."""
 
-    @property
+    # Derived once (the block manager and every layer of every step read them).
+    @cached_property
     def global_layers(self) -> tuple[int, ...]:
         local = set(self.local_layers)
         return tuple(i for i in range(self.num_layers) if i not in local)
 
-    @property
+    @cached_property
     def page_layers(self) -> int:
         """Layers one page holds: the number of global layers."""
         return len(self.global_layers)
 
-    @property
+    @cached_property
     def pages_per_local_block(self) -> int:
         return -(-len(self.local_layers) // self.page_layers)
+
+    @cached_property
+    def _places(self) -> dict[int, tuple[int, int]]:
+        g = self.page_layers
+        places = {layer: (-1, i) for i, layer in enumerate(self.global_layers)}
+        places.update((layer, (j // g, j % g)) for j, layer in enumerate(self.local_layers))
+        return places
 
     def place(self, layer: int) -> tuple[int, int]:
         """(table, slot) of `layer`: table −1 is the global table, t ≥ 0 the local
         sub-group t's table; slot is the layer's place within the page."""
-        if layer in self.local_layers:
-            j = self.local_layers.index(layer)
-            return j // self.page_layers, j % self.page_layers
-        return -1, self.global_layers.index(layer)
+        return self._places[layer]
+
+    def page_share(self, nbytes: int) -> int:
+        """Of `nbytes` spread evenly over every layer (a token's KV), what one page's
+        layers hold."""
+        return nbytes * self.page_layers // self.num_layers
 
     def first_live_block(self, position: int, block_size: int) -> int:
         """The first block a local query at `position` (or later) reads."""

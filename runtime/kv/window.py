@@ -66,8 +66,6 @@ class WindowTables:
         self._window_start = {}
         """Per request: blocks before this index are freed (−1 in every sub-table)."""
         self.page_groups = bytearray(num_pages)
-        self.num_window_frees = 0
-        """Window blocks released behind the window, since start."""
 
     @property
     def local_pages(self) -> int:
@@ -155,31 +153,26 @@ class WindowTables:
 
     # -- sliding, caching, forks, truncation, release -----------------------------------------
 
-    def slide(self, req: Request) -> int:
-        """Release `req`'s window blocks behind the window of its next position; returns
-        how many blocks were released."""
+    def slide(self, req: Request) -> None:
+        """Release `req`'s window blocks behind the window of its next position."""
         rid = req.request_id
         wt = self.window_tables.get(rid)
         if wt is None:
-            return 0
+            return
         first = min(self.groups.first_live_block(req.num_computed_tokens, self.block_size),
                     len(wt[0]))
         start = self._window_start[rid]
         if first <= start:
-            return 0
+            return
         assert not self.in_flight, "window blocks are released between steps"
-        for k in range(start, first):
+        for k in range(start, first):  # held from `start` on (`_window_integrity`)
             pages = [table[k] for table in wt]
-            if pages[0] < 0:
-                continue
             for table in wt:
                 table[k] = -1
             self.events.append(WinUnref(rid, k, pages))
             for page in pages:
                 self._drop(page)
         self._window_start[rid] = first
-        self.num_window_frees += first - start
-        return first - start
 
     def _window_twin_cost(self, rid: str, k: int, twin: PrefixNode) -> int:
         """Evictable pages that adopting `twin`'s window pages for block `k` would take
@@ -215,11 +208,9 @@ class WindowTables:
         pid, cid = parent.request_id, child.request_id
         wt = self.window_tables[cid] = [table[:num_blocks] for table in
                                         self.window_tables[pid]]
-        self._window_start[cid] = min(self._window_start[pid], num_blocks)
-        for k in range(num_blocks):
+        start = self._window_start[cid] = min(self._window_start[pid], num_blocks)
+        for k in range(start, num_blocks):
             pages = [table[k] for table in wt]
-            if pages[0] < 0:
-                continue
             for page in pages:
                 self.pool.incref(page)
                 self.tree.on_block_used(page)
@@ -262,7 +253,7 @@ class WindowTables:
             for table in wt:
                 assert len(table) == n, f"{rid}: a window table differs in length"
                 assert all(b < 0 for b in table[:start]), f"{rid}: a freed block is held"
-                for b in table:
-                    if b >= 0:
-                        counts[b] += 1
-                        assert self.page_groups[b], f"page {b} held as a window page"
+                for b in table[start:]:
+                    assert b >= 0, f"{rid}: a window block inside the window is missing"
+                    counts[b] += 1
+                    assert self.page_groups[b], f"page {b} held as a window page"

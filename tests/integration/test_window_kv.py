@@ -73,7 +73,8 @@ def test_outputs_equal_keeping_every_layer(tiny, tmp_path: Path) -> None:
     freed = run(e, PROMPTS, live=live)
     rec.close()
     assert outputs(freed) == outputs(keep)
-    assert e.kv.num_window_frees > 0
+    # Keeping every window block would hold 6 window pages per full-attention page.
+    assert any(v["window"][2] < 6 * v["window"][1] for v in live)
     # The second wave reused the shared prefix, window pages and all.
     assert any(r.num_cached_tokens for r in freed[3:])
     assert e.kv.tree.local_of_page
