@@ -45,9 +45,9 @@ def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
 
 def run_llama(path: Path, reqs: list[list[int]], threads: int) -> list[float]:
     """Seconds per request, generated one after another with the high-level API."""
-    from llama_cpp import Llama
+    from runtime.executors.llama_cpp_probe import open_llama
 
-    llm = Llama(str(path), n_ctx=512, n_threads=threads, verbose=False, seed=0)
+    llm = open_llama(path, n_ctx=512, n_threads=threads, verbose=False, seed=0)
     no_eos = {llm.token_eos(): float("-inf")}
     times = []
     for r in reqs:

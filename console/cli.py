@@ -9,6 +9,7 @@ with exit code 2, never as a traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from console import supervisor
 from console.model_report import human_bytes
 from console.options import SettingsRequest, with_log_level, with_settings
 from runtime.config import check_float, check_int
@@ -109,22 +111,33 @@ def weights_lines(snap) -> str:
     return text
 
 
+RATE_HELP = ("Built-in traffic: arrivals per second (default 0.5 on a real model, 3 "
+             "simulated).")
+
+
 @app.callback(invoke_without_command=True)
-def root(ctx: typer.Context) -> None:
+@with_settings
+def root(
+    ctx: typer.Context,
+    rate: float = typer.Option(None, "--rate", help=RATE_HELP, rich_help_panel="Traffic"),
+    settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
+) -> None:
     """kvdeck: watch and tune a local LLM inference runtime, replay its runs, serve its API.
 
-    Without a command, opens the console on the embedded default model with traffic flowing.
+    Without a command, opens the console on the embedded default model with traffic
+    flowing; it takes every option `kvdeck console` takes (`kvdeck --executor torch`).
     """
     if ctx.invoked_subcommand is None:
-        run_console(SettingsRequest(), None, "warning")
+        run_console(settings, rate, log_level)
+    elif settings.flags or settings.config or rate is not None:
+        fail(f"options before a command apply to the bare `kvdeck` (the console) only; put "
+             f"them after `{ctx.invoked_subcommand}`.")
 
 
 @app.command()
 @with_settings
 def console(
-    rate: float = typer.Option(None, "--rate", help="Built-in traffic: arrivals per second "
-                               "(default 0.5 on a real model, 3 simulated).",
-                               rich_help_panel="Traffic"),
+    rate: float = typer.Option(None, "--rate", help=RATE_HELP, rich_help_panel="Traffic"),
     settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
     """Open the operator console on a live engine with built-in traffic."""
@@ -137,13 +150,14 @@ def run_console(request: SettingsRequest, rate: float | None, log_level: str) ->
     from runtime.session import build_session
     from runtime.traffic import TrafficGenerator
 
-    guarded(lambda: setup_logging(log_level, to_stderr=False))
+    log_path = guarded(lambda: setup_logging(log_level, to_stderr=False))
 
     def build():
         session = build_session(request.resolve("auto"), live=True)
         return session, TrafficGenerator.for_engine(session.engine, rate)
 
     session, traffic = guarded(build)
+    supervisor.record(executor=session.settings.executor, log=str(log_path))
     KvdeckApp(session.engine, traffic, settings=session.settings).run()
 
 
@@ -187,6 +201,52 @@ def models(
         print_json(report)
     else:
         render_model_report(out, report)
+
+
+@app.command()
+@with_log_level
+def probe(
+    refresh: bool = typer.Option(False, "--refresh", help="Probe again, ignoring the cached "
+                                 "verdict."),
+    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
+    log_level: str = "warning",
+) -> None:
+    """Show whether llama.cpp's kernels work on this machine: its re-packed (extra buffer
+    type) kernels and its plain ones, each tried in a child process once per llama-cpp-python
+    build and CPU, and cached. `--llama-repack auto` follows this verdict."""
+    from runtime.executors.llama_cpp_probe import CACHE_FILE, LOG_FILE, verdict
+    from runtime.resources import cache_dir
+
+    def go():
+        setup_logging(log_level)
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise KvdeckError("llama-cpp-python is not installed: there is nothing to probe "
+                              "(the console and serve run the torch executor).") from None
+        return verdict(refresh=refresh)
+
+    v = guarded(go)
+    if as_json:
+        print_json({"repack": v.repack, "amx": v.amx, "cached": v.cached, "key": v.key,
+                    "note": v.note, "attempts": [a.__dict__ for a in v.attempts],
+                    "cache": str(cache_dir() / CACHE_FILE)})
+        return
+    found = {True: "its re-packed kernels work: --llama-repack auto uses them",
+             False: "only its plain kernels work: --llama-repack auto runs without re-packed "
+                    "weights",
+             None: "it crashes with and without re-packed weights: the console and serve "
+                   "choose the torch executor"}[v.repack]
+    out.print(f"llama.cpp on this machine: {found}"
+              f"{' (cached verdict; --refresh probes again)' if v.cached else ''}.",
+              highlight=False, soft_wrap=True)
+    for a in v.attempts:
+        out.print(f"  extra buffer types {'on ' if a.repack else 'off'}: {a.outcome} "
+                  f"({a.seconds:.1f} s)", highlight=False)
+    if v.note:
+        out.print(f"  {v.note}", highlight=False, soft_wrap=True)
+    out.print(f"  cache {cache_dir() / CACHE_FILE}, child output {cache_dir() / LOG_FILE}",
+              highlight=False, soft_wrap=True)
 
 
 @app.command("run-trace")
@@ -638,7 +698,7 @@ def serve(
     from runtime.session import build_session
 
     def build():
-        setup_logging(log_level, to_stderr=not with_console)
+        log_path = setup_logging(log_level, to_stderr=not with_console)
         check_int("--port", port, 0, 65535)
         check_int("--default-max-tokens", default_max_tokens, 1, 1 << 24)
         for name, value in (("--request-timeout", request_timeout),
@@ -647,7 +707,9 @@ def serve(
             check_float(name, value, 0.0, 1e6)
         if read_timeout <= 0:
             raise ConfigError(f"--read-timeout must be greater than 0, got {read_timeout}.")
-        return build_session(settings.resolve("auto"), live=True)
+        session = build_session(settings.resolve("auto"), live=True)
+        supervisor.record(executor=session.settings.executor, log=str(log_path))
+        return session
 
     session = guarded(build)
     limits = ServeLimits(read_timeout_s=read_timeout,
@@ -906,7 +968,14 @@ def compare(
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point: the console and the server run under a supervising
+    parent (`console/supervisor.py`), every other command in this process."""
+    argv = sys.argv[1:]
+    commands = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}
+    if supervisor.wants_supervisor(argv, commands):
+        sys.exit(supervisor.supervise(argv))
+    if os.environ.get(supervisor.SUPERVISED):
+        supervisor.trace_native_faults()
     app()
 
 

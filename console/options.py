@@ -94,6 +94,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("n_parallel", ("--n-parallel",), int, "Slots: the most requests running at once "
          "(llama_cpp; each gets the KV budget's tokens / N; default 8, and max_num_seqs "
          "may not exceed it).", EXECUTOR),
+    Flag("llama_repack", ("--llama-repack",), str, "llama_cpp: re-pack the GGUF's weights "
+         "for llama.cpp's faster CPU kernels: auto (as a start-up probe in a child process "
+         "found safe on this machine; `kvdeck probe` shows it), on, off (default auto).",
+         EXECUTOR),
     Flag("int4_group_size", ("--int4-group-size",), int,
          "Inputs per scale of int4 weights: 32, 64, 128, 256 (torch; default 32).", EXECUTOR),
     Flag("int8_group_size", ("--int8-group-size",), int,

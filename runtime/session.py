@@ -63,7 +63,7 @@ def build_executor(settings: Settings, sim: SimConfig | None = None,
         return LlamaCppExecutor(resolve_model(s.model or DEFAULT_MODEL), threads=s.threads,
                                 n_gpu_layers=s.n_gpu_layers, n_parallel=s.n_parallel,
                                 batch_invariant=s.batch_invariant,
-                                seed=settings.engine.seed,
+                                seed=settings.engine.seed, repack=s.llama_repack,
                                 draft_model=resolve_model(s.draft_model) if s.draft_model
                                 else None)
     from runtime.executors.torch import TorchExecutor
@@ -105,6 +105,10 @@ def build_session(settings: Settings, *, live: bool = False,
         model_id = s.served_model_name or executor.model.name
     else:
         executor = build_executor(settings)
+        note = getattr(executor, "repack_note", "")
+        if note:  # llama.cpp runs in a mode other than its fastest: the start-up line says so
+            settings = dataclasses.replace(settings, executor_choice="; ".join(
+                x for x in (settings.executor_choice, note) if x))
         if with_tokenizer:
             tokenizer = _real_tokenizer(executor.model_path)
         # A registry name as given ("qwen2.5-coder-0.5b"), a path by its file name.

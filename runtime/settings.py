@@ -74,12 +74,17 @@ class SessionOptions:
     n_parallel: int = 8
     """llama_cpp: slots, the most requests running at once (each a KV stream of the pool's
     tokens / n_parallel)."""
+    llama_repack: str = "auto"
+    """llama_cpp: re-pack the GGUF's weights for llama.cpp's CPU kernels (its extra buffer
+    types) `on`, `off`, or `auto`: as a start-up probe in a child process found safe on
+    this machine (`runtime/executors/llama_cpp_probe.py`)."""
     draft_model: str | None = None
     """Torch and llama_cpp: a smaller model (name or GGUF path) sharing the model's
     tokenizer, loaded for `speculative_method = draft`."""
 
     def __post_init__(self) -> None:
         check_choice("executor", self.executor, EXECUTORS)
+        check_choice("llama_repack", self.llama_repack, ("auto", "on", "off"))
         if self.threads is not None:
             check_int("threads", self.threads, 1, 1024)
         check_float("pace", self.pace, 1e-3, 1e6)
@@ -98,7 +103,8 @@ class Settings:
     sim: SimConfig = field(default_factory=SimConfig)
     executor_choice: str = ""
     """Why this executor, when none was named and the machine chose it
-    (`runtime.executors.choice`); printed at start-up."""
+    (`runtime.executors.choice`), and how llama.cpp runs where its probe found a kernel
+    mode that crashes; printed at start-up and notified in the console."""
 
     @property
     def executor(self) -> str:

@@ -41,12 +41,13 @@ class Tokenizer:
     """A GGUF model's tokenizer (vocabulary only: no weights are loaded)."""
 
     def __init__(self, model_path: str | Path):
-        from llama_cpp import Llama  # imported here: loading the library takes a moment
+        # imported here: loading the library takes a moment
+        from runtime.executors.llama_cpp_probe import open_llama
 
         self.path = Path(model_path)
         _probe_vocab(self.path)
         with quiet_stderr():  # llama.cpp logs a context warning even with verbose=False
-            self._llm = Llama(str(self.path), vocab_only=True, verbose=False)
+            self._llm = open_llama(self.path, vocab_only=True, verbose=False)
         meta = self._llm.metadata
         self.architecture = meta.get("general.architecture", "")
         self.bos_token_id = self._llm.token_bos()

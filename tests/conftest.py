@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import resource
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,3 +54,34 @@ def qwen_pair() -> tuple[Path, Path]:
         return resolve_model("qwen2.5-coder-1.5b"), resolve_model("qwen2.5-coder-0.5b")
     except ModelNotFoundError as e:  # a bare install without the extra
         pytest.skip(str(e))
+
+
+# -- the suite's own memory ------------------------------------------------------------------
+# The machine has 24 GiB and CI runs beside nothing else; models kept alive by fixtures
+# add up. After each test the process's resident memory is sampled; the run ends with the
+# peak (the kernel's high-water mark, which catches peaks inside a test too) and the tests
+# after which the most was held.
+
+_held: list[tuple[int, str]] = []
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    _held.append((_rss(), item.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    # ru_maxrss is in KiB on Linux, bytes on macOS.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024
+    top = sorted(_held, reverse=True)[:3]
+    terminalreporter.write_line(f"pytest peak RSS {peak / 2**30:.2f} GiB (this process; "
+                                "the budget is 8 GiB)")
+    for rss, nodeid in top:
+        terminalreporter.write_line(f"  {rss / 2**30:.2f} GiB held after {nodeid}")

@@ -15,8 +15,8 @@ def assert_equal_up_to_kernel_ties(path, prompts: dict[str, str], expected: dict
     stream would diverge at a clear winner. A grammar's mask leaves the allowed tokens'
     logits as they are, so the same test holds for constrained outputs."""
     import numpy as np
-    from llama_cpp import Llama
 
+    from runtime.executors.llama_cpp_probe import open_llama
     from runtime.tokenizer import Tokenizer, quiet_stderr
 
     differing = [rid for rid in expected if got[rid] != expected[rid]]
@@ -24,7 +24,7 @@ def assert_equal_up_to_kernel_ties(path, prompts: dict[str, str], expected: dict
         return
     tok = Tokenizer(path)
     with quiet_stderr():
-        llm = Llama(str(path), n_ctx=512, n_threads=2, verbose=False, logits_all=True)
+        llm = open_llama(path, n_ctx=512, n_threads=2, verbose=False, logits_all=True)
     for rid in differing:
         a, b = expected[rid], got[rid]
         i = next(j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)

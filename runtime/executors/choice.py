@@ -9,7 +9,10 @@ The rule, measured (README "Executors"; `make bench`, `benchmarks/torch_vs_llama
 2. Without llama-cpp-python, torch.
 3. A CUDA GPU that torch can use, with a llama.cpp built for the CPU only, picks torch:
    CUDA kernels beat llama.cpp's CPU kernels.
-4. Otherwise llama_cpp. On a CPU it decodes one request about 2.6× as fast as the torch
+4. llama.cpp is trusted only as its start-up probe found it (`llama_cpp_probe.py`): where
+   its re-packed kernels crash (AMX on some Xeons), llama_cpp without them; where it
+   crashes either way, torch.
+5. Otherwise llama_cpp. On a CPU it decodes one request about 2.6× as fast as the torch
    executor in fp32 (0.95× against 0.36× llama-cpp-python's own generation, Gemma 3 270M,
    2 threads), and one request is what an operator at the console feels first. With a
    Metal or CUDA build of llama.cpp, every layer goes to the GPU (`n_gpu_layers = -1`)
@@ -77,10 +80,31 @@ def choose_executor(values: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
     if not offload and torch_cuda():
         return "torch", {}, ("torch, because torch sees a CUDA GPU and this llama.cpp is "
                              "built for the CPU only")
+    extra, note = _probed(values)
+    if extra is None:
+        return "torch", {}, f"torch, because {note}"
     if offload:
-        extra = {} if "n_gpu_layers" in values else {"n_gpu_layers": -1}
-        return "llama_cpp", extra, ("llama_cpp, because this llama.cpp offloads to the GPU "
-                                    "(all layers unless --n-gpu-layers says otherwise)")
-    return "llama_cpp", {}, ("llama_cpp, because on a CPU llama.cpp's kernels decode one "
-                             "request faster than the torch executor (--executor torch "
-                             "for its mechanisms)")
+        extra.update({} if "n_gpu_layers" in values else {"n_gpu_layers": -1})
+        why = ("llama_cpp, because this llama.cpp offloads to the GPU (all layers unless "
+               "--n-gpu-layers says otherwise)")
+    else:
+        why = ("llama_cpp, because on a CPU llama.cpp's kernels decode one request faster "
+               "than the torch executor (--executor torch for its mechanisms)")
+    return "llama_cpp", extra, why + (f"; {note}" if note else "")
+
+
+def _probed(values: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """(settings llama_cpp runs with, or None where llama.cpp crashes here; the probe's
+    line) for `--llama-repack auto`."""
+    from runtime.errors import ModelNotFoundError
+    from runtime.executors.llama_cpp_probe import verdict
+
+    if values.get("llama_repack", "auto") != "auto":
+        return {}, ""
+    try:
+        v = verdict(values.get("model"))
+    except (ModelNotFoundError, OSError):
+        return {}, ""  # nothing to probe with: the executor names the missing model
+    if v.repack is None:
+        return None, v.note
+    return {"llama_repack": "on" if v.repack else "off"}, v.note

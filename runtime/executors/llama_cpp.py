@@ -66,6 +66,7 @@ from pathlib import Path
 from runtime.errors import ConfigError
 from runtime.executors.llama_cpp_context import KV_TYPES, LlamaContext, LlamaModel, Row, lib
 from runtime.executors.llama_cpp_draft import LlamaDraft
+from runtime.executors.llama_cpp_probe import resolve_repack
 from runtime.executors.online_fit import OnlineFit
 from runtime.guided import MaskJob, apply_mask
 from runtime.kv.groups import LayerGroups
@@ -97,7 +98,8 @@ class LlamaCppExecutor:
 
     def __init__(self, model_path: str | Path, *, threads: int | None = None,
                  n_gpu_layers: int = 0, n_parallel: int = 8, batch_invariant: bool = False,
-                 seed: int = 0, n_batch: int = 2048, draft_model: str | Path | None = None):
+                 seed: int = 0, n_batch: int = 2048, draft_model: str | Path | None = None,
+                 repack: str = "auto"):
         """`n_gpu_layers`: layers offloaded to the GPU (Metal or CUDA builds; -1 all);
         `n_parallel`: slots, the most requests running at once; `batch_invariant`: decode
         each request in a call of its own, so its output is exactly what it gives alone
@@ -105,7 +107,9 @@ class LlamaCppExecutor:
         (default: the machine's cores); `n_batch`: most tokens in one llama_batch (a chunk
         with more is decoded in several); `draft_model`: a smaller GGUF sharing the
         model's tokenizer, in a context of its own, for `speculative_method = draft`
-        (`runtime/executors/llama_cpp_draft.py`)."""
+        (`runtime/executors/llama_cpp_draft.py`); `repack`: llama.cpp's re-packed weights
+        (extra buffer types) `on`, `off`, or `auto`, as the start-up probe found them to
+        work on this machine (`runtime/executors/llama_cpp_probe.py`)."""
         if not 1 <= n_parallel <= MAX_SLOTS:
             raise ConfigError(f"n_parallel must be from 1 to {MAX_SLOTS} (llama.cpp's "
                               f"sequences), got {n_parallel}.")
@@ -128,7 +132,9 @@ class LlamaCppExecutor:
         self.threads = threads or os.cpu_count() or 1
         self.n_batch = n_batch
         self.n_gpu_layers = n_gpu_layers
-        self._model = LlamaModel(self.model_path, n_gpu_layers)
+        self.repack, self.repack_note = resolve_repack(repack, self.model_path)
+        """Whether the weights are re-packed, and the start-up line saying why not."""
+        self._model = LlamaModel(self.model_path, n_gpu_layers, self.repack)
         self.load_seconds = self._model.load_seconds
         self.vocab_size = self._model.vocab_size
         L, vocab = lib(), self._model.vocab
@@ -139,7 +145,8 @@ class LlamaCppExecutor:
         self.draft: LlamaDraft | None = None
         if draft_model is not None:
             try:
-                self.draft = LlamaDraft(draft_model, self.model_path, n_gpu_layers, seed)
+                self.draft = LlamaDraft(draft_model, self.model_path, n_gpu_layers, seed,
+                                        repack=self.repack)
             except BaseException:
                 self._model.close()
                 raise
@@ -281,8 +288,9 @@ class LlamaCppExecutor:
     def describe_weights(self, kv_format: str) -> WeightsView:
         types = ", ".join(t.type_name for t in self.info.tensor_types[:3])
         where = "CPU" if self.n_gpu_layers == 0 else f"{self.n_gpu_layers} layers on the GPU"
-        return WeightsView("dense", self.weight_bytes, f"llama.cpp, the GGUF's own {types}; "
-                           f"{where}", (), ())
+        packed = "re-packed" if self.repack else "not re-packed"
+        return WeightsView("dense", self.weight_bytes, f"llama.cpp, the GGUF's own {types} "
+                           f"({packed}); {where}", (), ())
 
     def auto_choice(self) -> str:
         return ""

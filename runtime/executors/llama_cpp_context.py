@@ -12,12 +12,12 @@ import numpy as np
 import torch
 
 from runtime.errors import ConfigError, ModelFileError, StepError
+from runtime.executors.llama_cpp_probe import model_params
+from runtime.faults import crash_at
 from runtime.tokenizer import quiet_stderr
 
 KV_TYPES = {"fp16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
 """kvdeck KV format -> llama.cpp ggml type of K and V."""
-REPACK = True
-"""Let llama.cpp re-pack quantized weights for its CPU gemm kernels (faster)."""
 
 Row = tuple[int, int, int, int]
 """(token, position, slot, logits row or -1) of one batch row."""
@@ -34,14 +34,15 @@ def lib():
 
 
 class LlamaModel:
-    """A GGUF loaded by llama.cpp (`n_gpu_layers` on a Metal or CUDA build; -1 all)."""
+    """A GGUF loaded by llama.cpp (`n_gpu_layers` on a Metal or CUDA build; -1 all), with
+    its weights re-packed for the CPU's gemm kernels (llama.cpp's extra buffer types: faster,
+    but they crash on some CPUs, so the caller passes what `llama_cpp_probe` decided)."""
 
-    def __init__(self, path: Path, n_gpu_layers: int):
+    def __init__(self, path: Path, n_gpu_layers: int, repack: bool):
         L = lib()
         L.llama_backend_init()
-        mp = L.llama_model_default_params()
-        mp.n_gpu_layers = n_gpu_layers
-        mp.use_extra_bufts = REPACK
+        mp = model_params(n_gpu_layers, repack)
+        self.repack = repack
         t0 = time.perf_counter()
         with quiet_stderr():
             self.ptr = L.llama_model_load_from_file(str(path).encode(), mp)
@@ -84,6 +85,7 @@ class LlamaContext:
             raise ConfigError(f"llama.cpp could not create a context of {n_ctx:,} cells in "
                               f"{kv_format}; lower the KV budget or use another kv_format.")
         self.mem = L.llama_get_memory(self.ctx)
+        self.repack = model.repack
         self.batch_size = cp.n_batch
         self.batch = L.llama_batch_init(cp.n_batch, 0, 1)
         self.vocab_size = model.vocab_size
@@ -103,6 +105,9 @@ class LlamaContext:
         """Decode each group of rows in its own `llama_decode` (a group longer than the
         batch in several); the logits rows as a float32 tensor [num_out, vocab]."""
         L = lib()
+        if self.repack:
+            crash_at("repack-decode")
+        crash_at("decode")
         out = np.empty((num_out, self.vocab_size), dtype=np.float32)
         batch = self.batch
         for rows in groups:

@@ -39,7 +39,7 @@ class LlamaDraft:
     """A draft model in its own llama.cpp context, slot for slot beside the target's."""
 
     def __init__(self, path: str | Path, target_path: Path, n_gpu_layers: int,
-                 base_seed: int = 0):
+                 base_seed: int = 0, *, repack: bool):
         self.path = Path(path)
         g, t = read_gguf(self.path), read_gguf(target_path)
         try:
@@ -49,7 +49,7 @@ class LlamaDraft:
             g.close()
             t.close()
         self.name = self.info.name
-        self.model = LlamaModel(self.path, n_gpu_layers)
+        self.model = LlamaModel(self.path, n_gpu_layers, repack)
         self.weight_bytes = self.model.weight_bytes
         self.base_seed = base_seed
         self.ctx: LlamaContext | None = None

@@ -146,13 +146,13 @@ def test_llama_cpp_kv_format_switch_re_prefills_running_requests_in_the_pause(ge
 @pytest.fixture(scope="module", params=["gemma", "qwen"])
 def reference(request, gemma_path, chat_model_path):
     """(model path, prompts, llama-cpp-python's own greedy 24 tokens for each)."""
-    from llama_cpp import Llama
+    from runtime.executors.llama_cpp_probe import open_llama
 
     path = gemma_path if request.param == "gemma" else chat_model_path
     tok = Tokenizer(path)
     prompts = [tok.encode(t) for t in TEXTS[:4]]
     with quiet_stderr():
-        llm = Llama(str(path), n_ctx=512, n_threads=2, verbose=False, seed=0)
+        llm = open_llama(path, n_ctx=512, n_threads=2, verbose=False, seed=0)
     expected = {}
     for i, p in enumerate(prompts):  # greedy, on past an end of sequence (ignore_eos)
         llm.reset()  # else it reuses the previous prompt's cache, and its output changes

@@ -52,9 +52,9 @@ def tokenizer(gemma_path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def llama(gemma_path):
-    from llama_cpp import Llama
+    from runtime.executors.llama_cpp_probe import open_llama
 
-    return Llama(str(gemma_path), n_ctx=1024, logits_all=True, verbose=False, n_threads=2,
+    return open_llama(gemma_path, n_ctx=1024, logits_all=True, verbose=False, n_threads=2,
                  seed=0)
 
 

@@ -162,13 +162,13 @@ def test_gemma_llama_cpp_prompt_logprobs_match_llama_cpp_pythons_own_scores(
     llama-cpp-python evaluating the prompt with `logits_all`, takes batches of the same
     size."""
     import numpy as np
-    from llama_cpp import Llama
 
     from runtime.executors.llama_cpp import LlamaCppExecutor
+    from runtime.executors.llama_cpp_probe import open_llama
     from runtime.tokenizer import quiet_stderr
 
     with quiet_stderr():
-        llm = Llama(str(gemma_path), n_ctx=512, n_threads=2, n_batch=chunk_size,
+        llm = open_llama(gemma_path, n_ctx=512, n_threads=2, n_batch=chunk_size,
                     n_ubatch=chunk_size, logits_all=True, verbose=False)
     llm.eval(gemma_prompt)
     lp = torch.log_softmax(torch.from_numpy(np.array(llm.scores[:len(gemma_prompt)])), -1)

@@ -609,8 +609,8 @@ def test_echo_on_llama_cpp_scores_the_prompt_as_llama_cpp_python_does(gemma_path
     own scores of the prompt (`logits_all`, the prompt in one batch as the server's one
     chunk)."""
     import numpy as np
-    from llama_cpp import Llama
 
+    from runtime.executors.llama_cpp_probe import open_llama
     from runtime.tokenizer import quiet_stderr
 
     srv = ApiServer(build_session(resolve({
@@ -627,7 +627,7 @@ def test_echo_on_llama_cpp_scores_the_prompt_as_llama_cpp_python_does(gemma_path
     n = len(ids)
     assert choice.text.startswith(ECHO_PROMPT) and len(choice.logprobs.tokens) == n + 3
     with quiet_stderr():
-        llm = Llama(str(gemma_path), n_ctx=512, n_threads=2, logits_all=True, verbose=False)
+        llm = open_llama(gemma_path, n_ctx=512, n_threads=2, logits_all=True, verbose=False)
     llm.eval(ids)
     ref = torch.log_softmax(torch.from_numpy(np.array(llm.scores[:n])), -1)
     del llm

@@ -1,0 +1,114 @@
+"""A native crash never leaves a dead terminal or a silent server: the console and the server
+run in a child process, and when it dies by a signal the parent restores the terminal, says
+one sentence and exits non-zero. The crash is injected with `KVDECK_FAULT=decode:N`: the
+llama.cpp executor's Nth decode kills its process with SIGSEGV, as a fault in llama.cpp's
+kernels does."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import termios
+import time
+
+import httpx
+import pytest
+
+from console.supervisor import command_of, crash_sentence
+from tests.terminal import Terminal
+
+pytestmark = pytest.mark.slow
+
+
+def test_which_commands_run_supervised() -> None:
+    commands = {"console", "serve", "models", "probe"}
+    assert command_of([], commands) == ""
+    assert command_of(["--executor", "torch"], commands) == ""
+    assert command_of(["serve", "--port", "0"], commands) == "serve"
+    assert command_of(["serve", "--help"], commands) is None
+    assert command_of(["models"], commands) == "models"
+
+
+def test_the_sentence_names_the_signal_the_executor_the_log_and_what_to_try() -> None:
+    text = crash_sentence(signal.SIGSEGV, {"executor": "llama_cpp", "log": "/x/kvdeck.log"})
+    assert "SIGSEGV" in text and "segmentation fault" in text and "llama_cpp executor" in text
+    assert "/x/kvdeck.log" in text and "--executor torch" in text and "--llama-repack off" in text
+    assert text.count(".") >= 1 and "\n" not in text
+
+
+def test_a_segfault_in_the_console_restores_the_terminal(tmp_path) -> None:
+    term = Terminal([sys.executable, "-m", "console.cli", "--executor", "llama_cpp",
+                     "--rate", "5"], cwd=str(tmp_path),
+                    env={"KVDECK_FAULT": "decode:3"})
+    before = termios.tcgetattr(term.fd)
+    try:
+        status = term.wait(300)
+        after = termios.tcgetattr(term.fd)
+    finally:
+        term.close()
+    screen = term.screen.decode("utf-8", errors="replace")
+    assert status is not None, screen[-2000:]
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGSEGV, screen[-2000:]
+    assert "died of SIGSEGV" in screen and "llama_cpp executor" in screen, screen[-2000:]
+    assert "kvdeck.log" in screen and "--executor torch" in screen
+    stacks = re.search(r"stacks at the fault are in (\S+\.log)", screen).group(1)
+    assert "llama_cpp_context.py" in open(stacks).read()  # where in Python it died
+    # The console had entered the alternate screen; the parent left it and gave back the
+    # line discipline it found (echo and canonical input on again).
+    assert b"\x1b[?1049h" in term.screen
+    assert term.screen.rindex(b"\x1b[?1049l") > term.screen.rindex(b"\x1b[?1049h")
+    assert after[3] & (termios.ECHO | termios.ICANON) == before[3] & (termios.ECHO |
+                                                                      termios.ICANON)
+
+
+def test_a_segfault_in_a_served_engine_closes_the_port(tmp_path) -> None:
+    env = {**os.environ, "KVDECK_FAULT": "decode:2"}
+    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", "--port", "0",
+                             "--executor", "llama_cpp"], cwd=str(tmp_path), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        deadline = time.monotonic() + 300
+        while port is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            m = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", line)
+            port = int(m.group(1)) if m else None
+        assert port is not None, proc.stderr.read()
+        url = f"http://127.0.0.1:{port}"
+        with pytest.raises(httpx.HTTPError):  # the engine dies under this request
+            httpx.post(f"{url}/v1/completions", json={"model": "gemma3-270m", "prompt": "Hello",
+                                                       "max_tokens": 8},
+                       timeout=120)
+        code = proc.wait(60)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 128 + signal.SIGSEGV, err
+    assert "died of SIGSEGV" in err and "llama_cpp executor" in err, err
+    with pytest.raises(httpx.ConnectError):  # nothing half-alive listens there
+        httpx.get(f"{url}/health", timeout=5)
+
+
+def test_a_signal_sent_to_the_parent_reaches_the_server(tmp_path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", "--port", "0",
+                             "--executor", "sim"], cwd=str(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0  # the server shut down as it does on SIGTERM, and so did the parent
