@@ -975,7 +975,7 @@ def main() -> None:
     if supervisor.wants_supervisor(argv, commands):
         sys.exit(supervisor.supervise(argv))
     if os.environ.get(supervisor.SUPERVISED):
-        supervisor.trace_native_faults()
+        supervisor.as_child()
     app()
 
 

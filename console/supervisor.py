@@ -30,6 +30,8 @@ SUPERVISED = "KVDECK_SUPERVISED"
 """Set in the child: it runs the command itself."""
 STATE = "KVDECK_SUPERVISOR_STATE"
 """A file the child writes what it runs (executor, log) into, for the parent's sentence."""
+PARENT = "KVDECK_SUPERVISOR_PID"
+"""The parent's pid, for the child to notice that it died."""
 SUPERVISED_COMMANDS = ("console", "serve")
 """Commands run under the supervisor (and the bare `kvdeck`, which opens the console)."""
 SI_KERNEL = 0x80
@@ -83,10 +85,14 @@ def fault_log(pid: int) -> Path:
     return log_dir() / f"native-fault-{pid}.log"
 
 
-def trace_native_faults() -> None:
-    """In the child: on a fatal signal, write every thread's Python stack to its own file
-    (not the shared log, which another thread may be writing), for the parent to name."""
+def as_child() -> None:
+    """In the child, first thing: die with the parent (a parent killed outright, SIGKILL,
+    must not leave an orphaned server holding its port), and on a fatal signal write every
+    thread's Python stack to a file of its own (not the shared log, which another thread
+    may be writing), for the parent to name."""
     import faulthandler
+
+    _die_with_parent()
 
     path = fault_log(os.getpid())
     try:
@@ -96,6 +102,19 @@ def trace_native_faults() -> None:
         pass
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent exits (prctl PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.environ.get(PARENT)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    if parent and os.getppid() != int(parent):  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def supervise(argv: list[str]) -> int:
     """Run `kvdeck argv` in a child process; its exit status, or 128 + the signal that
     killed it (after the terminal is restored and the sentence printed)."""
@@ -103,7 +122,7 @@ def supervise(argv: list[str]) -> int:
     os.close(fd)
     tty = _save_terminal()
     code = ("import sys; sys.argv[0] = 'kvdeck'; from console.cli import main; main()")
-    env = {**os.environ, SUPERVISED: "1", STATE: state}
+    env = {**os.environ, SUPERVISED: "1", STATE: state, PARENT: str(os.getpid())}
     try:
         child = subprocess.Popen([sys.executable, "-c", code, *argv], env=env)
     except BaseException:

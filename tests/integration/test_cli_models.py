@@ -79,3 +79,18 @@ def test_default_model_acceptance() -> None:
     data = json.loads(r.stdout)
     assert (data["num_layers"], data["num_kv_heads"], data["head_dim"]) == (18, 1, 256)
     assert data["kv_bytes_per_token"]["fp16"] == 18_432
+
+
+def test_the_bare_kvdeck_takes_the_consoles_options(tmp_path: Path) -> None:
+    """`kvdeck --executor X` is `kvdeck console --executor X`: the option reaches the
+    settings (a bad value is refused by name), and `kvdeck models` does not run the
+    llama.cpp probe."""
+    cache = {"KVDECK_CACHE": str(tmp_path)}
+    r = kvdeck("--executor", "bogus", env=cache)
+    assert r.returncode == 2 and "executor must be one of sim, torch, llama_cpp" in r.stderr
+    r = kvdeck("--help")
+    assert "--executor" in r.stdout and "--llama-repack" in r.stdout
+    r = kvdeck("--executor", "sim", "models", env=cache)
+    assert r.returncode == 2 and "put them after `models`" in r.stderr
+    assert kvdeck("models", env=cache).returncode == 0
+    assert not (tmp_path / "llama-probe.json").exists()

@@ -42,7 +42,11 @@ def run(path, method: str, draft=None, texts=TEXTS, max_tokens: int = 32,
     """(outputs, target passes that gave the speculating requests their tokens, speculation
     statistics). The executor is closed before returning: two copies of a 1.5B model in
     fp32 would not fit beside the rest of the test run. llama_cpp runs batch-invariant:
-    its batched decode rows would otherwise differ from plain decoding by themselves."""
+    its batched decode rows would otherwise differ from plain decoding by themselves. Even
+    so, a verify chunk's rows are computed with other row counts than a lone decode row,
+    so on llama.cpp outputs agree up to kernel ties: with its re-packed kernels the Gemma
+    texts happen to agree exactly, without them (`--llama-repack off`, as on AMX CPUs) one
+    near-tie flips."""
     if executor == "torch":
         ex = TorchExecutor(path, device="cpu", dtype="fp32", weight_activations="fp32",
                            draft_model=draft)
@@ -80,7 +84,11 @@ def run(path, method: str, draft=None, texts=TEXTS, max_tokens: int = 32,
 def test_ngram_speculation_on_gemma_is_lossless(gemma_path, executor) -> None:
     expected, plain_passes, _ = run(gemma_path, "off", executor=executor)
     got, passes, stats = run(gemma_path, "ngram", executor=executor)
-    assert got == expected
+    if executor == "llama_cpp":  # a verify chunk's rows vs lone decode rows: see run()
+        prompts = {f"t{i}": t for i, t in enumerate(TEXTS)} | {"plain": PLAIN}
+        assert_equal_up_to_kernel_ties(gemma_path, prompts, expected, got)
+    else:
+        assert got == expected
     assert stats.num_accepted_tokens > 10
     assert passes < plain_passes
 

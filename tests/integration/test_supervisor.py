@@ -112,3 +112,25 @@ def test_a_signal_sent_to_the_parent_reaches_the_server(tmp_path) -> None:
             proc.kill()
             proc.wait()
     assert code == 0  # the server shut down as it does on SIGTERM, and so did the parent
+
+
+def test_a_parent_killed_outright_takes_its_server_with_it(tmp_path) -> None:
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", "--port", "0",
+                             "--executor", "sim"], cwd=str(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+        (child,) = psutil.Process(proc.pid).children()
+        proc.kill()  # SIGKILL: the parent runs nothing more
+        proc.wait()
+        child.wait(60)  # the kernel's parent-death signal ended the server too
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not child.is_running()
