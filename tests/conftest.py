@@ -57,12 +57,14 @@ def qwen_pair() -> tuple[Path, Path]:
 
 
 # -- the suite's own memory ------------------------------------------------------------------
-# The machine has 24 GiB and CI runs beside nothing else; models kept alive by fixtures
-# add up. After each test the process's resident memory is sampled; the run ends with the
-# peak (the kernel's high-water mark, which catches peaks inside a test too) and the tests
-# after which the most was held.
+# The machine has 24 GiB, and models that fixtures or the allocator keep add up. After each
+# test the process's resident memory is sampled; the run ends with the peak (the kernel's
+# high-water mark, which catches peaks inside a test too), the tests after which the most
+# was held and those that grew it most.
 
-_held: list[tuple[int, str]] = []
+_samples: list[tuple[int, int, str]] = []
+"""(RSS before the test's set-up, RSS after its teardown, node id)."""
+_before: dict[str, int] = {}
 
 
 def _rss() -> int:
@@ -71,17 +73,48 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def _release_freed_memory() -> None:
+    """Collect cycles and hand freed heap pages back to the kernel (glibc keeps them in its
+    per-thread arenas otherwise: model loads fill several at once, from torch's threads)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _before[item.nodeid] = _rss()
+
+
+RELEASE_AFTER_GROWTH = 256 << 20
+"""A test that grew the process by more than this is followed by a collection: a model
+inside a cycle (an app, an engine and its callbacks) otherwise waits for the collector's
+next generation-2 pass, and the next test loads its own on top."""
+
+
 @pytest.hookimpl(trylast=True)
-def pytest_runtest_teardown(item: pytest.Item) -> None:
-    _held.append((_rss(), item.nodeid))
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    before = _before.pop(item.nodeid, 0)
+    if (nextitem is None or nextitem.module is not item.module
+            or _rss() - before > RELEASE_AFTER_GROWTH):
+        _release_freed_memory()  # after a module's fixtures were torn down, or a big test
+    _samples.append((before, _rss(), item.nodeid))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     # ru_maxrss is in KiB on Linux, bytes on macOS.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak *= 1 if sys.platform == "darwin" else 1024
-    top = sorted(_held, reverse=True)[:3]
-    terminalreporter.write_line(f"pytest peak RSS {peak / 2**30:.2f} GiB (this process; "
-                                "the budget is 8 GiB)")
-    for rss, nodeid in top:
-        terminalreporter.write_line(f"  {rss / 2**30:.2f} GiB held after {nodeid}")
+    write = terminalreporter.write_line
+    write(f"pytest peak RSS {peak / 2**30:.2f} GiB (this process; the budget is 8 GiB)")
+    for _, after, nodeid in sorted(_samples, key=lambda s: -s[1])[:3]:
+        write(f"  {after / 2**30:.2f} GiB held after {nodeid}")
+    for before, after, nodeid in sorted(_samples, key=lambda s: s[0] - s[1])[:3]:
+        if after > before:
+            write(f"  +{(after - before) / 2**30:.2f} GiB over {nodeid}")

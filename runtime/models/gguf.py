@@ -149,6 +149,20 @@ class GGUFFile:
         return np.frombuffer(self._mmap, dtype=np.uint8, count=info.num_bytes,
                              offset=self.data_offset + info.offset)
 
+    def drop_pages(self, name: str) -> None:
+        """Give one tensor's file pages back to the kernel (the map stays valid: a later
+        read faults them in again), so a model load holds one tensor's pages resident at a
+        time, not the whole file's beside the dequantized weights."""
+        info = self.tensors[name]
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = self.data_offset + info.offset
+        first = start - start % mmap.PAGESIZE
+        try:
+            self._mmap.madvise(mmap.MADV_DONTNEED, first, start + info.num_bytes - first)
+        except (OSError, ValueError):
+            pass  # only a hint: the pages then go when the map is closed
+
     def close(self) -> None:
         if self._mmap is not None:
             try:
