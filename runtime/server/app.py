@@ -80,6 +80,7 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
     # One worker: tokenization leaves the event loop, and the tokenizer sees one caller.
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdeck-tokenize")
     app.state.hub = hub
+    app.state.tokenizing = tokenizing  # shut down with the server
 
     async def off_loop(fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(

@@ -96,15 +96,23 @@ def test_a_segfault_in_a_served_engine_closes_the_port(tmp_path) -> None:
         httpx.get(f"{url}/health", timeout=5)
 
 
-def test_a_signal_sent_to_the_parent_reaches_the_server(tmp_path) -> None:
+def serving_sim(cwd) -> subprocess.Popen:
+    """`kvdeck serve --executor sim` (the parent's process), once it says it serves."""
     proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", "--port", "0",
-                             "--executor", "sim"], cwd=str(tmp_path),
+                             "--executor", "sim"], cwd=str(cwd),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = ""
+    while "serving" not in line:
+        line = proc.stdout.readline()
+        if not line:
+            proc.kill()
+            raise AssertionError(proc.stderr.read())
+    return proc
+
+
+def test_a_signal_sent_to_the_parent_reaches_the_server(tmp_path) -> None:
+    proc = serving_sim(tmp_path)
     try:
-        line = ""
-        while "serving" not in line:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
     finally:
@@ -117,14 +125,8 @@ def test_a_signal_sent_to_the_parent_reaches_the_server(tmp_path) -> None:
 def test_a_parent_killed_outright_takes_its_server_with_it(tmp_path) -> None:
     import psutil
 
-    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", "--port", "0",
-                             "--executor", "sim"], cwd=str(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = serving_sim(tmp_path)
     try:
-        line = ""
-        while "serving" not in line:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
         (child,) = psutil.Process(proc.pid).children()
         proc.kill()  # SIGKILL: the parent runs nothing more
         proc.wait()
