@@ -183,6 +183,14 @@ def _read_state(path: str) -> dict:
         return {}
 
 
+def forwardable(info: signal.struct_siginfo | None) -> bool:
+    """Whether a signal `sigtimedwait` returned is the child's to receive: one another
+    process sent (the terminal's own Ctrl+C and hang-up reach the child directly). A wait
+    interrupted near its timeout (a profiler's ptrace attach) can hand back an unfilled
+    siginfo, so only a signal we asked for counts."""
+    return info is not None and info.si_signo in FORWARDED and info.si_code != SI_KERNEL
+
+
 def _wait(child: subprocess.Popen) -> tuple[int, set[int]]:
     """Wait for `child`, forwarding signals other processes send us; (its return code,
     the signals forwarded)."""
@@ -191,7 +199,7 @@ def _wait(child: subprocess.Popen) -> tuple[int, set[int]]:
     try:
         while child.poll() is None:
             info = signal.sigtimedwait(FORWARDED, 0.2)
-            if info is not None and info.si_code != SI_KERNEL and child.poll() is None:
+            if forwardable(info) and child.poll() is None:
                 forwarded.add(info.si_signo)
                 child.send_signal(info.si_signo)
         return child.returncode, forwarded

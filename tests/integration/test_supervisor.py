@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from console.supervisor import command_of, crash_sentence
+from console.supervisor import SI_KERNEL, command_of, crash_sentence, forwardable
 from tests.terminal import Terminal
 
 pytestmark = pytest.mark.slow
@@ -30,6 +30,20 @@ def test_which_commands_run_supervised() -> None:
     assert command_of(["serve", "--port", "0"], commands) == "serve"
     assert command_of(["serve", "--help"], commands) is None
     assert command_of(["models"], commands) == "models"
+
+
+def test_only_signals_another_process_sent_are_forwarded() -> None:
+    """py-spy attaching to the supervisor (ptrace) once made `sigtimedwait` return an
+    unfilled siginfo (si_signo -688717824), whose forwarding raised and took the server
+    down with its parent."""
+    def info(signo: int, code: int) -> signal.struct_siginfo:
+        return signal.struct_siginfo((signo, code, 0, 1234, 0, 0, 0))
+
+    assert forwardable(info(signal.SIGTERM, 0))  # SI_USER: kill(1) or a process manager
+    assert not forwardable(info(signal.SIGINT, SI_KERNEL))  # the terminal's, sent to both
+    assert not forwardable(info(-688717824, 986934256))
+    assert not forwardable(info(signal.SIGUSR1, 0))
+    assert not forwardable(None)
 
 
 def test_the_sentence_names_the_signal_the_executor_the_log_and_what_to_try() -> None:
