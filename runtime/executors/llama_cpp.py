@@ -64,7 +64,14 @@ import time
 from pathlib import Path
 
 from runtime.errors import ConfigError
-from runtime.executors.llama_cpp_context import KV_TYPES, LlamaContext, LlamaModel, Row, lib
+from runtime.executors.llama_cpp_context import (
+    KV_TYPES,
+    LlamaContext,
+    LlamaModel,
+    Row,
+    lib,
+    one_batch,
+)
 from runtime.executors.llama_cpp_draft import LlamaDraft
 from runtime.executors.llama_cpp_probe import resolve_repack
 from runtime.executors.online_fit import OnlineFit
@@ -311,7 +318,9 @@ class LlamaCppExecutor:
             if not self._retired:
                 return None
             self._drop(next(iter(self._retired)))
-        seq = self._free_ids.pop()
+        # The lowest free id: llama.cpp batches only runs of consecutive slot ids.
+        seq = min(self._free_ids)
+        self._free_ids.remove(seq)
         self._length[seq] = 0
         return seq
 
@@ -406,7 +415,6 @@ class LlamaCppExecutor:
         for rid in plan.preempted:
             self._retire(rid)
         groups: list[list[Row]] = []
-        decodes: list[Row] = []
         wants: list[tuple[ScheduledChunk, int, int]] = []
         """(chunk, its first logits row, rows) per chunk that samples or verifies."""
         errors: dict[str, str] = {}
@@ -455,12 +463,9 @@ class LlamaCppExecutor:
             self._write(seq, chunk.block_table, start, start + n)
             self._running[chunk.request_id] = (req, chunk.block_table)
             num_rows += len(rows)
-            if len(rows) == 1 and not self.batch_invariant:
-                decodes.append(rows[0])
-            else:
-                groups.append(rows)
-        if decodes:
-            groups.append(decodes)
+            groups.append(rows)
+        if not self.batch_invariant:
+            groups = one_batch(groups)  # one llama_decode for the whole step
         job = MaskJob([c.request for c, _, _ in wants if not c.num_draft],
                       [(c.request, list(c.draft)) for c, _, _ in wants if c.num_draft])
         try:  # the grammar masks are computed while llama.cpp decodes

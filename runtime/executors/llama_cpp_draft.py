@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.executors.llama_cpp_context import LlamaContext, LlamaModel, Row
+from runtime.executors.llama_cpp_context import LlamaContext, LlamaModel, Row, one_batch
 from runtime.executors.online_fit import OnlineFit
 from runtime.models.gguf import read_gguf
 from runtime.models.info import model_info_from_gguf
@@ -111,7 +111,6 @@ class LlamaDraft:
             return 0.0, {}
         by_id = {c.request_id: c for c in drafting}
         groups: list[list[Row]] = []
-        singles: list[Row] = []
         order: list[str] = []
         for c in plan.chunks:
             wants = c.request_id in by_id
@@ -127,12 +126,10 @@ class LlamaDraft:
                 rows[-1] = (*rows[-1][:3], len(order))
                 order.append(c.request_id)
             self.length[seq] = end
-            if len(rows) == 1 and not batch_invariant:
-                singles.append(rows[0])
-            elif rows:
+            if rows:
                 groups.append(rows)
-        if singles:
-            groups.append(singles)
+        if not batch_invariant:
+            groups = one_batch(groups)
         drafts, q = drafting_state(by_id)
         gens = draft_generators(by_id, q, self.base_seed)
         j = 1
@@ -150,7 +147,7 @@ class LlamaDraft:
                     rows.append((drafts[rid][-1], pos, seq, len(rows)))
                     self.length[seq] = pos + 1
             order = [rid for rid in order if by_id[rid].num_draft >= j]
-            groups = [[r] for r in rows] if batch_invariant else ([rows] if rows else [])
+            groups = [[r] for r in rows] if batch_invariant else one_batch([rows])
         for rid, c in by_id.items():
             c.draft = tuple(drafts[rid])
         return time.perf_counter() - t0, {rid: torch.stack(v) for rid, v in q.items()}

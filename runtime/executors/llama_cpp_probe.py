@@ -317,11 +317,13 @@ def _default_params(repack: bool) -> Iterator[None]:
 
 def open_llama(path: str | Path, repack: bool | None = None, **kwargs):
     """llama-cpp-python's own `Llama(path, **kwargs)`, with extra buffer types as the
-    probe found (or as `repack` says)."""
+    probe found (or as `repack` says) and flash attention on unless `flash_attn` says
+    otherwise, as the executor's contexts run: its logits then agree with theirs."""
     from llama_cpp import Llama
 
     if kwargs.get("vocab_only"):
         return Llama(str(path), **kwargs)
+    kwargs.setdefault("flash_attn", True)
     use = resolve_repack("auto", path)[0] if repack is None else repack
     with _default_params(use):
         return Llama(str(path), **kwargs)

@@ -194,3 +194,49 @@ def test_sjf_aging_lets_a_long_wait_go_first() -> None:
                       arrival_time=0.2 + 0.01 * i)
     order = [rid for rec in plans(e) for rid in rec.admitted if rid != "busy"]
     assert order[0] == "long"  # it waited past 0.5 s while "busy" ran
+
+
+def shared_prompt_burst(e: Engine, n: int, shared: int, own: int) -> None:
+    """`n` requests arriving together, their prompts `shared` tokens alike, then `own`
+    tokens each."""
+    rng = random.Random(7)
+    system = [rng.randrange(3, 1000) for _ in range(shared)]
+    for i in range(n):
+        tail = [rng.randrange(3, 1000) for _ in range(own)]
+        e.add_request(system + tail, SamplingParams(max_tokens=8), request_id=f"s{i}",
+                      arrival_time=0.0)
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_burst_sharing_a_new_prompt_computes_it_once_with_prefix_wait(wait: bool) -> None:
+    """Eight requests arrive at once with the same 1,024-token system prompt, which is not
+    cached yet. With prefix_wait the first computes it and the others wait for its blocks,
+    then compute only their own 128 tokens; without it the requests admitted before its
+    first blocks are cached compute them again."""
+    e = engine(num_blocks=1024, max_num_batched_tokens=512, chunk_size=256, max_num_seqs=8,
+               prefix_wait=wait)
+    shared_prompt_burst(e, 8, 1024, 128)
+    records = plans(e)
+    prefill = sum(p.num_new_tokens for r in records for p in r.plan) - \
+        sum(r.num_decode for r in records)
+    cached = sum(r.num_cached_tokens for r in e.completed)
+    assert len(e.completed) == 8 and all(r.status is RequestStatus.FINISHED_LENGTH
+                                         for r in e.completed)
+    if wait:
+        assert cached == 7 * 1024
+        assert prefill == 1024 + 8 * 128
+        assert any(r.limit and "prefix wait" in r.limit for r in records)
+    else:  # the first steps' admissions compute it side by side before any block is cached
+        assert prefill >= 1024 + 8 * 128 + 512 and cached < 7 * 1024
+    assert_drained(e)
+
+
+def test_prefix_wait_never_holds_a_request_that_shares_nothing_more() -> None:
+    """A request whose prompt diverges within the first block from everything being
+    prefilled is admitted at once, beside them."""
+    e = engine(num_blocks=1024, max_num_batched_tokens=2048, chunk_size=2048)
+    shared_prompt_burst(e, 1, 1024, 128)
+    e.add_request(list(range(3, 3 + 600)), SamplingParams(max_tokens=4), request_id="other",
+                  arrival_time=0.0)
+    first = plans(e)[0]
+    assert {p.request_id for p in first.plan} == {"s0", "other"}
