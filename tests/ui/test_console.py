@@ -173,6 +173,7 @@ KNOB_VALUES = {
     "queue_policy": ("sjf", "sjf"), "sjf_max_wait_s": ("5", 5.0),
     "reservation": ("full", "full"), "preemption": ("recompute", "recompute"),
     "enable_prefix_caching": ("false", False), "prefix_cache_capacity": ("100", 100),
+    "prefix_wait": ("false", False),
     "eviction_policy": ("value", "value"), "admission_control": ("true", True),
     "on_deadline_miss": ("wait", "wait"), "kv_format": ("q8_0", "q8_0"),
     "weight_format": ("int8", "int8"), "demote_prefixes": ("false", False),
