@@ -9,12 +9,18 @@ here each round's servers run minutes apart, and the ratios to llama-server are 
 round and their median reported.
 
 Loads, 64 output tokens per request exactly (`ignore_eos`), greedy, streamed, all
-requests sent at once and capped in flight by the concurrency:
-- **text**: 128-token text prompts (windows of a built-in passage, starting at different
-  places), at concurrency 1 (8 requests), 8 (32) and 32 (64);
-- **shared prefix**: 1,024 token ids every request shares, then 128 of its own, at
+requests sent at once and capped in flight by the concurrency, prompts as token ids (the
+same ids reach every server; none tokenizes):
+- **text**: 128-token prompts, `<bos>` and then a window of a built-in English passage
+  (Gemma's tokenizer), at concurrency 1 (8 requests), 8 (32) and 32 (64);
+- **shared prefix**: 1,024 tokens every request of the case shares, then 128 of its own, at
   concurrency 1 (8) and 8 (32): prefix caches show here (kvdeck's prefix tree, llama-server's
   slot prompt cache, vLLM's block cache).
+
+Every prompt of the run is new to every server but for the prefix a case shares on
+purpose: each request's window starts at a position of the passage no earlier request
+started at, and each case's shared prefix is drawn afresh. (Rounds that repeated their
+prompts measured the servers' prefix caches from the second round on.)
 
 `KVDECK_BENCH_ROUNDS` (default 2) sets the rounds, `KVDECK_BENCH_SERVERS` a
 comma-separated subset of `llama-server,vllm,llama_cpp,torch`. Results:
@@ -26,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -44,32 +51,69 @@ VOCAB = 262_144
 BASE = "llama-server"
 
 
-def shared_prefix_trace(path: Path, n: int) -> Path:
-    lines = [{"arrival_s": 0.0, "prompt_len": PREFIX_TOKENS + PROMPT_TOKENS,
-              "output_len": OUTPUT_TOKENS, "prefix_group": "system",
-              "prefix_len": PREFIX_TOKENS} for _ in range(n)]
-    path.write_text("".join(json.dumps(o) + "\n" for o in lines))
-    return path
+class Prompts:
+    """Prompts no earlier one of the run shares a block with, unless told to."""
+
+    def __init__(self, model: Path, bos: int = 2):
+        from runtime.session import PASSAGE
+        from runtime.tokenizer import Tokenizer
+
+        self.passage = Tokenizer(model).encode(PASSAGE.read_text(encoding="utf-8"),
+                                               add_bos=False)
+        self.bos = bos
+        self.next_start = 0
+        self.rng = random.Random(0)
+
+    def window(self, n: int) -> list[int]:
+        """`<bos>` and `n - 1` tokens of the passage (repeated as needed) from a start no
+        earlier window had."""
+        start, self.next_start = self.next_start, self.next_start + 1
+        ids = self.passage * ((start + n) // len(self.passage) + 2)
+        return [self.bos, *ids[start % len(self.passage):][:n - 1]]
+
+    def trace(self, path: Path, load: str, n: int) -> Path:
+        """A kvdeck JSONL trace of `n` requests of `load`, all arriving at once."""
+        shared = [self.bos, *(self.rng.randrange(1000, VOCAB)
+                              for _ in range(PREFIX_TOKENS - 1))]
+        lines = []
+        for _ in range(n):
+            if load == "shared prefix":  # the prefix (which has the <bos>), then 128 own
+                prompt = shared + self.window(PROMPT_TOKENS + 1)[1:]
+            else:
+                prompt = self.window(PROMPT_TOKENS)
+            lines.append({"arrival_s": 0.0, "prompt_tokens": prompt,
+                          "output_len": OUTPUT_TOKENS})
+        path.write_text("".join(json.dumps(o) + "\n" for o in lines))
+        return path
 
 
-def drive(url: str, load: str, concurrency: int, n: int, out_dir: Path) -> dict:
-    """`kvdeck bench` against `url`; its summary."""
-    if load == "text":
-        source = ["--text-prompts", "--prompt-len", str(PROMPT_TOKENS), "--output-len",
-                  str(OUTPUT_TOKENS), "--length-spread", "0", "--num-requests", str(n),
-                  "--rate", "1000"]
-    else:
-        source = [str(shared_prefix_trace(out_dir / f"shared-prefix-{n}.jsonl", n)),
-                  "--vocab-size", str(VOCAB)]
+def drive(url: str, trace: Path, concurrency: int, n: int) -> dict:
+    """`kvdeck bench` against `url`; its summary. A run in which some request did not
+    finish (a dropped connection) is said and run once more."""
+    try:
+        return _drive(url, trace, concurrency, n)
+    except Unfinished as e:
+        print(f"  {url}: {e}; running the case again", flush=True)
+        return _drive(url, trace, concurrency, n)
+
+
+class Unfinished(RuntimeError):
+    pass
+
+
+def _drive(url: str, trace: Path, concurrency: int, n: int) -> dict:
     r = subprocess.run(
-        [sys.executable, "-m", "console.cli", "bench", *source, "--url", url, "--model",
+        [sys.executable, "-m", "console.cli", "bench", str(trace), "--url", url, "--model",
          DEFAULT_MODEL, "--concurrency", str(concurrency), "--exact-length-field",
          "ignore_eos", "--json"], capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
         raise RuntimeError(f"kvdeck bench failed: {r.stderr.strip()[-500:]}")
-    summary = json.loads(r.stdout)["summary"]
+    out = json.loads(r.stdout)
+    summary = out["summary"]
     if summary["statuses"] != {"finished_length": n}:
-        raise RuntimeError(f"not every request finished: {summary['statuses']}")
+        why = sorted({q["reason"] or q["status"] for q in out["requests"]
+                      if q["status"] != "finished_length"})
+        raise Unfinished(f"not every request finished: {summary['statuses']} ({'; '.join(why)})")
     return summary
 
 
@@ -181,11 +225,13 @@ def main(out_dir: Path = Path("bench-results")) -> dict:
         for s in servers:
             print(f"  {s.name}: {s.version}")
         rows = []
+        prompts = Prompts(model)
         for rnd in range(rounds):
             order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
             for load, conc, n in CASES:
                 for s in order:
-                    r = row(s.name, rnd, load, conc, n, drive(s.url, load, conc, n, out_dir))
+                    trace = prompts.trace(out_dir / f"serve-peers-{len(rows)}.jsonl", load, n)
+                    r = row(s.name, rnd, load, conc, n, drive(s.url, trace, conc, n))
                     rows.append(r)
                     print(f"round {rnd + 1} {s.name:>26} {load:>13} c={conc:<2}: "
                           f"{r['output_tokens_per_s']:6.1f} tok/s, TTFT p50 "

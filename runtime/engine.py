@@ -609,6 +609,8 @@ class Engine:
         self.clock.wait_until_due(self.stop_event)  # a paced sim step takes its time
         t1 = self.state_end = self.clock.now()
         self.scheduler.update(plan, result, t1)
+        if result.lost_blocks:
+            self.kv.forget_blocks(result.lost_blocks)
         for child, parent in self.scheduler.take_branched():
             record.forked.append(Forked(child.request_id, parent.request_id,
                                         child.sampling.max_tokens, True))

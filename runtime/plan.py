@@ -171,3 +171,6 @@ class StepResult:
     """Request id -> the tokens a speculating chunk emits, in order: the accepted draft
     tokens, then the target's own token (a correction, or the bonus when all were accepted).
     Such a request has no entry in `sampled`."""
+    lost_blocks: tuple[int, ...] = ()
+    """Blocks whose KV the executor no longer has (llama.cpp recycled the slot that held
+    them): the prefix cache must not hand them out again."""

@@ -18,21 +18,22 @@ which becomes the engine's context limit. A running request owns one slot (so
 
 Why one stream per sequence, not one pool for all (`kv_unified`): llama.cpp's CPU kernels
 are not batch-invariant. In a unified pool a sequence's logits depend on where its cells
-sit among other sequences' cells (by up to half a logit on Gemma 3 270M), and the rows of
-one prefill batch depend on the other prompts in it. With a stream per sequence, each
-prefill or verify chunk decoded in a `llama_decode` of its own, a request's prompt gives
-exactly the logits it gives alone. Decode rows batched in one `llama_decode` still differ
-from a row alone (by up to ~0.02 nats at the first step on Gemma 3 270M with 8 rows; a
-known property of llama.cpp's CPU kernels, ggml-org/llama.cpp#6583): `batch_invariant`
-decodes every request in a call of its own, exact and as slow as one request after
-another; by default decode rows are batched (`docs/llama_cpp.md`).
+sit among other sequences' cells (by up to half a logit on Gemma 3 270M); with a stream per
+sequence, a request decoded in a `llama_decode` of its own gives exactly the logits it
+gives alone, which `batch_invariant` uses (every request's rows in a call of their own,
+exact and as slow as one request after another). By default a step is one `llama_decode`
+of all its rows, as llama-server batches its slots: decode rows then differ from a row
+alone by up to ~0.02 nats at the first step with 8 rows, and prefill rows by the grouping
+of the matmul (ggml-org/llama.cpp#6583; `docs/llama_cpp.md`). The rows go in slot order
+(`one_batch`): with a stream per slot llama.cpp splits a batch into micro-batches of
+consecutive, increasing sequence ids only.
 
 - The executor remembers, per block id, the slot whose stream last wrote it (its
   *holder*).
 - A request that starts past position 0 (a prefix-cache hit, a fork, a resumed request)
   takes a holder's whole stream (`llama_memory_seq_cp`; llama.cpp copies whole streams
   only) and cuts it at its start, when one slot holds every block it shares; otherwise it
-  recomputes those positions in its own decode (as a recompute would).
+  recomputes those positions in the step (as a recompute would).
 - A finished or preempted request's slot is *retired*, not cleared: it holds the blocks the
   prefix cache may hand out, until a new request needs the slot (oldest first).
 - Rolled-back speculative positions, and anything past a chunk's `start`, are removed
@@ -172,12 +173,13 @@ class LlamaCppExecutor:
         """Request id -> its slot (sequence id)."""
         self._length: dict[int, int] = {}
         """Slot -> positions its stream holds."""
-        self._holder: dict[int, int] = {}
-        """Block id -> the slot whose stream last wrote its positions."""
         self._blocks: dict[int, list[int]] = {}
         """Slot -> the block ids it wrote, by table index."""
         self._retired: dict[int, None] = {}
-        """Slots of finished or preempted requests, oldest first."""
+        """Slots of finished or preempted requests, least recently used first."""
+        self._lost: set[int] = set()
+        """Blocks whose positions were in a slot cleared since the last step ended: the
+        step reports those no slot holds any more (`StepResult.lost_blocks`)."""
         self._free_ids: list[int] = []
         self._running: dict[str, tuple[object, list[int]]] = {}
         """Request id -> (request, block table) as of its latest chunk, for re-prefilling
@@ -228,7 +230,6 @@ class LlamaCppExecutor:
         self._seq_of.clear()
         self._running.clear()
         self._length.clear()
-        self._holder.clear()
         self._blocks.clear()
         self._retired.clear()
         self._free_ids = list(range(self.n_parallel - 1, -1, -1))
@@ -312,12 +313,15 @@ class LlamaCppExecutor:
 
     # -- sequences --------------------------------------------------------------------------
 
-    def _new_seq(self) -> int | None:
-        """A free slot, else the oldest retired one; None when every slot runs a request."""
+    def _new_seq(self, keep: set[int] = frozenset()) -> int | None:
+        """A free slot, else the least recently used retired one, sparing the retired
+        slots in `keep` (holders this step copies from) while another is retired; None when
+        every slot runs a request."""
         if not self._free_ids:
             if not self._retired:
                 return None
-            self._drop(next(iter(self._retired)))
+            spare = [s for s in self._retired if s not in keep]
+            self._drop(spare[0] if spare else next(iter(self._retired)))
         # The lowest free id: llama.cpp batches only runs of consecutive slot ids.
         seq = min(self._free_ids)
         self._free_ids.remove(seq)
@@ -329,9 +333,7 @@ class LlamaCppExecutor:
         self._ctx.remove(seq)
         if self.draft is not None:
             self.draft.cleared(seq)
-        for block in self._blocks.pop(seq, ()):
-            if self._holder.get(block) == seq:
-                del self._holder[block]
+        self._lost.update(self._blocks.pop(seq, ()))
         self._retired.pop(seq, None)
         self._length.pop(seq, None)
         self._free_ids.append(seq)
@@ -350,16 +352,15 @@ class LlamaCppExecutor:
         del held[first:]
         for b in range(first, -(-end // p)):
             held.append(table[b])
-            self._holder[table[b]] = seq
 
-    def _prepare(self, chunk) -> tuple[int, list[int]]:
+    def _prepare(self, chunk, keep: set[int]) -> tuple[int, list[int]]:
         """Bring the chunk's slot to exactly `chunk.start` positions (`execute` has cut it
         back to there): take a holder's stream, or recompute. Returns (slot, the tokens it
         must recompute first, which end at `chunk.start`)."""
         rid = chunk.request_id
         seq = self._seq_of.get(rid)
         if seq is None:
-            seq = self._new_seq()
+            seq = self._new_seq(keep)
             if seq is None:
                 raise NoSlotError(f"all {self.n_parallel} llama.cpp slots are running "
                                   "requests (max_num_seqs may not exceed n_parallel)")
@@ -369,6 +370,8 @@ class LlamaCppExecutor:
         if 0 == have < start:
             holder = self._holder_of(chunk.block_table, start)
             if holder is not None:
+                if holder in self._retired:  # used again: the last to be recycled
+                    self._retired[holder] = self._retired.pop(holder)
                 self._ctx.copy_stream(holder, seq, start)
                 if self.draft is not None:
                     self.draft.copied(holder, seq, start)
@@ -387,29 +390,33 @@ class LlamaCppExecutor:
             self._length[seq] = start
             keep = -(-start // self.block_size)
             held = self._blocks.get(seq, [])
-            for block in held[keep:]:
-                if self._holder.get(block) == seq:
-                    del self._holder[block]
+            self._lost.update(held[keep:])
             del held[keep:]
         if self.draft is not None:
             self.draft.cut(seq, start)
 
     def _holder_of(self, table: list[int], start: int) -> int | None:
-        """The slot holding every block of `table` up to position `start`, if one does.
-        `_length` counts only positions already decoded, so a slot this step writes is a
-        holder only for what it held before the step."""
+        """A slot holding every block of `table` up to position `start`, if one does (a
+        running one first: several may hold copies of a shared prefix). `_length` counts
+        only positions already decoded, so a slot this step writes is a holder only for
+        what it held before the step."""
         nb = -(-start // self.block_size)
-        holder = self._holder.get(table[0])
-        if holder is None or self._length.get(holder, 0) < start:
-            return None
-        return holder if self._blocks.get(holder, [])[:nb] == table[:nb] else None
+        want = table[:nb]
+        found = None
+        for seq, held in self._blocks.items():
+            if self._length.get(seq, 0) >= start and held[:nb] == want:
+                if seq not in self._retired:
+                    return seq
+                found = seq if found is None else found
+        return found
 
     # -- the step ---------------------------------------------------------------------------
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        """One `llama_decode` per prefill or verify chunk (with the positions its slot
-        must recompute first), then one for all decode rows: see the module docstring for
-        why. Logits come back only for rows that sample, verify or score prompt tokens."""
+        """One `llama_decode` of every row of the step in slot order (each chunk with the
+        positions its slot must recompute first), or one per request under
+        `batch_invariant`: see the module docstring. Logits come back only for rows that
+        sample, verify or score prompt tokens."""
         assert self._ctx is not None, "bind_kv must run before execute"
         t0 = time.perf_counter()
         for rid in plan.preempted:
@@ -423,10 +430,12 @@ class LlamaCppExecutor:
             seq = self._seq_of.get(chunk.request_id)
             if seq is not None:
                 self._cut(seq, chunk.start)
+        keep = {h for c in plan.chunks if c.start and c.request_id not in self._seq_of
+                and (h := self._holder_of(c.block_table, c.start)) is not None}
         prepared = []
         for chunk in plan.chunks:
             try:
-                prepared.append((chunk, *self._prepare(chunk)))
+                prepared.append((chunk, *self._prepare(chunk, keep)))
             except NoSlotError as e:
                 errors[chunk.request_id] = str(e)
         draft_seconds, q = 0.0, {}
@@ -517,8 +526,12 @@ class LlamaCppExecutor:
                             plan.num_pairs,
                             weights + context * self.kv_bytes_per_token(self.kv_format))
         self.timing.observe(num_rows, timing.num_pairs, seconds - draft_seconds)
+        held = {b for blocks in self._blocks.values() for b in blocks}
+        lost = tuple(sorted(self._lost - held))
+        self._lost.clear()
         return StepResult(sampled, timing, errors=errors, logprobs=logprobs, spec=spec,
-                          draft_seconds=draft_seconds, prompt_logprobs=prompt_logprobs)
+                          draft_seconds=draft_seconds, prompt_logprobs=prompt_logprobs,
+                          lost_blocks=lost)
 
     def propose(self, req, k: int, knobs) -> list[int]:
         """n-gram prompt lookup over the request's latest tokens (as the torch executor)."""

@@ -600,6 +600,19 @@ class BlockManager(WindowTables):
         for rid in deferred:
             self._release(rid)
 
+    def forget_blocks(self, blocks: tuple[int, ...]) -> int:
+        """The executor no longer has the KV of `blocks` (llama.cpp recycled the slot that
+        held them): evict their cache nodes that only the cache holds, deepest first, so no
+        admission counts a hit the executor would have to recompute outside the token
+        budget. Returns how many were evicted."""
+        nodes = [n for b in blocks if (n := self.tree.node_of_block.get(b)) is not None]
+        evicted = 0
+        for node in sorted(nodes, key=lambda n: -n.depth_tokens):
+            if not node.children and self.pool.refcount[node.block] == 1:
+                self.tree.evict(node)
+                evicted += 1
+        return evicted
+
     def clear_cache(self) -> int:
         """Evict every cached block no request uses."""
         return self.tree.clear()

@@ -195,3 +195,32 @@ def test_served_llama_cpp_greedy_equals_llama_cpp_python_generation(reference) -
     for i, a in enumerate(answers):
         assert a.usage.completion_tokens == 24
         assert a.choices[0].text == tok.decode(expected[f"r{i}"])
+
+
+def test_llama_cpp_a_recycled_slots_prefix_leaves_the_cache(gemma_path, tok) -> None:
+    """Two slots. A finishes and its slot, retired, holds its prompt's blocks, which the
+    prefix cache holds too. B and C then need both slots: C's recycles A's, whose KV
+    llama.cpp no longer has, so the cache drops those blocks (instead of handing them to a
+    later request, which would then recompute them outside the token budget). A later
+    request with A's prompt computes it again as a prefill, and gets A's tokens."""
+    from runtime.executors.llama_cpp import LlamaCppExecutor
+
+    ex = LlamaCppExecutor(gemma_path, threads=2, n_parallel=2, batch_invariant=True)
+    try:
+        e = Engine(EngineConfig(num_blocks=64, knobs=Knobs(
+            weight_format="dense", max_num_batched_tokens=256, chunk_size=128,
+            max_num_seqs=2)), ex)
+        a = tok.encode(" ".join(TEXTS[:4]) * 2)
+        first = run(e, [("a", a, GREEDY)])["a"]
+        assert e.kv.peek_prefix(e.completed[-1]) >= 16  # cached, and slot 0 holds it
+        run(e, [("b", tok.encode(TEXTS[4] * 3), GREEDY), ("c", tok.encode(TEXTS[5] * 3),
+                                                          GREEDY)])
+        assert e.kv.tree.node_of_block.keys().isdisjoint(
+            b for b in range(64) if not any(b in held for held in ex._blocks.values())), \
+            "the cache holds a block no slot has"
+        again = run(e, [("a2", a, GREEDY)])["a2"]
+        a2 = next(r for r in e.completed if r.request_id == "a2")
+        assert a2.num_cached_tokens == 0 and again == first
+        e.check_integrity()
+    finally:
+        ex.close()
