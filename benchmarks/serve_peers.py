@@ -11,16 +11,17 @@ round and their median reported.
 Loads, 64 output tokens per request exactly (`ignore_eos`), greedy, streamed, all
 requests sent at once and capped in flight by the concurrency, prompts as token ids (the
 same ids reach every server; none tokenizes):
-- **text**: 128-token prompts, `<bos>` and then a window of a built-in English passage
-  (Gemma's tokenizer), at concurrency 1 (8 requests), 8 (32) and 32 (64);
+- **distinct**: 128-token prompts, `<bos>` and random ids, at concurrency 1 (8 requests), 8
+  (32) and 32 (64);
 - **shared prefix**: 1,024 tokens every request of the case shares, then 128 of its own, at
   concurrency 1 (8) and 8 (32): prefix caches show here (kvdeck's prefix tree, llama-server's
   slot prompt cache, vLLM's block cache).
 
 Every prompt of the run is new to every server but for the prefix a case shares on
-purpose: each request's window starts at a position of the passage no earlier request
-started at, and each case's shared prefix is drawn afresh. (Rounds that repeated their
-prompts measured the servers' prefix caches from the second round on.)
+purpose. Windows of one English passage, as `kvdeck bench --text-prompts` sends, overlap
+from one request to the next, and llama-server then reuses most of a prompt from its
+previous one (a 50 ms first token for a 128-token prompt); rounds that repeated their
+prompts measured every server's prefix cache from the second round on.
 
 `KVDECK_BENCH_ROUNDS` (default 2) sets the rounds, `KVDECK_BENCH_SERVERS` a
 comma-separated subset of `llama-server,vllm,llama_cpp,torch`. Results:
@@ -29,6 +30,7 @@ comma-separated subset of `llama-server,vllm,llama_cpp,torch`. Results:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -36,6 +38,7 @@ import random
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks import peers
@@ -43,8 +46,8 @@ from runtime.models.registry import DEFAULT_MODEL, resolve_model
 
 THREADS = 2
 PROMPT_TOKENS, OUTPUT_TOKENS, PREFIX_TOKENS = 128, 64, 1024
-CASES = (("text", 1, 8), ("text", 8, 32), ("text", 32, 64), ("shared prefix", 1, 8),
-         ("shared prefix", 8, 32))
+CASES = (("distinct", 1, 8), ("distinct", 8, 32), ("distinct", 32, 64),
+         ("shared prefix", 1, 8), ("shared prefix", 8, 32))
 """(load, concurrency, requests)."""
 VOCAB = 262_144
 """Gemma 3's vocabulary: the shared-prefix load's token ids are drawn from it."""
@@ -52,49 +55,37 @@ BASE = "llama-server"
 
 
 class Prompts:
-    """Prompts no earlier one of the run shares a block with, unless told to."""
+    """Prompts that share nothing with any earlier one of the run, unless told to."""
 
-    def __init__(self, model: Path, bos: int = 2):
-        from runtime.session import PASSAGE
-        from runtime.tokenizer import Tokenizer
-
-        self.passage = Tokenizer(model).encode(PASSAGE.read_text(encoding="utf-8"),
-                                               add_bos=False)
+    def __init__(self, bos: int = 2):
         self.bos = bos
-        self.next_start = 0
         self.rng = random.Random(0)
 
-    def window(self, n: int) -> list[int]:
-        """`<bos>` and `n - 1` tokens of the passage (repeated as needed) from a start no
-        earlier window had."""
-        start, self.next_start = self.next_start, self.next_start + 1
-        ids = self.passage * ((start + n) // len(self.passage) + 2)
-        return [self.bos, *ids[start % len(self.passage):][:n - 1]]
+    def ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(1000, VOCAB) for _ in range(n)]
 
     def trace(self, path: Path, load: str, n: int) -> Path:
         """A kvdeck JSONL trace of `n` requests of `load`, all arriving at once."""
-        shared = [self.bos, *(self.rng.randrange(1000, VOCAB)
-                              for _ in range(PREFIX_TOKENS - 1))]
-        lines = []
-        for _ in range(n):
-            if load == "shared prefix":  # the prefix (which has the <bos>), then 128 own
-                prompt = shared + self.window(PROMPT_TOKENS + 1)[1:]
-            else:
-                prompt = self.window(PROMPT_TOKENS)
-            lines.append({"arrival_s": 0.0, "prompt_tokens": prompt,
-                          "output_len": OUTPUT_TOKENS})
+        if load == "shared prefix":  # the prefix (with the <bos>), then 128 of its own
+            shared, own = [self.bos, *self.ids(PREFIX_TOKENS - 1)], PROMPT_TOKENS
+        else:
+            shared, own = [self.bos], PROMPT_TOKENS - 1
+        lines = [{"arrival_s": 0.0, "output_len": OUTPUT_TOKENS,
+                  "prompt_tokens": shared + self.ids(own)} for _ in range(n)]
         path.write_text("".join(json.dumps(o) + "\n" for o in lines))
         return path
 
 
-def drive(url: str, trace: Path, concurrency: int, n: int) -> dict:
-    """`kvdeck bench` against `url`; its summary. A run in which some request did not
-    finish (a dropped connection) is said and run once more."""
+def drive(url: str, trace: Callable[[], Path], concurrency: int, n: int) -> dict:
+    """`kvdeck bench` against `url` on a trace `trace()` writes; its summary. A run in
+    which some request did not finish (llama-server now and then drops a connection before
+    answering) is said and run once more on new prompts: the same ones would find the
+    server's cache warm."""
     try:
-        return _drive(url, trace, concurrency, n)
+        return _drive(url, trace(), concurrency, n)
     except Unfinished as e:
-        print(f"  {url}: {e}; running the case again", flush=True)
-        return _drive(url, trace, concurrency, n)
+        print(f"  {url}: {e}; running the case again on new prompts", flush=True)
+        return _drive(url, trace(), concurrency, n)
 
 
 class Unfinished(RuntimeError):
@@ -225,13 +216,14 @@ def main(out_dir: Path = Path("bench-results")) -> dict:
         for s in servers:
             print(f"  {s.name}: {s.version}")
         rows = []
-        prompts = Prompts(model)
+        prompts = Prompts()
         for rnd in range(rounds):
             order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
             for load, conc, n in CASES:
                 for s in order:
-                    trace = prompts.trace(out_dir / f"serve-peers-{len(rows)}.jsonl", load, n)
-                    r = row(s.name, rnd, load, conc, n, drive(s.url, trace, conc, n))
+                    path = out_dir / f"serve-peers-{len(rows)}.jsonl"
+                    r = row(s.name, rnd, load, conc, n, drive(
+                        s.url, functools.partial(prompts.trace, path, load, n), conc, n))
                     rows.append(r)
                     print(f"round {rnd + 1} {s.name:>26} {load:>13} c={conc:<2}: "
                           f"{r['output_tokens_per_s']:6.1f} tok/s, TTFT p50 "

@@ -28,14 +28,17 @@ of the matmul (ggml-org/llama.cpp#6583; `docs/llama_cpp.md`). The rows go in slo
 (`one_batch`): with a stream per slot llama.cpp splits a batch into micro-batches of
 consecutive, increasing sequence ids only.
 
-- The executor remembers, per block id, the slot whose stream last wrote it (its
-  *holder*).
+- The executor remembers, per slot, the block ids its stream holds; any slot holding a
+  block is one of its *holders* (several slots may hold copies of a shared prefix).
 - A request that starts past position 0 (a prefix-cache hit, a fork, a resumed request)
   takes a holder's whole stream (`llama_memory_seq_cp`; llama.cpp copies whole streams
   only) and cuts it at its start, when one slot holds every block it shares; otherwise it
   recomputes those positions in the step (as a recompute would).
 - A finished or preempted request's slot is *retired*, not cleared: it holds the blocks the
-  prefix cache may hand out, until a new request needs the slot (oldest first).
+  prefix cache may hand out, until a new request needs the slot (least recently used
+  first, sparing the holders the step copies from). The blocks a cleared slot held that no
+  other slot holds go back to the engine as `StepResult.lost_blocks`, and leave the prefix
+  cache: a hit on them would recompute them outside the token budget.
 - Rolled-back speculative positions, and anything past a chunk's `start`, are removed
   from the stream before the step writes there.
 
