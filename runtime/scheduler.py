@@ -629,8 +629,8 @@ class Scheduler:
         does; `hit` is what the cache gives `req` now. Only requests still prefilling
         this step are looked at (few, even when thousands decode)."""
         end = hit + self.kv.block_size
-        if end > req.num_tokens - 1:
-            return None  # no full block left that the cache could give it
+        if not self._prefilling or end > req.num_tokens - 1:
+            return None  # nobody prefills, or no full block is left that it could share
         mine = req.token_slice(0, end)
         for r in self._prefilling:
             if r is not req and r.num_computed_tokens < end <= r.num_tokens and \

@@ -221,6 +221,48 @@ def load_or_measure(shapes: dict[str, tuple[int, int]], device: torch.device, co
     return table
 
 
+CPU_DTYPE_SHAPE = (2048, 640)
+"""The matrix the CPU's compute dtype is timed on: Gemma 3 270M's FFN up-projection, a
+typical small model's; at 8 rows, a batched decode step."""
+CPU_DTYPE_GAIN = 1.3
+"""bf16 is chosen only when it is at least this much faster than fp32: it costs accuracy
+(on Gemma 3 270M fp32 and bf16 weights agree on most but not all top-1 tokens)."""
+
+
+@torch.inference_mode()
+def cpu_compute_dtype(cache_dir: Path | None) -> str:
+    """`bf16` where this CPU multiplies bf16 matrices clearly faster than fp32 (AMX or
+    AVX-512 BF16 kernels in torch's oneDNN), else `fp32`: timed once on this machine and
+    kept in `cache_dir`, never decided from the CPU's name."""
+    device = torch.device("cpu")
+    machine = _machine(device)
+    key = hashlib.sha1(json.dumps({"machine": machine, "shape": CPU_DTYPE_SHAPE,
+                                   "version": VERSION}, sort_keys=True).encode()).hexdigest()
+    path = cache_dir / f"cpu-dtype-{key[:16]}.json" if cache_dir is not None else None
+    if path is not None:
+        try:
+            return json.loads(path.read_text())["dtype"]
+        except (OSError, ValueError, KeyError):
+            pass
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(*CPU_DTYPE_SHAPE, generator=gen) * 0.02
+    x = torch.randn(8, CPU_DTYPE_SHAPE[1], generator=gen)
+    seconds = {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        wd, xd = w.to(dt), x.to(dt)
+        seconds[name] = _time_once(lambda a, wd=wd: torch.nn.functional.linear(a, wd), xd,
+                                   device, 20)
+    dtype = "bf16" if seconds["fp32"] >= CPU_DTYPE_GAIN * seconds["bf16"] else "fp32"
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"dtype": dtype, "seconds": seconds,
+                                        "machine": machine}, indent=1))
+        except OSError as e:
+            log.warning("could not cache the CPU dtype choice at %s: %s", path, e)
+    return dtype
+
+
 def describe(table: KernelTable, rows: tuple[int, ...] = (1, 8, 32)) -> list[str]:
     """Lines for a log or the console: per group, each format's best time at some rows."""
     out = []

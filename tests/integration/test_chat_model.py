@@ -39,7 +39,7 @@ def test_models_says_base_or_instruct(chat_model_path, gemma_path) -> None:
 async def run_prompt(path, text: str) -> tuple[KvdeckApp, str, object]:
     tokenizer = Tokenizer(path)
     engine = Engine(EngineConfig(kv_memory_bytes=64 << 20),
-                    TorchExecutor(path, device="cpu"), tokenizer=tokenizer)
+                    TorchExecutor(path, device="cpu", dtype="fp32"), tokenizer=tokenizer)
     app = KvdeckApp(engine, autostart=False, hardware=False)
     async with app.run_test(size=(160, 48)) as pilot:
         rid = app.submit_prompt(text)

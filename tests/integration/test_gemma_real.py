@@ -42,7 +42,7 @@ NEAR_TIE = 0.35  # logits: llama.cpp's own top-2 margin below this is within its
 
 @pytest.fixture(scope="module")
 def executor(gemma_path) -> TorchExecutor:
-    return TorchExecutor(gemma_path, device="cpu")
+    return TorchExecutor(gemma_path, device="cpu", dtype="fp32")
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,7 @@ def test_weights_use_fp32_on_cpu(executor) -> None:
 
 def test_greedy_shortlist_equals_full_head(gemma_path, executor, tokenizer) -> None:
     """The int8 shortlist + exact rescoring picks the same tokens as the full fp32 head."""
-    full = TorchExecutor(gemma_path, device="cpu", greedy_shortlist=False)
+    full = TorchExecutor(gemma_path, device="cpu", dtype="fp32", greedy_shortlist=False)
     assert executor.model.shortlist_head is not None and full.model.shortlist_head is None
     outs = []
     for ex in (executor, full):
