@@ -488,10 +488,11 @@ ECHO_PROMPT = ("The capital of France is Paris, the capital of Germany is Berlin
 
 @pytest.fixture(scope="module")
 def exact(gemma_path):
-    """A server computing in fp32 throughout (dense weights, fp32 KV): its prompt logprobs
-    are held to a contiguous forward of the prompt within 1e-4. (The default server's
-    measured bf16 and int8 kernels, and fp16 KV, move them by up to 0.1 nats.)"""
-    with in_process(gemma_session(gemma_path, kv_memory_bytes=64 << 20,
+    """A server computing in fp32 throughout (fp32 compute, dense weights, fp32 KV): its
+    prompt logprobs are held to a contiguous forward of the prompt within 1e-4. (The
+    default server's measured bf16 and int8 kernels, and fp16 KV, move them by up to 0.1
+    nats.)"""
+    with in_process(gemma_session(gemma_path, kv_memory_bytes=64 << 20, dtype="fp32",
                                   weight_format="dense", kv_format="fp32")) as srv:
         yield srv
 
