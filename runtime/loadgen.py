@@ -140,9 +140,13 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, a: Arrival, inde
 
 
 async def _send(client: httpx.AsyncClient, url: str, body: dict, a: Arrival, rid: str,
-                start: float, headers: dict) -> tuple[RequestMetrics, str]:
-    """Send one streaming request now (its clock starts here); its metrics and text."""
-    arrival = time.perf_counter()
+                start: float, headers: dict, resent: float | None = None
+                ) -> tuple[RequestMetrics, str]:
+    """Send one streaming request now (its clock starts here); its metrics and text. A
+    connection the server closed before answering anything (a kept-alive one it had
+    dropped: llama-server does now and then) is sent once more at once, the clock still
+    running from the first send (`resent`), as the openai client retries such errors."""
+    arrival = resent if resent is not None else time.perf_counter()
     times: list[float] = []
     parts: list[str] = []
     output_tokens = 0
@@ -169,6 +173,11 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, a: Arrival, rid
                         parts.extend(texts)
                     if any(c.get("finish_reason") == "stop" for c in chunk.get("choices", [])):
                         status = "finished_stopped"
+    except (httpx.RemoteProtocolError, httpx.ConnectError) as e:
+        if times or resent is not None:
+            status, reason = "aborted", f"{type(e).__name__}: {e}"
+        else:  # a kept-alive connection the server had closed: nothing ran; send once more
+            return await _send(client, url, body, a, rid, start, headers, arrival)
     except httpx.HTTPError as e:
         status, reason = "aborted", f"{type(e).__name__}: {e}"
     end = time.perf_counter()
