@@ -155,7 +155,7 @@ class Server:
 
 
 class ServerDied(RuntimeError):
-    pass
+    """The server process ended, or never answered, while starting."""
 
 
 def llama_server(gguf: Path, alias: str, threads: int, repack: bool = True) -> Server:

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks import peers
+from runtime.models.kernels import cpuinfo
 from runtime.models.registry import DEFAULT_MODEL, resolve_model
 
 THREADS = 2
@@ -122,25 +123,14 @@ def start_llama_server(model: Path) -> peers.Server:
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16",
-                                            "amx_int8", "amx_bf16") if f in have)
-    except OSError:
-        pass
-    return ""
+    """The instruction sets that decide kernels here, of those the CPU reports."""
+    have = set((cpuinfo("flags") or "").split())
+    return " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8",
+                                "amx_bf16") if f in have)
 
 
 def row(name: str, rnd: int, load: str, conc: int, n: int, s: dict) -> dict:
