@@ -97,16 +97,17 @@ def test_metrics_health_and_attach_work_unchanged(server: str) -> None:
 
 
 def trace_file(tmp_path: Path) -> Path:
-    """30 requests over 3 s, half sharing a 1,536-token system prompt, 24 output tokens:
-    prefills of 100 ms and more, so the ~4 ms an HTTP round trip adds is small beside the
-    simulated card's time."""
+    """30 requests over 6 s, half sharing a 3,840-token system prompt, 24 output tokens:
+    first tokens of about 400 ms on the simulated card, so the 10 to 15 ms that HTTP, the
+    JSON of the prompt and the threads of two processes on a small CI machine add to each
+    (measured: a 116 ms first token came back 8 to 14 ms late) stay a few per cent."""
     p = tmp_path / "trace.jsonl"
     lines = []
     for i in range(30):
-        rec = {"arrival_s": 0.1 * i, "prompt_len": 1500 + 137 * (i % 7), "output_len": 24,
+        rec = {"arrival_s": 0.2 * i, "prompt_len": 3750 + 342 * (i % 7), "output_len": 24,
                "id": f"t{i}"}
         if i % 2 == 0:
-            rec.update(prompt_len=2400, prefix_group="sys", prefix_len=1536)
+            rec.update(prompt_len=6000, prefix_group="sys", prefix_len=3840)
         lines.append(json.dumps(rec))
     p.write_text("\n".join(lines) + "\n")
     return p
