@@ -37,6 +37,17 @@ def request_generator(req: Request, base_seed: int, salt: int = 0) -> torch.Gene
     return g
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from `probs` (a row of non-negative weights; need not sum to 1) by the
+    inverse of its cumulative distribution: one uniform draw from `generator`. Why not
+    `torch.multinomial`: over Gemma 3's 262,144 tokens it takes about 10 ms a row on a
+    2-core CPU, this about 0.6 (the sum in float64, so no token's share is rounded away)."""
+    cdf = torch.cumsum(probs, 0, dtype=torch.float64)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    # The first token whose cumulative weight exceeds u: a zero-weight one never is.
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[-1] - 1)
+
+
 def process_logits(logits: torch.Tensor, req: Request, eos_token_ids: tuple[int, ...] = ()
                    ) -> torch.Tensor:
     """One row of logits after the request's logit processors, in vLLM's order: the bias,
@@ -130,7 +141,7 @@ def sample(logits: torch.Tensor, requests: list[Request], base_seed: int = 0,
                 else greedy[row]
         else:
             probs = sampling_probs(scores, sp)
-            token = int(torch.multinomial(probs, 1, generator=request_generator(req, base_seed)))
+            token = draw(probs, request_generator(req, base_seed))
         tokens.append(token)
         logprobs.append(None if sp.logprobs is None else
                         score_tokens(logits[row:row + 1], [token], sp.logprobs)[0])

@@ -31,7 +31,7 @@ from runtime.models.gguf import read_gguf
 from runtime.models.info import model_info_from_gguf
 from runtime.plan import SchedulerOutput
 from runtime.profiles import StepFit
-from runtime.sampling import sampling_probs
+from runtime.sampling import draw, sampling_probs
 from runtime.spec.draft_model import check_vocabulary, draft_generators, drafting_state
 
 
@@ -166,7 +166,7 @@ class LlamaDraft:
             return int(row.argmax())
         probs = sampling_probs(row, by_id[rid].request.sampling)
         q[rid].append(probs)
-        return int(torch.multinomial(probs, 1, generator=gens[rid]))
+        return draw(probs, gens[rid])
 
     def close_context(self) -> None:
         if self.ctx is not None:

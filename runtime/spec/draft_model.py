@@ -44,7 +44,7 @@ from runtime.models.transformer import Transformer
 from runtime.models.weights import load_tensors
 from runtime.plan import SchedulerOutput
 from runtime.profiles import StepFit
-from runtime.sampling import request_generator, sampling_probs
+from runtime.sampling import draw, request_generator, sampling_probs
 
 DRAFT_SALT = 0x5DEECE66D
 """Keeps the draft's random draws apart from the verifier's for the same request."""
@@ -230,6 +230,6 @@ class DraftModel:
                 rid = ids[i]
                 sp = by_id[rid].request.sampling
                 probs = sampling_probs(row, sp)
-                out[i] = int(torch.multinomial(probs, 1, generator=gens[rid]))
+                out[i] = draw(probs, gens[rid])
                 q[rid].append(probs)
         return out

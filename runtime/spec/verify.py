@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.sampling import draw
+
 
 def verify_greedy(target_argmax: list[int], draft: list[int]) -> tuple[list[int], int]:
     """(tokens to emit, draft tokens accepted) for greedy decoding; `target_argmax` has one
@@ -58,9 +60,9 @@ def verify_sampled(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
         total = float(residual.sum())
         # (p − q)⁺ sums to 0 only where p = q, and then rejection has probability 0.
         dist = residual / total if total > 0 else p[i]
-        out.append(int(torch.multinomial(dist, 1, generator=generator)))
+        out.append(draw(dist, generator))
         return out, i
-    out.append(int(torch.multinomial(p[len(draft)], 1, generator=generator)))
+    out.append(draw(p[len(draft)], generator))
     return out, len(draft)
 
 

@@ -11,7 +11,7 @@ import torch
 from runtime.errors import ConfigError
 from runtime.plan import ScheduledChunk
 from runtime.request import Request, SamplingParams
-from runtime.sampling import TokenLogprobs, process_logits, sample, score_tokens
+from runtime.sampling import TokenLogprobs, draw, process_logits, sample, score_tokens
 
 EOS = 0
 
@@ -20,6 +20,23 @@ def request(prompt=(1, 2), output=(), **sampling) -> Request:
     req = Request("r", list(prompt), SamplingParams(temperature=0.0, max_tokens=8, **sampling))
     req.output_token_ids.extend(output)
     return req
+
+
+def test_draws_follow_the_weights_and_never_pick_a_zero_one() -> None:
+    """20,000 draws from unnormalized weights with zeros at both ends and inside: a
+    chi-square test (4 degrees of freedom, significance 0.001) cannot tell them from the
+    distribution, and a zero-weight token never comes."""
+    weights = torch.tensor([0.0, 3.0, 1.0, 0.0, 2.0, 0.5, 3.5, 0.0])
+    g = torch.Generator().manual_seed(7)
+    counts = torch.bincount(torch.tensor([draw(weights, g) for _ in range(20_000)]),
+                            minlength=len(weights)).float()
+    assert counts[weights == 0].sum() == 0
+    live = weights > 0
+    expected = weights[live] / weights.sum() * counts.sum()
+    assert float(((counts[live] - expected) ** 2 / expected).sum()) < 18.467
+    # The same seed gives the same draws.
+    one, two = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert [draw(weights, one) for _ in range(50)] == [draw(weights, two) for _ in range(50)]
 
 
 def test_logit_bias_moves_the_greedy_choice() -> None:
