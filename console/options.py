@@ -93,7 +93,7 @@ FLAGS: tuple[Flag, ...] = (
          "(llama.cpp's kernels are not batch-invariant); as slow as serial (default off).",
          EXECUTOR),
     Flag("n_parallel", ("--n-parallel",), int, "Slots: the most requests running at once "
-         "(llama_cpp; each gets the KV budget's tokens / N; default 8, and max_num_seqs "
+         "(llama_cpp; each gets the KV budget's tokens / N; default 16, and max_num_seqs "
          "may not exceed it).", EXECUTOR),
     Flag("llama_repack", ("--llama-repack",), str, "llama_cpp: re-pack the GGUF's weights "
          "for llama.cpp's faster CPU kernels: auto (as a start-up probe in a child process "

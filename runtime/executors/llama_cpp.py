@@ -86,6 +86,7 @@ from runtime.models.info import model_info_from_gguf
 from runtime.plan import Conversion, ScheduledChunk, SchedulerOutput, StepResult, StepTiming
 from runtime.profiles import StepFit
 from runtime.sampling import sample, sample_branches, sample_draft, score_tokens
+from runtime.settings import SessionOptions
 from runtime.snapshot import WeightsView
 from runtime.spec.ngram import propose_for
 from runtime.spec.verify import verify_greedy
@@ -108,7 +109,8 @@ class LlamaCppExecutor:
     num_layers: int
 
     def __init__(self, model_path: str | Path, *, threads: int | None = None,
-                 n_gpu_layers: int = 0, n_parallel: int = 8, batch_invariant: bool = False,
+                 n_gpu_layers: int = 0, n_parallel: int = SessionOptions.n_parallel,
+                 batch_invariant: bool = False,
                  seed: int = 0, n_batch: int = 2048, draft_model: str | Path | None = None,
                  repack: str = "auto"):
         """`n_gpu_layers`: layers offloaded to the GPU (Metal or CUDA builds; -1 all);
@@ -492,7 +494,10 @@ class LlamaCppExecutor:
         spec: dict[str, list[int]] = {}
         plain = [(c, i) for c, i, _ in wants if not c.num_draft]
         if plain:
-            rows = logits[[i for _, i in plain]]
+            at = [i for _, i in plain]
+            # The usual step's rows lie in order: a view, not a 16 MB copy of Gemma's rows.
+            rows = logits[at[0]:at[-1] + 1] if at == list(range(at[0], at[-1] + 1)) \
+                else logits[at]
             toks, lps = sample(rows, [c.request for c, _ in plain], self.seed,
                                self.eos_token_ids, masks)
             for (c, _), tok, lp in zip(plain, toks, lps, strict=True):
