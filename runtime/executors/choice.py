@@ -1,7 +1,8 @@
 """Which real executor a command runs when no `executor` is given: the faster one for the
 interactive console on this machine.
 
-The rule, measured (README "Executors"; `make bench`, `benchmarks/torch_vs_llama.py`):
+The rule, measured (docs/executors.md, "Default executor"; `make bench`,
+`benchmarks/torch_vs_llama.py`):
 
 1. A setting only the torch executor has (`--dtype`, `--device`, a re-packed
    `--weight-format`, `--offload-layers`, `--host-kv-memory-gib`, ...) picks torch: the
