@@ -35,8 +35,9 @@ consecutive, increasing sequence ids only.
   only) and cuts it at its start, when one slot holds every block it shares; otherwise it
   recomputes those positions in the step (as a recompute would).
 - A finished or preempted request's slot is *retired*, not cleared: it holds the blocks the
-  prefix cache may hand out, until a new request needs the slot (least recently used
-  first, sparing the holders the step copies from). The blocks a cleared slot held that no
+  prefix cache may hand out, until a new request needs the slot (a new request takes the
+  lowest slot no request runs in, free or retired, sparing the holders the step copies
+  from, so the running slots stay one run of consecutive ids). The blocks a cleared slot held that no
   other slot holds go back to the engine as `StepResult.lost_blocks`, and leave the prefix
   cache: a hit on them would recompute them outside the token budget.
 - Rolled-back speculative positions, and anything past a chunk's `start`, are removed
@@ -181,7 +182,8 @@ class LlamaCppExecutor:
         self._blocks: dict[int, list[int]] = {}
         """Slot -> the block ids it wrote, by table index."""
         self._retired: dict[int, None] = {}
-        """Slots of finished or preempted requests, least recently used first."""
+        """Slots of finished or preempted requests: their streams stay until a new request
+        needs the slot (a prefix-cache hit may copy from them meanwhile)."""
         self._lost: set[int] = set()
         """Blocks whose positions were in a slot cleared since the last step ended: the
         step reports those no slot holds any more (`StepResult.lost_blocks`)."""
@@ -319,16 +321,21 @@ class LlamaCppExecutor:
     # -- sequences --------------------------------------------------------------------------
 
     def _new_seq(self, keep: set[int] = frozenset()) -> int | None:
-        """A free slot, else the least recently used retired one, sparing the retired
-        slots in `keep` (holders this step copies from) while another is retired; None when
-        every slot runs a request."""
-        if not self._free_ids:
-            if not self._retired:
-                return None
-            spare = [s for s in self._retired if s not in keep]
-            self._drop(spare[0] if spare else next(iter(self._retired)))
-        # The lowest free id: llama.cpp batches only runs of consecutive slot ids.
-        seq = min(self._free_ids)
+        """The lowest slot no request runs in, free or retired, sparing the retired slots
+        in `keep` (holders this step copies from) while another one will do; None when
+        every slot runs a request.
+
+        Lowest, not least recently used: llama.cpp batches only runs of consecutive slot
+        ids, so a gap among the running slots costs every step another pass over the
+        weights for as long as it lasts (at concurrency 8 in 16 slots, taking free slots
+        past the retired ones dropped throughput by a fifth); a retired slot's prompt is
+        worth one prefill at most."""
+        idle = sorted({*self._free_ids, *self._retired})
+        if not idle:
+            return None
+        seq = next((s for s in idle if s not in keep), idle[0])
+        if seq in self._retired:
+            self._drop(seq)
         self._free_ids.remove(seq)
         self._length[seq] = 0
         return seq
@@ -375,8 +382,6 @@ class LlamaCppExecutor:
         if 0 == have < start:
             holder = self._holder_of(chunk.block_table, start)
             if holder is not None:
-                if holder in self._retired:  # used again: the last to be recycled
-                    self._retired[holder] = self._retired.pop(holder)
                 self._ctx.copy_stream(holder, seq, start)
                 if self.draft is not None:
                     self.draft.copied(holder, seq, start)
