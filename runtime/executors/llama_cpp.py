@@ -37,9 +37,9 @@ consecutive, increasing sequence ids only.
 - A finished or preempted request's slot is *retired*, not cleared: it holds the blocks the
   prefix cache may hand out, until a new request needs the slot (a new request takes the
   lowest slot no request runs in, free or retired, sparing the holders the step copies
-  from, so the running slots stay one run of consecutive ids). The blocks a cleared slot held that no
-  other slot holds go back to the engine as `StepResult.lost_blocks`, and leave the prefix
-  cache: a hit on them would recompute them outside the token budget.
+  from, so the running slots stay one run of consecutive ids). The blocks a cleared slot
+  held that no other slot holds go back to the engine as `StepResult.lost_blocks`, and
+  leave the prefix cache: a hit on them would recompute them outside the token budget.
 - Rolled-back speculative positions, and anything past a chunk's `start`, are removed
   from the stream before the step writes there.
 
