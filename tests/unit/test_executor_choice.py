@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.executors.choice import choose_executor, llama_cpp_gpu_offload, torch_cuda
-from runtime.settings import resolve
+from runtime.settings import EXECUTOR_DEFAULTS, resolve
 
 
 def test_a_cpu_machine_with_llama_cpp_defaults_to_it_and_says_why() -> None:
@@ -15,7 +15,10 @@ def test_a_cpu_machine_with_llama_cpp_defaults_to_it_and_says_why() -> None:
     settings = resolve({}, {"model": "gemma3-270m"}, default_executor="auto")
     assert settings.executor == "llama_cpp"
     assert settings.session.n_gpu_layers == 0
-    assert settings.engine.knobs.max_num_seqs == 8  # the llama_cpp executor's defaults
+    # The llama_cpp executor's defaults, not torch's.
+    assert settings.engine.knobs.max_num_seqs == EXECUTOR_DEFAULTS["llama_cpp"]["max_num_seqs"]
+    assert settings.engine.knobs.max_num_seqs != EXECUTOR_DEFAULTS["torch"].get(
+        "max_num_seqs", 256)
     assert "llama_cpp, because on a CPU" in settings.executor_choice
 
 
