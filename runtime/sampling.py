@@ -45,7 +45,10 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     cdf = torch.cumsum(probs, 0, dtype=torch.float64)
     u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
     # The first token whose cumulative weight exceeds u: a zero-weight one never is.
-    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[-1] - 1)
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i >= probs.shape[-1]:  # u rounded up to the total: the last token with weight
+        i = int(torch.nonzero(probs > 0)[-1])
+    return i
 
 
 def process_logits(logits: torch.Tensor, req: Request, eos_token_ids: tuple[int, ...] = ()
