@@ -181,7 +181,7 @@ class LlamaCppExecutor:
         """Slot -> positions its stream holds."""
         self._blocks: dict[int, list[int]] = {}
         """Slot -> the block ids it wrote, by table index."""
-        self._retired: dict[int, None] = {}
+        self._retired: set[int] = set()
         """Slots of finished or preempted requests: their streams stay until a new request
         needs the slot (a prefix-cache hit may copy from them meanwhile)."""
         self._lost: set[int] = set()
@@ -346,7 +346,7 @@ class LlamaCppExecutor:
         if self.draft is not None:
             self.draft.cleared(seq)
         self._lost.update(self._blocks.pop(seq, ()))
-        self._retired.pop(seq, None)
+        self._retired.discard(seq)
         self._length.pop(seq, None)
         self._free_ids.append(seq)
 
@@ -354,7 +354,7 @@ class LlamaCppExecutor:
         self._running.pop(request_id, None)
         seq = self._seq_of.pop(request_id, None)
         if seq is not None:
-            self._retired[seq] = None
+            self._retired.add(seq)
 
     def _write(self, seq: int, table: list[int], start: int, end: int) -> None:
         """`seq` wrote positions `[start, end)`: it now holds their blocks."""
