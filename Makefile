@@ -80,7 +80,7 @@ $(CLIENTS)/gemma3-270m-tokenizer/tokenizer.json: $(CLIENTS)/guidellm/.installed
 	$(CLIENTS)/guidellm/bin/python -c "import sys; from pathlib import Path; \
 	from transformers import AutoTokenizer; p = Path(sys.argv[1]); \
 	AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name).save_pretrained(sys.argv[2])" \
-	"$$($(PY) -c 'from runtime.models.registry import resolve_model; \
+	"$$($(PY) -c 'from kvdeck.runtime.models.registry import resolve_model; \
 	print(resolve_model("gemma3-270m"))')" $(CLIENTS)/gemma3-270m-tokenizer
 
 clients: $(CLIENTS)/guidellm/.installed $(CLIENTS)/aiperf/.installed \
@@ -89,7 +89,7 @@ clients: $(CLIENTS)/guidellm/.installed $(CLIENTS)/aiperf/.installed \
 
 # SVGs of every console screen from seeded sim runs, for the README.
 screenshots: $(VENV)/.dev
-	$(PY) -m console.screenshots
+	$(PY) -m kvdeck.console.screenshots
 
 clean:
 	rm -rf $(VENV) $(CLIENTS) build dist *.egg-info

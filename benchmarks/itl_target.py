@@ -16,14 +16,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.torch import TorchExecutor
-from runtime.metrics import Distribution
-from runtime.models.registry import DEFAULT_MODEL, resolve_model
-from runtime.records import StepRecord
-from runtime.runner import run_arrivals
-from runtime.trace import Arrival
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.metrics import Distribution
+from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
+from kvdeck.runtime.records import StepRecord
+from kvdeck.runtime.runner import run_arrivals
+from kvdeck.runtime.trace import Arrival
 
 TARGETS = (0.0, 150.0, 300.0)
 

@@ -201,6 +201,6 @@ def kvdeck(executor: str, alias: str, threads: int) -> Server:
     kernels = f"llama-cpp-python {llama_cpp.__version__}" if executor == "llama_cpp" \
         else f"torch {torch.__version__}"
     return Server(f"kvdeck ({executor})", [
-        sys.executable, "-m", "console.cli", "serve", "--executor", executor, "--threads",
+        sys.executable, "-m", "kvdeck.console.cli", "serve", "--executor", executor, "--threads",
         str(threads), "--port", str(port), "--served-model-name", alias],
         f"http://127.0.0.1:{port}/v1", f"kvdeck {version('kvdeck')}, {kernels}")

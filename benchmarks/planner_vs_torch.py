@@ -15,17 +15,17 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from runtime.calibrate import efficiencies, fit_step_model, measure_machine, sweep
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.link import measure_link
-from runtime.executors.torch import TorchExecutor
-from runtime.models.registry import DEFAULT_MODEL, resolve_model
-from runtime.planner import Planner, Scheme
-from runtime.profiles import HardwareProfile, ModelProfile
-from runtime.runner import run_arrivals
-from runtime.trace import Arrival
-from runtime.workloads import Workload
+from kvdeck.runtime.calibrate import efficiencies, fit_step_model, measure_machine, sweep
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.link import measure_link
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
+from kvdeck.runtime.planner import Planner, Scheme
+from kvdeck.runtime.profiles import HardwareProfile, ModelProfile
+from kvdeck.runtime.runner import run_arrivals
+from kvdeck.runtime.trace import Arrival
+from kvdeck.runtime.workloads import Workload
 
 PROMPT, OUTPUT, BUDGET = 256, 48, 256
 BURSTS = (4, 8)

@@ -30,20 +30,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runtime.calibrate import measure_machine
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.kv_codecs import get_codec, kv_formats_for
-from runtime.executors.paged_kv import PagedKVCache
-from runtime.executors.torch import TorchExecutor
-from runtime.kv.formats import KV_FORMATS
-from runtime.models.kernels import cpuinfo, describe
-from runtime.models.registry import DEFAULT_MODEL, resolve_model
-from runtime.models.weight_formats import GROUPS
-from runtime.quality import measure_formats
-from runtime.records import StepRecord
-from runtime.request import SamplingParams
-from runtime.tokenizer import Tokenizer
+from kvdeck.runtime.calibrate import measure_machine
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.kv_codecs import get_codec, kv_formats_for
+from kvdeck.runtime.executors.paged_kv import PagedKVCache
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.kv.formats import KV_FORMATS
+from kvdeck.runtime.models.kernels import cpuinfo, describe
+from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
+from kvdeck.runtime.models.weight_formats import GROUPS
+from kvdeck.runtime.quality import measure_formats
+from kvdeck.runtime.records import StepRecord
+from kvdeck.runtime.request import SamplingParams
+from kvdeck.runtime.tokenizer import Tokenizer
 
 BATCHES = (1, 4, 8, 16, 32)
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "auto")

@@ -42,8 +42,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks import peers
-from runtime.models.kernels import cpuinfo
-from runtime.models.registry import DEFAULT_MODEL, resolve_model
+from kvdeck.runtime.models.kernels import cpuinfo
+from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 
 THREADS = 2
 PROMPT_TOKENS, OUTPUT_TOKENS, PREFIX_TOKENS = 128, 64, 1024
@@ -95,7 +95,7 @@ class Unfinished(RuntimeError):
 
 def _drive(url: str, trace: Path, concurrency: int, n: int) -> dict:
     r = subprocess.run(
-        [sys.executable, "-m", "console.cli", "bench", str(trace), "--url", url, "--model",
+        [sys.executable, "-m", "kvdeck.console.cli", "bench", str(trace), "--url", url, "--model",
          DEFAULT_MODEL, "--concurrency", str(concurrency), "--exact-length-field",
          "ignore_eos", "--json"], capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:

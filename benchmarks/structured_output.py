@@ -18,14 +18,14 @@ import json
 import time
 from pathlib import Path
 
-from runtime.checks import AnswerCheck
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.guided import GuideSpec
-from runtime.models.registry import DEFAULT_MODEL, resolve_model
-from runtime.records import StepRecord
-from runtime.request import SamplingParams
-from runtime.tokenizer import Tokenizer
+from kvdeck.runtime.checks import AnswerCheck
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.guided import GuideSpec
+from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
+from kvdeck.runtime.records import StepRecord
+from kvdeck.runtime.request import SamplingParams
+from kvdeck.runtime.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"items": {
     "type": "array", "items": {"type": "string", "maxLength": 12},
@@ -38,10 +38,10 @@ PROMPTS = ["List eight fruits.", "List eight countries in Europe.", "Name eight 
 
 def make_executor(kind: str, path: Path):
     if kind == "torch":
-        from runtime.executors.torch import TorchExecutor
+        from kvdeck.runtime.executors.torch import TorchExecutor
 
         return TorchExecutor(path, device="cpu")
-    from runtime.executors.llama_cpp import LlamaCppExecutor
+    from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
 
     return LlamaCppExecutor(path, threads=2)
 

@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from runtime.calibrate import measure_machine
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.torch import TorchExecutor
-from runtime.models.registry import DEFAULT_MODEL, resolve_model
-from runtime.records import StepRecord
-from runtime.request import SamplingParams
-from runtime.session import PASSAGE
-from runtime.tokenizer import Tokenizer
+from kvdeck.runtime.calibrate import measure_machine
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
+from kvdeck.runtime.records import StepRecord
+from kvdeck.runtime.request import SamplingParams
+from kvdeck.runtime.session import PASSAGE
+from kvdeck.runtime.tokenizer import Tokenizer
 
 PROMPT_TOKENS = 128
 OUTPUT_TOKENS = 64
@@ -45,7 +45,7 @@ def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
 
 def run_llama(path: Path, reqs: list[list[int]], threads: int) -> list[float]:
     """Seconds per request, generated one after another with the high-level API."""
-    from runtime.executors.llama_cpp_probe import open_llama
+    from kvdeck.runtime.executors.llama_cpp_probe import open_llama
 
     llm = open_llama(path, n_ctx=512, n_threads=threads, verbose=False, seed=0)
     no_eos = {llm.token_eos(): float("-inf")}
@@ -89,7 +89,7 @@ def run_engine(ex, reqs: list[list[int]], concurrency: int) -> dict:
 def llama_cpp_rows(path: Path, reqs: list[list[int]], threads: int,
                    llama_tps: float) -> list[dict]:
     """The llama_cpp executor, batched at 1, 8, 32 and batch-invariant at 1, 8."""
-    from runtime.executors.llama_cpp import LlamaCppExecutor
+    from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
 
     rows = []
     for exact, cases in ((False, ((1, 8), (8, 8), (32, 32))), (True, ((1, 8), (8, 8)))):

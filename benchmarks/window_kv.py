@@ -16,12 +16,12 @@ import json
 import time
 from pathlib import Path
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.torch import TorchExecutor
-from runtime.models.registry import DEFAULT_MODEL, resolve_model
-from runtime.records import StepRecord
-from runtime.request import SamplingParams
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
+from kvdeck.runtime.records import StepRecord
+from kvdeck.runtime.request import SamplingParams
 
 PROMPT_TOKENS = 8192
 OUTPUT_TOKENS = 32

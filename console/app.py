@@ -23,34 +23,34 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import DataTable, Header, Input
 
-from console.base_app import ConsoleApp
-from console.layout import SNAPSHOT_PANELS, compose_panels
-from console.prompt_options import parse_prompt
-from console.screens.charts import ChartsScreen
-from console.screens.plan import PlanScreen
-from console.screens.requests import RequestsScreen
-from console.widgets.banner import Banner
-from console.widgets.footer import KeysFooter
-from console.widgets.hardware import HardwareStrip
-from console.widgets.knobs import TRAFFIC_KNOBS, KnobEditor, KnobsPanel, parse_knob, shown
-from console.widgets.kv_map import KVMapPanel, switch_text
-from console.widgets.prefix_tree import PrefixTreePanel
-from console.widgets.prompt import (
+from kvdeck.console.base_app import ConsoleApp
+from kvdeck.console.layout import SNAPSHOT_PANELS, compose_panels
+from kvdeck.console.prompt_options import parse_prompt
+from kvdeck.console.screens.charts import ChartsScreen
+from kvdeck.console.screens.plan import PlanScreen
+from kvdeck.console.screens.requests import RequestsScreen
+from kvdeck.console.widgets.banner import Banner
+from kvdeck.console.widgets.footer import KeysFooter
+from kvdeck.console.widgets.hardware import HardwareStrip
+from kvdeck.console.widgets.knobs import TRAFFIC_KNOBS, KnobEditor, KnobsPanel, parse_knob, shown
+from kvdeck.console.widgets.kv_map import KVMapPanel, switch_text
+from kvdeck.console.widgets.prefix_tree import PrefixTreePanel
+from kvdeck.console.widgets.prompt import (
     CHAT_MAX_TOKENS,
     COMPLETION_MAX_TOKENS,
     PromptPanel,
     prompt_mode,
 )
-from console.widgets.queue import QueuePanel
-from runtime.engine import Engine
-from runtime.engine_loop import EngineLoop
-from runtime.errors import KvdeckError
-from runtime.recording import Recorder, record_live, stop_live
-from runtime.records import SetPriority, Watch
-from runtime.request import SamplingParams
-from runtime.settings import Settings, to_toml
-from runtime.snapshot import EngineSnapshot
-from runtime.traffic import TrafficGenerator
+from kvdeck.console.widgets.queue import QueuePanel
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.engine_loop import EngineLoop
+from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.recording import Recorder, record_live, stop_live
+from kvdeck.runtime.records import SetPriority, Watch
+from kvdeck.runtime.request import SamplingParams
+from kvdeck.runtime.settings import Settings, to_toml
+from kvdeck.runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.traffic import TrafficGenerator
 
 
 class SnapshotReady(Message):

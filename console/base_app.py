@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from textual.app import App
 
-from console.screens.help import HelpScreen
-from console.themes import load_themes
-from console.widgets.kv_map import KVMapPanel
-from console.widgets.prefix_tree import PrefixTreePanel
-from runtime.resources import themes_dir
-from runtime.snapshot import EngineSnapshot
+from kvdeck.console.screens.help import HelpScreen
+from kvdeck.console.themes import load_themes
+from kvdeck.console.widgets.kv_map import KVMapPanel
+from kvdeck.console.widgets.prefix_tree import PrefixTreePanel
+from kvdeck.runtime.resources import themes_dir
+from kvdeck.runtime.snapshot import EngineSnapshot
 
 
 class ConsoleApp(App):

@@ -1,6 +1,6 @@
 """The `kvdeck` command line.
 
-Each command is a thin shell over `runtime/`: it parses options, asks `runtime.session` for
+Each command is a thin shell over `runtime/`: it parses options, asks `kvdeck.runtime.session` for
 an engine built from the layered settings (executor defaults, `--config`, flags), runs it,
 and prints. Errors a user can cause arrive as `KvdeckError` and are printed as one sentence
 with exit code 2, never as a traceback.
@@ -18,12 +18,12 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from console import supervisor
-from console.model_report import human_bytes
-from console.options import SettingsRequest, with_log_level, with_settings
-from runtime.config import check_float, check_int
-from runtime.errors import ConfigError, EngineFailedError, KvdeckError
-from runtime.logs import setup_logging
+from kvdeck.console import supervisor
+from kvdeck.console.model_report import human_bytes
+from kvdeck.console.options import SettingsRequest, with_log_level, with_settings
+from kvdeck.runtime.config import check_float, check_int
+from kvdeck.runtime.errors import ConfigError, EngineFailedError, KvdeckError
+from kvdeck.runtime.logs import setup_logging
 
 app = typer.Typer(
     name="kvdeck",
@@ -146,9 +146,9 @@ def console(
 
 def run_console(request: SettingsRequest, rate: float | None, log_level: str) -> None:
     """Build an engine with built-in traffic and run the console on it."""
-    from console.app import KvdeckApp
-    from runtime.session import build_session
-    from runtime.traffic import TrafficGenerator
+    from kvdeck.console.app import KvdeckApp
+    from kvdeck.runtime.session import build_session
+    from kvdeck.runtime.traffic import TrafficGenerator
 
     log_path = guarded(lambda: setup_logging(log_level, to_stderr=False))
 
@@ -175,9 +175,9 @@ def models(
     log_level: str = "warning",
 ) -> None:
     """List runnable models, or report one model's architecture and KV cost."""
-    from console.model_report import render_model_list, render_model_report
-    from runtime.models.info import model_report, read_model_info
-    from runtime.models.registry import DEFAULT_MODEL, list_models, resolve_model
+    from kvdeck.console.model_report import render_model_list, render_model_report
+    from kvdeck.runtime.models.info import model_report, read_model_info
+    from kvdeck.runtime.models.registry import DEFAULT_MODEL, list_models, resolve_model
 
     guarded(lambda: setup_logging(log_level))
     guarded(lambda: check_int("--block-size", block_size, 1, 256))
@@ -214,8 +214,8 @@ def probe(
     """Show whether llama.cpp's kernels work on this machine: its re-packed (extra buffer
     type) kernels and its plain ones, each tried in a child process once per llama-cpp-python
     build and CPU, and cached. `--llama-repack auto` follows this verdict."""
-    from runtime.executors.llama_cpp_probe import CACHE_FILE, LOG_FILE, verdict
-    from runtime.resources import cache_dir
+    from kvdeck.runtime.executors.llama_cpp_probe import CACHE_FILE, LOG_FILE, verdict
+    from kvdeck.runtime.resources import cache_dir
 
     def go():
         setup_logging(log_level)
@@ -271,12 +271,12 @@ def run_trace(
 ) -> None:
     """Run an arrival trace through the engine headless (sim executor by default) and
     summarize it."""
-    from console.run_views import render_summary
-    from runtime.metrics import SLO
-    from runtime.recording import record_headless
-    from runtime.runner import needs_tokenizer, run_arrivals
-    from runtime.session import build_session
-    from runtime.trace import load_arrivals
+    from kvdeck.console.run_views import render_summary
+    from kvdeck.runtime.metrics import SLO
+    from kvdeck.runtime.recording import record_headless
+    from kvdeck.runtime.runner import needs_tokenizer, run_arrivals
+    from kvdeck.runtime.session import build_session
+    from kvdeck.runtime.trace import load_arrivals
 
     def go() -> dict:
         setup_logging(log_level)
@@ -323,7 +323,7 @@ def run_trace(
 def config_report(session) -> dict:
     """The resolved settings and the engine's config, as JSON (run-trace --json, and
     `GET /kvdeck/config` on a server)."""
-    from runtime.server.app import config_json
+    from kvdeck.runtime.server.app import config_json
 
     return config_json(session.settings, session.engine)
 
@@ -353,15 +353,15 @@ def quality(
     console shows them beside the weight_format and kv_format knobs."""
     from dataclasses import asdict
 
-    from runtime.kv.formats import KV_FORMATS
-    from runtime.models.weight_formats import FORMATS
-    from runtime.quality import measure_formats
-    from runtime.tokenizer import Tokenizer
+    from kvdeck.runtime.kv.formats import KV_FORMATS
+    from kvdeck.runtime.models.weight_formats import FORMATS
+    from kvdeck.runtime.quality import measure_formats
+    from kvdeck.runtime.tokenizer import Tokenizer
 
     def build():
         setup_logging(log_level)
-        from runtime.executors.torch import TorchExecutor
-        from runtime.models.registry import DEFAULT_MODEL, resolve_model
+        from kvdeck.runtime.executors.torch import TorchExecutor
+        from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 
         w = tuple(x for x in weights.split(",") if x)
         k = tuple(x for x in kv.split(",") if x)
@@ -408,17 +408,17 @@ def calibrate(
     """Time a sweep of steps on a real model, fit the sim executor's step model, save it."""
     from rich.table import Table
 
-    from runtime.calibrate import (
+    from kvdeck.runtime.calibrate import (
         fit_step_model,
         hardware_name,
         measure_machine,
         sweep,
         write_profiles,
     )
-    from runtime.executors.link import measure_link
-    from runtime.profiles import HardwareProfile
-    from runtime.session import build_executor
-    from runtime.settings import resolve
+    from kvdeck.runtime.executors.link import measure_link
+    from kvdeck.runtime.profiles import HardwareProfile
+    from kvdeck.runtime.session import build_executor
+    from kvdeck.runtime.settings import resolve
 
     def build():
         setup_logging(log_level)
@@ -497,11 +497,11 @@ def plan(
     """Plan before running: KV capacity, TTFT, completion time and cost of every scheme
     (shared prefix, KV formats, speculation, weight offload), which limit each breaks, and
     the cheapest feasible one."""
-    from console.plan_report import plan_json, plane_points, render_plan
-    from console.plane import render_svg
-    from runtime.planner import Planner
-    from runtime.profiles import HardwareProfile, ModelProfile
-    from runtime.workloads import DraftSource, Workload, draft_sources
+    from kvdeck.console.plan_report import plan_json, plane_points, render_plan
+    from kvdeck.console.plane import render_svg
+    from kvdeck.runtime.planner import Planner
+    from kvdeck.runtime.profiles import HardwareProfile, ModelProfile
+    from kvdeck.runtime.workloads import DraftSource, Workload, draft_sources
 
     guarded(lambda: setup_logging(log_level))
     guarded(lambda: check_int("--block-size", block_size, 1, 256))
@@ -582,14 +582,14 @@ def sweep(
     requests in the engine (--max-waiting) that holds goodput past it."""
     import asyncio
 
-    from console.sweep_report import render_sweep, sweep_svg
-    from runtime.loadgen import RequestShape, run_bench
-    from runtime.metrics import SLO
-    from runtime.runner import run_arrivals
-    from runtime.session import build_session
-    from runtime.sweep import DEFAULT_SCALES, offered_rate
-    from runtime.sweep import sweep as run_sweep
-    from runtime.trace import load_arrivals, synthetic_arrivals
+    from kvdeck.console.sweep_report import render_sweep, sweep_svg
+    from kvdeck.runtime.loadgen import RequestShape, run_bench
+    from kvdeck.runtime.metrics import SLO
+    from kvdeck.runtime.runner import run_arrivals
+    from kvdeck.runtime.session import build_session
+    from kvdeck.runtime.sweep import DEFAULT_SCALES, offered_rate
+    from kvdeck.runtime.sweep import sweep as run_sweep
+    from kvdeck.runtime.trace import load_arrivals, synthetic_arrivals
 
     def inputs():
         setup_logging(log_level)
@@ -693,9 +693,9 @@ def serve(
     settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
     """Serve a model through an OpenAI-compatible API."""
-    from runtime.server.app import ServeLimits
-    from runtime.server.serve import ApiServer
-    from runtime.session import build_session
+    from kvdeck.runtime.server.app import ServeLimits
+    from kvdeck.runtime.server.serve import ApiServer
+    from kvdeck.runtime.session import build_session
 
     def build():
         log_path = setup_logging(log_level, to_stderr=not with_console)
@@ -719,7 +719,7 @@ def serve(
     serving = {"host": host, "port": port, "api_key": api_key, "limits": limits,
                "shutdown_timeout_s": shutdown_timeout, "header_timeout_s": read_timeout}
     if with_console:
-        from console.app import KvdeckApp
+        from kvdeck.console.app import KvdeckApp
 
         # The console owns the engine loop; the HTTP server runs beside it in a thread.
         console_app = KvdeckApp(session.engine, settings=session.settings)
@@ -807,16 +807,16 @@ def bench(
 
     from rich.progress import Progress
 
-    from console.run_views import render_summary
-    from runtime.loadgen import (
+    from kvdeck.console.run_views import render_summary
+    from kvdeck.runtime.loadgen import (
         EXACT_LENGTH_FIELDS,
         MAX_RETRIES,
         RequestShape,
         cap_arrivals,
         run_bench,
     )
-    from runtime.metrics import SLO
-    from runtime.trace import load_arrivals, synthetic_arrivals
+    from kvdeck.runtime.metrics import SLO
+    from kvdeck.runtime.trace import load_arrivals, synthetic_arrivals
 
     def arrivals():
         setup_logging(log_level)
@@ -842,8 +842,8 @@ def bench(
              "and --send-checks shape HTTP requests; with --in-process, cap running requests "
              "with --max-num-seqs.")
     if in_process:
-        from runtime.runner import needs_tokenizer, run_arrivals
-        from runtime.session import build_session
+        from kvdeck.runtime.runner import needs_tokenizer, run_arrivals
+        from kvdeck.runtime.session import build_session
 
         def local() -> dict:
             session = build_session(settings.resolve("torch"),
@@ -862,9 +862,9 @@ def bench(
         def shape() -> RequestShape:
             text = None
             if text_prompts:
-                from runtime.loadgen import passage_prompts
-                from runtime.models.registry import resolve_model
-                from runtime.tokenizer import Tokenizer
+                from kvdeck.runtime.loadgen import passage_prompts
+                from kvdeck.runtime.models.registry import resolve_model
+                from kvdeck.runtime.tokenizer import Tokenizer
 
                 text = passage_prompts(Tokenizer(resolve_model(model)))
             return RequestShape(vocab_size, hash_block_tokens, text, exact_length_field,
@@ -895,7 +895,7 @@ def attach(url: str = typer.Argument(..., help="Base URL of a kvdeck, vLLM, SGLa
     """Watch a running server through its /metrics: queue, request rate, preemptions, KV
     usage, prefix hits, latency and throughput. When scrapes fail, the panels keep the last
     good figures, marked stale."""
-    from console.screens.attach import AttachApp
+    from kvdeck.console.screens.attach import AttachApp
 
     guarded(lambda: setup_logging(log_level, to_stderr=False))
     guarded(lambda: check_float("--interval", interval, 0.05, 3600.0))
@@ -918,9 +918,9 @@ def replay(run: str = typer.Argument(..., help="A run directory written by recor
     or, with --summary, print its figures computed from the records alone."""
     guarded(lambda: setup_logging(log_level, to_stderr=False))
     if summary:
-        from console.run_views import render_summary
-        from runtime.metrics import SLO
-        from runtime.replay import summarize_run
+        from kvdeck.console.run_views import render_summary
+        from kvdeck.runtime.metrics import SLO
+        from kvdeck.runtime.replay import summarize_run
 
         result = guarded(lambda: summarize_run(run, SLO(slo_ttft, slo_tpot, slo_e2e)))
         if as_json:
@@ -931,7 +931,7 @@ def replay(run: str = typer.Argument(..., help="A run directory written by recor
                 out.print(f"{result['unfinished']} requests had not finished when the "
                           "recording stopped; the figures cover the finished ones")
         return
-    from console.screens.replay import ReplayApp
+    from kvdeck.console.screens.replay import ReplayApp
 
     app = guarded(lambda: ReplayApp(run))
     app.run()
@@ -947,7 +947,7 @@ def compare(
     log_level: str = "warning",
 ) -> None:
     """Print two run-trace results side by side with deltas."""
-    from console.run_views import render_compare
+    from kvdeck.console.run_views import render_compare
 
     def load(path: str) -> dict:
         p = Path(path)

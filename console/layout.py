@@ -5,13 +5,13 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 
-from console.widgets.knobs import KnobsPanel
-from console.widgets.kv_map import KVMapPanel
-from console.widgets.metrics import MetricsPanel
-from console.widgets.prefix_tree import PrefixTreePanel
-from console.widgets.queue import QueuePanel
-from console.widgets.speculation import SpeculationPanel
-from console.widgets.transfers import TransfersPanel
+from kvdeck.console.widgets.knobs import KnobsPanel
+from kvdeck.console.widgets.kv_map import KVMapPanel
+from kvdeck.console.widgets.metrics import MetricsPanel
+from kvdeck.console.widgets.prefix_tree import PrefixTreePanel
+from kvdeck.console.widgets.queue import QueuePanel
+from kvdeck.console.widgets.speculation import SpeculationPanel
+from kvdeck.console.widgets.transfers import TransfersPanel
 
 SNAPSHOT_PANELS = (QueuePanel, KVMapPanel, PrefixTreePanel, MetricsPanel, TransfersPanel,
                    SpeculationPanel)

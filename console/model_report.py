@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from runtime.models.registry import ModelEntry
+from kvdeck.runtime.models.registry import ModelEntry
 
 
 def human_bytes(n: float) -> str:

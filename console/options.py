@@ -18,12 +18,12 @@ from typing import Annotated, Any
 
 import typer
 
-from runtime.config import KNOB_CHOICES
-from runtime.errors import ConfigError
-from runtime.executors.sim import TIMING_MODES
-from runtime.kv.formats import KV_FORMATS
-from runtime.logs import LEVELS
-from runtime.settings import EXECUTOR_DEFAULTS, EXECUTORS, GIB, Settings, load
+from kvdeck.runtime.config import KNOB_CHOICES
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors.sim import TIMING_MODES
+from kvdeck.runtime.kv.formats import KV_FORMATS
+from kvdeck.runtime.logs import LEVELS
+from kvdeck.runtime.settings import EXECUTOR_DEFAULTS, EXECUTORS, GIB, Settings, load
 
 EXECUTOR = "Executor and model"
 ENGINE = "Engine (vLLM names)"

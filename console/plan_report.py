@@ -8,8 +8,8 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from console.plane import Point, marks, render_text
-from runtime.planner import Plan, Planner
+from kvdeck.console.plane import Point, marks, render_text
+from kvdeck.runtime.planner import Plan, Planner
 
 GIB = 2**30
 

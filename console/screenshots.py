@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from console.app import KvdeckApp
-from runtime.recording import record_headless
-from runtime.session import build_session
-from runtime.settings import resolve
-from runtime.traffic import TrafficGenerator
+from kvdeck.console.app import KvdeckApp
+from kvdeck.runtime.recording import record_headless
+from kvdeck.runtime.session import build_session
+from kvdeck.runtime.settings import resolve
+from kvdeck.runtime.traffic import TrafficGenerator
 
 
 def make_demo_app(runs_dir: Path | None = None, autostart: bool = False,
@@ -52,7 +52,7 @@ async def _shoot(out: Path, size: tuple[int, int], steps: int, keys: list[str], 
 
 
 async def _shoot_replay(out: Path, run_dir: Path, name: str) -> None:
-    from console.screens.replay import ReplayApp
+    from kvdeck.console.screens.replay import ReplayApp
 
     app = ReplayApp(run_dir)
     async with app.run_test(size=(160, 48)) as pilot:

@@ -80,7 +80,7 @@ def record(**fields: str) -> None:
 
 def fault_log(pid: int) -> Path:
     """Where child `pid` writes the Python stacks of a native fault (`faulthandler`)."""
-    from runtime.logs import log_dir
+    from kvdeck.runtime.logs import log_dir
 
     return log_dir() / f"native-fault-{pid}.log"
 
@@ -121,7 +121,7 @@ def supervise(argv: list[str]) -> int:
     fd, state = tempfile.mkstemp(prefix="kvdeck-", suffix=".json")
     os.close(fd)
     tty = _save_terminal()
-    code = ("import sys; sys.argv[0] = 'kvdeck'; from console.cli import main; main()")
+    code = ("import sys; sys.argv[0] = 'kvdeck'; from kvdeck.console.cli import main; main()")
     env = {**os.environ, SUPERVISED: "1", STATE: state, PARENT: str(os.getpid())}
     try:
         child = subprocess.Popen([sys.executable, "-c", code, *argv], env=env)
@@ -170,7 +170,7 @@ def crash_sentence(sig: int, state: dict, stacks: Path | None = None) -> str:
 
 
 def _default_log() -> str:
-    from runtime.logs import log_dir
+    from kvdeck.runtime.logs import log_dir
 
     return str(log_dir() / "kvdeck.log")
 

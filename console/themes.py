@@ -6,8 +6,8 @@ from functools import cache
 
 from textual.theme import Theme
 
-from runtime.config import tomllib
-from runtime.resources import themes_dir
+from kvdeck.runtime.config import tomllib
+from kvdeck.runtime.resources import themes_dir
 
 
 @cache

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.errors import KvdeckError
+from kvdeck.runtime.errors import KvdeckError
 
 # Per engine: our field -> the metric that carries it.
 NAMES = {

@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.torch import TorchExecutor
-from runtime.plan import causal_pairs
-from runtime.power import nvml_power
-from runtime.profiles import HardwareProfile, ModelProfile, StepFit, user_profiles_dir
-from runtime.request import SamplingParams
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.plan import causal_pairs
+from kvdeck.runtime.power import nvml_power
+from kvdeck.runtime.profiles import HardwareProfile, ModelProfile, StepFit, user_profiles_dir
+from kvdeck.runtime.request import SamplingParams
 
 FULL_SWEEP = {"prefill": [(c, h) for c in (16, 64, 256) for h in (0, 256, 1024)],
               "decode": [(b, ctx) for b in (1, 4, 16) for ctx in (128, 512, 1024)]}
@@ -162,7 +162,7 @@ def measure_local(device: str = "cpu") -> HardwareProfile:
     machine's calibrated profile (`kvdeck calibrate`) when there is one, else 0.5."""
     import torch
 
-    from runtime.executors.link import measure_link
+    from kvdeck.runtime.executors.link import measure_link
 
     bandwidth, flops = measure_machine(device)
     link = measure_link(torch.device(device)).bandwidth

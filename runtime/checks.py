@@ -27,7 +27,7 @@ from typing import Any
 
 import regex
 
-from runtime.errors import KvdeckError, RequestError
+from kvdeck.runtime.errors import KvdeckError, RequestError
 
 CHECK_KINDS = ("json_schema", "regex", "expected")
 log = logging.getLogger("kvdeck.checks")

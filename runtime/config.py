@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import ConfigError
-from runtime.kv.formats import KV_FORMATS
-from runtime.models.weight_formats import parse_weight_format
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.kv.formats import KV_FORMATS
+from kvdeck.runtime.models.weight_formats import parse_weight_format
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -27,24 +27,24 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from runtime.checks import AnswerCheck
-from runtime.clock import PacedClock, VirtualClock, WallClock
-from runtime.config import EngineConfig, Knobs
-from runtime.errors import (
+from kvdeck.runtime.checks import AnswerCheck
+from kvdeck.runtime.clock import PacedClock, VirtualClock, WallClock
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.errors import (
     ConfigError,
     EngineFailedError,
     QueueFullError,
     RequestError,
     StepError,
 )
-from runtime.executors.base import Executor
-from runtime.figures import RunFigures, step_figures
-from runtime.kv.manager import BlockManager
-from runtime.logs import write_failure
-from runtime.metrics import request_metrics
-from runtime.models.weight_formats import format_weight_format, parse_weight_format
-from runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming, causal_pairs
-from runtime.records import (
+from kvdeck.runtime.executors.base import Executor
+from kvdeck.runtime.figures import RunFigures, step_figures
+from kvdeck.runtime.kv.manager import BlockManager
+from kvdeck.runtime.logs import write_failure
+from kvdeck.runtime.metrics import request_metrics
+from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
+from kvdeck.runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming, causal_pairs
+from kvdeck.runtime.records import (
     Abort,
     AddRequest,
     Checkpoint,
@@ -63,9 +63,9 @@ from runtime.records import (
     StopRecording,
     Watch,
 )
-from runtime.request import Progress, Request, RequestStatus, SamplingParams
-from runtime.scheduler import Scheduler
-from runtime.snapshot import (
+from kvdeck.runtime.request import Progress, Request, RequestStatus, SamplingParams
+from kvdeck.runtime.scheduler import Scheduler
+from kvdeck.runtime.snapshot import (
     BatchView,
     EngineFailure,
     EngineSnapshot,
@@ -73,8 +73,8 @@ from runtime.snapshot import (
     SnapshotBuilder,
     TrackedOutput,
 )
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer, forced_runs
-from runtime.transfers import TransferLog, host_checkpoint
+from kvdeck.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, forced_runs
+from kvdeck.runtime.transfers import TransferLog, host_checkpoint
 
 log = logging.getLogger("kvdeck.engine")
 MAX_TRACKED = 8
@@ -277,7 +277,7 @@ class Engine:
                                "engine has none.")
         with self._lock:
             if self._grammars is None:
-                from runtime.guided import Grammars
+                from kvdeck.runtime.guided import Grammars
 
                 ends = (*self.executor.eos_token_ids, *self.tokenizer.end_of_turn_ids)
                 self._grammars = Grammars(self.tokenizer, tuple(dict.fromkeys(ends)),

@@ -17,9 +17,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from runtime.engine import Engine
-from runtime.records import Pause, Resume, StepOnce
-from runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.records import Pause, Resume, StepOnce
+from kvdeck.runtime.snapshot import EngineSnapshot
 
 IDLE_PUBLISH_S = 1.0
 

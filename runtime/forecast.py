@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime.plan import causal_pairs
-from runtime.step_budget import StepBudget, StepTotals
+from kvdeck.runtime.plan import causal_pairs
+from kvdeck.runtime.step_budget import StepBudget, StepTotals
 
 Estimator = Callable[[int, int, int], float]
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.errors import RequestError
+from kvdeck.runtime.errors import RequestError
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 _GBNF_RULE = re.compile(r"^\s*[A-Za-z][\w-]*\s*::=", re.MULTILINE)

@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from runtime.planner import Plan, Planner, Scheme
-from runtime.power import nvml_power
-from runtime.profiles import HardwareProfile, ModelProfile
-from runtime.snapshot import EngineSnapshot
-from runtime.workloads import Workload
+from kvdeck.runtime.planner import Plan, Planner, Scheme
+from kvdeck.runtime.power import nvml_power
+from kvdeck.runtime.profiles import HardwareProfile, ModelProfile
+from kvdeck.runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.workloads import Workload
 
 DEFAULT_DEADLINE_S = 10.0
 WINDOW_S = 60.0

@@ -33,9 +33,9 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
-from runtime.figures import summarize
-from runtime.metrics import SLO, Distribution, RequestMetrics
-from runtime.trace import Arrival, synthesize_tokens
+from kvdeck.runtime.figures import summarize
+from kvdeck.runtime.metrics import SLO, Distribution, RequestMetrics
+from kvdeck.runtime.trace import Arrival, synthesize_tokens
 
 
 def cap_arrivals(arrivals: Sequence[Arrival], max_prompt_len: int | None,
@@ -202,7 +202,7 @@ def passage_prompts(tokenizer) -> Callable[[int, int], str]:
     """(index, tokens) -> a window of that many tokens of the built-in English passage
     (repeated as needed), as text: both servers re-tokenize the same text with the same
     vocabulary, so they see the same prompt. Windows start at different places per index."""
-    from runtime.session import PASSAGE
+    from kvdeck.runtime.session import PASSAGE
 
     ids = tokenizer.encode(PASSAGE.read_text(encoding="utf-8"), add_bos=False)
 

@@ -13,8 +13,8 @@ import time
 import traceback
 from pathlib import Path
 
-from runtime.errors import ConfigError
-from runtime.resources import cache_dir
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.resources import cache_dir
 
 LEVELS = ("debug", "info", "warning", "error")
 log = logging.getLogger("kvdeck")

@@ -15,8 +15,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from runtime.config import check_float
-from runtime.request import Request, RequestStatus
+from kvdeck.runtime.config import check_float
+from kvdeck.runtime.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.request import Request
+from kvdeck.runtime.request import Request
 
 
 def causal_pairs(num_new: int, num_prior: int) -> int:

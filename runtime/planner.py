@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from runtime.errors import ConfigError
-from runtime.kv.formats import blocks_for_tokens
-from runtime.plan import causal_pairs
-from runtime.profiles import HardwareProfile, ModelProfile
-from runtime.step_time import fitted_seconds, roofline_seconds
-from runtime.workloads import DraftSource, Workload, expected_outputs
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.kv.formats import blocks_for_tokens
+from kvdeck.runtime.plan import causal_pairs
+from kvdeck.runtime.profiles import HardwareProfile, ModelProfile
+from kvdeck.runtime.step_time import fitted_seconds, roofline_seconds
+from kvdeck.runtime.workloads import DraftSource, Workload, expected_outputs
 
 PLAN_KV_FORMATS = ("bf16", "q8_0", "q4_0")
 """The KV formats the planner compares (bf16 stands for any 2-byte float format)."""

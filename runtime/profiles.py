@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.config import tomllib
-from runtime.errors import ConfigError
-from runtime.kv.formats import KV_FORMATS, kv_bytes_per_token
-from runtime.resources import cache_dir, profile_names, profiles_dir
+from kvdeck.runtime.config import tomllib
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.kv.formats import KV_FORMATS, kv_bytes_per_token
+from kvdeck.runtime.resources import cache_dir, profile_names, profiles_dir
 
 
 def user_profiles_dir() -> Path:
@@ -105,7 +105,7 @@ class HardwareProfile:
 @functools.cache
 def _measured_local() -> HardwareProfile:
     """`local`: this machine measured once per process (`calibrate.measure_local`)."""
-    from runtime.calibrate import measure_local
+    from kvdeck.runtime.calibrate import measure_local
 
     return measure_local()
 
@@ -221,8 +221,8 @@ class ModelProfile:
         """A profile generated from a GGUF's header (a model name kvdeck knows, or a path),
         as `kvdeck models` reads it: shape, weight bytes and sliding-window layers. It has
         no fitted timing (`kvdeck calibrate` writes one)."""
-        from runtime.models.info import read_model_info
-        from runtime.models.registry import resolve_model
+        from kvdeck.runtime.models.info import read_model_info
+        from kvdeck.runtime.models.registry import resolve_model
 
         info = read_model_info(resolve_model(target))
         return cls(
@@ -246,7 +246,7 @@ class ModelProfile:
         hardware profiles; a name with no profile that is a model kvdeck knows or a GGUF
         path is generated from the file's header (`from_gguf`)."""
         if name not in available_profiles("models"):
-            from runtime.errors import ModelFileError, ModelNotFoundError
+            from kvdeck.runtime.errors import ModelFileError, ModelNotFoundError
 
             try:
                 return cls.from_gguf(name)

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runtime.executors.kv_codecs import KVCodec
-from runtime.models.transformer import Transformer
-from runtime.resources import cache_dir
+from kvdeck.runtime.executors.kv_codecs import KVCodec
+from kvdeck.runtime.models.transformer import Transformer
+from kvdeck.runtime.resources import cache_dir
 
 QUALITY_TOKENS = 512
 TOP_K = 64
@@ -175,11 +175,11 @@ def measure_formats(executor, tokenizer, weight_formats: tuple[str, ...],
     weights) on a `TorchExecutor` whose compute dtype is fp32. Cached figures are reused
     and new ones cached (`QualityCache.for_executor`); the executor is left with dense
     weights."""
-    from runtime.config import EngineConfig, Knobs
-    from runtime.engine import Engine
-    from runtime.executors.kv_codecs import get_codec
-    from runtime.models.weight_formats import GROUPS, format_weight_format
-    from runtime.request import SamplingParams
+    from kvdeck.runtime.config import EngineConfig, Knobs
+    from kvdeck.runtime.engine import Engine
+    from kvdeck.runtime.executors.kv_codecs import get_codec
+    from kvdeck.runtime.models.weight_formats import GROUPS, format_weight_format
+    from kvdeck.runtime.request import SamplingParams
 
     # (label, weight format, KV format): each format measured with the other at fp32.
     cases = [(f"weights {w}", w, "fp32") for w in weight_formats] + \

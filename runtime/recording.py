@@ -22,9 +22,9 @@ import json
 import threading
 from pathlib import Path
 
-from runtime.engine import Engine
-from runtime.errors import ConfigError, RunFormatError
-from runtime.records import (
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.errors import ConfigError, RunFormatError
+from kvdeck.runtime.records import (
     RUN_FORMAT,
     Checkpoint,
     Record,
@@ -35,8 +35,8 @@ from runtime.records import (
     dumps,
     parse_record,
 )
-from runtime.request import Request
-from runtime.trace import Arrival
+from kvdeck.runtime.request import Request
+from kvdeck.runtime.trace import Arrival
 
 
 def engine_header(engine: Engine) -> dict:

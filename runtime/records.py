@@ -40,8 +40,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple
 
-from runtime.errors import KvdeckError, RunFormatError
-from runtime.request import Progress, RequestStatus
+from kvdeck.runtime.errors import KvdeckError, RunFormatError
+from kvdeck.runtime.request import Progress, RequestStatus
 
 RUN_FORMAT = 2
 """Version of the run-directory format; a run written in another version is refused."""

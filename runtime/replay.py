@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from runtime.config import Knobs
-from runtime.errors import RunFormatError
-from runtime.figures import RunFigures, kv_summary, step_figures, summarize
-from runtime.kv.block_pool import BlockStates
-from runtime.kv.groups import LayerGroups
-from runtime.kv.prefix_tree import PrefixTree
-from runtime.kv.tiers import HOST_DEMOTED, HOST_SWAPPED, HostTier
-from runtime.kv.window import move_window_pages
-from runtime.metrics import SLO, RequestMetrics, request_metrics
-from runtime.records import (
+from kvdeck.runtime.config import Knobs
+from kvdeck.runtime.errors import RunFormatError
+from kvdeck.runtime.figures import RunFigures, kv_summary, step_figures, summarize
+from kvdeck.runtime.kv.block_pool import BlockStates
+from kvdeck.runtime.kv.groups import LayerGroups
+from kvdeck.runtime.kv.prefix_tree import PrefixTree
+from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HOST_SWAPPED, HostTier
+from kvdeck.runtime.kv.window import move_window_pages
+from kvdeck.runtime.metrics import SLO, RequestMetrics, request_metrics
+from kvdeck.runtime.records import (
     Cache,
     Checkpoint,
     Cow,
@@ -48,10 +48,10 @@ from runtime.records import (
     WinRef,
     WinUnref,
 )
-from runtime.request import RequestStatus
-from runtime.snapshot import BatchView, EngineSnapshot, KVView, RequestView, window_view
-from runtime.spec.stats import SpecStats
-from runtime.transfers import TransferLog, TransfersView, host_checkpoint
+from kvdeck.runtime.request import RequestStatus
+from kvdeck.runtime.snapshot import BatchView, EngineSnapshot, KVView, RequestView, window_view
+from kvdeck.runtime.spec.stats import SpecStats
+from kvdeck.runtime.transfers import TransferLog, TransfersView, host_checkpoint
 
 
 class TraceState:
@@ -518,7 +518,7 @@ class Replay:
 
 def load_replay(run_dir) -> Replay:
     """Read a run directory for replay (one sentence if it cannot be replayed)."""
-    from runtime.recording import read_run  # recording imports the engine; replay need not
+    from kvdeck.runtime.recording import read_run  # recording imports the engine; replay need not
 
     header, records = read_run(run_dir)
     replay = Replay(header, records)

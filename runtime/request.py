@@ -6,11 +6,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runtime.errors import ConfigError
+from kvdeck.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
-    from runtime.checks import AnswerCheck
-    from runtime.guided import Guide, GuideSpec
+    from kvdeck.runtime.checks import AnswerCheck
+    from kvdeck.runtime.guided import Guide, GuideSpec
 
 
 class RequestStatus(enum.Enum):

@@ -33,18 +33,18 @@ def cache_dir() -> Path:
 
 def profiles_dir() -> Traversable:
     """The `profiles/` folder: `hardware/`, `models/`, `workloads/` and `drafts/` TOML files."""
-    return files("profiles")
+    return files("kvdeck.profiles")
 
 
 def themes_dir() -> Traversable:
     """The `themes/` folder: the console's stylesheets and theme definitions."""
-    return files("themes")
+    return files("kvdeck.themes")
 
 
 def sample_trace(name: str) -> Traversable | None:
     """The shipped sample trace called `name`, or None when there is no such sample."""
     file = SAMPLE_TRACES.get(name)
-    return files("traces").joinpath(file) if file is not None else None
+    return files("kvdeck.traces").joinpath(file) if file is not None else None
 
 
 def profile_names(kind: str) -> list[str]:

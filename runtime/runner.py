@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from runtime.engine import Engine
-from runtime.errors import KvdeckError
-from runtime.figures import kv_summary, summarize
-from runtime.metrics import SLO, RequestMetrics, request_metrics
-from runtime.request import RequestStatus, SamplingParams
-from runtime.trace import Arrival, synthesize_tokens
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.figures import kv_summary, summarize
+from kvdeck.runtime.metrics import SLO, RequestMetrics, request_metrics
+from kvdeck.runtime.request import RequestStatus, SamplingParams
+from kvdeck.runtime.trace import Arrival, synthesize_tokens
 
 
 def _rejected(a: Arrival, rid: str, reason: str) -> RequestMetrics:

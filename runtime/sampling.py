@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.guided import apply_mask
-from runtime.request import Request
+from kvdeck.runtime.guided import apply_mask
+from kvdeck.runtime.request import Request
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ def sample_draft(logits: torch.Tensor, req: Request, draft: list[int], base_seed
     `allowed` [1 + len(draft), vocab]: a guided request's grammar masks per position
     (`guided.Guide.draft_allowed`); a draft token the grammar refuses has probability 0 and
     is rejected, so the result follows the constrained distribution exactly."""
-    from runtime.spec.verify import verify_sampled
+    from kvdeck.runtime.spec.verify import verify_sampled
 
     sp = req.sampling
     logits = logits.float().cpu()

@@ -49,13 +49,13 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from runtime.config import EngineConfig, Knobs
-from runtime.forecast import Job, forecast
-from runtime.kv.manager import BlockManager
-from runtime.plan import ScheduledChunk, SchedulerOutput, StepResult, causal_pairs
-from runtime.request import Request, RequestStatus
-from runtime.spec.stats import MAX_POSITIONS, SpecStats
-from runtime.step_budget import StepBudget, StepTotals
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.forecast import Job, forecast
+from kvdeck.runtime.kv.manager import BlockManager
+from kvdeck.runtime.plan import ScheduledChunk, SchedulerOutput, StepResult, causal_pairs
+from kvdeck.runtime.request import Request, RequestStatus
+from kvdeck.runtime.spec.stats import MAX_POSITIONS, SpecStats
+from kvdeck.runtime.step_budget import StepBudget, StepTotals
 
 Estimator = Callable[[int, int, int], float]
 """(new tokens, causal pairs, context tokens) -> predicted step seconds."""

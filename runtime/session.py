@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
-from runtime.engine import Engine
-from runtime.executors.base import Executor
-from runtime.executors.sim import SimConfig, SimExecutor
-from runtime.models.registry import DEFAULT_MODEL
-from runtime.settings import Settings
-from runtime.standin import StandInTokenizer
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.base import Executor
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+from kvdeck.runtime.models.registry import DEFAULT_MODEL
+from kvdeck.runtime.settings import Settings
+from kvdeck.runtime.standin import StandInTokenizer
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Session:
         self.engine.close()
 
 
-PASSAGE = files("runtime").joinpath("passage.txt")
+PASSAGE = files("kvdeck.runtime").joinpath("passage.txt")
 """A few paragraphs of English a simulated server with a real tokenizer answers from."""
 
 
@@ -55,10 +55,10 @@ def build_executor(settings: Settings, sim: SimConfig | None = None,
     if s.executor == "sim":
         return SimExecutor(sim or settings.sim, seed=settings.engine.seed,
                            text_tokens=text_tokens)
-    from runtime.models.registry import resolve_model
+    from kvdeck.runtime.models.registry import resolve_model
 
     if s.executor == "llama_cpp":
-        from runtime.executors.llama_cpp import LlamaCppExecutor
+        from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
 
         return LlamaCppExecutor(resolve_model(s.model or DEFAULT_MODEL), threads=s.threads,
                                 n_gpu_layers=s.n_gpu_layers, n_parallel=s.n_parallel,
@@ -66,7 +66,7 @@ def build_executor(settings: Settings, sim: SimConfig | None = None,
                                 seed=settings.engine.seed, repack=s.llama_repack,
                                 draft_model=resolve_model(s.draft_model) if s.draft_model
                                 else None)
-    from runtime.executors.torch import TorchExecutor
+    from kvdeck.runtime.executors.torch import TorchExecutor
 
     return TorchExecutor(resolve_model(s.model or DEFAULT_MODEL), device=s.device,
                          dtype=s.dtype, threads=s.threads, seed=settings.engine.seed,
@@ -77,8 +77,8 @@ def build_executor(settings: Settings, sim: SimConfig | None = None,
 
 
 def _real_tokenizer(model: str | Path):
-    from runtime.models.registry import resolve_model
-    from runtime.tokenizer import Tokenizer
+    from kvdeck.runtime.models.registry import resolve_model
+    from kvdeck.runtime.tokenizer import Tokenizer
 
     return Tokenizer(resolve_model(str(model)))
 

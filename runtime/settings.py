@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.config import (
+from kvdeck.runtime.config import (
     EngineConfig,
     Knobs,
     check_choice,
@@ -26,8 +26,8 @@ from runtime.config import (
     read_toml,
     split_settings,
 )
-from runtime.errors import ConfigError
-from runtime.executors.sim import SimConfig
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors.sim import SimConfig
 
 EXECUTORS = ("sim", "torch", "llama_cpp")
 GIB = 1 << 30
@@ -100,14 +100,14 @@ class SessionOptions:
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything needed to build a session (see `runtime.session.build_session`)."""
+    """Everything needed to build a session (see `kvdeck.runtime.session.build_session`)."""
 
     session: SessionOptions = field(default_factory=SessionOptions)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     executor_choice: str = ""
     """Why this executor, when none was named and the machine chose it
-    (`runtime.executors.choice`), and how llama.cpp runs where its probe found a kernel
+    (`kvdeck.runtime.executors.choice`), and how llama.cpp runs where its probe found a kernel
     mode that crashes; printed at start-up and notified in the console."""
 
     @property
@@ -140,11 +140,11 @@ def resolve(file_values: dict[str, Any] | None = None, overrides: dict[str, Any]
             *, default_executor: str = "torch") -> Settings:
     """Layer the executor's defaults, a config file's values and flag overrides (later
     wins) into validated settings. `default_executor = "auto"`: where neither names an
-    executor, the faster one for this machine (`runtime.executors.choice`)."""
+    executor, the faster one for this machine (`kvdeck.runtime.executors.choice`)."""
     values = {**(file_values or {}), **(overrides or {})}
     why = ""
     if "executor" not in values and default_executor == "auto":
-        from runtime.executors.choice import choose_executor
+        from kvdeck.runtime.executors.choice import choose_executor
 
         default_executor, extra, why = choose_executor(values)
         values.update(extra)

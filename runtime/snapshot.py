@@ -17,9 +17,9 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runtime.config import Knobs
-from runtime.figures import FiguresView
-from runtime.kv.block_pool import (
+from kvdeck.runtime.config import Knobs
+from kvdeck.runtime.figures import FiguresView
+from kvdeck.runtime.kv.block_pool import (
     CACHED,
     CACHED_ACTIVE,
     FREE,
@@ -27,14 +27,14 @@ from runtime.kv.block_pool import (
     SHARED,
     STATE_NAMES,
 )
-from runtime.kv.groups import LayerGroups
-from runtime.kv.prefix_tree import NodeSummary
-from runtime.kv.window import held_by_group
-from runtime.spec.stats import SpeculationView
-from runtime.transfers import TransfersView
+from kvdeck.runtime.kv.groups import LayerGroups
+from kvdeck.runtime.kv.prefix_tree import NodeSummary
+from kvdeck.runtime.kv.window import held_by_group
+from kvdeck.runtime.spec.stats import SpeculationView
+from kvdeck.runtime.transfers import TransfersView
 
 if TYPE_CHECKING:
-    from runtime.engine import Engine
+    from kvdeck.runtime.engine import Engine
 
 __all__ = ["CACHED", "CACHED_ACTIVE", "FREE", "PRIVATE", "SHARED", "STATE_NAMES",
            "BatchView", "EngineFailure", "EngineSnapshot", "KVView", "RequestDetail",

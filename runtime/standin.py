@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import zlib
 
-from runtime.errors import RequestError
+from kvdeck.runtime.errors import RequestError
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from runtime.plan import ScheduledChunk, causal_pairs
+from kvdeck.runtime.plan import ScheduledChunk, causal_pairs
 
 Estimator = Callable[[int, int, int], float]
 """(new tokens, causal pairs, context tokens) -> predicted step seconds."""

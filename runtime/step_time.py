@@ -11,7 +11,7 @@ agree by construction (docs/architecture.md, "Step time").
 
 from __future__ import annotations
 
-from runtime.profiles import HardwareProfile, ModelProfile, StepFit
+from kvdeck.runtime.profiles import HardwareProfile, ModelProfile, StepFit
 
 
 def roofline_seconds(model: ModelProfile, hw: HardwareProfile, weight_bytes: float,

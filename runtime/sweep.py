@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from runtime.trace import Arrival
+from kvdeck.runtime.trace import Arrival
 
 DEFAULT_SCALES = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.6, 1.0)
 """Multiples of a trace's own arrival rate swept when no rates are given."""

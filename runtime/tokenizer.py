@@ -23,7 +23,7 @@ from pathlib import Path
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from runtime.errors import ModelFileError, RequestError
+from kvdeck.runtime.errors import ModelFileError, RequestError
 
 # Used when a Gemma GGUF carries no template (the embedded 270M file does not).
 GEMMA_TEMPLATE = (
@@ -42,7 +42,7 @@ class Tokenizer:
 
     def __init__(self, model_path: str | Path):
         # imported here: loading the library takes a moment
-        from runtime.executors.llama_cpp_probe import open_llama
+        from kvdeck.runtime.executors.llama_cpp_probe import open_llama
 
         self.path = Path(model_path)
         _probe_vocab(self.path)

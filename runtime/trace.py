@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.checks import AnswerCheck, parse_check
-from runtime.errors import TraceError
-from runtime.records import json_object
-from runtime.resources import SAMPLE_TRACES, sample_trace
+from kvdeck.runtime.checks import AnswerCheck, parse_check
+from kvdeck.runtime.errors import TraceError
+from kvdeck.runtime.records import json_object
+from kvdeck.runtime.resources import SAMPLE_TRACES, sample_trace
 
 FORMATS = ("auto", "kvdeck", "mooncake", "azure")
 

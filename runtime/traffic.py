@@ -12,10 +12,10 @@ import random
 import threading
 from dataclasses import dataclass, replace
 
-from runtime.config import check_float
-from runtime.engine import Engine
-from runtime.errors import KvdeckError
-from runtime.request import SamplingParams
+from kvdeck.runtime.config import check_float
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.request import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from runtime.records import Transfer
+from kvdeck.runtime.records import Transfer
 
 RECENT_STEPS = 48
 """Steps with transfers the panel's history keeps."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.errors import ConfigError
-from runtime.profiles import ModelProfile, _load, _number, available_profiles
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.profiles import ModelProfile, _load, _number, available_profiles
 
 ARRIVALS = ("burst", "poisson")
 DRAFTING = ("parallel", "sequential")

@@ -25,7 +25,7 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
     """The real Gemma 3 270M GGUF, assembled from the `models` extra (installed by make test)."""
-    from runtime.models.registry import DEFAULT_MODEL, resolve_model
+    from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 
     return resolve_model(DEFAULT_MODEL)
 
@@ -34,8 +34,8 @@ def gemma_path() -> Path:
 def chat_model_path() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct, an instruct GGUF with a chat template (the `chat-model`
     extra, which make test installs)."""
-    from runtime.errors import ModelNotFoundError
-    from runtime.models.registry import resolve_model
+    from kvdeck.runtime.errors import ModelNotFoundError
+    from kvdeck.runtime.models.registry import resolve_model
 
     try:
         return resolve_model("qwen2.5-coder-0.5b")
@@ -47,8 +47,8 @@ def chat_model_path() -> Path:
 def qwen_pair() -> tuple[Path, Path]:
     """(target, draft): Qwen2.5-Coder-1.5B-Instruct and 0.5B, one tokenizer (the
     `draft-models` extra, which make test installs)."""
-    from runtime.errors import ModelNotFoundError
-    from runtime.models.registry import resolve_model
+    from kvdeck.runtime.errors import ModelNotFoundError
+    from kvdeck.runtime.models.registry import resolve_model
 
     try:
         return resolve_model("qwen2.5-coder-1.5b"), resolve_model("qwen2.5-coder-0.5b")

@@ -16,8 +16,8 @@ def assert_equal_up_to_kernel_ties(path, prompts: dict[str, str], expected: dict
     logits as they are, so the same test holds for constrained outputs."""
     import numpy as np
 
-    from runtime.executors.llama_cpp_probe import open_llama
-    from runtime.tokenizer import Tokenizer, quiet_stderr
+    from kvdeck.runtime.executors.llama_cpp_probe import open_llama
+    from kvdeck.runtime.tokenizer import Tokenizer, quiet_stderr
 
     differing = [rid for rid in expected if got[rid] != expected[rid]]
     if not differing:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.models.transformer import Transformer
+from kvdeck.runtime.models.transformer import Transformer
 
 
 @torch.inference_mode()

@@ -27,7 +27,7 @@ def sim_process(*args: str, env: dict | None = None):
 def serve_process(*args: str, env: dict | None = None,
                   start_timeout_s: float = 60) -> Iterator[Server]:
     """Run `kvdeck serve --port 0 ARGS` as a user would."""
-    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve",
+    proc = subprocess.Popen([sys.executable, "-m", "kvdeck.console.cli", "serve",
                              "--port", "0", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
@@ -51,7 +51,7 @@ def serve_process(*args: str, env: dict | None = None,
 def in_process(session) -> Iterator:
     """An `ApiServer` for `session` on 127.0.0.1, any free port, in this process; stopped
     afterwards, its engine's integrity checked."""
-    from runtime.server.serve import ApiServer
+    from kvdeck.runtime.server.serve import ApiServer
 
     srv = ApiServer(session, port=0).start()
     try:

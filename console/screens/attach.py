@@ -17,11 +17,11 @@ from textual.containers import Grid
 from textual.widgets import Header, Static
 from textual.worker import get_current_worker
 
-from console.base_app import ConsoleApp
-from console.widgets.footer import KeysFooter
-from console.widgets.metrics import sparkline
-from runtime.attach import Rates, RemoteStatus, metrics_url, parse_metrics, parse_slots
-from runtime.errors import KvdeckError
+from kvdeck.console.base_app import ConsoleApp
+from kvdeck.console.widgets.footer import KeysFooter
+from kvdeck.console.widgets.metrics import sparkline
+from kvdeck.runtime.attach import Rates, RemoteStatus, metrics_url, parse_metrics, parse_slots
+from kvdeck.runtime.errors import KvdeckError
 
 
 def fmt_ms(x: float | None) -> str:

@@ -13,10 +13,10 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Header, Static
 
-from console.widgets.chart import AXIS_WIDTH, Columns, columns, plot
-from console.widgets.footer import KeysFooter
-from runtime.figures import Bucket
-from runtime.snapshot import EngineSnapshot
+from kvdeck.console.widgets.chart import AXIS_WIDTH, Columns, columns, plot
+from kvdeck.console.widgets.footer import KeysFooter
+from kvdeck.runtime.figures import Bucket
+from kvdeck.runtime.snapshot import EngineSnapshot
 
 
 def _rate(field: str):

@@ -15,11 +15,11 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Header, Static
 
-from console.plane import Point, marks, render_text
-from console.widgets.footer import KeysFooter
-from runtime.errors import KvdeckError
-from runtime.live_plan import current_scheme, live_plan, live_profiles, live_workload
-from runtime.snapshot import EngineSnapshot
+from kvdeck.console.plane import Point, marks, render_text
+from kvdeck.console.widgets.footer import KeysFooter
+from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.live_plan import current_scheme, live_plan, live_profiles, live_workload
+from kvdeck.runtime.snapshot import EngineSnapshot
 
 GIB = 2**30
 REFRESH_S = 1.0

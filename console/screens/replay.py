@@ -15,15 +15,15 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Header
 
-from console.base_app import ConsoleApp
-from console.layout import SNAPSHOT_PANELS, compose_panels
-from console.screens.charts import ChartsScreen
-from console.widgets.footer import KeysFooter
-from console.widgets.knobs import KnobsPanel
-from console.widgets.scrubber import Scrubber
-from runtime.errors import RunFormatError
-from runtime.replay import TraceState, load_replay
-from runtime.snapshot import BatchView, EngineSnapshot
+from kvdeck.console.base_app import ConsoleApp
+from kvdeck.console.layout import SNAPSHOT_PANELS, compose_panels
+from kvdeck.console.screens.charts import ChartsScreen
+from kvdeck.console.widgets.footer import KeysFooter
+from kvdeck.console.widgets.knobs import KnobsPanel
+from kvdeck.console.widgets.scrubber import Scrubber
+from kvdeck.runtime.errors import RunFormatError
+from kvdeck.runtime.replay import TraceState, load_replay
+from kvdeck.runtime.snapshot import BatchView, EngineSnapshot
 
 CHECKPOINT = 200
 SPEEDS = (0.25, 0.5, 1, 2, 4, 8, 16, 32)

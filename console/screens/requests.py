@@ -16,8 +16,8 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Header, Static
 
-from console.widgets.footer import KeysFooter
-from runtime.snapshot import EngineSnapshot, RequestView
+from kvdeck.console.widgets.footer import KeysFooter
+from kvdeck.runtime.snapshot import EngineSnapshot, RequestView
 
 FILTERS = ("all", "running", "waiting", "finished")
 COLUMNS = ("id", "state", "prompt", "out", "cached", "waited s", "prio", "preempt")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from textual.widgets import Static
 
-from runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.snapshot import EngineSnapshot
 
 
 class Banner(Static):

@@ -16,10 +16,10 @@ from textual.coordinate import Coordinate
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Label, OptionList
 
-from console.model_report import human_bytes
-from runtime.config import KNOB_CHOICES, Knobs
-from runtime.errors import ConfigError
-from runtime.snapshot import WeightsView
+from kvdeck.console.model_report import human_bytes
+from kvdeck.runtime.config import KNOB_CHOICES, Knobs
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.snapshot import WeightsView
 
 TRAFFIC_KNOBS = ("traffic_rate_per_s", "traffic_long_fraction")
 KNOB_TYPES = {f.name: f.type for f in dataclasses.fields(Knobs)}

@@ -7,10 +7,10 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
-from console.model_report import human_bytes
-from console.widgets.base import SnapshotPanel
-from runtime.kv.tiers import HOST_DEMOTED, HOST_FREE, HOST_SWAPPED
-from runtime.snapshot import (
+from kvdeck.console.model_report import human_bytes
+from kvdeck.console.widgets.base import SnapshotPanel
+from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HOST_FREE, HOST_SWAPPED
+from kvdeck.runtime.snapshot import (
     CACHED,
     CACHED_ACTIVE,
     FREE,

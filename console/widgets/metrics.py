@@ -12,8 +12,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from console.widgets.base import SnapshotPanel
-from runtime.snapshot import EngineSnapshot
+from kvdeck.console.widgets.base import SnapshotPanel
+from kvdeck.runtime.snapshot import EngineSnapshot
 
 BARS = "▁▂▃▄▅▆▇█"
 RATE_WINDOW = 10

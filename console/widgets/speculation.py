@@ -7,8 +7,8 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
-from console.widgets.base import SnapshotPanel
-from runtime.snapshot import EngineSnapshot
+from kvdeck.console.widgets.base import SnapshotPanel
+from kvdeck.runtime.snapshot import EngineSnapshot
 
 BAR = 12
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
-from console.model_report import human_bytes
-from console.widgets.base import SnapshotPanel
-from runtime.records import Transfer
-from runtime.snapshot import EngineSnapshot
-from runtime.transfers import TransfersView
+from kvdeck.console.model_report import human_bytes
+from kvdeck.console.widgets.base import SnapshotPanel
+from kvdeck.runtime.records import Transfer
+from kvdeck.runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.transfers import TransfersView
 
 BARS = " ▁▂▃▄▅▆▇█"
 KIND_STYLE = {"swap": "red", "demote": "yellow", "promote": "green", "weights": "cyan"}

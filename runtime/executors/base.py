@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from runtime.kv.groups import LayerGroups
-from runtime.plan import Conversion, SchedulerOutput, StepResult
-from runtime.snapshot import WeightsView
+from kvdeck.runtime.kv.groups import LayerGroups
+from kvdeck.runtime.plan import Conversion, SchedulerOutput, StepResult
+from kvdeck.runtime.snapshot import WeightsView
 
 
 @runtime_checkable

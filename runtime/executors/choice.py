@@ -97,8 +97,8 @@ def choose_executor(values: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
 def _probed(values: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """(settings llama_cpp runs with, or None where llama.cpp crashes here; the probe's
     line) for `--llama-repack auto`."""
-    from runtime.errors import ModelNotFoundError
-    from runtime.executors.llama_cpp_probe import verdict
+    from kvdeck.runtime.errors import ModelNotFoundError
+    from kvdeck.runtime.executors.llama_cpp_probe import verdict
 
     if values.get("llama_repack", "auto") != "auto":
         return {}, ""

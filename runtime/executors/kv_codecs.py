@@ -27,8 +27,8 @@ import functools
 
 import torch
 
-from runtime.errors import ConfigError
-from runtime.kv.formats import KV_FORMATS, KVFormat
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.kv.formats import KV_FORMATS, KVFormat
 
 GROUP = 32
 FP8_MAX = 448.0

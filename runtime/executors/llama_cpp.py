@@ -68,8 +68,8 @@ import os
 import time
 from pathlib import Path
 
-from runtime.errors import ConfigError
-from runtime.executors.llama_cpp_context import (
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors.llama_cpp_context import (
     KV_TYPES,
     LlamaContext,
     LlamaModel,
@@ -77,20 +77,20 @@ from runtime.executors.llama_cpp_context import (
     lib,
     one_batch,
 )
-from runtime.executors.llama_cpp_draft import LlamaDraft
-from runtime.executors.llama_cpp_probe import resolve_repack
-from runtime.executors.online_fit import OnlineFit
-from runtime.guided import MaskJob, apply_mask
-from runtime.kv.groups import LayerGroups
-from runtime.models.gguf import read_gguf
-from runtime.models.info import model_info_from_gguf
-from runtime.plan import Conversion, ScheduledChunk, SchedulerOutput, StepResult, StepTiming
-from runtime.profiles import StepFit
-from runtime.sampling import sample, sample_branches, sample_draft, score_tokens
-from runtime.settings import SessionOptions
-from runtime.snapshot import WeightsView
-from runtime.spec.ngram import propose_for
-from runtime.spec.verify import verify_greedy
+from kvdeck.runtime.executors.llama_cpp_draft import LlamaDraft
+from kvdeck.runtime.executors.llama_cpp_probe import resolve_repack
+from kvdeck.runtime.executors.online_fit import OnlineFit
+from kvdeck.runtime.guided import MaskJob, apply_mask
+from kvdeck.runtime.kv.groups import LayerGroups
+from kvdeck.runtime.models.gguf import read_gguf
+from kvdeck.runtime.models.info import model_info_from_gguf
+from kvdeck.runtime.plan import Conversion, ScheduledChunk, SchedulerOutput, StepResult, StepTiming
+from kvdeck.runtime.profiles import StepFit
+from kvdeck.runtime.sampling import sample, sample_branches, sample_draft, score_tokens
+from kvdeck.runtime.settings import SessionOptions
+from kvdeck.runtime.snapshot import WeightsView
+from kvdeck.runtime.spec.ngram import propose_for
+from kvdeck.runtime.spec.verify import verify_greedy
 
 log = logging.getLogger("kvdeck.llama_cpp")
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.errors import ConfigError, ModelFileError, StepError
-from runtime.executors.llama_cpp_probe import model_params
-from runtime.faults import crash_at
-from runtime.tokenizer import quiet_stderr
+from kvdeck.runtime.errors import ConfigError, ModelFileError, StepError
+from kvdeck.runtime.executors.llama_cpp_probe import model_params
+from kvdeck.runtime.faults import crash_at
+from kvdeck.runtime.tokenizer import quiet_stderr
 
 KV_TYPES = {"fp16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
 """kvdeck KV format -> llama.cpp ggml type of K and V."""

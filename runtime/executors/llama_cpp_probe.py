@@ -34,9 +34,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from runtime.errors import ConfigError
-from runtime.faults import fault_spec
-from runtime.resources import cache_dir
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.faults import fault_spec
+from kvdeck.runtime.resources import cache_dir
 
 CACHE_FILE = "llama-probe.json"
 LOG_FILE = "llama-probe.log"
@@ -49,7 +49,7 @@ REPACK_CHOICES = ("auto", "on", "off")
 # the executor decodes: a prompt chunk, single rows, and one batch over several sequences.
 CHILD = r"""
 import ctypes, math, sys
-from runtime.faults import crash_at
+from kvdeck.runtime.faults import crash_at
 import llama_cpp as L
 from llama_cpp._logger import set_verbose
 set_verbose(False)
@@ -143,8 +143,8 @@ def cpu_flags() -> str:
 def probe_model(model_path: str | Path | None = None) -> Path:
     """The GGUF the probe decodes: the embedded default model where it is installed (one
     verdict for every model), else `model_path`."""
-    from runtime.errors import ModelNotFoundError
-    from runtime.models.registry import DEFAULT_MODEL, resolve_model
+    from kvdeck.runtime.errors import ModelNotFoundError
+    from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 
     try:
         return Path(resolve_model(DEFAULT_MODEL))

@@ -12,21 +12,21 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from runtime.config import check_choice, check_float, check_int
-from runtime.errors import ConfigError
-from runtime.kv.formats import KV_FORMATS
-from runtime.kv.groups import LayerGroups
-from runtime.models.weight_formats import (
+from kvdeck.runtime.config import check_choice, check_float, check_int
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.kv.formats import KV_FORMATS
+from kvdeck.runtime.kv.groups import LayerGroups
+from kvdeck.runtime.models.weight_formats import (
     GROUPS,
     PARAM_BYTES,
     format_weight_format,
     parse_weight_format,
 )
-from runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
-from runtime.profiles import HardwareProfile, ModelProfile, StepFit
-from runtime.records import Transfer
-from runtime.snapshot import WeightsView
-from runtime.step_time import fitted_seconds, roofline_seconds
+from kvdeck.runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
+from kvdeck.runtime.profiles import HardwareProfile, ModelProfile, StepFit
+from kvdeck.runtime.records import Transfer
+from kvdeck.runtime.snapshot import WeightsView
+from kvdeck.runtime.step_time import fitted_seconds, roofline_seconds
 
 TIMING_MODES = ("fit", "roofline")
 DRAFTING = ("sequential", "parallel")

@@ -14,42 +14,48 @@ from pathlib import Path
 
 import torch
 
-from runtime.config import check_int
-from runtime.errors import ConfigError, StepError
-from runtime.executors.kv_codecs import get_codec, kv_formats_for
-from runtime.executors.link import measure_link
-from runtime.executors.online_fit import OnlineFit
-from runtime.executors.paged_kv import PagedBatch, PagedKVCache, paged_attention
-from runtime.guided import MaskJob
-from runtime.kv.groups import LayerGroups, layer_groups
-from runtime.models.arch import ModelConfig, model_config
-from runtime.models.gguf import read_gguf
-from runtime.models.kernels import (
+from kvdeck.runtime.config import check_int
+from kvdeck.runtime.errors import ConfigError, StepError
+from kvdeck.runtime.executors.kv_codecs import get_codec, kv_formats_for
+from kvdeck.runtime.executors.link import measure_link
+from kvdeck.runtime.executors.online_fit import OnlineFit
+from kvdeck.runtime.executors.paged_kv import PagedBatch, PagedKVCache, paged_attention
+from kvdeck.runtime.guided import MaskJob
+from kvdeck.runtime.kv.groups import LayerGroups, layer_groups
+from kvdeck.runtime.models.arch import ModelConfig, model_config
+from kvdeck.runtime.models.gguf import read_gguf
+from kvdeck.runtime.models.kernels import (
     FLOAT,
     KernelTable,
     cpu_compute_dtype,
     describe,
     load_or_measure,
 )
-from runtime.models.linear import (
+from kvdeck.runtime.models.linear import (
     INT4_GROUP_SIZES,
     AutoMatrix,
     pack_matrix,
 )
-from runtime.models.offload import FFNOffload
-from runtime.models.transformer import GROUP_MATRICES, Transformer
-from runtime.models.weight_formats import format_weight_format, parse_weight_format
-from runtime.models.weights import load_tensors
-from runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
-from runtime.profiles import StepFit
-from runtime.quality import QualityCache
-from runtime.records import Transfer
-from runtime.resources import cache_dir
-from runtime.sampling import TokenLogprobs, sample, sample_branches, sample_draft, score_tokens
-from runtime.snapshot import WeightsView
-from runtime.spec.draft_model import DraftModel
-from runtime.spec.ngram import propose_for
-from runtime.spec.verify import verify_greedy
+from kvdeck.runtime.models.offload import FFNOffload
+from kvdeck.runtime.models.transformer import GROUP_MATRICES, Transformer
+from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
+from kvdeck.runtime.models.weights import load_tensors
+from kvdeck.runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
+from kvdeck.runtime.profiles import StepFit
+from kvdeck.runtime.quality import QualityCache
+from kvdeck.runtime.records import Transfer
+from kvdeck.runtime.resources import cache_dir
+from kvdeck.runtime.sampling import (
+    TokenLogprobs,
+    sample,
+    sample_branches,
+    sample_draft,
+    score_tokens,
+)
+from kvdeck.runtime.snapshot import WeightsView
+from kvdeck.runtime.spec.draft_model import DraftModel
+from kvdeck.runtime.spec.ngram import propose_for
+from kvdeck.runtime.spec.verify import verify_greedy
 
 log = logging.getLogger("kvdeck.torch")
 

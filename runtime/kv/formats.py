@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from runtime.errors import ConfigError
+from kvdeck.runtime.errors import ConfigError
 
 
 @dataclass(frozen=True)

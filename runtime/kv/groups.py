@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from runtime.errors import ConfigError
+from kvdeck.runtime.errors import ConfigError
 
 
 @dataclass(frozen=True)

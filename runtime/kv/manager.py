@@ -26,14 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from runtime.kv.block_pool import BlockPool
-from runtime.kv.cache_admission import CacheAdmission
-from runtime.kv.formats import blocks_for_tokens
-from runtime.kv.groups import LayerGroups
-from runtime.kv.prefix_tree import PrefixNode, PrefixTree, default_recompute_cost
-from runtime.kv.tiers import HOST_SWAPPED, HostTier
-from runtime.kv.window import WindowTables, move_window_pages
-from runtime.records import (
+from kvdeck.runtime.kv.block_pool import BlockPool
+from kvdeck.runtime.kv.cache_admission import CacheAdmission
+from kvdeck.runtime.kv.formats import blocks_for_tokens
+from kvdeck.runtime.kv.groups import LayerGroups
+from kvdeck.runtime.kv.prefix_tree import PrefixNode, PrefixTree, default_recompute_cost
+from kvdeck.runtime.kv.tiers import HOST_SWAPPED, HostTier
+from kvdeck.runtime.kv.window import WindowTables, move_window_pages
+from kvdeck.runtime.records import (
     Cache,
     Cow,
     Hit,
@@ -48,7 +48,7 @@ from runtime.records import (
     Unref,
     Unswap,
 )
-from runtime.request import Request
+from kvdeck.runtime.request import Request
 
 
 class BlockManager(WindowTables):

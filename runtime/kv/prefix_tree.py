@@ -44,9 +44,9 @@ import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from runtime.kv.block_pool import BlockStates
-from runtime.kv.tiers import HOST_DEMOTED, HostTier
-from runtime.records import Demote, Evict, WinCache, WinEvict
+from kvdeck.runtime.kv.block_pool import BlockStates
+from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HostTier
+from kvdeck.runtime.records import Demote, Evict, WinCache, WinEvict
 
 RecomputeCost = Callable[[int, int], float]
 """(tokens before the block, tokens in the block) -> seconds to recompute it."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from runtime.errors import ModelFileError
-from runtime.models.gguf import GGUFFile
-from runtime.models.info import ModelInfo, model_info_from_gguf
+from kvdeck.runtime.errors import ModelFileError
+from kvdeck.runtime.models.gguf import GGUFFile
+from kvdeck.runtime.models.info import ModelInfo, model_info_from_gguf
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class ModelConfig:
 def model_config(g: GGUFFile) -> ModelConfig:
     """Build the config of a parsed GGUF, refusing architectures kvdeck cannot run."""
     # Import for registration side effects: each file registers its ArchSpec.
-    from runtime.models import gemma3, llama, qwen2, qwen3  # noqa: F401
+    from kvdeck.runtime.models import gemma3, llama, qwen2, qwen3  # noqa: F401
 
     info = model_info_from_gguf(g)
     spec = ARCHITECTURES.get(info.architecture)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from runtime.errors import ModelFileError
+from kvdeck.runtime.errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.errors import ModelFileError
-from runtime.kv.formats import KV_FORMATS, blocks_for_tokens, kv_bytes_per_token
-from runtime.models.gguf import GGUFFile, iter_tensor_types, read_gguf
+from kvdeck.runtime.errors import ModelFileError
+from kvdeck.runtime.kv.formats import KV_FORMATS, blocks_for_tokens, kv_bytes_per_token
+from kvdeck.runtime.models.gguf import GGUFFile, iter_tensor_types, read_gguf
 
 
 @dataclass(frozen=True)

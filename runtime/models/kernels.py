@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.models.linear import pack_matrix
+from kvdeck.runtime.models.linear import pack_matrix
 
 log = logging.getLogger("kvdeck.kernels")
 

@@ -27,8 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from runtime.errors import ConfigError
-from runtime.records import Transfer
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.records import Transfer
 
 FFN = ("w_gate", "w_up", "w_down")
 

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.errors import ModelFileError, ModelNotFoundError
-from runtime.models.gguf import GGUF_MAGIC, read_gguf
-from runtime.resources import cache_dir
+from kvdeck.runtime.errors import ModelFileError, ModelNotFoundError
+from kvdeck.runtime.models.gguf import GGUF_MAGIC, read_gguf
+from kvdeck.runtime.resources import cache_dir
 
 DEFAULT_MODEL = "gemma3-270m"
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.errors import ModelFileError
-from runtime.models.arch import ModelConfig
-from runtime.models.linear import Int8Linear, Linear, make_linear
+from kvdeck.runtime.errors import ModelFileError
+from kvdeck.runtime.models.arch import ModelConfig
+from kvdeck.runtime.models.linear import Int8Linear, Linear, make_linear
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(layer, q [T, H, d], k [T, KVH, d], v [T, KVH, d]) -> attention output [T, H, d]."""

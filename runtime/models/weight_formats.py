@@ -22,7 +22,7 @@ start-up micro-benchmark found it.
 
 from __future__ import annotations
 
-from runtime.errors import ConfigError
+from kvdeck.runtime.errors import ConfigError
 
 GROUPS = ("attn", "ffn", "head")
 FORMATS = ("dense", "fp32", "bf16", "fp16", "int8", "int4", "auto")

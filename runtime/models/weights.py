@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from runtime.models.gguf import GGUFFile, TensorInfo
+from kvdeck.runtime.models.gguf import GGUFFile, TensorInfo
 
 Q = GGMLQuantizationType
 

@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from runtime.engine import Engine
-from runtime.request import Request as EngineRequest
-from runtime.request import RequestStatus
-from runtime.server.api_errors import error
-from runtime.server.streams import Delta, OutputHub, RequestStream
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.request import Request as EngineRequest
+from kvdeck.runtime.request import RequestStatus
+from kvdeck.runtime.server.api_errors import error
+from kvdeck.runtime.server.streams import Delta, OutputHub, RequestStream
 
 
 async def wait_for_disconnect(request: Request) -> None:

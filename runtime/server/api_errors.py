@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from runtime.server.guard import error_payload
-from runtime.server.schemas import NotImplementedField
+from kvdeck.runtime.server.guard import error_payload
+from kvdeck.runtime.server.schemas import NotImplementedField
 
 KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",

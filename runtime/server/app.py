@@ -24,25 +24,25 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from runtime.checks import parse_check
-from runtime.engine import Engine
-from runtime.engine_loop import EngineLoop
-from runtime.errors import ConfigError, EngineFailedError, QueueFullError, RequestError
-from runtime.guided import ConstraintError
-from runtime.request import SamplingParams
-from runtime.server.answer import Answer, Reply
-from runtime.server.api_errors import error, validation_sentence
-from runtime.server.guard import Guard
-from runtime.server.metrics import ServerMetrics
-from runtime.server.schemas import (
+from kvdeck.runtime.checks import parse_check
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.engine_loop import EngineLoop
+from kvdeck.runtime.errors import ConfigError, EngineFailedError, QueueFullError, RequestError
+from kvdeck.runtime.guided import ConstraintError
+from kvdeck.runtime.request import SamplingParams
+from kvdeck.runtime.server.answer import Answer, Reply
+from kvdeck.runtime.server.api_errors import error, validation_sentence
+from kvdeck.runtime.server.guard import Guard
+from kvdeck.runtime.server.metrics import ServerMetrics
+from kvdeck.runtime.server.schemas import (
     ChatBody,
     CompletionBody,
     DetokenizeBody,
     GenerateBody,
     TokenizeBody,
 )
-from runtime.server.streams import OutputHub
-from runtime.settings import Settings
+from kvdeck.runtime.server.streams import OutputHub
+from kvdeck.runtime.settings import Settings
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions when `max_tokens` is not given."""

@@ -16,9 +16,9 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from runtime.engine_loop import EngineLoop
-from runtime.kv.tiers import HOST_STATE_NAMES
-from runtime.snapshot import STATE_NAMES
+from kvdeck.runtime.engine_loop import EngineLoop
+from kvdeck.runtime.kv.tiers import HOST_STATE_NAMES
+from kvdeck.runtime.snapshot import STATE_NAMES
 
 HISTOGRAMS = (
     ("ttft", "vllm:time_to_first_token_seconds", "Time to first token."),

@@ -21,9 +21,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from runtime.checks import AnswerCheck, parse_check
-from runtime.engine import MAX_BRANCHES
-from runtime.guided import ConstraintError, GuideSpec, choice_spec
+from kvdeck.runtime.checks import AnswerCheck, parse_check
+from kvdeck.runtime.engine import MAX_BRANCHES
+from kvdeck.runtime.guided import ConstraintError, GuideSpec, choice_spec
 
 
 def valid_unicode(text: str) -> str:

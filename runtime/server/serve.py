@@ -22,9 +22,9 @@ from collections.abc import Callable, Generator
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from runtime.engine_loop import EngineLoop
-from runtime.server.app import ServeLimits, create_app
-from runtime.session import Session
+from kvdeck.runtime.engine_loop import EngineLoop
+from kvdeck.runtime.server.app import ServeLimits, create_app
+from kvdeck.runtime.session import Session
 
 
 class HeaderTimedH11(H11Protocol):

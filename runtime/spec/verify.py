@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.sampling import draw
+from kvdeck.runtime.sampling import draw
 
 
 def verify_greedy(target_argmax: list[int], draft: list[int]) -> tuple[list[int], int]:

@@ -20,10 +20,10 @@ import time
 import httpx
 import pytest
 
-from runtime.server.app import ServeLimits
-from runtime.server.serve import ApiServer
-from runtime.session import build_session
-from runtime.settings import resolve
+from kvdeck.runtime.server.app import ServeLimits
+from kvdeck.runtime.server.serve import ApiServer
+from kvdeck.runtime.session import build_session
+from kvdeck.runtime.settings import resolve
 
 schemathesis = pytest.importorskip("schemathesis",
                                    reason="schemathesis runs on Python 3.11 and newer")

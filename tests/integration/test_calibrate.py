@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from runtime.calibrate import Point, efficiencies, fit_step_model
-from runtime.plan import causal_pairs
-from runtime.profiles import HardwareProfile, ModelProfile
+from kvdeck.runtime.calibrate import Point, efficiencies, fit_step_model
+from kvdeck.runtime.plan import causal_pairs
+from kvdeck.runtime.profiles import HardwareProfile, ModelProfile
 
 
 def kvdeck(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvdeck.console.cli", *args], capture_output=True,
                           text=True, timeout=600, env={**os.environ, **env})
 
 
@@ -71,7 +71,7 @@ def test_calibrate_writes_profiles_the_sim_can_use(tiny_llama: Path, tmp_path: P
     assert min(data["fit"].values()) >= 0
     hw = Path(data["hardware_profile"]).stem
     code = (
-        "from runtime.executors.sim import SimConfig, SimExecutor\n"
+        "from kvdeck.runtime.executors.sim import SimConfig, SimExecutor\n"
         f"s = SimExecutor(SimConfig(model_profile='tiny', hardware='{hw}'))\n"
         "print(s.fit.fixed_s * 1e3, s.model.num_layers, s.kv_bytes_per_token('fp32'))\n"
     )

@@ -12,12 +12,12 @@ import sys
 import pytest
 from openai import OpenAI
 
-from console.app import KvdeckApp
-from console.widgets.prompt import COMPLETION_MAX_TOKENS
-from runtime.config import EngineConfig
-from runtime.engine import Engine
-from runtime.executors.torch import TorchExecutor
-from runtime.tokenizer import Tokenizer
+from kvdeck.console.app import KvdeckApp
+from kvdeck.console.widgets.prompt import COMPLETION_MAX_TOKENS
+from kvdeck.runtime.config import EngineConfig
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.tokenizer import Tokenizer
 from tests.servers import serve_process
 from tests.ui.panel_text import panel_text
 
@@ -26,12 +26,12 @@ QUESTION = "What is the capital of France? Answer with one word."
 
 
 def test_models_says_base_or_instruct(chat_model_path, gemma_path) -> None:
-    r = subprocess.run([sys.executable, "-m", "console.cli", "models", "--json"],
+    r = subprocess.run([sys.executable, "-m", "kvdeck.console.cli", "models", "--json"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     kinds = {e["name"]: e["kind"] for e in json.loads(r.stdout)}
     assert kinds["gemma3-270m"] == "base" and kinds["qwen2.5-coder-0.5b"] == "instruct"
-    r = subprocess.run([sys.executable, "-m", "console.cli", "models", "gemma3-270m"],
+    r = subprocess.run([sys.executable, "-m", "kvdeck.console.cli", "models", "gemma3-270m"],
                        capture_output=True, text=True, timeout=120)
     assert "base: no chat template" in r.stdout
 

@@ -15,10 +15,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.loadgen import attempt_seed
-from runtime.server.serve import ApiServer
-from runtime.session import build_session
-from runtime.settings import resolve
+from kvdeck.runtime.loadgen import attempt_seed
+from kvdeck.runtime.server.serve import ApiServer
+from kvdeck.runtime.session import build_session
+from kvdeck.runtime.settings import resolve
 from tests.servers import idle, in_process
 
 COUNTERS = ("kvdeck:goodput_requests_total", "kvdeck:checked_requests_total",
@@ -122,7 +122,7 @@ def test_bench_retries_until_the_answer_passes_its_check(gemma: ApiServer,
         {"arrival_s": 0, "prompt_tokens": prompt, "output_len": 3, "id": "plain"},
     ]) + "\n")
     before = counters(gemma)
-    r = subprocess.run([sys.executable, "-m", "console.cli", "bench", str(trace), "--url",
+    r = subprocess.run([sys.executable, "-m", "kvdeck.console.cli", "bench", str(trace), "--url",
                         base + "/v1", "--model", "gemma3-270m", "--retries", "3",
                         "--temperature", "1", "--concurrency", "1", "--send-checks",
                         "--no-warmup", "--json"], capture_output=True, text=True, timeout=600)

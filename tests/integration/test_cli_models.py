@@ -11,7 +11,7 @@ import pytest
 
 def kvdeck(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "console.cli", *args],
+        [sys.executable, "-m", "kvdeck.console.cli", *args],
         capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
     )
 

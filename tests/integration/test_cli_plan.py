@@ -16,7 +16,7 @@ REFERENCE = ("plan", "--hardware", "rtx-pro-6000", "--model", "qwen3-8b", "--wor
 
 
 def kvdeck(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvdeck.console.cli", *args], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
 
 

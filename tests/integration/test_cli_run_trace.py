@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime.recording import read_run
+from kvdeck.runtime.recording import read_run
 from tests.paths import AZURE_CONV, MOONCAKE
 
 
 def kvdeck(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvdeck.console.cli", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 

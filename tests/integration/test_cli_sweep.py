@@ -9,12 +9,12 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
-from runtime.sweep import offered_rate
-from runtime.trace import load_arrivals
+from kvdeck.runtime.sweep import offered_rate
+from kvdeck.runtime.trace import load_arrivals
 
 
 def kvdeck(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvdeck.console.cli", *args], capture_output=True,
                           text=True, timeout=600, env={**os.environ, "COLUMNS": "160"})
 
 

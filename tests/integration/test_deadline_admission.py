@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.sim import SimExecutor
-from runtime.recording import record_headless
-from runtime.replay import summarize_run
-from runtime.runner import run_arrivals
-from runtime.trace import Arrival
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.sim import SimExecutor
+from kvdeck.runtime.recording import record_headless
+from kvdeck.runtime.replay import summarize_run
+from kvdeck.runtime.runner import run_arrivals
+from kvdeck.runtime.trace import Arrival
 
 
 def run(deadline_s: float, admission_control: bool, record_to=None) -> dict:

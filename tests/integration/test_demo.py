@@ -41,8 +41,8 @@ def test_the_console_on_the_real_model_under_load_quits_cleanly(tmp_path, how: s
     import sys
 
     chosen = ["--executor", executor] if executor else []
-    term = Terminal([sys.executable, "-m", "console.cli", "console", "--rate", "20", *chosen],
-                    cwd=str(tmp_path))
+    term = Terminal([sys.executable, "-m", "kvdeck.console.cli", "console", "--rate", "20",
+                     *chosen], cwd=str(tmp_path))
     try:
         assert b"Knobs" in term.read(240, until=(b"KV blocks", b"Knobs"))
         term.press("r")  # a recorder attached too: it must be closed in order

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.errors import (
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.errors import (
     ConfigError,
     EngineFailedError,
     QueueFullError,
@@ -18,15 +18,15 @@ from runtime.errors import (
     RunFormatError,
     StepError,
 )
-from runtime.executors.sim import SimConfig, SimExecutor
-from runtime.plan import SchedulerOutput, StepResult
-from runtime.recording import read_run, record_headless
-from runtime.records import StepRecord
-from runtime.replay import Replay
-from runtime.request import RequestStatus, SamplingParams
-from runtime.runner import run_arrivals
-from runtime.snapshot import EngineSnapshot
-from runtime.trace import Arrival, synthesize_tokens
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+from kvdeck.runtime.plan import SchedulerOutput, StepResult
+from kvdeck.runtime.recording import read_run, record_headless
+from kvdeck.runtime.records import StepRecord
+from kvdeck.runtime.replay import Replay
+from kvdeck.runtime.request import RequestStatus, SamplingParams
+from kvdeck.runtime.runner import run_arrivals
+from kvdeck.runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.trace import Arrival, synthesize_tokens
 
 KNOBS = Knobs(max_num_batched_tokens=512, chunk_size=128, max_num_seqs=16)
 

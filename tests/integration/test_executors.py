@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.request import SamplingParams
-from runtime.tokenizer import Tokenizer, quiet_stderr
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.request import SamplingParams
+from kvdeck.runtime.tokenizer import Tokenizer, quiet_stderr
 from tests.integration.test_speculation import run, run_with_aborts
 
 pytestmark = pytest.mark.slow
@@ -29,11 +29,11 @@ EXECUTORS = ["torch", "llama_cpp"]
 @pytest.fixture(scope="module", params=EXECUTORS)
 def executor(request, gemma_path):
     if request.param == "torch":
-        from runtime.executors.torch import TorchExecutor
+        from kvdeck.runtime.executors.torch import TorchExecutor
 
         ex = TorchExecutor(gemma_path, device="cpu", dtype="fp32", weight_activations="fp32")
     else:
-        from runtime.executors.llama_cpp import LlamaCppExecutor
+        from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
 
         # Exact mode: llama.cpp's batched decode rows are not batch-invariant.
         ex = LlamaCppExecutor(gemma_path, threads=2, batch_invariant=True)
@@ -113,7 +113,7 @@ def test_llama_cpp_kv_format_switch_re_prefills_running_requests_in_the_pause(ge
     """fp16 → q8_0 → q4_0 → fp16 while eight requests decode: each switch recreates the
     context and re-prefills every running request before the next step, so that step
     recomputes nothing; the switch's seconds are the pause; every request completes."""
-    from runtime.executors.llama_cpp import LlamaCppExecutor
+    from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
 
     ex = LlamaCppExecutor(gemma_path, threads=2)
     try:
@@ -146,7 +146,7 @@ def test_llama_cpp_kv_format_switch_re_prefills_running_requests_in_the_pause(ge
 @pytest.fixture(scope="module", params=["gemma", "qwen"])
 def reference(request, gemma_path, chat_model_path):
     """(model path, prompts, llama-cpp-python's own greedy 24 tokens for each)."""
-    from runtime.executors.llama_cpp_probe import open_llama
+    from kvdeck.runtime.executors.llama_cpp_probe import open_llama
 
     path = gemma_path if request.param == "gemma" else chat_model_path
     tok = Tokenizer(path)
@@ -164,7 +164,7 @@ def reference(request, gemma_path, chat_model_path):
 
 
 def test_llama_cpp_greedy_equals_llama_cpp_python_generation(reference) -> None:
-    from runtime.executors.llama_cpp import LlamaCppExecutor
+    from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
 
     path, prompts, expected = reference
     ex = LlamaCppExecutor(path, threads=2, batch_invariant=True)
@@ -203,7 +203,7 @@ def test_llama_cpp_a_recycled_slots_prefix_leaves_the_cache(gemma_path, tok) -> 
     llama.cpp no longer has, so the cache drops those blocks (instead of handing them to a
     later request, which would then recompute them outside the token budget). A later
     request with A's prompt computes it again as a prefill, and gets A's tokens."""
-    from runtime.executors.llama_cpp import LlamaCppExecutor
+    from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
 
     ex = LlamaCppExecutor(gemma_path, threads=2, n_parallel=2, batch_invariant=True)
     try:

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.torch import TorchExecutor
-from runtime.request import RequestStatus, SamplingParams
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.request import RequestStatus, SamplingParams
+from kvdeck.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def tokenizer(gemma_path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def llama(gemma_path):
-    from runtime.executors.llama_cpp_probe import open_llama
+    from kvdeck.runtime.executors.llama_cpp_probe import open_llama
 
     return open_llama(gemma_path, n_ctx=1024, logits_all=True, verbose=False, n_threads=2,
                  seed=0)
@@ -85,9 +85,9 @@ def test_tokenizer_matches_llama_cpp(tokenizer: Tokenizer, llama) -> None:
 def paged_prompt_logits(executor: TorchExecutor, tokens: list[int]) -> np.ndarray:
     """Teacher forcing through the executor's own paged pass: one chunk holding the whole
     text, logits for every row."""
-    from runtime.executors.paged_kv import PagedBatch, paged_attention
-    from runtime.plan import ScheduledChunk, SchedulerOutput
-    from runtime.request import Request
+    from kvdeck.runtime.executors.paged_kv import PagedBatch, paged_attention
+    from kvdeck.runtime.plan import ScheduledChunk, SchedulerOutput
+    from kvdeck.runtime.request import Request
 
     e = engine(executor)
     req = Request("teacher", tokens, SamplingParams(max_tokens=1))
@@ -216,7 +216,7 @@ def test_greedy_shortlist_equals_full_head(gemma_path, executor, tokenizer) -> N
 
 
 async def test_console_prompt_streams_decoded_text(executor, tokenizer) -> None:
-    from console.app import KvdeckApp
+    from kvdeck.console.app import KvdeckApp
 
     e = Engine(EngineConfig(kv_memory_bytes=128 << 20), executor, tokenizer=tokenizer)
     app = KvdeckApp(e, autostart=False, hardware=False)
@@ -236,7 +236,7 @@ async def test_console_prompt_streams_decoded_text(executor, tokenizer) -> None:
 
 
 def test_a_vocabulary_llama_cpp_cannot_load_is_one_sentence(tiny_llama) -> None:
-    from runtime.errors import ModelFileError
+    from kvdeck.runtime.errors import ModelFileError
 
     with pytest.raises(ModelFileError, match="llama.cpp cannot load the vocabulary of .*"
                                              "malformed or unsupported"):

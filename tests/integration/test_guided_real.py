@@ -11,11 +11,11 @@ import re
 import jsonschema
 import pytest
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.guided import GuideSpec, choice_spec
-from runtime.request import RequestStatus, SamplingParams
-from runtime.tokenizer import Tokenizer
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.guided import GuideSpec, choice_spec
+from kvdeck.runtime.request import RequestStatus, SamplingParams
+from kvdeck.runtime.tokenizer import Tokenizer
 from tests.kernel_ties import assert_equal_up_to_kernel_ties
 
 pytestmark = pytest.mark.slow
@@ -36,11 +36,11 @@ PROMPTS = {"items": PROMPT, "phone": "Call us at (555) 123-4567 or at",
 
 def make_engine(path, executor: str, method: str) -> Engine:
     if executor == "torch":
-        from runtime.executors.torch import TorchExecutor
+        from kvdeck.runtime.executors.torch import TorchExecutor
 
         ex = TorchExecutor(path, device="cpu", dtype="fp32", weight_activations="fp32")
     else:
-        from runtime.executors.llama_cpp import LlamaCppExecutor
+        from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
 
         # Batch-invariant: a verify chunk's rows then score as plain decoding's do.
         ex = LlamaCppExecutor(path, threads=2, batch_invariant=True)
@@ -101,7 +101,7 @@ def test_constrained_outputs_with_and_without_speculation(gemma_path, executor) 
 def test_the_console_marks_forced_tokens(gemma_path) -> None:
     """The followed request's text comes in runs: the schema's keys and punctuation forced
     (underlined in the prompt panel), the values chosen by the model."""
-    from console.widgets.prompt import FORCED_STYLE, tracked_text
+    from kvdeck.console.widgets.prompt import FORCED_STYLE, tracked_text
 
     e = make_engine(gemma_path, "torch", "off")
     spec = GuideSpec("json_schema", json.dumps(ITEMS))

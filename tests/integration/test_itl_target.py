@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.sim import SimConfig, SimExecutor
-from runtime.metrics import request_metrics
-from runtime.records import StepRecord
-from runtime.request import SamplingParams
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+from kvdeck.runtime.metrics import request_metrics
+from kvdeck.runtime.records import StepRecord
+from kvdeck.runtime.request import SamplingParams
 
 TARGET_MS = 50.0
 

@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.errors import ConfigError
-from runtime.executors.kv_codecs import fp8_supported
-from runtime.executors.sim import SimConfig, SimExecutor
-from runtime.executors.torch import TorchExecutor
-from runtime.recording import read_run, record_headless
-from runtime.records import Relayout
-from runtime.replay import Replay
-from runtime.request import RequestStatus, SamplingParams
-from runtime.trace import synthesize_tokens
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors.kv_codecs import fp8_supported
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.recording import read_run, record_headless
+from kvdeck.runtime.records import Relayout
+from kvdeck.runtime.replay import Replay
+from kvdeck.runtime.request import RequestStatus, SamplingParams
+from kvdeck.runtime.trace import synthesize_tokens
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.integration.test_engine_sim import drive, view_of, workload
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from runtime.errors import ConfigError
-from runtime.executors import llama_cpp_probe as probe
-from runtime.executors.choice import choose_executor
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors import llama_cpp_probe as probe
+from kvdeck.runtime.executors.choice import choose_executor
 
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def probes_run(cache) -> int:
 def cli(*args: str, env_cache) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvdeck.console.cli", *args], capture_output=True,
                           text=True, timeout=600,
                           env={**os.environ, "KVDECK_CACHE": str(env_cache)})
 
@@ -102,11 +102,11 @@ def test_the_executor_and_references_open_llama_cpp_as_the_verdict_says(
         fresh_cache, monkeypatch, gemma_path) -> None:
     """On a simulated crashing machine the executor decodes without re-packed weights and
     says so; the tests' reference `Llama` opens the same way and agrees token for token."""
-    from runtime.config import EngineConfig, Knobs
-    from runtime.engine import Engine
-    from runtime.executors.llama_cpp import LlamaCppExecutor
-    from runtime.request import SamplingParams
-    from runtime.tokenizer import Tokenizer
+    from kvdeck.runtime.config import EngineConfig, Knobs
+    from kvdeck.runtime.engine import Engine
+    from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
+    from kvdeck.runtime.request import SamplingParams
+    from kvdeck.runtime.tokenizer import Tokenizer
 
     monkeypatch.setenv("KVDECK_FAULT", "repack-decode")
     ex = LlamaCppExecutor(gemma_path, threads=2, batch_invariant=True)
@@ -135,8 +135,8 @@ def test_the_executor_and_references_open_llama_cpp_as_the_verdict_says(
 
 
 def test_the_start_up_line_says_how_llama_cpp_runs(fresh_cache, monkeypatch) -> None:
-    from runtime.session import build_session
-    from runtime.settings import resolve
+    from kvdeck.runtime.session import build_session
+    from kvdeck.runtime.settings import resolve
 
     monkeypatch.setenv("KVDECK_FAULT", "repack-decode")
     for values in ({}, {"executor": "llama_cpp"}):

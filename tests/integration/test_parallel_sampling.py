@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.errors import RequestError
-from runtime.executors.sim import SimConfig, SimExecutor
-from runtime.recording import read_run, record_headless
-from runtime.replay import Replay
-from runtime.request import RequestStatus, SamplingParams
-from runtime.snapshot import CACHED_ACTIVE, PRIVATE, SHARED
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.errors import RequestError
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+from kvdeck.runtime.recording import read_run, record_headless
+from kvdeck.runtime.replay import Replay
+from kvdeck.runtime.request import RequestStatus, SamplingParams
+from kvdeck.runtime.snapshot import CACHED_ACTIVE, PRIVATE, SHARED
 from tests.integration.test_engine_sim import assert_replays_as_lived, view_of
 
 P = 16
@@ -126,8 +126,8 @@ DENSE = {"weight_format": "dense", "kv_format": "fp32"}
 
 @pytest.fixture(scope="module")
 def gemma_engine(gemma_path):
-    from runtime.session import build_session
-    from runtime.settings import resolve
+    from kvdeck.runtime.session import build_session
+    from kvdeck.runtime.settings import resolve
 
     # Dense weights: the mixed int8 kernels tile rows, so a row's result depends on where it
     # sits in the batch, and greedy samples could part at a near-tie.

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.sim import SimExecutor
-from runtime.planner import Planner, Scheme
-from runtime.profiles import HardwareProfile, ModelProfile
-from runtime.runner import run_arrivals
-from runtime.trace import Arrival
-from runtime.workloads import Workload
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.sim import SimExecutor
+from kvdeck.runtime.planner import Planner, Scheme
+from kvdeck.runtime.profiles import HardwareProfile, ModelProfile
+from kvdeck.runtime.runner import run_arrivals
+from kvdeck.runtime.trace import Arrival
+from kvdeck.runtime.workloads import Workload
 
 BUDGET = 40 * 2**30
 

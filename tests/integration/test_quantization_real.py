@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.torch import TorchExecutor
-from runtime.quality import PROMPTS, identical_prefix, measure_formats
-from runtime.request import RequestStatus, SamplingParams
-from runtime.tokenizer import Tokenizer
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.quality import PROMPTS, identical_prefix, measure_formats
+from kvdeck.runtime.request import RequestStatus, SamplingParams
+from kvdeck.runtime.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

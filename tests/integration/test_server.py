@@ -11,9 +11,9 @@ import openai
 import pytest
 import torch
 
-from runtime.server.serve import ApiServer
-from runtime.session import Session, build_session
-from runtime.settings import resolve
+from kvdeck.runtime.server.serve import ApiServer
+from kvdeck.runtime.session import Session, build_session
+from kvdeck.runtime.settings import resolve
 from tests.reference_forward import contiguous_logits
 from tests.servers import idle, in_process, sim_process
 from tests.ui.panel_text import panel_text
@@ -236,7 +236,7 @@ def test_bench_against_the_server_agrees_with_its_metrics(server) -> None:
     idle(server)
     before = scrape()
     r = subprocess.run(
-        [sys.executable, "-m", "console.cli", "bench", str(AZURE_CONV), "--url",
+        [sys.executable, "-m", "kvdeck.console.cli", "bench", str(AZURE_CONV), "--url",
          f"http://127.0.0.1:{server.port}/v1", "--model", MODEL, "--limit", "10",
          "--time-scale", "0.05", "--max-prompt-len", "256", "--max-output-len", "8",
          "--no-warmup", "--json"], capture_output=True, text=True, timeout=600)
@@ -256,7 +256,7 @@ async def test_serve_with_console_shows_api_traffic(gemma_path) -> None:
     """`kvdeck serve --console`: the console runs the engine loop, the API feeds it."""
     import asyncio
 
-    from console.app import KvdeckApp
+    from kvdeck.console.app import KvdeckApp
 
     session = gemma_session(gemma_path, kv_memory_bytes=128 << 20)
     app = KvdeckApp(session.engine, hardware=False)
@@ -280,7 +280,7 @@ async def test_serve_with_console_shows_api_traffic(gemma_path) -> None:
 async def test_attach_shows_live_queue_and_kv_usage(server, client) -> None:
     import asyncio
 
-    from console.screens.attach import AttachApp
+    from kvdeck.console.screens.attach import AttachApp
 
     app = AttachApp(f"http://127.0.0.1:{server.port}", interval_s=0.2)
     async with app.run_test(size=(160, 48)):
@@ -314,7 +314,7 @@ async def test_attach_shows_live_queue_and_kv_usage(server, client) -> None:
 async def test_attach_marks_stale_figures_when_the_server_goes_away() -> None:
     import asyncio
 
-    from console.screens.attach import AttachApp
+    from kvdeck.console.screens.attach import AttachApp
 
     with sim_process() as server:
         app = AttachApp(server.url, interval_s=0.1)
@@ -344,7 +344,7 @@ async def test_attach_marks_stale_figures_when_the_server_goes_away() -> None:
 async def test_attach_reports_an_unreachable_server() -> None:
     import asyncio
 
-    from console.screens.attach import AttachApp
+    from kvdeck.console.screens.attach import AttachApp
 
     app = AttachApp("http://127.0.0.1:9", interval_s=0.1)  # nothing listens on port 9
     async with app.run_test(size=(120, 40)):
@@ -611,8 +611,8 @@ def test_echo_on_llama_cpp_scores_the_prompt_as_llama_cpp_python_does(gemma_path
     chunk)."""
     import numpy as np
 
-    from runtime.executors.llama_cpp_probe import open_llama
-    from runtime.tokenizer import quiet_stderr
+    from kvdeck.runtime.executors.llama_cpp_probe import open_llama
+    from kvdeck.runtime.tokenizer import quiet_stderr
 
     srv = ApiServer(build_session(resolve({
         "model": str(gemma_path), "executor": "llama_cpp", "served_model_name": MODEL,

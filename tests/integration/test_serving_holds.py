@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
-from runtime.server.app import ServeLimits
-from runtime.server.serve import ApiServer
-from runtime.session import build_session
-from runtime.settings import resolve
+from kvdeck.runtime.server.app import ServeLimits
+from kvdeck.runtime.server.serve import ApiServer
+from kvdeck.runtime.session import build_session
+from kvdeck.runtime.settings import resolve
 
 MODEL = "qwen3-8b"
 KEY = "sekrit"

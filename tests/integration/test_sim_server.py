@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from runtime.attach import parse_metrics
+from kvdeck.runtime.attach import parse_metrics
 from tests.servers import sim_process
 
 MODEL = "qwen3-8b"
@@ -114,7 +114,7 @@ def trace_file(tmp_path: Path) -> Path:
 
 
 def kvdeck(*args: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "console.cli", *args, "--json"],
+    r = subprocess.run([sys.executable, "-m", "kvdeck.console.cli", *args, "--json"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)

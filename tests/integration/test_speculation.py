@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.sim import SimConfig, SimExecutor
-from runtime.executors.torch import TorchExecutor
-from runtime.recording import read_run, record_headless
-from runtime.replay import Replay
-from runtime.request import SamplingParams
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.recording import read_run, record_headless
+from kvdeck.runtime.replay import Replay
+from kvdeck.runtime.request import SamplingParams
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.integration.test_engine_sim import drive, view_of
 

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.errors import ConfigError
-from runtime.executors.sim import SimConfig, SimExecutor
-from runtime.executors.torch import TorchExecutor
-from runtime.plan import ScheduledChunk, SchedulerOutput
-from runtime.recording import read_run, record_headless
-from runtime.replay import Replay
-from runtime.request import Request, SamplingParams
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.plan import ScheduledChunk, SchedulerOutput
+from kvdeck.runtime.recording import read_run, record_headless
+from kvdeck.runtime.replay import Replay
+from kvdeck.runtime.request import Request, SamplingParams
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.integration.test_engine_sim import drive, view_of
 from tests.integration.test_speculation import run, stop_and_abort_storm
@@ -51,7 +51,7 @@ def engine(target: Path, draft: Path | None, method: str, num_blocks: int = 200,
         ex = TorchExecutor(target, device="cpu", dtype="fp32", weight_activations="fp32",
                            draft_model=draft)
     else:
-        from runtime.executors.llama_cpp import LlamaCppExecutor
+        from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
 
         ex = LlamaCppExecutor(target, threads=2, n_parallel=4, batch_invariant=True,
                               draft_model=draft)
@@ -141,7 +141,7 @@ def test_the_pool_holds_target_and_draft_kv(models) -> None:
 
 def test_llama_cpp_pool_holds_target_and_draft_kv_and_refuses_another_vocabulary(
         models, tmp_path) -> None:
-    from runtime.executors.llama_cpp import LlamaCppExecutor
+    from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
 
     target, draft = models
     ex = LlamaCppExecutor(target, threads=2, n_parallel=4, draft_model=draft)
@@ -219,7 +219,7 @@ def test_sim_draft_model_what_if_is_recorded_and_replayed(tmp_path: Path) -> Non
 
 
 def test_sim_draft_settings_without_a_draft_are_refused() -> None:
-    from runtime.settings import resolve
+    from kvdeck.runtime.settings import resolve
 
     with pytest.raises(ConfigError, match="give it a cost with --draft-cost C too"):
         SimConfig(drafting="parallel")

@@ -9,12 +9,12 @@ import gc
 
 import pytest
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.torch import TorchExecutor
-from runtime.request import SamplingParams
-from runtime.spec.stats import SpecStats
-from runtime.tokenizer import Tokenizer
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.request import SamplingParams
+from kvdeck.runtime.spec.stats import SpecStats
+from kvdeck.runtime.tokenizer import Tokenizer
 from tests.kernel_ties import assert_equal_up_to_kernel_ties
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,7 @@ def run(path, method: str, draft=None, texts=TEXTS, max_tokens: int = 32,
         ex = TorchExecutor(path, device="cpu", dtype=dtype, weight_activations=dtype,
                            draft_model=draft)
     else:
-        from runtime.executors.llama_cpp import LlamaCppExecutor
+        from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
 
         ex = LlamaCppExecutor(path, threads=2, batch_invariant=True, draft_model=draft)
     tok = Tokenizer(path)

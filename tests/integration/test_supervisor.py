@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from console.supervisor import SI_KERNEL, command_of, crash_sentence, forwardable
+from kvdeck.console.supervisor import SI_KERNEL, command_of, crash_sentence, forwardable
 from tests.terminal import Terminal
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,7 @@ def test_the_sentence_names_the_signal_the_executor_the_log_and_what_to_try() ->
 
 
 def test_a_segfault_in_the_console_restores_the_terminal(tmp_path) -> None:
-    term = Terminal([sys.executable, "-m", "console.cli", "--executor", "llama_cpp",
+    term = Terminal([sys.executable, "-m", "kvdeck.console.cli", "--executor", "llama_cpp",
                      "--rate", "5"], cwd=str(tmp_path),
                     env={"KVDECK_FAULT": "decode:3"})
     before = termios.tcgetattr(term.fd)
@@ -80,7 +80,7 @@ def test_a_segfault_in_the_console_restores_the_terminal(tmp_path) -> None:
 
 def test_a_segfault_in_a_served_engine_closes_the_port(tmp_path) -> None:
     env = {**os.environ, "KVDECK_FAULT": "decode:2"}
-    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "kvdeck.console.cli", "serve", "--port", "0",
                              "--executor", "llama_cpp"], cwd=str(tmp_path), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -112,7 +112,7 @@ def test_a_segfault_in_a_served_engine_closes_the_port(tmp_path) -> None:
 
 def serving_sim(cwd) -> subprocess.Popen:
     """`kvdeck serve --executor sim` (the parent's process), once it says it serves."""
-    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "kvdeck.console.cli", "serve", "--port", "0",
                              "--executor", "sim"], cwd=str(cwd),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = ""

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.errors import ConfigError, ModelFileError
-from runtime.executors.torch import TorchExecutor
-from runtime.request import RequestStatus, SamplingParams
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.errors import ConfigError, ModelFileError
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.request import RequestStatus, SamplingParams
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.reference_forward import contiguous_logits
 

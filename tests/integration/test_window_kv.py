@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.errors import ConfigError
-from runtime.executors.torch import TorchExecutor
-from runtime.recording import record_headless
-from runtime.replay import TraceState
-from runtime.request import Request, SamplingParams
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.recording import record_headless
+from kvdeck.runtime.replay import TraceState
+from kvdeck.runtime.request import Request, SamplingParams
 from tests.integration.test_engine_sim import assert_replays_as_lived, view_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -12,12 +12,12 @@ import random
 import pytest
 import torch
 
-from runtime.executors.torch import TorchExecutor
-from runtime.kv.groups import LayerGroups
-from runtime.plan import ScheduledChunk, SchedulerOutput, StepResult
-from runtime.quality import PASSAGE
-from runtime.request import Request, SamplingParams
-from runtime.tokenizer import Tokenizer
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.kv.groups import LayerGroups
+from kvdeck.runtime.plan import ScheduledChunk, SchedulerOutput, StepResult
+from kvdeck.runtime.quality import PASSAGE
+from kvdeck.runtime.request import Request, SamplingParams
+from kvdeck.runtime.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -140,8 +140,8 @@ def test_freed_window_kv_gives_the_same_tokens_and_logits(executor, prompts) -> 
 
 
 def test_llama_cpp_refuses_free_window_kv(gemma_path) -> None:
-    from runtime.errors import ConfigError
-    from runtime.executors.llama_cpp import LlamaCppExecutor
+    from kvdeck.runtime.errors import ConfigError
+    from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
 
     with pytest.raises(ConfigError, match="llama.cpp keeps its own KV cells"):
         LlamaCppExecutor(gemma_path, threads=2).layer_groups()

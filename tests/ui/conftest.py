@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from console.app import KvdeckApp
-from console.screenshots import make_demo_app
+from kvdeck.console.app import KvdeckApp
+from kvdeck.console.screenshots import make_demo_app
 
 
 @pytest.fixture()

@@ -8,7 +8,7 @@ from rich.console import Console
 from textual.dom import DOMNode
 from textual.widgets import Static, Tree
 
-from console.layout import SNAPSHOT_PANELS
+from kvdeck.console.layout import SNAPSHOT_PANELS
 
 
 def panel_text(widget: Static) -> str:

@@ -6,12 +6,12 @@ import asyncio
 
 from textual.widgets import Input, OptionList
 
-from console.app import KvdeckApp
-from console.screenshots import advance
-from console.screenshots import make_demo_app as make_app
-from console.widgets.hardware import unified_line
-from console.widgets.kv_map import KVMapPanel
-from runtime.recording import read_run
+from kvdeck.console.app import KvdeckApp
+from kvdeck.console.screenshots import advance
+from kvdeck.console.screenshots import make_demo_app as make_app
+from kvdeck.console.widgets.hardware import unified_line
+from kvdeck.console.widgets.kv_map import KVMapPanel
+from kvdeck.runtime.recording import read_run
 from tests.ui.panel_text import panel_text
 
 
@@ -188,7 +188,7 @@ KNOB_VALUES = {
 def test_every_engine_knob_is_listed() -> None:
     import dataclasses
 
-    from runtime.config import Knobs
+    from kvdeck.runtime.config import Knobs
 
     assert set(KNOB_VALUES) == {f.name for f in dataclasses.fields(Knobs)}
 
@@ -230,10 +230,10 @@ async def test_prompt_streams_tokens_and_highlights_its_blocks(app: KvdeckApp) -
 
 
 async def test_keys_respond_with_1000_running_requests(tmp_path) -> None:
-    from runtime.config import EngineConfig, Knobs
-    from runtime.engine import Engine
-    from runtime.executors.sim import SimExecutor
-    from runtime.request import SamplingParams
+    from kvdeck.runtime.config import EngineConfig, Knobs
+    from kvdeck.runtime.engine import Engine
+    from kvdeck.runtime.executors.sim import SimExecutor
+    from kvdeck.runtime.request import SamplingParams
 
     engine = Engine(EngineConfig(num_blocks=80_000, knobs=Knobs(
         max_num_seqs=1024, max_num_batched_tokens=16384)), SimExecutor())
@@ -256,7 +256,7 @@ async def test_keys_respond_with_1000_running_requests(tmp_path) -> None:
 
 
 async def test_prefix_tree_collapse_survives_new_snapshots(app: KvdeckApp) -> None:
-    from console.widgets.prefix_tree import PrefixTreePanel
+    from kvdeck.console.widgets.prefix_tree import PrefixTreePanel
 
     async with app.run_test(size=(160, 48)) as pilot:
         advance(app, 40)
@@ -271,7 +271,7 @@ async def test_prefix_tree_collapse_survives_new_snapshots(app: KvdeckApp) -> No
 
 
 async def test_engine_failure_shows_a_banner_and_q_quits(tmp_path, monkeypatch) -> None:
-    from console.widgets.banner import Banner
+    from kvdeck.console.widgets.banner import Banner
 
     monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
     app = make_app(tmp_path / "runs", autostart=True, fail_at_step=8)
@@ -290,7 +290,7 @@ async def test_engine_failure_shows_a_banner_and_q_quits(tmp_path, monkeypatch) 
 
 
 async def test_w_saves_the_settings_with_the_knobs_as_they_are(tmp_path) -> None:
-    from runtime.settings import load
+    from kvdeck.runtime.settings import load
 
     app = make_app(tmp_path / "runs")
     async with app.run_test(size=(160, 48)) as pilot:
@@ -309,7 +309,7 @@ async def test_w_saves_the_settings_with_the_knobs_as_they_are(tmp_path) -> None
 async def test_request_table_filters_sorts_details_aborts_and_reprioritizes(app) -> None:
     from textual.widgets import DataTable
 
-    from console.screens.requests import RequestsScreen
+    from kvdeck.console.screens.requests import RequestsScreen
 
     async with app.run_test(size=(160, 48)) as pilot:
         advance(app, 300)  # long enough for the first requests to finish
@@ -470,8 +470,8 @@ async def test_80x24_shows_knob_values_queue_essentials_and_the_keys_that_matter
 async def test_metrics_panel_counts_answers_that_passed_their_checks(app) -> None:
     """Requests with checks among the traffic: the panel says how many answers passed, and
     goodput leaves out the wrong ones."""
-    from runtime.checks import parse_check
-    from runtime.request import SamplingParams
+    from kvdeck.runtime.checks import parse_check
+    from kvdeck.runtime.request import SamplingParams
 
     async with app.run_test(size=(160, 48)) as pilot:
         advance(app, 5)

@@ -45,7 +45,7 @@ ACTIONS = {
 @pytest.mark.slow
 def test_console_soak_with_random_operator_actions_then_q(tmp_path: Path) -> None:
     rng = random.Random(11)
-    term = Terminal([sys.executable, "-m", "console.cli", "console", "--executor", "sim"],
+    term = Terminal([sys.executable, "-m", "kvdeck.console.cli", "console", "--executor", "sim"],
                     cwd=str(tmp_path))
     done: dict[str, int] = {}
     try:
@@ -71,7 +71,7 @@ def test_console_soak_with_random_operator_actions_then_q(tmp_path: Path) -> Non
     assert done.get("knob", 0) >= 3 and done.get("record", 0) >= 1, done
     runs = sorted((tmp_path / "runs").iterdir()) if (tmp_path / "runs").is_dir() else []
     for run in runs:  # every recording replays, figures and all
-        r = subprocess.run([sys.executable, "-m", "console.cli", "replay", str(run),
+        r = subprocess.run([sys.executable, "-m", "kvdeck.console.cli", "replay", str(run),
                             "--summary", "--json"], capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 0, (run, r.stderr)

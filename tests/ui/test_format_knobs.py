@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from console.app import KvdeckApp
-from console.widgets.kv_map import KVMapPanel
-from runtime.request import RequestStatus, SamplingParams
-from runtime.session import build_session
-from runtime.settings import resolve
+from kvdeck.console.app import KvdeckApp
+from kvdeck.console.widgets.kv_map import KVMapPanel
+from kvdeck.runtime.request import RequestStatus, SamplingParams
+from kvdeck.runtime.session import build_session
+from kvdeck.runtime.settings import resolve
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.ui.panel_text import panel_text
 from tests.ui.test_console import edit_knob, knob_choices

@@ -3,9 +3,9 @@ engine is seeing, with the engine's measured point, recomputed as knobs change."
 
 from __future__ import annotations
 
-from console.screens.plan import PlanScreen
-from console.screenshots import advance
-from runtime.live_plan import live_workload
+from kvdeck.console.screens.plan import PlanScreen
+from kvdeck.console.screenshots import advance
+from kvdeck.runtime.live_plan import live_workload
 from tests.ui.panel_text import panel_text
 
 

@@ -10,25 +10,25 @@ from pathlib import Path
 
 import pytest
 
-from console.app import KvdeckApp
-from console.layout import SNAPSHOT_PANELS
-from console.screens import replay as replay_mod
-from console.screens.replay import ReplayApp
-from console.screenshots import advance, make_demo_app
-from console.widgets.kv_map import KVMapPanel
-from console.widgets.scrubber import Scrubber
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.sim import SimExecutor
-from runtime.recording import read_run, record_headless
-from runtime.records import Pause
-from runtime.replay import Replay
-from runtime.runner import run_arrivals
-from runtime.session import build_session
-from runtime.settings import resolve
-from runtime.snapshot import EngineSnapshot
-from runtime.trace import Arrival
-from runtime.traffic import TrafficGenerator, TrafficMix
+from kvdeck.console.app import KvdeckApp
+from kvdeck.console.layout import SNAPSHOT_PANELS
+from kvdeck.console.screens import replay as replay_mod
+from kvdeck.console.screens.replay import ReplayApp
+from kvdeck.console.screenshots import advance, make_demo_app
+from kvdeck.console.widgets.kv_map import KVMapPanel
+from kvdeck.console.widgets.scrubber import Scrubber
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.sim import SimExecutor
+from kvdeck.runtime.recording import read_run, record_headless
+from kvdeck.runtime.records import Pause
+from kvdeck.runtime.replay import Replay
+from kvdeck.runtime.runner import run_arrivals
+from kvdeck.runtime.session import build_session
+from kvdeck.runtime.settings import resolve
+from kvdeck.runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.trace import Arrival
+from kvdeck.runtime.traffic import TrafficGenerator, TrafficMix
 from tests.ui.panel_text import panel_text, panels_text
 
 
@@ -167,7 +167,7 @@ def test_replay_screen(snap_compare, run_dir: Path, size) -> None:
 
 
 def test_bad_run_directory_is_one_sentence(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "console.cli", "replay", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "kvdeck.console.cli", "replay", str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "is not a kvdeck run directory (no header.json)." in r.stderr
 
@@ -204,6 +204,6 @@ async def test_a_recording_made_while_paused_replays_its_starting_state(tmp_path
         assert not app.records and app.snapshot.kv.states == state
         assert "no iteration ran while it recorded" in panel_text(app.query_one(Scrubber))
     assert app.problem is None
-    r = subprocess.run([sys.executable, "-m", "console.cli", "replay", str(run), "--summary",
+    r = subprocess.run([sys.executable, "-m", "kvdeck.console.cli", "replay", str(run), "--summary",
                         "--json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

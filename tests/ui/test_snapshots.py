@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from console.screenshots import advance
-from console.screenshots import make_demo_app as make_app
+from kvdeck.console.screenshots import advance
+from kvdeck.console.screenshots import make_demo_app as make_app
 
 SIZES = [(80, 24), (160, 48)]
 

@@ -3,8 +3,8 @@ from a recording of it."""
 
 from __future__ import annotations
 
-from console.screenshots import advance, make_demo_app
-from console.widgets.speculation import SpeculationPanel
+from kvdeck.console.screenshots import advance, make_demo_app
+from kvdeck.console.widgets.speculation import SpeculationPanel
 from tests.ui.panel_text import panel_text
 from tests.ui.test_replay import record_live, replay_equals_live
 
@@ -52,7 +52,7 @@ DRAFT = {"speculative_method": "draft", "num_speculative_tokens": 3,
 
 
 async def test_a_draft_model_shows_in_the_panel_and_the_kv_map(tmp_path) -> None:
-    from console.widgets.kv_map import KVMapPanel
+    from kvdeck.console.widgets.kv_map import KVMapPanel
 
     app = make_demo_app(tmp_path / "runs", **DRAFT)
     async with app.run_test(size=(160, 48)) as pilot:

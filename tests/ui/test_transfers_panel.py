@@ -3,10 +3,10 @@ preemption and weight offload — and the same panels, drawn from a recording of
 
 from __future__ import annotations
 
-from console.screenshots import advance, make_demo_app
-from console.widgets.kv_map import KVMapPanel
-from console.widgets.prefix_tree import PrefixTreePanel
-from console.widgets.transfers import TransfersPanel
+from kvdeck.console.screenshots import advance, make_demo_app
+from kvdeck.console.widgets.kv_map import KVMapPanel
+from kvdeck.console.widgets.prefix_tree import PrefixTreePanel
+from kvdeck.console.widgets.transfers import TransfersPanel
 from tests.ui.panel_text import panel_text, tree_text
 from tests.ui.test_replay import record_live, replay_equals_live
 

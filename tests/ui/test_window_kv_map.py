@@ -4,11 +4,11 @@ mid-run that re-lays both groups' pages without losing anyone."""
 
 from __future__ import annotations
 
-from console.app import KvdeckApp
-from console.widgets.kv_map import WINDOW_CHAR, KVMapPanel
-from runtime.request import RequestStatus, SamplingParams
-from runtime.session import build_session
-from runtime.settings import resolve
+from kvdeck.console.app import KvdeckApp
+from kvdeck.console.widgets.kv_map import WINDOW_CHAR, KVMapPanel
+from kvdeck.runtime.request import RequestStatus, SamplingParams
+from kvdeck.runtime.session import build_session
+from kvdeck.runtime.settings import resolve
 from tests.ui.panel_text import panel_text
 from tests.ui.test_console import edit_knob
 

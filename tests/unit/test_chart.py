@@ -3,8 +3,8 @@ number above the peak, and knob changes are marked on the axis."""
 
 from __future__ import annotations
 
-from console.widgets.chart import columns, nice_top, plot
-from runtime.figures import Bucket
+from kvdeck.console.widgets.chart import columns, nice_top, plot
+from kvdeck.runtime.figures import Bucket
 
 
 def history(n: int, gap_at: int | None = None, knob_at: int | None = None) -> list[Bucket]:

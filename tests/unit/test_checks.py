@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from runtime.checks import AnswerCheck, parse_check
-from runtime.config import EngineConfig
-from runtime.engine import Engine
-from runtime.errors import RequestError, TraceError
-from runtime.executors.sim import SimConfig, SimExecutor
-from runtime.metrics import SLO
-from runtime.recording import record_headless
-from runtime.records import Finished, StepRecord
-from runtime.replay import summarize_run
-from runtime.request import SamplingParams
-from runtime.standin import StandInTokenizer
+from kvdeck.runtime.checks import AnswerCheck, parse_check
+from kvdeck.runtime.config import EngineConfig
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.errors import RequestError, TraceError
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+from kvdeck.runtime.metrics import SLO
+from kvdeck.runtime.recording import record_headless
+from kvdeck.runtime.records import Finished, StepRecord
+from kvdeck.runtime.replay import summarize_run
+from kvdeck.runtime.request import SamplingParams
+from kvdeck.runtime.standin import StandInTokenizer
 
 
 def deep(n: int) -> dict:

@@ -1,12 +1,12 @@
-"""The default executor per machine (`runtime.executors.choice`), on this machine's real
+"""The default executor per machine (`kvdeck.runtime.executors.choice`), on this machine's real
 llama-cpp-python and torch: which one settings without an executor resolve to, and why."""
 
 from __future__ import annotations
 
 import pytest
 
-from runtime.executors.choice import choose_executor, llama_cpp_gpu_offload, torch_cuda
-from runtime.settings import EXECUTOR_DEFAULTS, resolve
+from kvdeck.runtime.executors.choice import choose_executor, llama_cpp_gpu_offload, torch_cuda
+from kvdeck.runtime.settings import EXECUTOR_DEFAULTS, resolve
 
 
 def test_a_cpu_machine_with_llama_cpp_defaults_to_it_and_says_why() -> None:

@@ -1,7 +1,12 @@
 import pytest
 
-from runtime.errors import ConfigError
-from runtime.kv.formats import KV_FORMATS, blocks_for_tokens, get_kv_format, kv_bytes_per_token
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.kv.formats import (
+    KV_FORMATS,
+    blocks_for_tokens,
+    get_kv_format,
+    kv_bytes_per_token,
+)
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.errors import ModelFileError
-from runtime.models.gguf import read_gguf
-from runtime.models.info import model_report, read_model_info
+from kvdeck.runtime.errors import ModelFileError
+from kvdeck.runtime.models.gguf import read_gguf
+from kvdeck.runtime.models.info import model_report, read_model_info
 
 
 def test_tiny_llama_metadata(tiny_llama: Path) -> None:

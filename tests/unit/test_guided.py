@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from runtime.guided import (
+from kvdeck.runtime.guided import (
     ConstraintError,
     Grammars,
     GuideSpec,
@@ -17,9 +17,9 @@ from runtime.guided import (
     choice_spec,
     unpack,
 )
-from runtime.request import Request, SamplingParams
-from runtime.sampling import constrain, sample, sample_draft
-from runtime.tokenizer import Tokenizer
+from kvdeck.runtime.request import Request, SamplingParams
+from kvdeck.runtime.sampling import constrain, sample, sample_draft
+from kvdeck.runtime.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer"}},
@@ -175,7 +175,7 @@ def test_a_grammar_in_error_fails_its_request_not_the_step(grammars) -> None:
     """A matcher in an error state (a refused token, a user grammar past llguidance's
     limits) gives no mask: the step's result fails that request with a sentence, and the
     others' masks are computed as usual."""
-    from runtime.guided import MaskJob
+    from kvdeck.runtime.guided import MaskJob
 
     broken = Request("broken", [1], SamplingParams(temperature=1.0))
     broken.guide = grammars.start(GuideSpec("regex", "[0-9]+"))

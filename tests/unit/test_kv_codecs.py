@@ -9,10 +9,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from runtime.errors import ConfigError
-from runtime.executors.kv_codecs import KVCodec, fp8_supported, get_codec, kv_formats_for
-from runtime.executors.paged_kv import PagedKVCache
-from runtime.kv.formats import KV_FORMATS, kv_bytes_per_token
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors.kv_codecs import KVCodec, fp8_supported, get_codec, kv_formats_for
+from kvdeck.runtime.executors.paged_kv import PagedKVCache
+from kvdeck.runtime.kv.formats import KV_FORMATS, kv_bytes_per_token
 
 CPU = torch.device("cpu")
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}

@@ -9,10 +9,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_runtime_never_imports_textual_or_console() -> None:
     code = (
-        "import importlib, pkgutil, sys, runtime\n"
-        "for m in pkgutil.walk_packages(runtime.__path__, 'runtime.'):\n"
+        "import importlib, pkgutil, sys\nimport kvdeck.runtime as runtime\n"
+        "for m in pkgutil.walk_packages(runtime.__path__, 'kvdeck.runtime.'):\n"
         "    importlib.import_module(m.name)\n"
-        "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('textual', 'console'))\n"
+        "bad = sorted(n for n in sys.modules if n.split('.')[0] == 'textual' or n.startswith('kvdeck.console'))\n"
         "print(len(list(pkgutil.walk_packages(runtime.__path__))), bad)\n"
         "sys.exit(1 if bad else 0)\n"
     )

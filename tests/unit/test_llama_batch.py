@@ -4,7 +4,7 @@ consecutive, increasing sequence ids (`runtime/executors/llama_cpp_context.py`).
 
 from __future__ import annotations
 
-from runtime.executors.llama_cpp_context import one_batch
+from kvdeck.runtime.executors.llama_cpp_context import one_batch
 
 
 def micro_batches(rows: list[tuple[int, int, int, int]]) -> list[list[int]]:

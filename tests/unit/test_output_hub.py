@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.sim import SimConfig, SimExecutor
-from runtime.request import SamplingParams
-from runtime.server.streams import OutputHub
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+from kvdeck.runtime.request import SamplingParams
+from kvdeck.runtime.server.streams import OutputHub
 
 
 def test_watching_a_finished_request_delivers_its_output() -> None:

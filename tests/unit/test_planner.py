@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from runtime.errors import ConfigError
-from runtime.planner import Planner, Scheme
-from runtime.profiles import HardwareProfile, ModelProfile, user_profiles_dir
-from runtime.workloads import DraftSource, Workload, draft_sources, expected_outputs
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.planner import Planner, Scheme
+from kvdeck.runtime.profiles import HardwareProfile, ModelProfile, user_profiles_dir
+from kvdeck.runtime.workloads import DraftSource, Workload, draft_sources, expected_outputs
 
 GIB = 2**30
 

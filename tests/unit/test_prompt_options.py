@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from console.prompt_options import parse_prompt
-from runtime.errors import RequestError
+from kvdeck.console.prompt_options import parse_prompt
+from kvdeck.runtime.errors import RequestError
 
 
 def test_options_then_the_prompt() -> None:

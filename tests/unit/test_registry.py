@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import ModelNotFoundError
-from runtime.models import registry
-from runtime.models.registry import CHUNKED_MODELS, list_models, resolve_model
+from kvdeck.runtime.errors import ModelNotFoundError
+from kvdeck.runtime.models import registry
+from kvdeck.runtime.models.registry import CHUNKED_MODELS, list_models, resolve_model
 
 
 @pytest.fixture()
@@ -65,7 +65,7 @@ def test_a_pinned_checksum_guards_packages_that_publish_none(
     tested with, and an assembly that does not match is refused, never cached."""
     import hashlib
 
-    from runtime.errors import ModelFileError
+    from kvdeck.runtime.errors import ModelFileError
 
     data = tiny_llama.read_bytes()
     chunks = [isolated_dirs / "part1.bin", isolated_dirs / "part2.bin"]

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.errors import ConfigError
-from runtime.plan import ScheduledChunk
-from runtime.request import Request, SamplingParams
-from runtime.sampling import TokenLogprobs, draw, process_logits, sample, score_tokens
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.plan import ScheduledChunk
+from kvdeck.runtime.request import Request, SamplingParams
+from kvdeck.runtime.sampling import TokenLogprobs, draw, process_logits, sample, score_tokens
 
 EOS = 0
 

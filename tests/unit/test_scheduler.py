@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from runtime.config import EngineConfig, Knobs
-from runtime.engine import Engine
-from runtime.executors.sim import SimConfig, SimExecutor
-from runtime.records import StepRecord
-from runtime.request import RequestStatus, SamplingParams
+from kvdeck.runtime.config import EngineConfig, Knobs
+from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+from kvdeck.runtime.records import StepRecord
+from kvdeck.runtime.request import RequestStatus, SamplingParams
 
 
 def engine(num_blocks: int = 256, block_size: int = 16, **knobs) -> Engine:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.spec.ngram import propose_ngram
-from runtime.spec.verify import verify_greedy, verify_sampled
+from kvdeck.runtime.spec.ngram import propose_ngram
+from kvdeck.runtime.spec.verify import verify_greedy, verify_sampled
 
 P = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05])
 Q = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30])  # a poor draft: mostly wrong
@@ -91,10 +91,10 @@ def test_ngram_proposes_what_followed_the_latest_match() -> None:
 def test_adaptive_draft_length_follows_the_marginal_cost_rule() -> None:
     """ΔT/ΔN < T/N with hand-worked numbers: a step of 10 ms that emitted 10 tokens (1 ms a
     token); a verify row costs 0.2 ms (the fitted model's per-token time)."""
-    from runtime.config import EngineConfig, Knobs
-    from runtime.kv.manager import BlockManager
-    from runtime.request import Request, SamplingParams
-    from runtime.scheduler import Scheduler
+    from kvdeck.runtime.config import EngineConfig, Knobs
+    from kvdeck.runtime.kv.manager import BlockManager
+    from kvdeck.runtime.request import Request, SamplingParams
+    from kvdeck.runtime.scheduler import Scheduler
 
     def estimate(new: int, pairs: int, ctx: int) -> float:
         return 0.005 + 0.0002 * new

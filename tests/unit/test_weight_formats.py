@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.errors import ConfigError
-from runtime.executors.sim import GROUP_SHARES, SimConfig, SimExecutor
-from runtime.models.kernels import KernelTable
-from runtime.models.linear import AutoMatrix, WeightOnlyInt4, WeightOnlyInt8, pack_matrix
-from runtime.models.weight_formats import format_weight_format, parse_weight_format
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors.sim import GROUP_SHARES, SimConfig, SimExecutor
+from kvdeck.runtime.models.kernels import KernelTable
+from kvdeck.runtime.models.linear import AutoMatrix, WeightOnlyInt4, WeightOnlyInt8, pack_matrix
+from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
 
 # Attention, FFN down, and a head's shape with fewer rows: the kernels treat every output row
 # alike, so Gemma 3's 262,144 rows test nothing 16,384 do not (and took minutes in int4).

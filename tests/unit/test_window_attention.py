@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from runtime.executors.kv_codecs import get_codec
-from runtime.executors.paged_kv import BatchRow, PagedBatch, PagedKVCache, paged_attention
-from runtime.kv.groups import LayerGroups
+from kvdeck.runtime.executors.kv_codecs import get_codec
+from kvdeck.runtime.executors.paged_kv import BatchRow, PagedBatch, PagedKVCache, paged_attention
+from kvdeck.runtime.kv.groups import LayerGroups
 
 CPU = torch.device("cpu")
 P, W = 4, 8                    # block size, window
@@ -135,9 +135,9 @@ def test_a_row_without_window_tables_is_refused() -> None:
 
 
 def test_executors_that_cannot_free_window_kv_say_why(tiny_llama) -> None:
-    from runtime.errors import ConfigError
-    from runtime.executors.sim import SimExecutor
-    from runtime.executors.torch import TorchExecutor
+    from kvdeck.runtime.errors import ConfigError
+    from kvdeck.runtime.executors.sim import SimExecutor
+    from kvdeck.runtime.executors.torch import TorchExecutor
 
     with pytest.raises(ConfigError, match="the sim's model card qwen3-8b has none"):
         SimExecutor().layer_groups()
