@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.executors.sim import SimExecutor
-from kvdeck.runtime.runner import run_arrivals
-from kvdeck.runtime.trace import load_arrivals, resolve_trace
+from kvdeck.runtime.runs.runner import run_arrivals
+from kvdeck.runtime.runs.trace import load_arrivals, resolve_trace
 
 GIB = 1 << 30
 TRACE = "mooncake-conversation"

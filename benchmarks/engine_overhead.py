@@ -15,10 +15,10 @@ import json
 import time
 from pathlib import Path
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
-from kvdeck.runtime.request import SamplingParams
 
 CONTEXT = 2048
 SHARED = 512

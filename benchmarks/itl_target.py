@@ -16,14 +16,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.metrics import Distribution
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
-from kvdeck.runtime.records import StepRecord
-from kvdeck.runtime.runner import run_arrivals
-from kvdeck.runtime.trace import Arrival
+from kvdeck.runtime.runs.runner import run_arrivals
+from kvdeck.runtime.runs.trace import Arrival
+from kvdeck.runtime.views.metrics import Distribution
 
 TARGETS = (0.0, 150.0, 300.0)
 

@@ -2,7 +2,7 @@
 
 Model: Gemma 3 270M (Q4_K_M GGUF) on the torch executor, CPU, fp32 weights and KV (what
 `kvdeck calibrate` measures). The step model is fitted from the full calibration sweep
-(`runtime/calibrate.py`), the card's peaks and link measured now, MFU and MBU from the
+(`runtime/planning/calibrate.py`), the card's peaks and link measured now, MFU and MBU from the
 sweep's points — the profiles `kvdeck calibrate` writes, built in memory. Workload: bursts of
 4 and 8 requests of 256 prompt tokens and 48 outputs, token budget 256 per step. Printed
 side by side from one run: the planner's TTFT and completion time (the last request's)
@@ -15,17 +15,18 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from kvdeck.runtime.calibrate import efficiencies, fit_step_model, measure_machine, sweep
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.executors.link import measure_link
 from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
-from kvdeck.runtime.planner import Planner, Scheme
-from kvdeck.runtime.profiles import HardwareProfile, ModelProfile
-from kvdeck.runtime.runner import run_arrivals
-from kvdeck.runtime.trace import Arrival
-from kvdeck.runtime.workloads import Workload
+from kvdeck.runtime.planning.calibrate import efficiencies, fit_step_model, sweep
+from kvdeck.runtime.planning.machine import measure_machine
+from kvdeck.runtime.planning.planner import Planner, Scheme
+from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
+from kvdeck.runtime.planning.workloads import Workload
+from kvdeck.runtime.runs.runner import run_arrivals
+from kvdeck.runtime.runs.trace import Arrival
 
 PROMPT, OUTPUT, BUDGET = 256, 48, 256
 BURSTS = (4, 8)

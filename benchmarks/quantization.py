@@ -15,7 +15,7 @@ Printed side by side, from one run:
    reads save against fp32 (ΔD), the time spent decoding the stored values back to fp32
    (T_conv, timed alone), and the net gain the relation predicts, ΔT = ΔD/β − T_conv
    (β: this machine's read bandwidth, measured), next to the measured difference.
-4. Quality against fp32 weights with fp32 KV (`runtime/quality.py`): teacher-forced top-1
+4. Quality against fp32 weights with fp32 KV (`runtime/text/quality.py`): teacher-forced top-1
    agreement and mean |Δlogit| over a fixed text, and identical greedy tokens on three
    fixed prompts; for int8 with fp32 activations as well as with the fast kernel's.
 """
@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvdeck.runtime.calibrate import measure_machine
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
+from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.executors.kv_codecs import get_codec, kv_formats_for
 from kvdeck.runtime.executors.paged_kv import PagedKVCache
 from kvdeck.runtime.executors.torch import TorchExecutor
@@ -40,10 +41,9 @@ from kvdeck.runtime.kv.formats import KV_FORMATS
 from kvdeck.runtime.models.kernels import cpuinfo, describe
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 from kvdeck.runtime.models.weight_formats import GROUPS
-from kvdeck.runtime.quality import measure_formats
-from kvdeck.runtime.records import StepRecord
-from kvdeck.runtime.request import SamplingParams
-from kvdeck.runtime.tokenizer import Tokenizer
+from kvdeck.runtime.planning.machine import measure_machine
+from kvdeck.runtime.text.quality import measure_formats
+from kvdeck.runtime.text.tokenizer import Tokenizer
 
 BATCHES = (1, 4, 8, 16, 32)
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "auto")

@@ -26,13 +26,13 @@ import json
 import time
 from pathlib import Path
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.errors import ModelNotFoundError
 from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
-from kvdeck.runtime.request import SamplingParams
-from kvdeck.runtime.tokenizer import Tokenizer
+from kvdeck.runtime.text.tokenizer import Tokenizer
 
 EDIT = [
     "Rewrite this function with the variable renamed from x to value:\n"

@@ -5,7 +5,7 @@ Model: Gemma 3 270M (Q4_K_M GGUF) on the torch executor (CPU, its default weight
 the llama_cpp executor. Workload: eight chat prompts asking for a list, submitted together
 (all eight decode in one batch), greedy, at most 160 output tokens each. Constrained: each
 answer follows a schema of eight short strings (about 60-90 tokens); the grammar masks are
-computed on a worker thread while the forward pass runs (`runtime/guided.py`). Printed side
+computed on a worker thread while the forward pass runs (`runtime/text/guided.py`). Printed side
 by side from one run per executor: output tokens and wall time, then the mean time of the
 steps that decoded all eight requests at once and the throughput it gives (constrained
 answers end when their schema does, so whole-run rates would compare different batch
@@ -18,14 +18,14 @@ import json
 import time
 from pathlib import Path
 
-from kvdeck.runtime.checks import AnswerCheck
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
-from kvdeck.runtime.guided import GuideSpec
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
+from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
-from kvdeck.runtime.records import StepRecord
-from kvdeck.runtime.request import SamplingParams
-from kvdeck.runtime.tokenizer import Tokenizer
+from kvdeck.runtime.text.checks import AnswerCheck
+from kvdeck.runtime.text.guided import GuideSpec
+from kvdeck.runtime.text.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"items": {
     "type": "array", "items": {"type": "string", "maxLength": 12},

@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from kvdeck.runtime.calibrate import measure_machine
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
+from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
-from kvdeck.runtime.records import StepRecord
-from kvdeck.runtime.request import SamplingParams
-from kvdeck.runtime.session import PASSAGE
-from kvdeck.runtime.tokenizer import Tokenizer
+from kvdeck.runtime.planning.machine import measure_machine
+from kvdeck.runtime.resources import PASSAGE
+from kvdeck.runtime.text.tokenizer import Tokenizer
 
 PROMPT_TOKENS = 128
 OUTPUT_TOKENS = 64

@@ -16,12 +16,12 @@ import json
 import time
 from pathlib import Path
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
+from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
-from kvdeck.runtime.records import StepRecord
-from kvdeck.runtime.request import SamplingParams
 
 PROMPT_TOKENS = 8192
 OUTPUT_TOKENS = 32

@@ -42,15 +42,15 @@ from kvdeck.console.widgets.prompt import (
     prompt_mode,
 )
 from kvdeck.console.widgets.queue import QueuePanel
-from kvdeck.runtime.engine import Engine
-from kvdeck.runtime.engine_loop import EngineLoop
+from kvdeck.runtime.core.commands import SetPriority, Watch
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.loop import EngineLoop
+from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.errors import KvdeckError
-from kvdeck.runtime.recording import Recorder, record_live, stop_live
-from kvdeck.runtime.records import SetPriority, Watch
-from kvdeck.runtime.request import SamplingParams
+from kvdeck.runtime.runs.recording import Recorder, record_live, stop_live
+from kvdeck.runtime.runs.traffic import TrafficGenerator
 from kvdeck.runtime.settings import Settings, to_toml
-from kvdeck.runtime.snapshot import EngineSnapshot
-from kvdeck.runtime.traffic import TrafficGenerator
+from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 
 class SnapshotReady(Message):

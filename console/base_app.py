@@ -10,7 +10,7 @@ from kvdeck.console.themes import load_themes
 from kvdeck.console.widgets.kv_map import KVMapPanel
 from kvdeck.console.widgets.prefix_tree import PrefixTreePanel
 from kvdeck.runtime.resources import themes_dir
-from kvdeck.runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 
 class ConsoleApp(App):

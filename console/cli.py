@@ -21,7 +21,7 @@ from rich.console import Console
 from kvdeck.console import supervisor
 from kvdeck.console.model_report import human_bytes
 from kvdeck.console.options import SettingsRequest, with_log_level, with_settings
-from kvdeck.runtime.config import check_float, check_int
+from kvdeck.runtime.core.config import check_float, check_int
 from kvdeck.runtime.errors import ConfigError, EngineFailedError, KvdeckError
 from kvdeck.runtime.logs import setup_logging
 
@@ -147,8 +147,8 @@ def console(
 def run_console(request: SettingsRequest, rate: float | None, log_level: str) -> None:
     """Build an engine with built-in traffic and run the console on it."""
     from kvdeck.console.app import KvdeckApp
+    from kvdeck.runtime.runs.traffic import TrafficGenerator
     from kvdeck.runtime.session import build_session
-    from kvdeck.runtime.traffic import TrafficGenerator
 
     log_path = guarded(lambda: setup_logging(log_level, to_stderr=False))
 
@@ -272,11 +272,11 @@ def run_trace(
     """Run an arrival trace through the engine headless (sim executor by default) and
     summarize it."""
     from kvdeck.console.run_views import render_summary
-    from kvdeck.runtime.metrics import SLO
-    from kvdeck.runtime.recording import record_headless
-    from kvdeck.runtime.runner import needs_tokenizer, run_arrivals
+    from kvdeck.runtime.runs.recording import record_headless
+    from kvdeck.runtime.runs.runner import needs_tokenizer, run_arrivals
+    from kvdeck.runtime.runs.trace import load_arrivals
     from kvdeck.runtime.session import build_session
-    from kvdeck.runtime.trace import load_arrivals
+    from kvdeck.runtime.views.metrics import SLO
 
     def go() -> dict:
         setup_logging(log_level)
@@ -355,8 +355,8 @@ def quality(
 
     from kvdeck.runtime.kv.formats import KV_FORMATS
     from kvdeck.runtime.models.weight_formats import FORMATS
-    from kvdeck.runtime.quality import measure_formats
-    from kvdeck.runtime.tokenizer import Tokenizer
+    from kvdeck.runtime.text.quality import measure_formats
+    from kvdeck.runtime.text.tokenizer import Tokenizer
 
     def build():
         setup_logging(log_level)
@@ -408,15 +408,15 @@ def calibrate(
     """Time a sweep of steps on a real model, fit the sim executor's step model, save it."""
     from rich.table import Table
 
-    from kvdeck.runtime.calibrate import (
+    from kvdeck.runtime.executors.link import measure_link
+    from kvdeck.runtime.planning.calibrate import (
         fit_step_model,
         hardware_name,
-        measure_machine,
         sweep,
         write_profiles,
     )
-    from kvdeck.runtime.executors.link import measure_link
-    from kvdeck.runtime.profiles import HardwareProfile
+    from kvdeck.runtime.planning.machine import measure_machine
+    from kvdeck.runtime.planning.profiles import HardwareProfile
     from kvdeck.runtime.session import build_executor
     from kvdeck.runtime.settings import resolve
 
@@ -499,9 +499,9 @@ def plan(
     the cheapest feasible one."""
     from kvdeck.console.plan_report import plan_json, plane_points, render_plan
     from kvdeck.console.plane import render_svg
-    from kvdeck.runtime.planner import Planner
-    from kvdeck.runtime.profiles import HardwareProfile, ModelProfile
-    from kvdeck.runtime.workloads import DraftSource, Workload, draft_sources
+    from kvdeck.runtime.planning.planner import Planner
+    from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
+    from kvdeck.runtime.planning.workloads import DraftSource, Workload, draft_sources
 
     guarded(lambda: setup_logging(log_level))
     guarded(lambda: check_int("--block-size", block_size, 1, 256))
@@ -583,13 +583,13 @@ def sweep(
     import asyncio
 
     from kvdeck.console.sweep_report import render_sweep, sweep_svg
-    from kvdeck.runtime.loadgen import RequestShape, run_bench
-    from kvdeck.runtime.metrics import SLO
-    from kvdeck.runtime.runner import run_arrivals
+    from kvdeck.runtime.planning.sweep import DEFAULT_SCALES, offered_rate
+    from kvdeck.runtime.planning.sweep import sweep as run_sweep
+    from kvdeck.runtime.runs.loadgen import RequestShape, run_bench
+    from kvdeck.runtime.runs.runner import run_arrivals
+    from kvdeck.runtime.runs.trace import load_arrivals, synthetic_arrivals
     from kvdeck.runtime.session import build_session
-    from kvdeck.runtime.sweep import DEFAULT_SCALES, offered_rate
-    from kvdeck.runtime.sweep import sweep as run_sweep
-    from kvdeck.runtime.trace import load_arrivals, synthetic_arrivals
+    from kvdeck.runtime.views.metrics import SLO
 
     def inputs():
         setup_logging(log_level)
@@ -808,15 +808,15 @@ def bench(
     from rich.progress import Progress
 
     from kvdeck.console.run_views import render_summary
-    from kvdeck.runtime.loadgen import (
+    from kvdeck.runtime.runs.loadgen import (
         EXACT_LENGTH_FIELDS,
         MAX_RETRIES,
         RequestShape,
         cap_arrivals,
         run_bench,
     )
-    from kvdeck.runtime.metrics import SLO
-    from kvdeck.runtime.trace import load_arrivals, synthetic_arrivals
+    from kvdeck.runtime.runs.trace import load_arrivals, synthetic_arrivals
+    from kvdeck.runtime.views.metrics import SLO
 
     def arrivals():
         setup_logging(log_level)
@@ -842,7 +842,7 @@ def bench(
              "and --send-checks shape HTTP requests; with --in-process, cap running requests "
              "with --max-num-seqs.")
     if in_process:
-        from kvdeck.runtime.runner import needs_tokenizer, run_arrivals
+        from kvdeck.runtime.runs.runner import needs_tokenizer, run_arrivals
         from kvdeck.runtime.session import build_session
 
         def local() -> dict:
@@ -862,9 +862,9 @@ def bench(
         def shape() -> RequestShape:
             text = None
             if text_prompts:
-                from kvdeck.runtime.loadgen import passage_prompts
                 from kvdeck.runtime.models.registry import resolve_model
-                from kvdeck.runtime.tokenizer import Tokenizer
+                from kvdeck.runtime.runs.loadgen import passage_prompts
+                from kvdeck.runtime.text.tokenizer import Tokenizer
 
                 text = passage_prompts(Tokenizer(resolve_model(model)))
             return RequestShape(vocab_size, hash_block_tokens, text, exact_length_field,
@@ -919,8 +919,8 @@ def replay(run: str = typer.Argument(..., help="A run directory written by recor
     guarded(lambda: setup_logging(log_level, to_stderr=False))
     if summary:
         from kvdeck.console.run_views import render_summary
-        from kvdeck.runtime.metrics import SLO
-        from kvdeck.runtime.replay import summarize_run
+        from kvdeck.runtime.runs.replay import summarize_run
+        from kvdeck.runtime.views.metrics import SLO
 
         result = guarded(lambda: summarize_run(run, SLO(slo_ttft, slo_tpot, slo_e2e)))
         if as_json:

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvdeck.runtime.config import KNOB_CHOICES
+from kvdeck.runtime.core.config import KNOB_CHOICES
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.sim import TIMING_MODES
 from kvdeck.runtime.kv.formats import KV_FORMATS

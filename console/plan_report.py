@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdeck.console.plane import Point, marks, render_text
-from kvdeck.runtime.planner import Plan, Planner
+from kvdeck.runtime.planning.planner import Plan, Planner
 
 GIB = 2**30
 

@@ -17,9 +17,9 @@ import json
 import re
 from dataclasses import dataclass
 
-from kvdeck.runtime.engine import MAX_BRANCHES
+from kvdeck.runtime.core.engine import MAX_BRANCHES
 from kvdeck.runtime.errors import RequestError
-from kvdeck.runtime.guided import GuideSpec, choice_spec
+from kvdeck.runtime.text.guided import GuideSpec, choice_spec
 
 NAMES = ("n", "temp", "seed", "json", "regex", "choice")
 _OPTION = re.compile(r"\s*(" + "|".join(NAMES) + r")=")

@@ -10,10 +10,10 @@ import asyncio
 from pathlib import Path
 
 from kvdeck.console.app import KvdeckApp
-from kvdeck.runtime.recording import record_headless
+from kvdeck.runtime.runs.recording import record_headless
+from kvdeck.runtime.runs.traffic import TrafficGenerator
 from kvdeck.runtime.session import build_session
 from kvdeck.runtime.settings import resolve
-from kvdeck.runtime.traffic import TrafficGenerator
 
 
 def make_demo_app(runs_dir: Path | None = None, autostart: bool = False,

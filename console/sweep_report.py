@@ -8,7 +8,7 @@ from xml.sax.saxutils import escape
 from rich.console import Console
 from rich.table import Table
 
-from kvdeck.runtime.sweep import SweepResult
+from kvdeck.runtime.planning.sweep import SweepResult
 
 BAR = 40
 

@@ -6,7 +6,7 @@ from functools import cache
 
 from textual.theme import Theme
 
-from kvdeck.runtime.config import tomllib
+from kvdeck.runtime.core.config import tomllib
 from kvdeck.runtime.resources import themes_dir
 
 

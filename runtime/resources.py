@@ -24,6 +24,10 @@ SAMPLE_TRACES = {
 }
 """Sample traces by name (traces/README.md gives each one's source and license)."""
 
+PASSAGE = files("kvdeck.runtime.text").joinpath("passage.txt")
+"""The fixed text the quality measures read and a simulated server with a real tokenizer
+answers from."""
+
 
 def cache_dir() -> Path:
     """Where kvdeck keeps assembled models, logs and other derived files: `$KVDECK_CACHE`,

@@ -5,22 +5,22 @@ every entry point runs — the console, `serve`, `run-trace`, `bench --in-proces
 - `torch`: the GGUF model's executor; its tokenizer comes from the same file.
 - `sim`: the timing model; a real tokenizer when `tokenizer` names a model (the simulated
   token ids are then drawn from that vocabulary and decoded by it), otherwise the stand-in
-  words of `runtime/standin.py`, whose token counts are exact.
+  words of `runtime/text/standin.py`, whose token counts are exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.executors.base import Executor
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.models.registry import DEFAULT_MODEL
+from kvdeck.runtime.resources import PASSAGE
 from kvdeck.runtime.settings import Settings
-from kvdeck.runtime.standin import StandInTokenizer
+from kvdeck.runtime.text.standin import StandInTokenizer
 
 
 @dataclass
@@ -43,7 +43,6 @@ class Session:
         self.engine.close()
 
 
-PASSAGE = files("kvdeck.runtime").joinpath("passage.txt")
 """A few paragraphs of English a simulated server with a real tokenizer answers from."""
 
 
@@ -78,7 +77,7 @@ def build_executor(settings: Settings, sim: SimConfig | None = None,
 
 def _real_tokenizer(model: str | Path):
     from kvdeck.runtime.models.registry import resolve_model
-    from kvdeck.runtime.tokenizer import Tokenizer
+    from kvdeck.runtime.text.tokenizer import Tokenizer
 
     return Tokenizer(resolve_model(str(model)))
 

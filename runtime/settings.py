@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvdeck.runtime.config import (
+from kvdeck.runtime.core.config import (
     EngineConfig,
     Knobs,
     check_choice,

@@ -17,7 +17,7 @@ def assert_equal_up_to_kernel_ties(path, prompts: dict[str, str], expected: dict
     import numpy as np
 
     from kvdeck.runtime.executors.llama_cpp_probe import open_llama
-    from kvdeck.runtime.tokenizer import Tokenizer, quiet_stderr
+    from kvdeck.runtime.text.tokenizer import Tokenizer, quiet_stderr
 
     differing = [rid for rid in expected if got[rid] != expected[rid]]
     if not differing:

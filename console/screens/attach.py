@@ -20,8 +20,8 @@ from textual.worker import get_current_worker
 from kvdeck.console.base_app import ConsoleApp
 from kvdeck.console.widgets.footer import KeysFooter
 from kvdeck.console.widgets.metrics import sparkline
-from kvdeck.runtime.attach import Rates, RemoteStatus, metrics_url, parse_metrics, parse_slots
 from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.runs.attach import Rates, RemoteStatus, metrics_url, parse_metrics, parse_slots
 
 
 def fmt_ms(x: float | None) -> str:

@@ -15,8 +15,8 @@ from textual.widgets import Header, Static
 
 from kvdeck.console.widgets.chart import AXIS_WIDTH, Columns, columns, plot
 from kvdeck.console.widgets.footer import KeysFooter
-from kvdeck.runtime.figures import Bucket
-from kvdeck.runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.views.figures import Bucket
+from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 
 def _rate(field: str):

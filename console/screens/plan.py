@@ -1,6 +1,6 @@
 """The plan screen (`P`): the planner's memory-vs-completion plane for the workload the
 engine is seeing, every scheme a point, the engine's own measured point (`@`) beside them,
-recomputed at most once a second as requests and knobs change (`runtime/live_plan.py`)."""
+recomputed at most once a second as requests and knobs change (`runtime/planning/live_plan.py`)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,13 @@ from textual.widgets import Header, Static
 from kvdeck.console.plane import Point, marks, render_text
 from kvdeck.console.widgets.footer import KeysFooter
 from kvdeck.runtime.errors import KvdeckError
-from kvdeck.runtime.live_plan import current_scheme, live_plan, live_profiles, live_workload
-from kvdeck.runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.planning.live_plan import (
+    current_scheme,
+    live_plan,
+    live_profiles,
+    live_workload,
+)
+from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 GIB = 2**30
 REFRESH_S = 1.0

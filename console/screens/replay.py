@@ -22,8 +22,8 @@ from kvdeck.console.widgets.footer import KeysFooter
 from kvdeck.console.widgets.knobs import KnobsPanel
 from kvdeck.console.widgets.scrubber import Scrubber
 from kvdeck.runtime.errors import RunFormatError
-from kvdeck.runtime.replay import TraceState, load_replay
-from kvdeck.runtime.snapshot import BatchView, EngineSnapshot
+from kvdeck.runtime.runs.replay import TraceState, load_replay
+from kvdeck.runtime.views.snapshot import BatchView, EngineSnapshot
 
 CHECKPOINT = 200
 SPEEDS = (0.25, 0.5, 1, 2, 4, 8, 16, 32)

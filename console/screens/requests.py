@@ -17,7 +17,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Header, Static
 
 from kvdeck.console.widgets.footer import KeysFooter
-from kvdeck.runtime.snapshot import EngineSnapshot, RequestView
+from kvdeck.runtime.views.snapshot import EngineSnapshot, RequestView
 
 FILTERS = ("all", "running", "waiting", "finished")
 COLUMNS = ("id", "state", "prompt", "out", "cached", "waited s", "prio", "preempt")

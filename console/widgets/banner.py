@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from textual.widgets import Static
 
-from kvdeck.runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 
 class Banner(Static):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from textual import events
 from textual.widgets import Static
 
-from kvdeck.runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 
 class SnapshotPanel(Static):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from rich.text import Text
 
-from kvdeck.runtime.figures import Bucket
+from kvdeck.runtime.views.figures import Bucket
 
 EIGHTHS = " ▁▂▃▄▅▆▇█"
 AXIS_WIDTH = 8

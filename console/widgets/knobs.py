@@ -17,9 +17,9 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Label, OptionList
 
 from kvdeck.console.model_report import human_bytes
-from kvdeck.runtime.config import KNOB_CHOICES, Knobs
+from kvdeck.runtime.core.config import KNOB_CHOICES, Knobs
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.snapshot import WeightsView
+from kvdeck.runtime.executors.base import WeightsView
 
 TRAFFIC_KNOBS = ("traffic_rate_per_s", "traffic_long_fraction")
 KNOB_TYPES = {f.name: f.type for f in dataclasses.fields(Knobs)}

@@ -10,7 +10,7 @@ from rich.text import Text
 from kvdeck.console.model_report import human_bytes
 from kvdeck.console.widgets.base import SnapshotPanel
 from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HOST_FREE, HOST_SWAPPED
-from kvdeck.runtime.snapshot import (
+from kvdeck.runtime.views.snapshot import (
     CACHED,
     CACHED_ACTIVE,
     FREE,

@@ -9,7 +9,7 @@ from rich.text import Text
 from textual import events
 from textual.widgets import Tree
 
-from kvdeck.runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 
 class PrefixTreePanel(Tree[int]):

@@ -16,7 +16,7 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Input, Static
 
-from kvdeck.runtime.snapshot import TrackedOutput
+from kvdeck.runtime.views.snapshot import TrackedOutput
 
 CHAT_MAX_TOKENS = 256
 COMPLETION_MAX_TOKENS = 48

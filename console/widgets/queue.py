@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvdeck.console.widgets.base import SnapshotPanel
-from kvdeck.runtime.snapshot import EngineSnapshot, RequestView
+from kvdeck.runtime.views.snapshot import EngineSnapshot, RequestView
 
 
 def budget_bar(decode: int, prefill: int, budget: int, width: int = 24) -> Text:

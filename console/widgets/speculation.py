@@ -8,7 +8,7 @@ from rich.console import Group
 from rich.text import Text
 
 from kvdeck.console.widgets.base import SnapshotPanel
-from kvdeck.runtime.snapshot import EngineSnapshot
+from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 BAR = 12
 

@@ -10,9 +10,8 @@ from rich.text import Text
 
 from kvdeck.console.model_report import human_bytes
 from kvdeck.console.widgets.base import SnapshotPanel
-from kvdeck.runtime.records import Transfer
-from kvdeck.runtime.snapshot import EngineSnapshot
-from kvdeck.runtime.transfers import TransfersView
+from kvdeck.runtime.kv.transfers import Transfer, TransfersView
+from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 BARS = " ▁▂▃▄▅▆▇█"
 KIND_STYLE = {"swap": "red", "demote": "yellow", "promote": "green", "weights": "cyan"}

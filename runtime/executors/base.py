@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from kvdeck.runtime.core.step_data import Conversion, SchedulerOutput, StepResult
 from kvdeck.runtime.kv.groups import LayerGroups
-from kvdeck.runtime.plan import Conversion, SchedulerOutput, StepResult
-from kvdeck.runtime.snapshot import WeightsView
+
+
+@dataclass(frozen=True)
+class WeightsView:
+    """The executor's matrix weights: formats, bytes, the kernel measurements behind the
+    choice, and cached quality figures of the current formats (`runtime/text/quality.py`)."""
+
+    formats: str
+    """The `weight_format` knob's resolved value."""
+    resident_bytes: int
+    detail: str = ""
+    """How quantized formats run here (activation dtype, group sizes)."""
+    kernels: tuple[str, ...] = ()
+    """The start-up micro-benchmark's figures (`kernels.describe`); empty if not measured."""
+    quality: tuple[tuple[str, str], ...] = ()
+    """(knob, figure) for the current weight and KV formats whose quality is cached."""
+    auto: str = ""
+    """What `auto` groups used in the latest step, e.g. `head=int8`."""
 
 
 @runtime_checkable

@@ -3,7 +3,7 @@
 One llama.cpp context holds every request, each as a *sequence id*; each engine step is one
 `llama_batch` mixing decode rows, prefill chunks and speculative verify chunks across
 sequences, with logits requested only for the rows that sample (or verify, or score prompt
-tokens). kvdeck's shared sampler (`runtime/sampling.py`) picks tokens from those logits, so
+tokens). kvdeck's shared sampler (`runtime/text/sampling.py`) picks tokens from those logits, so
 seeds, stop strings, logprobs, prompt logprobs and speculation behave as with the torch
 executor.
 
@@ -68,7 +68,15 @@ import os
 import time
 from pathlib import Path
 
+from kvdeck.runtime.core.step_data import (
+    Conversion,
+    ScheduledChunk,
+    SchedulerOutput,
+    StepResult,
+    StepTiming,
+)
 from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors.base import WeightsView
 from kvdeck.runtime.executors.llama_cpp_context import (
     KV_TYPES,
     LlamaContext,
@@ -80,17 +88,15 @@ from kvdeck.runtime.executors.llama_cpp_context import (
 from kvdeck.runtime.executors.llama_cpp_draft import LlamaDraft
 from kvdeck.runtime.executors.llama_cpp_probe import resolve_repack
 from kvdeck.runtime.executors.online_fit import OnlineFit
-from kvdeck.runtime.guided import MaskJob, apply_mask
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.models.gguf import read_gguf
 from kvdeck.runtime.models.info import model_info_from_gguf
-from kvdeck.runtime.plan import Conversion, ScheduledChunk, SchedulerOutput, StepResult, StepTiming
-from kvdeck.runtime.profiles import StepFit
-from kvdeck.runtime.sampling import sample, sample_branches, sample_draft, score_tokens
+from kvdeck.runtime.planning.profiles import StepFit
 from kvdeck.runtime.settings import SessionOptions
-from kvdeck.runtime.snapshot import WeightsView
 from kvdeck.runtime.spec.ngram import propose_for
-from kvdeck.runtime.spec.verify import verify_greedy
+from kvdeck.runtime.spec.verify import sample_draft, verify_greedy
+from kvdeck.runtime.text.guided import MaskJob, apply_mask
+from kvdeck.runtime.text.sampling import sample, sample_branches, score_tokens
 
 log = logging.getLogger("kvdeck.llama_cpp")
 

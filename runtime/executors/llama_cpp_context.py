@@ -14,7 +14,7 @@ import torch
 from kvdeck.runtime.errors import ConfigError, ModelFileError, StepError
 from kvdeck.runtime.executors.llama_cpp_probe import model_params
 from kvdeck.runtime.faults import crash_at
-from kvdeck.runtime.tokenizer import quiet_stderr
+from kvdeck.runtime.text.tokenizer import quiet_stderr
 
 KV_TYPES = {"fp16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
 """kvdeck KV format -> llama.cpp ggml type of K and V."""

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
+from kvdeck.runtime.core.step_data import SchedulerOutput
 from kvdeck.runtime.executors.llama_cpp_context import LlamaContext, LlamaModel, Row, one_batch
 from kvdeck.runtime.executors.online_fit import OnlineFit
 from kvdeck.runtime.models.gguf import read_gguf
 from kvdeck.runtime.models.info import model_info_from_gguf
-from kvdeck.runtime.plan import SchedulerOutput
-from kvdeck.runtime.profiles import StepFit
-from kvdeck.runtime.sampling import draw, sampling_probs
+from kvdeck.runtime.planning.profiles import StepFit
 from kvdeck.runtime.spec.draft_model import check_vocabulary, draft_generators, drafting_state
+from kvdeck.runtime.text.sampling import draw, sampling_probs
 
 
 class LlamaDraft:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvdeck.runtime.profiles import StepFit
+from kvdeck.runtime.planning.profiles import StepFit
 
 
 class OnlineFit:

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvdeck.runtime.core.step_data import SchedulerOutput
 from kvdeck.runtime.executors.kv_codecs import KVCodec
 from kvdeck.runtime.kv.groups import LayerGroups
-from kvdeck.runtime.plan import SchedulerOutput
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -12,21 +12,21 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from kvdeck.runtime.config import check_choice, check_float, check_int
+from kvdeck.runtime.core.config import check_choice, check_float, check_int
+from kvdeck.runtime.core.step_data import Conversion, SchedulerOutput, StepResult, StepTiming
 from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors.base import WeightsView
 from kvdeck.runtime.kv.formats import KV_FORMATS
 from kvdeck.runtime.kv.groups import LayerGroups
+from kvdeck.runtime.kv.transfers import Transfer
 from kvdeck.runtime.models.weight_formats import (
     GROUPS,
     PARAM_BYTES,
     format_weight_format,
     parse_weight_format,
 )
-from kvdeck.runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
-from kvdeck.runtime.profiles import HardwareProfile, ModelProfile, StepFit
-from kvdeck.runtime.records import Transfer
-from kvdeck.runtime.snapshot import WeightsView
-from kvdeck.runtime.step_time import fitted_seconds, roofline_seconds
+from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, StepFit
+from kvdeck.runtime.planning.step_time import fitted_seconds, roofline_seconds
 
 TIMING_MODES = ("fit", "roofline")
 DRAFTING = ("sequential", "parallel")

@@ -14,15 +14,18 @@ from pathlib import Path
 
 import torch
 
-from kvdeck.runtime.config import check_int
+from kvdeck.runtime.core.config import check_int
+from kvdeck.runtime.core.step_data import Conversion, SchedulerOutput, StepResult, StepTiming
 from kvdeck.runtime.errors import ConfigError, StepError
+from kvdeck.runtime.executors.base import WeightsView
 from kvdeck.runtime.executors.kv_codecs import get_codec, kv_formats_for
 from kvdeck.runtime.executors.link import measure_link
 from kvdeck.runtime.executors.online_fit import OnlineFit
 from kvdeck.runtime.executors.paged_kv import PagedBatch, PagedKVCache, paged_attention
-from kvdeck.runtime.guided import MaskJob
 from kvdeck.runtime.kv.groups import LayerGroups, layer_groups
-from kvdeck.runtime.models.arch import ModelConfig, model_config
+from kvdeck.runtime.kv.transfers import Transfer
+from kvdeck.runtime.models.arch import ModelConfig
+from kvdeck.runtime.models.architectures import model_config
 from kvdeck.runtime.models.gguf import read_gguf
 from kvdeck.runtime.models.kernels import (
     FLOAT,
@@ -40,22 +43,19 @@ from kvdeck.runtime.models.offload import FFNOffload
 from kvdeck.runtime.models.transformer import GROUP_MATRICES, Transformer
 from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
 from kvdeck.runtime.models.weights import load_tensors
-from kvdeck.runtime.plan import Conversion, SchedulerOutput, StepResult, StepTiming
-from kvdeck.runtime.profiles import StepFit
-from kvdeck.runtime.quality import QualityCache
-from kvdeck.runtime.records import Transfer
+from kvdeck.runtime.planning.profiles import StepFit
 from kvdeck.runtime.resources import cache_dir
-from kvdeck.runtime.sampling import (
+from kvdeck.runtime.spec.draft_model import DraftModel
+from kvdeck.runtime.spec.ngram import propose_for
+from kvdeck.runtime.spec.verify import sample_draft, verify_greedy
+from kvdeck.runtime.text.guided import MaskJob
+from kvdeck.runtime.text.quality import QualityCache
+from kvdeck.runtime.text.sampling import (
     TokenLogprobs,
     sample,
     sample_branches,
-    sample_draft,
     score_tokens,
 )
-from kvdeck.runtime.snapshot import WeightsView
-from kvdeck.runtime.spec.draft_model import DraftModel
-from kvdeck.runtime.spec.ngram import propose_for
-from kvdeck.runtime.spec.verify import verify_greedy
 
 log = logging.getLogger("kvdeck.torch")
 

@@ -4,7 +4,7 @@
 executors block tables (read-only lists of physical block ids, one per `block_size` tokens)
 and copy-on-write instructions; executors never decide placement.
 
-Every change is also appended to `events` as a typed KV event (`runtime/records.py`: Ref,
+Every change is also appended to `events` as a typed KV event (`runtime/runs/records.py`: Ref,
 Unref, Cow, Cache, Evict, Hit, Reserve), so an iteration trace can rebuild the block map,
 the prefix tree and every block table without a model.
 
@@ -26,14 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvdeck.runtime.core.request import Request
 from kvdeck.runtime.kv.block_pool import BlockPool
 from kvdeck.runtime.kv.cache_admission import CacheAdmission
-from kvdeck.runtime.kv.formats import blocks_for_tokens
-from kvdeck.runtime.kv.groups import LayerGroups
-from kvdeck.runtime.kv.prefix_tree import PrefixNode, PrefixTree, default_recompute_cost
-from kvdeck.runtime.kv.tiers import HOST_SWAPPED, HostTier
-from kvdeck.runtime.kv.window import WindowTables, move_window_pages
-from kvdeck.runtime.records import (
+from kvdeck.runtime.kv.events import (
     Cache,
     Cow,
     Hit,
@@ -48,7 +44,11 @@ from kvdeck.runtime.records import (
     Unref,
     Unswap,
 )
-from kvdeck.runtime.request import Request
+from kvdeck.runtime.kv.formats import blocks_for_tokens
+from kvdeck.runtime.kv.groups import LayerGroups
+from kvdeck.runtime.kv.prefix_tree import PrefixNode, PrefixTree, default_recompute_cost
+from kvdeck.runtime.kv.tiers import HOST_SWAPPED, HostTier
+from kvdeck.runtime.kv.window import WindowTables, move_window_pages
 
 
 class BlockManager(WindowTables):

@@ -45,8 +45,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvdeck.runtime.kv.block_pool import BlockStates
+from kvdeck.runtime.kv.events import Demote, Evict, WinCache, WinEvict
 from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HostTier
-from kvdeck.runtime.records import Demote, Evict, WinCache, WinEvict
 
 RecomputeCost = Callable[[int, int], float]
 """(tokens before the block, tokens in the block) -> seconds to recompute it."""
@@ -150,7 +150,7 @@ class PrefixTree:
         self.version = 0
         """Bumped on every change of structure or hits (see BlockStates.cache_version)."""
         self.events = events if events is not None else []
-        """Eviction events (`records.Evict`), appended as they happen."""
+        """Eviction events (`events.Evict`), appended as they happen."""
         self.host: HostTier | None = None
         """The host tier demoted blocks go to (None: evicted blocks are dropped)."""
         self.demote = True

@@ -19,11 +19,11 @@ full-attention blocks are recomputed with the rest of the prompt.
 
 from __future__ import annotations
 
+from kvdeck.runtime.core.request import Request
 from kvdeck.runtime.kv.block_pool import CACHED_ACTIVE, PRIVATE, SHARED
+from kvdeck.runtime.kv.events import WinRef, WinUnref
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.prefix_tree import PrefixNode
-from kvdeck.runtime.records import WinRef, WinUnref
-from kvdeck.runtime.request import Request
 
 _HELD = bytes(1 if s in (PRIVATE, SHARED, CACHED_ACTIVE) else 0 for s in range(256))
 

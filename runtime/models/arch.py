@@ -1,17 +1,15 @@
 """Architecture descriptions: what differs between the decoder families kvdeck runs.
 
-One `ArchSpec` per architecture (`llama.py`, `qwen2.py`, `qwen3.py`, `gemma3.py` register
-theirs); `ModelConfig` combines a spec with the numbers in a GGUF header.
+One `ArchSpec` per architecture (`llama.py`, `qwen2.py`, `qwen3.py`, `gemma3.py` each
+define theirs; `architectures.py` lists them); `ModelConfig` combines a spec with the numbers
+in a GGUF header.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from kvdeck.runtime.errors import ModelFileError
-from kvdeck.runtime.models.gguf import GGUFFile
-from kvdeck.runtime.models.info import ModelInfo, model_info_from_gguf
+from kvdeck.runtime.models.info import ModelInfo
 
 
 @dataclass(frozen=True)
@@ -33,14 +31,6 @@ class ArchSpec:
     """Multiply token embeddings by sqrt(hidden) (Gemma)."""
     local_rope_base: float | None = None
     """RoPE base of sliding-window layers when it differs from the global one (Gemma 3)."""
-
-
-ARCHITECTURES: dict[str, ArchSpec] = {}
-
-
-def register(spec: ArchSpec) -> ArchSpec:
-    ARCHITECTURES[spec.name] = spec
-    return spec
 
 
 @dataclass(frozen=True)
@@ -70,31 +60,3 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """Keys a query of this layer may see (including itself), or None for all."""
         return self.info.sliding_window if self.is_local(layer) else None
-
-
-def model_config(g: GGUFFile) -> ModelConfig:
-    """Build the config of a parsed GGUF, refusing architectures kvdeck cannot run."""
-    # Import for registration side effects: each file registers its ArchSpec.
-    from kvdeck.runtime.models import gemma3, llama, qwen2, qwen3  # noqa: F401
-
-    info = model_info_from_gguf(g)
-    spec = ARCHITECTURES.get(info.architecture)
-    if spec is None:
-        raise ModelFileError(
-            f"{g.path} is a {info.architecture!r} model; the torch executor runs "
-            f"{', '.join(sorted(ARCHITECTURES))}."
-        )
-    a = info.architecture
-    eos = g.get("tokenizer.ggml.eos_token_id")
-    eot = g.get("tokenizer.ggml.eot_token_id")
-    eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
-    bos = g.get("tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        arch=spec,
-        info=info,
-        rms_eps=float(g.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        attn_scale=1.0 / math.sqrt(info.head_dim),
-        bos_token_id=int(bos) if bos is not None else None,
-        eos_token_ids=eos_ids,
-        add_bos=bool(g.get("tokenizer.ggml.add_bos_token", spec.name in ("llama", "gemma3"))),
-    )

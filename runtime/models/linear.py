@@ -97,7 +97,7 @@ class WeightOnlyInt8:
 
     Why groups: on Gemma 3 270M (whose GGUF weights sit on Q4_K/Q6_K/Q8_0 grids of 32-value
     groups) one scale per row costs a mean |Δlogit| of 0.23 against fp32 weights and 92–94 %
-    top-1 agreement; groups of 64 cost 0.09 and ~98 % (`runtime/quality.py`). PyTorch's
+    top-1 agreement; groups of 64 cost 0.09 and ~98 % (`runtime/text/quality.py`). PyTorch's
     packed int8 kernel takes per-channel scales only, so each input group is one call and
     the partial products are summed: the same bytes read, a few more calls.
     """

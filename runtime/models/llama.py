@@ -1,5 +1,5 @@
 """Llama: SwiGLU, RMSNorm, RoPE on interleaved pairs (llama.cpp's GGUF layout)."""
 
-from kvdeck.runtime.models.arch import ArchSpec, register
+from kvdeck.runtime.models.arch import ArchSpec
 
-LLAMA = register(ArchSpec(name="llama", rope_style="norm"))
+LLAMA = ArchSpec(name="llama", rope_style="norm")

@@ -15,7 +15,7 @@ Either way a step moves every offloaded byte over the link once: at least
 `bytes / bandwidth` per step, however well it overlaps. Device memory saved is the
 offloaded bytes minus the buffers' bytes; the engine gives it to the KV pool.
 
-Each copy is reported as a `records.Transfer` with its start (from the step's start), its
+Each copy is reported as a `transfers.Transfer` with its start (from the step's start), its
 duration and its *stall* — how long compute waited for it — so the trace shows the
 overlap: with one buffer stall equals duration; with two it is what compute did not hide.
 """
@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.records import Transfer
+from kvdeck.runtime.kv.transfers import Transfer
 
 FFN = ("w_gate", "w_up", "w_down")
 

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvdeck.runtime.engine import Engine
-from kvdeck.runtime.request import Request as EngineRequest
-from kvdeck.runtime.request import RequestStatus
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import Request as EngineRequest
+from kvdeck.runtime.core.request import RequestStatus
 from kvdeck.runtime.server.api_errors import error
 from kvdeck.runtime.server.streams import Delta, OutputHub, RequestStream
 

@@ -24,12 +24,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from kvdeck.runtime.checks import parse_check
-from kvdeck.runtime.engine import Engine
-from kvdeck.runtime.engine_loop import EngineLoop
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.loop import EngineLoop
+from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.errors import ConfigError, EngineFailedError, QueueFullError, RequestError
-from kvdeck.runtime.guided import ConstraintError
-from kvdeck.runtime.request import SamplingParams
 from kvdeck.runtime.server.answer import Answer, Reply
 from kvdeck.runtime.server.api_errors import error, validation_sentence
 from kvdeck.runtime.server.guard import Guard
@@ -43,6 +41,8 @@ from kvdeck.runtime.server.schemas import (
 )
 from kvdeck.runtime.server.streams import OutputHub
 from kvdeck.runtime.settings import Settings
+from kvdeck.runtime.text.checks import parse_check
+from kvdeck.runtime.text.guided import ConstraintError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions when `max_tokens` is not given."""

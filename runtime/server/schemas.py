@@ -11,7 +11,7 @@
 - Chat content is a string or a list of text parts; roles are system, developer (treated as
   system), user and assistant.
 - `check` is kvdeck's extension: what the answer must satisfy to count as correct
-  (`runtime/checks.py`); it changes nothing in the answer, only whether it counts as good.
+  (`runtime/text/checks.py`); it changes nothing in the answer, only whether it counts as good.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from kvdeck.runtime.checks import AnswerCheck, parse_check
-from kvdeck.runtime.engine import MAX_BRANCHES
-from kvdeck.runtime.guided import ConstraintError, GuideSpec, choice_spec
+from kvdeck.runtime.core.engine import MAX_BRANCHES
+from kvdeck.runtime.text.checks import AnswerCheck, parse_check
+from kvdeck.runtime.text.guided import ConstraintError, GuideSpec, choice_spec
 
 
 def valid_unicode(text: str) -> str:
@@ -190,7 +190,7 @@ class GenerateBody(BaseModel):
                                                  allow_inf_nan=False)]] | None = None
     """OpenAI's: token id (as a string, JSON keys being strings) → bias added to its logit."""
     response_format: ResponseFormat | None = None
-    """OpenAI's: text, json_object or json_schema (`runtime/guided.py`)."""
+    """OpenAI's: text, json_object or json_schema (`runtime/text/guided.py`)."""
     structured_outputs: StructuredOutputs | None = None
     """vLLM's current constraint field."""
     guided_json: dict[str, Any] | Text | None = None

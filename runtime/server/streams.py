@@ -12,8 +12,8 @@ import asyncio
 import threading
 from dataclasses import dataclass
 
-from kvdeck.runtime.engine import Engine
-from kvdeck.runtime.request import Request
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import Request
 
 
 @dataclass(frozen=True)

@@ -34,17 +34,17 @@ from pathlib import Path
 
 import torch
 
+from kvdeck.runtime.core.step_data import SchedulerOutput
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.kv_codecs import get_codec
 from kvdeck.runtime.executors.online_fit import OnlineFit
 from kvdeck.runtime.executors.paged_kv import BatchRow, PagedBatch, PagedKVCache, paged_attention
-from kvdeck.runtime.models.arch import model_config
+from kvdeck.runtime.models.architectures import model_config
 from kvdeck.runtime.models.gguf import GGUFFile, read_gguf
 from kvdeck.runtime.models.transformer import Transformer
 from kvdeck.runtime.models.weights import load_tensors
-from kvdeck.runtime.plan import SchedulerOutput
-from kvdeck.runtime.profiles import StepFit
-from kvdeck.runtime.sampling import draw, request_generator, sampling_probs
+from kvdeck.runtime.planning.profiles import StepFit
+from kvdeck.runtime.text.sampling import draw, request_generator, sampling_probs
 
 DRAFT_SALT = 0x5DEECE66D
 """Keeps the draft's random draws apart from the verifier's for the same request."""

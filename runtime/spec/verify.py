@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from kvdeck.runtime.sampling import draw
+from kvdeck.runtime.core.request import Request
+from kvdeck.runtime.text.guided import apply_mask
+from kvdeck.runtime.text.sampling import draw, request_generator, sampling_probs
 
 
 def verify_greedy(target_argmax: list[int], draft: list[int]) -> tuple[list[int], int]:
@@ -70,3 +72,24 @@ def _point(row: torch.Tensor, x: int) -> torch.Tensor:
     q = torch.zeros_like(row)
     q[x] = 1.0
     return q
+
+
+def sample_draft(logits: torch.Tensor, req: Request, draft: list[int], base_seed: int = 0,
+                 q: torch.Tensor | None = None, allowed: torch.Tensor | None = None
+                 ) -> list[int]:
+    """The tokens a speculating request emits: `logits` [1 + len(draft), vocab] score its
+    last token and each draft token; a sampling request keeps draft tokens by speculative
+    sampling under its temperature, top-k and top-p (`verify_sampled`), drawing from
+    its own generator, so a seeded request stays reproducible. `q` [len(draft), vocab]: the
+    draft model's distributions the draft was drawn from (None: a deterministic proposer).
+    Greedy requests are verified by the caller from the same argmax plain decoding uses.
+    `allowed` [1 + len(draft), vocab]: a guided request's grammar masks per position
+    (`guided.Guide.draft_allowed`); a draft token the grammar refuses has probability 0 and
+    is rejected, so the result follows the constrained distribution exactly."""
+    sp = req.sampling
+    logits = logits.float().cpu()
+    if allowed is not None:
+        logits = apply_mask(logits, allowed)
+    p = torch.stack([sampling_probs(row, sp) for row in logits])
+    tokens, _ = verify_sampled(p, draft, q, request_generator(req, base_seed))
+    return tokens

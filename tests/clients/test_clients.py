@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvdeck.runtime.attach import parse_metrics
+from kvdeck.runtime.runs.attach import parse_metrics
 from tests.servers import sim_process
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,11 +5,11 @@ the knob changes behaviour live."""
 
 from __future__ import annotations
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.kv.cache_admission import CacheAdmission
-from kvdeck.runtime.request import SamplingParams
 
 SP = SamplingParams(max_tokens=4, ignore_eos=True)
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvdeck.runtime.calibrate import Point, efficiencies, fit_step_model
-from kvdeck.runtime.plan import causal_pairs
-from kvdeck.runtime.profiles import HardwareProfile, ModelProfile
+from kvdeck.runtime.core.step_data import causal_pairs
+from kvdeck.runtime.planning.calibrate import Point, efficiencies, fit_step_model
+from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
 
 
 def kvdeck(*args: str, env: dict) -> subprocess.CompletedProcess:

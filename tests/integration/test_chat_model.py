@@ -14,10 +14,10 @@ from openai import OpenAI
 
 from kvdeck.console.app import KvdeckApp
 from kvdeck.console.widgets.prompt import COMPLETION_MAX_TOKENS
-from kvdeck.runtime.config import EngineConfig
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig
+from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.tokenizer import Tokenizer
+from kvdeck.runtime.text.tokenizer import Tokenizer
 from tests.servers import serve_process
 from tests.ui.panel_text import panel_text
 

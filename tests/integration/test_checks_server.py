@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdeck.runtime.loadgen import attempt_seed
+from kvdeck.runtime.runs.loadgen import attempt_seed
 from kvdeck.runtime.server.serve import ApiServer
 from kvdeck.runtime.session import build_session
 from kvdeck.runtime.settings import resolve

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdeck.runtime.recording import read_run
+from kvdeck.runtime.runs.recording import read_run
 from tests.paths import AZURE_CONV, MOONCAKE
 
 

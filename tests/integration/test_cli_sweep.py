@@ -9,8 +9,8 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
-from kvdeck.runtime.sweep import offered_rate
-from kvdeck.runtime.trace import load_arrivals
+from kvdeck.runtime.planning.sweep import offered_rate
+from kvdeck.runtime.runs.trace import load_arrivals
 
 
 def kvdeck(*args: str) -> subprocess.CompletedProcess:

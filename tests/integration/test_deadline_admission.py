@@ -1,4 +1,4 @@
-"""Deadline admission that keeps its promise (`runtime/forecast.py`), on the sim's reference
+"""Deadline admission that keeps its promise (`runtime/core/forecast.py`), on the sim's reference
 card: 40 requests of 8,192 tokens sharing a 6,144-token prefix, 256 outputs each, 20 ms
 apart, under `edf` with admission control. Without it every request misses an 8 s deadline;
 with it every admitted request meets it, the forecast of each finish is within 5 % of the
@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.executors.sim import SimExecutor
-from kvdeck.runtime.recording import record_headless
-from kvdeck.runtime.replay import summarize_run
-from kvdeck.runtime.runner import run_arrivals
-from kvdeck.runtime.trace import Arrival
+from kvdeck.runtime.runs.recording import record_headless
+from kvdeck.runtime.runs.replay import summarize_run
+from kvdeck.runtime.runs.runner import run_arrivals
+from kvdeck.runtime.runs.trace import Arrival
 
 
 def run(deadline_s: float, admission_control: bool, record_to=None) -> dict:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
-from kvdeck.runtime.engine_loop import EngineLoop
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.loop import EngineLoop
+from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.executors.sim import SimExecutor
-from kvdeck.runtime.request import RequestStatus, SamplingParams
 
 
 def wait_until(cond, timeout: float = 20.0) -> None:

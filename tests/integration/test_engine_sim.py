@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import RequestStatus, SamplingParams
+from kvdeck.runtime.core.step_data import SchedulerOutput, StepResult
+from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.errors import (
     ConfigError,
     EngineFailedError,
@@ -19,14 +22,11 @@ from kvdeck.runtime.errors import (
     StepError,
 )
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
-from kvdeck.runtime.plan import SchedulerOutput, StepResult
-from kvdeck.runtime.recording import read_run, record_headless
-from kvdeck.runtime.records import StepRecord
-from kvdeck.runtime.replay import Replay
-from kvdeck.runtime.request import RequestStatus, SamplingParams
-from kvdeck.runtime.runner import run_arrivals
-from kvdeck.runtime.snapshot import EngineSnapshot
-from kvdeck.runtime.trace import Arrival, synthesize_tokens
+from kvdeck.runtime.runs.recording import read_run, record_headless
+from kvdeck.runtime.runs.replay import Replay
+from kvdeck.runtime.runs.runner import run_arrivals
+from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
+from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 KNOBS = Knobs(max_num_batched_tokens=512, chunk_size=128, max_num_seqs=16)
 

@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
-from kvdeck.runtime.request import SamplingParams
-from kvdeck.runtime.tokenizer import Tokenizer, quiet_stderr
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
+from kvdeck.runtime.text.tokenizer import Tokenizer, quiet_stderr
 from tests.integration.test_speculation import run, run_with_aborts
 
 pytestmark = pytest.mark.slow

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.request import RequestStatus, SamplingParams
-from kvdeck.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvdeck.runtime.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -85,9 +85,9 @@ def test_tokenizer_matches_llama_cpp(tokenizer: Tokenizer, llama) -> None:
 def paged_prompt_logits(executor: TorchExecutor, tokens: list[int]) -> np.ndarray:
     """Teacher forcing through the executor's own paged pass: one chunk holding the whole
     text, logits for every row."""
+    from kvdeck.runtime.core.request import Request
+    from kvdeck.runtime.core.step_data import ScheduledChunk, SchedulerOutput
     from kvdeck.runtime.executors.paged_kv import PagedBatch, paged_attention
-    from kvdeck.runtime.plan import ScheduledChunk, SchedulerOutput
-    from kvdeck.runtime.request import Request
 
     e = engine(executor)
     req = Request("teacher", tokens, SamplingParams(max_tokens=1))

@@ -11,11 +11,11 @@ import re
 import jsonschema
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
-from kvdeck.runtime.guided import GuideSpec, choice_spec
-from kvdeck.runtime.request import RequestStatus, SamplingParams
-from kvdeck.runtime.tokenizer import Tokenizer
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import RequestStatus, SamplingParams
+from kvdeck.runtime.text.guided import GuideSpec, choice_spec
+from kvdeck.runtime.text.tokenizer import Tokenizer
 from tests.kernel_ties import assert_equal_up_to_kernel_ties
 
 pytestmark = pytest.mark.slow

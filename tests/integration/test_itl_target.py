@@ -1,4 +1,4 @@
-"""Token budget from an inter-token-latency target (`runtime/step_budget.py`) on the sim's
+"""Token budget from an inter-token-latency target (`runtime/core/step_budget.py`) on the sim's
 reference card: the chapter's example of two 2,048-token requests decoding when an
 8,192-token prompt arrives."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
+from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
-from kvdeck.runtime.metrics import request_metrics
-from kvdeck.runtime.records import StepRecord
-from kvdeck.runtime.request import SamplingParams
+from kvdeck.runtime.views.metrics import request_metrics
 
 TARGET_MS = 50.0
 

@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.kv_codecs import fp8_supported
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.recording import read_run, record_headless
-from kvdeck.runtime.records import Relayout
-from kvdeck.runtime.replay import Replay
-from kvdeck.runtime.request import RequestStatus, SamplingParams
-from kvdeck.runtime.trace import synthesize_tokens
+from kvdeck.runtime.kv.events import Relayout
+from kvdeck.runtime.runs.recording import read_run, record_headless
+from kvdeck.runtime.runs.replay import Replay
+from kvdeck.runtime.runs.trace import synthesize_tokens
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.integration.test_engine_sim import drive, view_of, workload
 

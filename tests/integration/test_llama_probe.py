@@ -102,11 +102,11 @@ def test_the_executor_and_references_open_llama_cpp_as_the_verdict_says(
         fresh_cache, monkeypatch, gemma_path) -> None:
     """On a simulated crashing machine the executor decodes without re-packed weights and
     says so; the tests' reference `Llama` opens the same way and agrees token for token."""
-    from kvdeck.runtime.config import EngineConfig, Knobs
-    from kvdeck.runtime.engine import Engine
+    from kvdeck.runtime.core.config import EngineConfig, Knobs
+    from kvdeck.runtime.core.engine import Engine
+    from kvdeck.runtime.core.request import SamplingParams
     from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
-    from kvdeck.runtime.request import SamplingParams
-    from kvdeck.runtime.tokenizer import Tokenizer
+    from kvdeck.runtime.text.tokenizer import Tokenizer
 
     monkeypatch.setenv("KVDECK_FAULT", "repack-decode")
     ex = LlamaCppExecutor(gemma_path, threads=2, batch_invariant=True)

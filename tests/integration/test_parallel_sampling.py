@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.errors import RequestError
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
-from kvdeck.runtime.recording import read_run, record_headless
-from kvdeck.runtime.replay import Replay
-from kvdeck.runtime.request import RequestStatus, SamplingParams
-from kvdeck.runtime.snapshot import CACHED_ACTIVE, PRIVATE, SHARED
+from kvdeck.runtime.runs.recording import read_run, record_headless
+from kvdeck.runtime.runs.replay import Replay
+from kvdeck.runtime.views.snapshot import CACHED_ACTIVE, PRIVATE, SHARED
 from tests.integration.test_engine_sim import assert_replays_as_lived, view_of
 
 P = 16

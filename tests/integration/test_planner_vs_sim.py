@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.executors.sim import SimExecutor
-from kvdeck.runtime.planner import Planner, Scheme
-from kvdeck.runtime.profiles import HardwareProfile, ModelProfile
-from kvdeck.runtime.runner import run_arrivals
-from kvdeck.runtime.trace import Arrival
-from kvdeck.runtime.workloads import Workload
+from kvdeck.runtime.planning.planner import Planner, Scheme
+from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
+from kvdeck.runtime.planning.workloads import Workload
+from kvdeck.runtime.runs.runner import run_arrivals
+from kvdeck.runtime.runs.trace import Arrival
 
 BUDGET = 40 * 2**30
 

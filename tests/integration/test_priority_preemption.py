@@ -9,11 +9,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import RequestStatus, SamplingParams
+from kvdeck.runtime.core.scheduler import ARRIVAL_PREEMPTIONS
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
-from kvdeck.runtime.request import RequestStatus, SamplingParams
-from kvdeck.runtime.scheduler import ARRIVAL_PREEMPTIONS
 
 
 def engine(num_blocks: int = 40, max_num_seqs: int = 256, wait_s: float = 30.0,

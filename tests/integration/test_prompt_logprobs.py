@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import Request, SamplingParams
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.request import Request, SamplingParams
-from kvdeck.runtime.sampling import TokenLogprobs
+from kvdeck.runtime.text.sampling import TokenLogprobs
 from tests.reference_forward import contiguous_logits
 
 SCORED = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=3)
@@ -138,7 +138,7 @@ def gemma_torch(gemma_path):
 
 @pytest.fixture(scope="module")
 def gemma_prompt(gemma_path) -> list[int]:
-    from kvdeck.runtime.tokenizer import Tokenizer
+    from kvdeck.runtime.text.tokenizer import Tokenizer
 
     return Tokenizer(gemma_path).encode("The capital of France is Paris, and the capital of "
                                         "Italy is Rome. The capital of Spain is")
@@ -165,7 +165,7 @@ def test_gemma_llama_cpp_prompt_logprobs_match_llama_cpp_pythons_own_scores(
 
     from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
     from kvdeck.runtime.executors.llama_cpp_probe import open_llama
-    from kvdeck.runtime.tokenizer import quiet_stderr
+    from kvdeck.runtime.text.tokenizer import quiet_stderr
 
     with quiet_stderr():
         llm = open_llama(gemma_path, n_ctx=512, n_threads=2, n_batch=chunk_size,

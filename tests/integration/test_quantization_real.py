@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.quality import PROMPTS, identical_prefix, measure_formats
-from kvdeck.runtime.request import RequestStatus, SamplingParams
-from kvdeck.runtime.tokenizer import Tokenizer
+from kvdeck.runtime.text.quality import PROMPTS, identical_prefix, measure_formats
+from kvdeck.runtime.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

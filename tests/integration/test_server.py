@@ -612,7 +612,7 @@ def test_echo_on_llama_cpp_scores_the_prompt_as_llama_cpp_python_does(gemma_path
     import numpy as np
 
     from kvdeck.runtime.executors.llama_cpp_probe import open_llama
-    from kvdeck.runtime.tokenizer import quiet_stderr
+    from kvdeck.runtime.text.tokenizer import quiet_stderr
 
     srv = ApiServer(build_session(resolve({
         "model": str(gemma_path), "executor": "llama_cpp", "served_model_name": MODEL,

@@ -7,13 +7,13 @@ import tracemalloc
 
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
-from kvdeck.runtime.plan import causal_pairs
-from kvdeck.runtime.profiles import HardwareProfile, ModelProfile
-from kvdeck.runtime.runner import run_arrivals
-from kvdeck.runtime.trace import Arrival
+from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
+from kvdeck.runtime.runs.runner import run_arrivals
+from kvdeck.runtime.runs.trace import Arrival
 
 # vLLM on the RTX PRO 6000, Qwen3-8B BF16, 2K context: decode step by batch size.
 MEASURED_DECODE_MS = {1: 26.26, 4: 26.62, 16: 27.44, 64: 29.63}

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from kvdeck.runtime.attach import parse_metrics
+from kvdeck.runtime.runs.attach import parse_metrics
 from tests.servers import sim_process
 
 MODEL = "qwen3-8b"

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.recording import read_run, record_headless
-from kvdeck.runtime.replay import Replay
-from kvdeck.runtime.request import SamplingParams
+from kvdeck.runtime.runs.recording import read_run, record_headless
+from kvdeck.runtime.runs.replay import Replay
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.integration.test_engine_sim import drive, view_of
 

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import Request, SamplingParams
+from kvdeck.runtime.core.step_data import ScheduledChunk, SchedulerOutput
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.plan import ScheduledChunk, SchedulerOutput
-from kvdeck.runtime.recording import read_run, record_headless
-from kvdeck.runtime.replay import Replay
-from kvdeck.runtime.request import Request, SamplingParams
+from kvdeck.runtime.runs.recording import read_run, record_headless
+from kvdeck.runtime.runs.replay import Replay
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.integration.test_engine_sim import drive, view_of
 from tests.integration.test_speculation import run, stop_and_abort_storm

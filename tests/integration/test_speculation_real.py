@@ -9,12 +9,12 @@ import gc
 
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.request import SamplingParams
 from kvdeck.runtime.spec.stats import SpecStats
-from kvdeck.runtime.tokenizer import Tokenizer
+from kvdeck.runtime.text.tokenizer import Tokenizer
 from tests.kernel_ties import assert_equal_up_to_kernel_ties
 
 pytestmark = pytest.mark.slow

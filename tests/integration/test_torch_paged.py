@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.errors import ConfigError, ModelFileError
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.request import RequestStatus, SamplingParams
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.reference_forward import contiguous_logits
 

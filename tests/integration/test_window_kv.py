@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import Request, SamplingParams
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.recording import record_headless
-from kvdeck.runtime.replay import TraceState
-from kvdeck.runtime.request import Request, SamplingParams
+from kvdeck.runtime.runs.recording import record_headless
+from kvdeck.runtime.runs.replay import TraceState
 from tests.integration.test_engine_sim import assert_replays_as_lived, view_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

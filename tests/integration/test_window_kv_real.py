@@ -12,12 +12,12 @@ import random
 import pytest
 import torch
 
+from kvdeck.runtime.core.request import Request, SamplingParams
+from kvdeck.runtime.core.step_data import ScheduledChunk, SchedulerOutput, StepResult
 from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.kv.groups import LayerGroups
-from kvdeck.runtime.plan import ScheduledChunk, SchedulerOutput, StepResult
-from kvdeck.runtime.quality import PASSAGE
-from kvdeck.runtime.request import Request, SamplingParams
-from kvdeck.runtime.tokenizer import Tokenizer
+from kvdeck.runtime.resources import PASSAGE
+from kvdeck.runtime.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

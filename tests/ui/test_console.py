@@ -11,7 +11,7 @@ from kvdeck.console.screenshots import advance
 from kvdeck.console.screenshots import make_demo_app as make_app
 from kvdeck.console.widgets.hardware import unified_line
 from kvdeck.console.widgets.kv_map import KVMapPanel
-from kvdeck.runtime.recording import read_run
+from kvdeck.runtime.runs.recording import read_run
 from tests.ui.panel_text import panel_text
 
 
@@ -188,7 +188,7 @@ KNOB_VALUES = {
 def test_every_engine_knob_is_listed() -> None:
     import dataclasses
 
-    from kvdeck.runtime.config import Knobs
+    from kvdeck.runtime.core.config import Knobs
 
     assert set(KNOB_VALUES) == {f.name for f in dataclasses.fields(Knobs)}
 
@@ -230,10 +230,10 @@ async def test_prompt_streams_tokens_and_highlights_its_blocks(app: KvdeckApp) -
 
 
 async def test_keys_respond_with_1000_running_requests(tmp_path) -> None:
-    from kvdeck.runtime.config import EngineConfig, Knobs
-    from kvdeck.runtime.engine import Engine
+    from kvdeck.runtime.core.config import EngineConfig, Knobs
+    from kvdeck.runtime.core.engine import Engine
+    from kvdeck.runtime.core.request import SamplingParams
     from kvdeck.runtime.executors.sim import SimExecutor
-    from kvdeck.runtime.request import SamplingParams
 
     engine = Engine(EngineConfig(num_blocks=80_000, knobs=Knobs(
         max_num_seqs=1024, max_num_batched_tokens=16384)), SimExecutor())
@@ -470,8 +470,8 @@ async def test_80x24_shows_knob_values_queue_essentials_and_the_keys_that_matter
 async def test_metrics_panel_counts_answers_that_passed_their_checks(app) -> None:
     """Requests with checks among the traffic: the panel says how many answers passed, and
     goodput leaves out the wrong ones."""
-    from kvdeck.runtime.checks import parse_check
-    from kvdeck.runtime.request import SamplingParams
+    from kvdeck.runtime.core.request import SamplingParams
+    from kvdeck.runtime.text.checks import parse_check
 
     async with app.run_test(size=(160, 48)) as pilot:
         advance(app, 5)

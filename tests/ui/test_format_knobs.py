@@ -11,7 +11,7 @@ import pytest
 
 from kvdeck.console.app import KvdeckApp
 from kvdeck.console.widgets.kv_map import KVMapPanel
-from kvdeck.runtime.request import RequestStatus, SamplingParams
+from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.session import build_session
 from kvdeck.runtime.settings import resolve
 from tests.factories import TinySpec, write_tiny_gguf

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvdeck.console.screens.plan import PlanScreen
 from kvdeck.console.screenshots import advance
-from kvdeck.runtime.live_plan import live_workload
+from kvdeck.runtime.planning.live_plan import live_workload
 from tests.ui.panel_text import panel_text
 
 

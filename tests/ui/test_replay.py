@@ -17,18 +17,18 @@ from kvdeck.console.screens.replay import ReplayApp
 from kvdeck.console.screenshots import advance, make_demo_app
 from kvdeck.console.widgets.kv_map import KVMapPanel
 from kvdeck.console.widgets.scrubber import Scrubber
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.commands import Pause
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.executors.sim import SimExecutor
-from kvdeck.runtime.recording import read_run, record_headless
-from kvdeck.runtime.records import Pause
-from kvdeck.runtime.replay import Replay
-from kvdeck.runtime.runner import run_arrivals
+from kvdeck.runtime.runs.recording import read_run, record_headless
+from kvdeck.runtime.runs.replay import Replay
+from kvdeck.runtime.runs.runner import run_arrivals
+from kvdeck.runtime.runs.trace import Arrival
+from kvdeck.runtime.runs.traffic import TrafficGenerator, TrafficMix
 from kvdeck.runtime.session import build_session
 from kvdeck.runtime.settings import resolve
-from kvdeck.runtime.snapshot import EngineSnapshot
-from kvdeck.runtime.trace import Arrival
-from kvdeck.runtime.traffic import TrafficGenerator, TrafficMix
+from kvdeck.runtime.views.snapshot import EngineSnapshot
 from tests.ui.panel_text import panel_text, panels_text
 
 

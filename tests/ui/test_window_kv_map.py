@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvdeck.console.app import KvdeckApp
 from kvdeck.console.widgets.kv_map import WINDOW_CHAR, KVMapPanel
-from kvdeck.runtime.request import RequestStatus, SamplingParams
+from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.session import build_session
 from kvdeck.runtime.settings import resolve
 from tests.ui.panel_text import panel_text

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdeck.runtime.attach import Histogram, parse_metrics
 from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.runs.attach import Histogram, parse_metrics
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "metrics"
 
@@ -57,7 +57,7 @@ def test_histogram_quantile_edges() -> None:
 def test_llamacpp_slots() -> None:
     import json
 
-    from kvdeck.runtime.attach import parse_slots
+    from kvdeck.runtime.runs.attach import parse_slots
 
     assert parse_slots(json.loads((DATA / "llamacpp_slots.json").read_text())) == (2, 3)
     with pytest.raises(KvdeckError, match="did not return a list of slots"):
@@ -65,7 +65,7 @@ def test_llamacpp_slots() -> None:
 
 
 def test_rates_between_two_scrapes() -> None:
-    from kvdeck.runtime.attach import Rates, RemoteStatus
+    from kvdeck.runtime.runs.attach import Rates, RemoteStatus
 
     a = RemoteStatus("vllm", requests_done=100, prompt_tokens=1000, generation_tokens=500,
                      preemptions=3)
@@ -85,14 +85,14 @@ def test_rates_between_two_scrapes() -> None:
     ("https://gpu-box.example", "https://gpu-box.example/metrics"),
 ])
 def test_metrics_url(url: str, expected: str) -> None:
-    from kvdeck.runtime.attach import metrics_url
+    from kvdeck.runtime.runs.attach import metrics_url
 
     assert metrics_url(url) == expected
 
 
 @pytest.mark.parametrize("url", ["not-a-url", "ftp://host", "http://", "127.0.0.1:8000"])
 def test_a_bad_url_is_one_sentence(url: str) -> None:
-    from kvdeck.runtime.attach import metrics_url
+    from kvdeck.runtime.runs.attach import metrics_url
 
     with pytest.raises(KvdeckError, match=r"is not a server URL; give one like "
                                           r"http://127\.0\.0\.1:8000"):

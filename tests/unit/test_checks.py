@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from kvdeck.runtime.checks import AnswerCheck, parse_check
-from kvdeck.runtime.config import EngineConfig
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
+from kvdeck.runtime.core.step_record import Finished, StepRecord
 from kvdeck.runtime.errors import RequestError, TraceError
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
-from kvdeck.runtime.metrics import SLO
-from kvdeck.runtime.recording import record_headless
-from kvdeck.runtime.records import Finished, StepRecord
-from kvdeck.runtime.replay import summarize_run
-from kvdeck.runtime.request import SamplingParams
-from kvdeck.runtime.standin import StandInTokenizer
+from kvdeck.runtime.runs.recording import record_headless
+from kvdeck.runtime.runs.replay import summarize_run
+from kvdeck.runtime.text.checks import AnswerCheck, parse_check
+from kvdeck.runtime.text.standin import StandInTokenizer
+from kvdeck.runtime.views.metrics import SLO
 
 
 def deep(n: int) -> dict:

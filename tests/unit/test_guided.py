@@ -9,7 +9,9 @@ import json
 import pytest
 import torch
 
-from kvdeck.runtime.guided import (
+from kvdeck.runtime.core.request import Request, SamplingParams
+from kvdeck.runtime.spec.verify import sample_draft
+from kvdeck.runtime.text.guided import (
     ConstraintError,
     Grammars,
     GuideSpec,
@@ -17,9 +19,8 @@ from kvdeck.runtime.guided import (
     choice_spec,
     unpack,
 )
-from kvdeck.runtime.request import Request, SamplingParams
-from kvdeck.runtime.sampling import constrain, sample, sample_draft
-from kvdeck.runtime.tokenizer import Tokenizer
+from kvdeck.runtime.text.sampling import constrain, sample
+from kvdeck.runtime.text.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer"}},
@@ -175,7 +176,7 @@ def test_a_grammar_in_error_fails_its_request_not_the_step(grammars) -> None:
     """A matcher in an error state (a refused token, a user grammar past llguidance's
     limits) gives no mask: the step's result fails that request with a sentence, and the
     others' masks are computed as usual."""
-    from kvdeck.runtime.guided import MaskJob
+    from kvdeck.runtime.text.guided import MaskJob
 
     broken = Request("broken", [1], SamplingParams(temperature=1.0))
     broken.guide = grammars.start(GuideSpec("regex", "[0-9]+"))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvdeck.runtime.core.request import Request, SamplingParams
+from kvdeck.runtime.kv.events import Evict
 from kvdeck.runtime.kv.manager import BlockManager
-from kvdeck.runtime.records import Evict
-from kvdeck.runtime.request import Request, SamplingParams
 
 
 def make(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:

@@ -15,8 +15,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvdeck.runtime.core.request import Request, SamplingParams
 from kvdeck.runtime.kv.manager import BlockManager
-from kvdeck.runtime.request import Request, SamplingParams
 
 # A tiny alphabet so random prompts share prefixes and the cache gets hits.
 tokens = st.lists(st.integers(0, 2), min_size=1, max_size=24)

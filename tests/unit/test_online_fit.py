@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from kvdeck.runtime.executors.online_fit import OnlineFit
-from kvdeck.runtime.profiles import StepFit
+from kvdeck.runtime.planning.profiles import StepFit
 
 
 def test_recovers_a_linear_step_model_from_noisy_steps_and_keeps_the_prior_until_then() -> None:

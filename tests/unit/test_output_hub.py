@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
-from kvdeck.runtime.request import SamplingParams
 from kvdeck.runtime.server.streams import OutputHub
 
 

@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.planner import Planner, Scheme
-from kvdeck.runtime.profiles import HardwareProfile, ModelProfile, user_profiles_dir
-from kvdeck.runtime.workloads import DraftSource, Workload, draft_sources, expected_outputs
+from kvdeck.runtime.planning.planner import Planner, Scheme
+from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, user_profiles_dir
+from kvdeck.runtime.planning.workloads import DraftSource, Workload, draft_sources, expected_outputs
 
 GIB = 2**30
 

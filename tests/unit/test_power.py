@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdeck.runtime.power import nvml_power
+from kvdeck.runtime.planning.power import nvml_power
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvdeck.runtime.core.scheduler import swap_or_recompute
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
-from kvdeck.runtime.scheduler import swap_or_recompute
 
 BLOCK = 16
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.profiles import HardwareProfile, available_profiles, user_profiles_dir
+from kvdeck.runtime.planning.profiles import HardwareProfile, available_profiles, user_profiles_dir
 
 CARDS = {  # name: (memory bytes, bandwidth bytes/s, dense BF16 flop/s, link bytes/s, watts)
     "rtx-pro-6000": (96e9, 1.792e12, 503.8e12, 64e9, 600),

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvdeck.runtime.core.request import Request, SamplingParams
+from kvdeck.runtime.core.step_data import ScheduledChunk
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.plan import ScheduledChunk
-from kvdeck.runtime.request import Request, SamplingParams
-from kvdeck.runtime.sampling import TokenLogprobs, draw, process_logits, sample, score_tokens
+from kvdeck.runtime.text.sampling import TokenLogprobs, draw, process_logits, sample, score_tokens
 
 EOS = 0
 

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from kvdeck.runtime.config import EngineConfig, Knobs
-from kvdeck.runtime.engine import Engine
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import RequestStatus, SamplingParams
+from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
-from kvdeck.runtime.records import StepRecord
-from kvdeck.runtime.request import RequestStatus, SamplingParams
 
 
 def engine(num_blocks: int = 256, block_size: int = 16, **knobs) -> Engine:

@@ -91,10 +91,10 @@ def test_ngram_proposes_what_followed_the_latest_match() -> None:
 def test_adaptive_draft_length_follows_the_marginal_cost_rule() -> None:
     """ΔT/ΔN < T/N with hand-worked numbers: a step of 10 ms that emitted 10 tokens (1 ms a
     token); a verify row costs 0.2 ms (the fitted model's per-token time)."""
-    from kvdeck.runtime.config import EngineConfig, Knobs
+    from kvdeck.runtime.core.config import EngineConfig, Knobs
+    from kvdeck.runtime.core.request import Request, SamplingParams
+    from kvdeck.runtime.core.scheduler import Scheduler
     from kvdeck.runtime.kv.manager import BlockManager
-    from kvdeck.runtime.request import Request, SamplingParams
-    from kvdeck.runtime.scheduler import Scheduler
 
     def estimate(new: int, pairs: int, ctx: int) -> float:
         return 0.005 + 0.0002 * new

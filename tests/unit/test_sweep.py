@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvdeck.runtime.sweep import SweepPoint, at_rate, knee_index, offered_rate, recommended_cap
-from kvdeck.runtime.trace import Arrival
+from kvdeck.runtime.planning.sweep import (
+    SweepPoint,
+    at_rate,
+    knee_index,
+    offered_rate,
+    recommended_cap,
+)
+from kvdeck.runtime.runs.trace import Arrival
 
 
 def test_scaling_to_a_rate_keeps_the_shape_of_the_trace() -> None:

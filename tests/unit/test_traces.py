@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvdeck.runtime.errors import TraceError
-from kvdeck.runtime.trace import Arrival, load_arrivals, synthesize_tokens
+from kvdeck.runtime.runs.trace import Arrival, load_arrivals, synthesize_tokens
 from tests.paths import AZURE_CODE, AZURE_CONV, MOONCAKE
 
 

@@ -8,9 +8,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
+from kvdeck.runtime.core.request import Request, SamplingParams
 from kvdeck.runtime.kv.groups import LayerGroups, layer_groups
 from kvdeck.runtime.kv.manager import BlockManager
-from kvdeck.runtime.request import Request, SamplingParams
 from tests.unit.test_kv_properties import KVMachine
 
 # 3 full-attention and 5 local layers: pages of 3 layers, a window block is 2 pages.

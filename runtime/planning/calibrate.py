@@ -1,0 +1,206 @@
+"""`kvdeck calibrate`: measure a real executor and fit the sim executor's step-time model.
+
+The sweep times prefill chunks of `c` tokens on `h` cached ones and decode steps of `b`
+requests at context `L`, through the real engine and KV manager. A least-squares fit of
+`seconds = fixed + per_token × new_tokens + per_pair × causal_pairs` (coefficients kept
+non-negative) is written as a model profile plus a hardware profile for this machine, in
+the user profiles directory, where the sim executor finds them by name.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
+from kvdeck.runtime.core.step_data import causal_pairs
+from kvdeck.runtime.executors.torch import TorchExecutor
+from kvdeck.runtime.planning.machine import local_name
+from kvdeck.runtime.planning.profiles import (
+    ModelProfile,
+    StepFit,
+    user_profiles_dir,
+)
+
+FULL_SWEEP = {"prefill": [(c, h) for c in (16, 64, 256) for h in (0, 256, 1024)],
+              "decode": [(b, ctx) for b in (1, 4, 16) for ctx in (128, 512, 1024)]}
+QUICK_SWEEP = {"prefill": [(c, h) for c in (8, 32) for h in (0, 64)],
+               "decode": [(b, ctx) for b in (1, 4) for ctx in (16, 64)]}
+
+
+@dataclass(frozen=True)
+class Point:
+    kind: str
+    new_tokens: int
+    pairs: int
+    label: str
+    seconds: float
+    context: int = 0
+    """KV positions the step reads (for the bytes behind MBU)."""
+    sampled: int = 1
+    """Rows whose logits the step computes (a prefill chunk's last, every decode row)."""
+
+
+def _engine(ex: TorchExecutor, blocks_needed: int) -> Engine:
+    cfg = EngineConfig(block_size=16, num_blocks=blocks_needed + 64,
+                       knobs=Knobs(max_num_batched_tokens=8192, chunk_size=8192,
+                                   max_num_seqs=256, enable_prefix_caching=False,
+                                   kv_format="fp32" if ex.device.type == "cpu" else "bf16"))
+    return Engine(cfg, ex)
+
+
+def _prompt(n: int, salt: int, vocab: int) -> list[int]:
+    return [3 + (salt * 7919 + i * 104729) % (vocab - 3) for i in range(n)]
+
+
+def _time_prefill(ex: TorchExecutor, c: int, h: int, repeats: int) -> float:
+    vocab = ex.cfg.info.vocab_size
+    times = []
+    for r in range(repeats):
+        e = _engine(ex, (h + c) // 16 + 2)
+        # Compute h tokens (untimed), then time the step that adds a chunk of c.
+        if h:
+            e.add_request(_prompt(h + c, r, vocab), SamplingParams(max_tokens=1),
+                          request_id="x")
+            e.set_knobs(chunk_size=h)
+            e.step()
+            e.set_knobs(chunk_size=c)
+            rec = e.step()
+        else:
+            e.add_request(_prompt(c, r, vocab), SamplingParams(max_tokens=1), request_id="x")
+            rec = e.step()
+        assert rec is not None and rec.dt is not None
+        times.append(rec.dt)
+        e.run_until_idle()
+    return statistics.median(times)
+
+
+def _time_decode(ex: TorchExecutor, b: int, ctx: int, steps: int) -> float:
+    vocab = ex.cfg.info.vocab_size
+    e = _engine(ex, b * (ctx // 16 + 2))
+    for i in range(b):
+        e.add_request(_prompt(ctx, i, vocab), SamplingParams(max_tokens=steps + 2,
+                                                             ignore_eos=True))
+    while any(not r.is_decoding for r in e.scheduler.running) or e.scheduler.waiting \
+            or not e.scheduler.running:
+        e.step()
+    times = []
+    for _ in range(steps):
+        rec = e.step()
+        assert rec is not None and rec.dt is not None
+        times.append(rec.dt)
+    seconds = statistics.median(times)
+    e.run_until_idle()
+    return seconds
+
+
+def efficiencies(points: list[Point], model: ModelProfile, bandwidth: float, flops: float
+                 ) -> tuple[float, float]:
+    """(MFU, MBU) this model's steps reach against the measured peaks: the best prefill
+    point's FLOP rate (`2·params·n + 4·pairs·heads·d·layers` per step) over the matmul peak,
+    and the best decode point's read rate (`D_w + context·k` per step) over the read
+    bandwidth; each at most 1."""
+    k = model.kv_bytes_per_token()
+    rates_f = [(2.0 * model.matrix_params * p.new_tokens
+                + 4.0 * p.pairs * model.num_heads * model.head_dim * model.num_layers)
+               / p.seconds for p in points if p.kind == "prefill"]
+    rates_b = [(model.matrix_weight_bytes + p.context * k) / p.seconds
+               for p in points if p.kind == "decode"]
+    mfu = max(rates_f, default=0.0) / flops
+    mbu = max(rates_b, default=0.0) / bandwidth
+    return min(max(mfu, 1e-6), 1.0), min(max(mbu, 1e-6), 1.0)
+
+
+def fit_step_model(points: list[Point]) -> StepFit:
+    """Non-negative least squares over (1, new tokens, pairs, sampled rows) by dropping
+    negative terms. The sampled-rows term is left out when every point samples as many
+    rows as tokens or the same number (it would only repeat another column)."""
+    cols = [0, 1, 2, 3]
+    if len({p.sampled for p in points}) < 2 or all(p.sampled == p.new_tokens for p in points):
+        cols.remove(3)
+    a = np.array([[1.0, p.new_tokens, p.pairs, p.sampled] for p in points])
+    y = np.array([p.seconds for p in points])
+    while True:
+        coef, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+        if (coef >= 0).all():
+            break
+        cols.pop(int(np.argmin(coef)))
+    full = [0.0, 0.0, 0.0, 0.0]
+    for c, v in zip(cols, coef, strict=True):
+        full[c] = float(v)
+    return StepFit(*full)
+
+
+def sweep(ex: TorchExecutor, quick: bool = False, progress=print) -> list[Point]:
+    plan = QUICK_SWEEP if quick else FULL_SWEEP
+    points = []
+    for c, h in plan["prefill"]:
+        s = _time_prefill(ex, c, h, repeats=2 if quick else 3)
+        points.append(Point("prefill", c, causal_pairs(c, h), f"prefill {c} on {h}", s, h + c))
+        progress(f"  {points[-1].label}: {s * 1e3:.1f} ms")
+    for b, ctx in plan["decode"]:
+        s = _time_decode(ex, b, ctx, steps=3 if quick else 6)
+        points.append(Point("decode", b, b * causal_pairs(1, ctx), f"decode {b} at {ctx}", s,
+                            b * (ctx + 1), b))
+        progress(f"  {points[-1].label}: {s * 1e3:.1f} ms")
+    return points
+
+
+def hardware_name(ex: TorchExecutor) -> str:
+    return local_name(str(ex.device))
+
+
+def write_profiles(ex: TorchExecutor, fit: StepFit, name: str, hw: str,
+                   bandwidth: float, flops: float, points: list[Point] | None = None,
+                   link: float = 0.0) -> tuple[Path, Path]:
+    """Write models/<name>.toml (shape, sliding-window layers, fit for `hw`) and
+    hardware/<hw>.toml (measured peaks, link, and the MFU and MBU the points reached)."""
+    info = ex.cfg.info
+    d = user_profiles_dir()
+    (d / "models").mkdir(parents=True, exist_ok=True)
+    (d / "hardware").mkdir(parents=True, exist_ok=True)
+    model_path = d / "models" / f"{name}.toml"
+    bpw = ex.model.matrix_weight_bytes / max(ex.model.matrix_params, 1)
+    model_path.write_text(
+        f'# Written by kvdeck calibrate on {platform.node()} ({time.strftime("%Y-%m-%d")}).\n'
+        f'name = "{name}"\narchitecture = "{info.architecture}"\n'
+        f"num_layers = {info.num_layers}\nnum_heads = {info.num_heads}\n"
+        f"num_kv_heads = {info.num_kv_heads}\nhead_dim = {info.head_dim}\n"
+        f'kv_dtype = "{ex.kv_format}"\nweight_bytes = {info.weight_bytes}\n'
+        f"matrix_weight_bytes = {ex.model.matrix_weight_bytes}\n"
+        f"context_length = {info.context_length}\nbytes_per_weight = {bpw:.3f}\n"
+        f"sliding_window = {info.sliding_window or 0}\n"
+        f"num_local_layers = {len(info.sliding_window_layers) if info.sliding_window else 0}\n\n"
+        f"[fit.{hw}]\nfixed_ms = {fit.fixed_s * 1e3:.6f}\n"
+        f"per_token_us = {fit.per_token_s * 1e6:.6f}\nper_pair_ns = {fit.per_pair_s * 1e9:.6f}\n"
+        f"per_sample_us = {fit.per_sample_s * 1e6:.6f}\n"
+        + (f"\n# Measured decode steps, [batch, context, ms]: kvdeck plan interpolates them.\n"
+           f"[decode.{hw}]\npoints = [" + ", ".join(
+               f"[{p.new_tokens}, {p.context // p.new_tokens - 1}, {p.seconds * 1e3:.3f}]"
+               for p in points or [] if p.kind == "decode") + "]\n"
+           if any(p.kind == "decode" for p in points or []) else "")
+    )
+    mfu, mbu = efficiencies(points or [], ModelProfile.load(name), bandwidth, flops) \
+        if points else (0.5, 0.5)
+    hw_path = d / "hardware" / f"{hw}.toml"
+    hw_path.write_text(
+        f'# Written by kvdeck calibrate: this machine as measured.\nname = "{hw}"\n'
+        f'description = "{platform.processor() or platform.machine()}, {ex.device.type}"\n'
+        f"memory_bytes = {psutil.virtual_memory().total}\n"
+        f"bandwidth_bytes_per_s = {bandwidth:.6g}  # a 512 MiB matrix-vector product\n"
+        f"peak_flops = {flops:.6g}  # a 2048³ matrix product\n\n"
+        + (f"[link]\nbandwidth_bytes_per_s = {link:.6g}  # measured copy, slower way\n\n"
+           if link else "")
+        + f"# What {name}'s steps reached against those peaks: the best prefill point's\n"
+        "# FLOP rate (MFU) and the best decode point's bytes read per second (MBU).\n"
+        f"[efficiency]\nmfu = {mfu:.4f}\nmbu = {mbu:.4f}\n"
+    )
+    return model_path, hw_path

@@ -1,0 +1,333 @@
+"""Hardware and model profiles: TOML data in `profiles/`, loaded into frozen dataclasses."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvdeck.runtime.core.config import tomllib
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.kv.formats import KV_FORMATS, kv_bytes_per_token
+from kvdeck.runtime.resources import cache_dir, profile_names, profiles_dir
+
+
+def user_profiles_dir() -> Path:
+    """Profiles written by `kvdeck calibrate`; searched before the shipped ones."""
+    return cache_dir() / "profiles"
+
+
+def available_profiles(kind: str) -> list[str]:
+    user = user_profiles_dir() / kind
+    mine = [p.stem for p in user.glob("*.toml")] if user.is_dir() else []
+    return sorted(set(mine) | set(profile_names(kind)))
+
+
+def _load(kind: str, name: str) -> tuple[dict, str]:
+    """(the profile's data, where it was read: the file's path)."""
+    path = user_profiles_dir() / kind / f"{name}.toml"
+    if not path.is_file():
+        path = profiles_dir().joinpath(kind, f"{name}.toml")
+    if not path.is_file():
+        names = ", ".join(available_profiles(kind)) or "none"
+        raise ConfigError(f"Unknown {kind} profile {name!r}; available: {names}.")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8")), str(path)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"Profile {path} is not valid TOML: {e}.") from None
+
+
+def _need(data: dict, key: str, where: str):
+    if key not in data:
+        raise ConfigError(f"Profile {where} lacks the required key {key!r}.")
+    return data[key]
+
+
+def _number(data: dict, key: str, where: str, *, default: float | None = None,
+            positive: bool = True, most: float | None = None, table: str = "") -> float:
+    """A numeric field (in `[table]` if given), checked: one sentence naming the file, the
+    field and the problem."""
+    value = _need(data, key, where) if default is None else data.get(key, default)
+    key = f"{table}.{key}" if table else key
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"Profile {where}: {key} must be a number, got {value!r}.")
+    if not math.isfinite(value):
+        raise ConfigError(f"Profile {where}: {key} must be a finite number, got {value!r}.")
+    if positive and value <= 0 or not positive and value < 0:
+        what = "greater than 0" if positive else "0 or more"
+        raise ConfigError(f"Profile {where}: {key} must be {what}, got {value!r}.")
+    if most is not None and value > most:
+        raise ConfigError(f"Profile {where}: {key} must be at most {most}, got {value!r}.")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """An accelerator: memory, bandwidth, peak compute, link and measured efficiencies."""
+
+    name: str
+    description: str
+    memory_bytes: int
+    bandwidth_bytes_per_s: float
+    peak_flops: float
+    power_watts: float
+    link_bandwidth_bytes_per_s: float
+    mfu: float
+    mbu: float
+
+    @classmethod
+    def load(cls, name: str) -> HardwareProfile:
+        """The profile `name` (a user profile before a shipped one), validated: a missing
+        or bad field gets one sentence naming the file, the field and the problem.
+        Efficiencies a profile does not state (none measured yet) default to 0.5."""
+        if name == "local" and "local" not in available_profiles("hardware"):
+            return _measured_local()
+        d, where = _load("hardware", name)
+        link = d.get("link", {})
+        eff = d.get("efficiency", {})
+        if not isinstance(link, dict) or not isinstance(eff, dict):
+            raise ConfigError(f"Profile {where}: [link] and [efficiency] must be tables.")
+        return cls(
+            name=name,
+            description=str(d.get("description", name)),
+            memory_bytes=int(_number(d, "memory_bytes", where)),
+            bandwidth_bytes_per_s=_number(d, "bandwidth_bytes_per_s", where),
+            peak_flops=_number(d, "peak_flops", where),
+            power_watts=_number(d, "power_watts", where, default=0.0, positive=False),
+            link_bandwidth_bytes_per_s=_number(link, "bandwidth_bytes_per_s", where,
+                                               default=0.0, positive=False, table="link"),
+            mfu=_number(eff, "mfu", where, default=0.5, most=1.0, table="efficiency"),
+            mbu=_number(eff, "mbu", where, default=0.5, most=1.0, table="efficiency"),
+        )
+
+
+@functools.cache
+def _measured_local(device: str = "cpu") -> HardwareProfile:
+    """`local`: this machine measured once per process: read bandwidth, matmul rate and the
+    host link (`executors/link.py`); memory from the OS (or the GPU). Efficiencies come from
+    this machine's calibrated profile (`kvdeck calibrate`) when there is one, else 0.5."""
+    import psutil
+    import torch
+
+    from kvdeck.runtime.executors.link import measure_link
+    from kvdeck.runtime.planning.machine import local_name, measure_machine
+    from kvdeck.runtime.planning.power import nvml_power
+
+    bandwidth, flops = measure_machine(device)
+    link = measure_link(torch.device(device)).bandwidth
+    memory = torch.cuda.get_device_properties(device).total_memory \
+        if device.startswith("cuda") else psutil.virtual_memory().total
+    mfu = mbu = 0.5
+    calibrated = user_profiles_dir() / "hardware" / f"{local_name(device)}.toml"
+    if calibrated.is_file():
+        own = HardwareProfile.load(local_name(device))
+        mfu, mbu = own.mfu, own.mbu
+    power = nvml_power(torch.device(device).index or 0) if device.startswith("cuda") else None
+    return HardwareProfile("local", f"this machine ({device}), measured now", int(memory),
+                           bandwidth, flops, power.limit_w if power else 0.0, link, mfu, mbu)
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """`fixed + per_token × new tokens + per_pair × causal pairs [+ per_sample × rows whose
+    logits are computed]` (seconds). The last term is what a wide output head costs per
+    sampled row (Gemma 3's 262,144-token head is 63 % of the 270M model's matrix weights, so
+    a decode row costs several times a prefill token); `kvdeck calibrate` fits it, callers
+    that do not know the sampled rows leave it out."""
+
+    fixed_s: float
+    per_token_s: float
+    per_pair_s: float
+    per_sample_s: float = 0.0
+
+    def seconds(self, num_new_tokens: float, num_pairs: float, num_sampled: float = 0.0
+                ) -> float:
+        return self.fixed_s + self.per_token_s * num_new_tokens + self.per_pair_s * num_pairs \
+            + self.per_sample_s * num_sampled
+
+
+def matrix_params(info) -> int:
+    """Weights in the matrices a decode step reads, from a dense model's shape (`ModelInfo`):
+    per layer Q and O (`hidden × heads·d`), K and V (`hidden × kv_heads·d`) and the three
+    FFN matrices (`hidden × ffn`), plus the output head (`vocab × hidden`)."""
+    h, d = info.hidden_size, info.head_dim
+    per_layer = h * d * (2 * info.num_heads + 2 * info.num_kv_heads) + 3 * h * info.ffn_size
+    return info.num_layers * per_layer + info.vocab_size * h
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model's shape and weight sizes, enough to model its steps without its weights."""
+
+    name: str
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    weight_bytes: int
+    matrix_weight_bytes: int
+    context_length: int
+    bytes_per_weight: float
+    fits: dict[str, StepFit] = field(default_factory=dict)
+    """Fitted step-time models by hardware profile name."""
+    sliding_window: int = 0
+    """Window of the local (sliding-window) layers in tokens; 0 when every layer is global."""
+    num_local_layers: int = 0
+    """Layers that attend within `sliding_window` (Gemma 3: 15 of 18)."""
+    source: str = ""
+    """Where the profile came from: its TOML file, or the GGUF it was generated from."""
+    decode_times: dict[str, tuple[tuple[int, int, float], ...]] = field(default_factory=dict)
+    """Measured decode steps by hardware profile name: (batch, context, seconds), written
+    by `kvdeck calibrate`; the planner interpolates them (`decode_seconds`)."""
+
+    def decode_seconds(self, hardware: str, batch: int, context: int) -> float | None:
+        """A decode step of `batch` rows at `context`, interpolated from the measured steps
+        on `hardware`: linearly in context at each measured batch (extended past the ends
+        by the nearest two points), then linearly between the measured batches around
+        `batch`. None outside the measured batches and contexts (the fit decides there: a
+        noisy pair of points extended far would run to nothing), or without measurements."""
+        points = self.decode_times.get(hardware)
+        if not points:
+            return None
+        batches = sorted({b for b, _, _ in points})
+        contexts = [c for _, c, _ in points]
+        if not batches[0] <= batch <= batches[-1] or \
+                not min(contexts) <= context <= max(contexts):
+            return None
+
+        def at(b: int) -> float:
+            rows = sorted((c, s) for bb, c, s in points if bb == b)
+            if len(rows) == 1:
+                return rows[0][1]
+            i = next((j for j in range(1, len(rows) - 1) if context <= rows[j][0]),
+                     len(rows) - 1)
+            (c0, s0), (c1, s1) = rows[i - 1], rows[i]
+            return s0 + (s1 - s0) * (context - c0) / (c1 - c0) if c1 != c0 else s1
+
+        hi = next(b for b in batches if b >= batch)
+        lo = max(b for b in batches if b <= batch)
+        if hi == lo:
+            return max(at(lo), 0.0)
+        return max(at(lo) + (at(hi) - at(lo)) * (batch - lo) / (hi - lo), 0.0)
+
+    def kv_bytes_per_token(self, kv_format: str | None = None) -> int:
+        """K and V bytes of one token in every layer (a context within every window)."""
+        fmt = KV_FORMATS[kv_format or self.kv_dtype]
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, fmt)
+
+    def kv_bytes_per_layer_token(self, kv_format: str | None = None) -> int:
+        """K and V bytes of one token in one layer."""
+        return self.kv_bytes_per_token(kv_format) // self.num_layers
+
+    def kv_bytes(self, num_tokens: int, block_size: int, kv_format: str | None = None) -> int:
+        """KV bytes a sequence of `num_tokens` holds, block-rounded, with sliding-window
+        layers counted as their window: `global layers × ceil(L/p)` blocks plus `local
+        layers × min(ceil(L/p), ceil(w/p) + 1)` (a window of `w` positions can straddle
+        one more block than `w/p`), each block `p` tokens of one layer's K and V."""
+        blocks = -(-num_tokens // block_size)
+        local = min(blocks, -(-self.sliding_window // block_size) + 1) \
+            if self.sliding_window else blocks
+        layer_blocks = (self.num_layers - self.num_local_layers) * blocks \
+            + self.num_local_layers * local
+        return layer_blocks * block_size * self.kv_bytes_per_layer_token(kv_format)
+
+    @classmethod
+    def from_gguf(cls, target: str) -> ModelProfile:
+        """A profile generated from a GGUF's header (a model name kvdeck knows, or a path),
+        as `kvdeck models` reads it: shape, weight bytes and sliding-window layers. It has
+        no fitted timing (`kvdeck calibrate` writes one)."""
+        from kvdeck.runtime.models.info import read_model_info
+        from kvdeck.runtime.models.registry import resolve_model
+
+        info = read_model_info(resolve_model(target))
+        return cls(
+            name=target, architecture=info.architecture, num_layers=info.num_layers,
+            num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+            kv_dtype="fp16", weight_bytes=info.weight_bytes,
+            matrix_weight_bytes=info.matrix_weight_bytes,
+            context_length=info.context_length,
+            bytes_per_weight=info.matrix_weight_bytes / max(matrix_params(info), 1),
+            sliding_window=info.sliding_window or 0,
+            num_local_layers=len(info.sliding_window_layers) if info.sliding_window else 0,
+            source=str(info.path))
+
+    @property
+    def matrix_params(self) -> float:
+        return self.matrix_weight_bytes / self.bytes_per_weight
+
+    @classmethod
+    def load(cls, name: str) -> ModelProfile:
+        """The profile `name` from `profiles/models/` (a user profile first), validated like
+        hardware profiles; a name with no profile that is a model kvdeck knows or a GGUF
+        path is generated from the file's header (`from_gguf`)."""
+        if name not in available_profiles("models"):
+            from kvdeck.runtime.errors import ModelFileError, ModelNotFoundError
+
+            try:
+                return cls.from_gguf(name)
+            except ModelNotFoundError:
+                names = ", ".join(available_profiles("models"))
+                raise ConfigError(f"Unknown model profile {name!r}; available: {names}, or a "
+                                  "model name or GGUF path (generated from its header).") \
+                    from None
+            except ModelFileError as e:
+                raise ConfigError(f"No model profile {name!r}, and as a GGUF: {e}") from None
+        d, where = _load("models", name)
+        fits = {}
+        for hw, f in d.get("fit", {}).items():
+            if not isinstance(f, dict):
+                raise ConfigError(f"Profile {where}: fit.{hw} must be a table.")
+            t = f"fit.{hw}"
+            fits[hw] = StepFit(_number(f, "fixed_ms", where, positive=False, table=t) / 1e3,
+                               _number(f, "per_token_us", where, positive=False, table=t) / 1e6,
+                               _number(f, "per_pair_ns", where, positive=False, table=t) / 1e9,
+                               _number(f, "per_sample_us", where, default=0.0, positive=False,
+                                       table=t) / 1e6)
+        decode_times = {}
+        for hw, table in d.get("decode", {}).items():
+            points = table.get("points") if isinstance(table, dict) else None
+            if not isinstance(points, list) or not points or not all(
+                    isinstance(p, list) and len(p) == 3 and all(
+                        isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+                        for x in p) for p in points):
+                raise ConfigError(f"Profile {where}: decode.{hw}.points must be a list of "
+                                  "[batch, context, milliseconds] triples of positive "
+                                  f"numbers, got {points!r}.")
+            decode_times[hw] = tuple((int(b), int(c), ms / 1e3) for b, c, ms in points)
+        kv_dtype = str(d.get("kv_dtype", "bf16"))
+        if kv_dtype not in KV_FORMATS:
+            raise ConfigError(f"Profile {where}: kv_dtype must be one of "
+                              f"{', '.join(KV_FORMATS)}, got {kv_dtype!r}.")
+
+        def whole(key: str, **kw) -> int:
+            value = _number(d, key, where, **kw)
+            if value != int(value):
+                raise ConfigError(f"Profile {where}: {key} must be a whole number, got {value}.")
+            return int(value)
+
+        num_layers = whole("num_layers")
+        local = whole("num_local_layers", default=0, positive=False)
+        if local > num_layers:
+            raise ConfigError(f"Profile {where}: num_local_layers must be at most num_layers "
+                              f"({num_layers}), got {local}.")
+        return cls(
+            name=name,
+            architecture=str(d.get("architecture", name)),
+            num_layers=num_layers,
+            num_heads=whole("num_heads"),
+            num_kv_heads=whole("num_kv_heads"),
+            head_dim=whole("head_dim"),
+            kv_dtype=kv_dtype,
+            weight_bytes=whole("weight_bytes"),
+            matrix_weight_bytes=whole("matrix_weight_bytes"),
+            context_length=whole("context_length"),
+            bytes_per_weight=_number(d, "bytes_per_weight", where, default=2.0),
+            fits=fits,
+            sliding_window=whole("sliding_window", default=0, positive=False),
+            num_local_layers=local,
+            source=where,
+            decode_times=decode_times,
+        )

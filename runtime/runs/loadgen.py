@@ -1,0 +1,269 @@
+"""`kvdeck bench`: send an arrival trace to any OpenAI-compatible server and measure it.
+
+Requests go out at their trace times (scaled), streaming, as token-id prompts of the traced
+lengths with `max_tokens` set to the traced output and `ignore_eos` (vLLM's extension) so
+lengths are exact. Timings follow vLLM's serving benchmark: TTFT is the time to the first
+streamed chunk with content, ITL the gaps between content chunks, E2E the time to the last
+byte, TPOT = (E2E − TTFT) / (output tokens − 1), output tokens from the final usage chunk.
+Summaries (percentiles, throughput, goodput under SLOs) use the same code as `run-trace`.
+
+For servers that differ from vLLM's request shape (llama-cpp-python's server takes no
+token-id prompts and no `ignore_eos`), prompts can go as text (`text_prompt`) and exact
+output lengths be asked with `min_tokens` instead. With a concurrency limit, at most that
+many requests are in flight (vLLM's `--max-concurrency`); a request's clock starts when it
+is sent, not while it waits for a free place.
+
+Answer checks (`runtime/text/checks.py`, a trace's `check`) are judged here, on the streamed
+text, so they work against any server: a checked request is sent without the exact-length
+field (its answer ends where the model ends it), and one that fails its check counts as
+finished but not good. With `retries`, a request whose answer fails its check, or that
+errors, is sent again, up to that many times; the summary's usual figures count every send,
+and beside them come the retries and the time to a correct answer — from the first send
+to the end of the first correct answer — of each request that got one. Requests never
+answered correctly are not good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+
+import httpx
+
+from kvdeck.runtime.views.figures import summarize
+from kvdeck.runtime.views.metrics import SLO, Distribution, RequestMetrics
+from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
+
+
+def cap_arrivals(arrivals: Sequence[Arrival], max_prompt_len: int | None,
+                 max_output_len: int | None, hash_block_tokens: int = 512) -> list[Arrival]:
+    """Arrivals with prompts and outputs cut to the given lengths (None: no cap)."""
+    out = []
+    for a in arrivals:
+        prompt = min(a.prompt_len, max_prompt_len or a.prompt_len)
+        out.append(dataclasses.replace(
+            a, prompt_len=prompt, output_len=min(a.output_len, max_output_len or a.output_len),
+            hash_ids=a.hash_ids[:-(-prompt // hash_block_tokens)] if a.hash_ids else None,
+            prompt_tokens=a.prompt_tokens[:prompt] if a.prompt_tokens else None))
+    return out
+
+
+EXACT_LENGTH_FIELDS = ("ignore_eos", "min_tokens")
+"""How a request asks for exactly `max_tokens` outputs: vLLM's `ignore_eos` (kvdeck, vLLM,
+SGLang) or `min_tokens = max_tokens` (llama-cpp-python's server)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestShape:
+    """How requests are written for the server under test."""
+
+    vocab_size: int = 32_000
+    hash_block_tokens: int = 512
+    text_prompt: Callable[[int, int], str] | None = None
+    """(request index, prompt tokens) -> the prompt as text; None: token ids."""
+    exact_length_field: str = "ignore_eos"
+    temperature: float = 0.0
+    send_checks: bool = False
+    """Also send each request's check as kvdeck's `check` field, so a kvdeck server counts
+    it in its own goodput (other servers may refuse the field)."""
+
+    def body(self, model: str, a: Arrival, index: int, attempt: int = 0) -> dict:
+        prompt = self.text_prompt(index, a.prompt_len) if self.text_prompt else \
+            synthesize_tokens(a, index, self.vocab_size, self.hash_block_tokens)
+        body = {"model": model, "prompt": prompt, "max_tokens": a.output_len,
+                "temperature": self.temperature, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if self.temperature > 0:
+            # Reproducible draws, and a different one for each retry.
+            body["seed"] = attempt_seed(index, attempt)
+        if a.check is not None:
+            if self.send_checks:
+                body["check"] = a.check.to_json()
+        elif self.exact_length_field == "min_tokens":
+            body["min_tokens"] = a.output_len
+        else:
+            body["ignore_eos"] = True
+        return body
+
+
+MAX_RETRIES = 1_000
+
+
+def attempt_seed(index: int, attempt: int) -> int:
+    """The seed of send `attempt` (0: the first) of the trace's request `index`, when
+    requests are sampled (temperature above 0)."""
+    return index * (MAX_RETRIES + 1) + attempt
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """Every send of one trace request, and how long it took to get a correct answer."""
+
+    sends: list[RequestMetrics]
+    time_to_correct: float | None
+    """From the first send to the end of the first correct answer (None: never)."""
+
+    @property
+    def retries(self) -> int:
+        return len(self.sends) - 1
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, a: Arrival, index: int,
+               shape: RequestShape, start: float, headers: dict,
+               slots: asyncio.Semaphore | None, retries: int) -> Outcome:
+    """Send one trace request at its time, and again (up to `retries` times) while its
+    answer fails its check or it errors; a retry keeps its place under the concurrency
+    limit."""
+    rid = a.request_id or f"r{index}"
+    await asyncio.sleep(max(start + a.arrival_s - time.perf_counter(), 0))
+    if slots is not None:
+        await slots.acquire()
+    sends: list[RequestMetrics] = []
+    try:
+        for attempt in range(retries + 1):
+            m, text = await _send(client, url, shape.body(model, a, index, attempt), a,
+                                  rid if attempt == 0 else f"{rid}.retry{attempt}", start,
+                                  headers)
+            finished = m.status.startswith("finished")
+            if finished and a.check is not None:
+                m = dataclasses.replace(m, correct=a.check.passes(text))
+            sends.append(m)
+            if finished and m.correct is not False:
+                return Outcome(sends, m.finish - sends[0].arrival)
+        return Outcome(sends, None)
+    finally:
+        if slots is not None:
+            slots.release()
+
+
+async def _send(client: httpx.AsyncClient, url: str, body: dict, a: Arrival, rid: str,
+                start: float, headers: dict, resent: float | None = None
+                ) -> tuple[RequestMetrics, str]:
+    """Send one streaming request now (its clock starts here); its metrics and text. A
+    connection the server closed before answering anything (a kept-alive one it had
+    dropped: llama-server does now and then) is sent once more at once, the clock still
+    running from the first send (`resent`), as the openai client retries such errors."""
+    arrival = resent if resent is not None else time.perf_counter()
+    times: list[float] = []
+    parts: list[str] = []
+    output_tokens = 0
+    status, reason = "finished_length", None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                detail = (await r.aread()).decode(errors="replace")
+                status, reason = "rejected", f"HTTP {r.status_code}: {detail[:200]}"
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        status, reason = "rejected", chunk["error"].get("message")
+                        break
+                    if chunk.get("usage"):
+                        output_tokens = chunk["usage"]["completion_tokens"]
+                    texts = [c.get("text") or (c.get("delta") or {}).get("content") or ""
+                             for c in chunk.get("choices", [])]
+                    if any(texts):
+                        times.append(time.perf_counter())
+                        parts.extend(texts)
+                    if any(c.get("finish_reason") == "stop" for c in chunk.get("choices", [])):
+                        status = "finished_stopped"
+    except (httpx.RemoteProtocolError, httpx.ConnectError) as e:
+        if times or resent is not None:
+            status, reason = "aborted", f"{type(e).__name__}: {e}"
+        else:  # a kept-alive connection the server had closed: nothing ran; send once more
+            return await _send(client, url, body, a, rid, start, headers, arrival)
+    except httpx.HTTPError as e:
+        status, reason = "aborted", f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    ok = status.startswith("finished")
+    if not output_tokens and ok:
+        # No usage chunk (llama-cpp-python's server sends none): one token per content
+        # chunk, as such servers stream.
+        output_tokens = len(times)
+    ttft = times[0] - arrival if times else None
+    e2e = end - arrival if ok else None
+    tpot = (e2e - ttft) / (output_tokens - 1) if ok and ttft is not None and output_tokens > 1 \
+        else None
+    rel = [t - start for t in times]
+    return RequestMetrics(
+        rid, status, reason, arrival - start, None, rel[0] if rel else None,
+        end - start if ok else None, a.prompt_len, output_tokens, 0, 0, ttft, tpot, e2e, None,
+        tuple(b - a_ for a_, b in zip(times, times[1:], strict=False)), None, None), \
+        "".join(parts)
+
+
+def passage_prompts(tokenizer) -> Callable[[int, int], str]:
+    """(index, tokens) -> a window of that many tokens of the built-in English passage
+    (repeated as needed), as text: both servers re-tokenize the same text with the same
+    vocabulary, so they see the same prompt. Windows start at different places per index."""
+    from kvdeck.runtime.resources import PASSAGE
+
+    ids = tokenizer.encode(PASSAGE.read_text(encoding="utf-8"), add_bos=False)
+
+    def text(index: int, n: int) -> str:
+        reps = ids * (n // len(ids) + 2)
+        start = (index * 61) % len(ids)
+        return tokenizer.decode(reps[start:start + n])
+
+    return text
+
+
+WARMUP_PROMPT = list(range(3, 19))
+"""Sent once before the run is timed: 16 fixed token ids, shorter than any cache block a
+trace's prompts could share with it."""
+
+
+async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *,
+                    shape: RequestShape = RequestShape(), api_key: str | None = None,
+                    concurrency: int | None = None, slo: SLO = SLO(), warmup: bool = True,
+                    retries: int = 0,
+                    on_done: Callable[[Outcome], None] | None = None) -> dict:
+    """Send every arrival at its time, at most `concurrency` at once (None: no limit), each
+    again up to `retries` times while its answer fails its check or it errors; returns
+    `{"summary": ..., "requests": [...]}` (every send, retries included).
+
+    With `warmup`, one short request goes first and is not counted (as vLLM's serving
+    benchmark does), so first-request costs on either side do not land on the trace's first
+    arrivals."""
+    endpoint = url.rstrip("/") + "/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency or 256)
+    slots = asyncio.Semaphore(concurrency) if concurrency else None
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        if warmup:
+            try:
+                await client.post(endpoint, headers=headers, json={
+                    "model": model, "max_tokens": 1, "prompt": shape.text_prompt(0, 16)
+                    if shape.text_prompt else WARMUP_PROMPT})
+            except httpx.HTTPError:
+                pass  # an unreachable server shows in every request's result below
+        start = time.perf_counter()
+
+        async def tracked(i: int, a: Arrival) -> Outcome:
+            o = await _one(client, endpoint, model, a, i, shape, start, headers, slots,
+                           retries)
+            if on_done is not None:
+                on_done(o)
+            return o
+
+        outcomes = await asyncio.gather(*(tracked(i, a) for i, a in enumerate(arrivals)))
+    results = [m for o in outcomes for m in o.sends]
+    summary = summarize(results, None, slo)
+    answered = [o.time_to_correct for o in outcomes if o.time_to_correct is not None]
+    summary.update(
+        trace_requests=len(outcomes), retries=sum(o.retries for o in outcomes),
+        answered_correctly=len(answered),
+        time_to_correct_s=dataclasses.asdict(Distribution.of(answered)))
+    # What only the server knows (its steps, residents, busy time) a client cannot measure:
+    # None shows as "—", not as a measured zero.
+    summary["steps"] = None
+    summary["littles_law"]["measured_mean_resident"] = None
+    summary["accelerator_s_per_good_result"] = None
+    summary["endpoint"] = endpoint
+    return {"summary": summary, "requests": [m.to_dict() for m in results]}

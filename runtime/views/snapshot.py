@@ -1,0 +1,327 @@
+"""Immutable views of the engine after an iteration — the only thing the console, the
+`/metrics` exporter and other consumers read; they never reach into the scheduler or the KV
+manager.
+
+Block states are the pool's packed state bytes (see `kv.block_pool`: FREE, PRIVATE, SHARED,
+CACHED, CACHED_ACTIVE), copied, not recomputed. `SnapshotBuilder` builds snapshots
+incrementally: request views are reused while a request has not changed, the prefix-tree
+summary while the tree and its blocks' references have not, and latency percentiles while no
+request has finished — so the engine thread can publish several snapshots a second under
+load (`make bench` reports the cost).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvdeck.runtime.core.config import Knobs
+from kvdeck.runtime.executors.base import WeightsView
+from kvdeck.runtime.kv.block_pool import (
+    CACHED,
+    CACHED_ACTIVE,
+    FREE,
+    PRIVATE,
+    SHARED,
+    STATE_NAMES,
+)
+from kvdeck.runtime.kv.groups import LayerGroups
+from kvdeck.runtime.kv.prefix_tree import NodeSummary
+from kvdeck.runtime.kv.transfers import TransfersView
+from kvdeck.runtime.kv.window import held_by_group
+from kvdeck.runtime.spec.stats import SpeculationView
+from kvdeck.runtime.views.figures import FiguresView
+
+if TYPE_CHECKING:
+    from kvdeck.runtime.core.engine import Engine
+
+__all__ = ["CACHED", "CACHED_ACTIVE", "FREE", "PRIVATE", "SHARED", "STATE_NAMES",
+           "BatchView", "EngineFailure", "EngineSnapshot", "KVView", "RequestDetail",
+           "RequestView", "SnapshotBuilder", "TrackedOutput"]
+RECENT_FINISHED = 64
+"""Finished requests a snapshot lists."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    request_id: str
+    status: str
+    prompt_tokens: int
+    computed_tokens: int
+    output_tokens: int
+    max_tokens: int
+    cached_tokens: int
+    arrival_time: float
+    admitted_time: float | None
+    deadline: float | None
+    priority: int
+    num_preemptions: int
+    block_table: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """The last iteration's composition against its budgets."""
+
+    step: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    num_seqs: int
+    token_budget: int
+    max_num_seqs: int
+    seconds: float
+    num_preempted: int
+    limit: str | None = None
+    """Why no more waiting requests joined (None: nobody was left waiting)."""
+    predicted_s: float | None = None
+    """The timing model's prediction of `seconds`, made when the step was planned."""
+    itl_target_s: float = 0.0
+    """The ITL target the step was planned under (0: none)."""
+
+    @property
+    def unused_budget(self) -> int:
+        return max(self.token_budget - self.num_decode_tokens - self.num_prefill_tokens, 0)
+
+
+@dataclass(frozen=True)
+class WindowView:
+    """The pool's two layer groups under `free_window_kv` (`kv/groups.py`)."""
+
+    layout: str
+    """`LayerGroups.describe()`: the layers of each group, the window, the page."""
+    page_groups: bytes
+    """Per page, 1 for a sliding-window page (meaningful for pages in use)."""
+    full_pages: int
+    """Pages requests hold for the full-attention layers."""
+    window_pages: int
+    """Pages requests hold for the sliding-window layers."""
+
+
+def window_view(groups: LayerGroups | None, states: bytes | bytearray,
+                page_groups: bytearray) -> WindowView | None:
+    """The two groups as a snapshot shows them (live or replayed); None without groups."""
+    if groups is None:
+        return None
+    full, window = held_by_group(states, page_groups)
+    return WindowView(groups.describe(), bytes(page_groups), full, window)
+
+
+@dataclass(frozen=True)
+class KVView:
+    num_blocks: int
+    block_size: int
+    kv_format: str
+    bytes_per_block: int
+    states: bytes
+    num_free: int
+    num_evictable: int
+    num_reserved: int
+    usage: float
+    """Blocks held by requests / pool (vLLM's `kv_cache_usage_perc`)."""
+    num_cached_blocks: int
+    hit_rate: float
+    num_evictions: int
+    num_cow_copies: int
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+    formats: tuple[str, ...] = ()
+    """The KV formats the executor can switch the pool to (the `kv_format` knob's choices)."""
+    draft_bytes_per_block: int = 0
+    """Bytes of each block's twin in the draft model's pool (0 without a draft model)."""
+    draft_model: str = ""
+    window: WindowView | None = None
+    """The two layer groups when sliding-window KV is freed (blocks are then pages)."""
+
+    @property
+    def cached_fraction(self) -> float:
+        """Blocks only the prefix cache holds (free for allocation) / pool."""
+        return self.num_evictable / self.num_blocks if self.num_blocks else 0.0
+
+    def count(self, state: int) -> int:
+        return self.states.count(state)
+
+
+@dataclass(frozen=True)
+class TrackedOutput:
+    """A request someone follows (the console's prompt): its text so far."""
+
+    request_id: str
+    status: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    max_tokens: int
+    text: str
+    reason: str | None
+    constraint: str | None = None
+    """What its output follows (`guided.GuideSpec.label`), if constrained."""
+    segments: tuple[tuple[str, bool], ...] = ()
+    """A constrained output's text in runs of (text, forced): forced runs are tokens the
+    grammar left no choice about (keys, punctuation)."""
+    branches: tuple[TrackedOutput, ...] = ()
+    """Its other samples (`n` > 1), once started."""
+
+
+@dataclass(frozen=True)
+class RequestDetail:
+    """One watched request's whole story (the console's request detail)."""
+
+    request_id: str
+    status: str
+    reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    priority: int
+    events: tuple[tuple[float, str], ...]
+    block_table: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """Why the engine stopped, in one sentence, and where the full traceback is."""
+
+    message: str
+    log_path: str | None
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Everything the console shows, as of the end of iteration `step`."""
+
+    step: int
+    time: float
+    """Engine clock (virtual seconds under `sim`)."""
+    model_name: str
+    executor: str
+    knobs: Knobs
+    waiting: tuple[RequestView, ...]
+    running: tuple[RequestView, ...]
+    batch: BatchView | None
+    kv: KVView
+    prefix_nodes: tuple[NodeSummary, ...]
+    num_finished: int
+    num_rejected: int
+    num_aborted: int
+    num_preemptions: int
+    recent: dict
+    """Rolling metrics over recently finished requests (see `RunFigures.rolling`)."""
+    figures: FiguresView | None = None
+    paused: bool = False
+    failure: EngineFailure | None = None
+    lag_s: float = 0.0
+    """Virtual seconds a paced sim is behind the wall clock (0 when keeping up)."""
+    pending_knobs: Knobs | None = None
+    """Knobs submitted but not applied yet (they apply at the next iteration)."""
+    tracked: tuple[TrackedOutput, ...] = ()
+    finished: tuple[RequestView, ...] = ()
+    """The most recently finished requests, newest last (the console's request table)."""
+    detail: RequestDetail | None = None
+    """The watched request (see `commands.Watch`), wherever it is in its life."""
+    weights: WeightsView | None = None
+    switches: tuple[dict, ...] = ()
+    """The latest pauses to re-encode the KV pool or re-pack weights, oldest first, each a
+    `StepRecord.switches` entry plus the step it happened before."""
+    transfers: TransfersView | None = None
+    """The host tier, the link and what crossed it (`runtime/kv/transfers.py`)."""
+    speculation: SpeculationView | None = None
+    """Speculative decoding's method and acceptance (`runtime/spec/stats.py`)."""
+
+
+class SnapshotBuilder:
+    """Builds an engine's snapshots, reusing what has not changed since the last one."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._views: dict[str, tuple[tuple, RequestView]] = {}
+        self._prefix: tuple[tuple[int, int, int], tuple[NodeSummary, ...]] | None = None
+
+    def _request_views(self, requests, tables: dict[str, list[int]],
+                       fresh: dict[str, tuple[tuple, RequestView]]) -> tuple[RequestView, ...]:
+        out = []
+        old = self._views
+        for r in requests:
+            rid = r.request_id
+            table = tables.get(rid)
+            key = (r.status, r.num_computed_tokens, len(r.output_token_ids), r.num_preemptions,
+                   r.num_cached_tokens, len(table) if table is not None else -1)
+            hit = old.get(rid)
+            if hit is None or hit[0] != key:
+                hit = (key, RequestView(
+                    rid, r.status.value, len(r.prompt_token_ids), r.num_computed_tokens,
+                    len(r.output_token_ids), r.sampling.max_tokens, r.num_cached_tokens,
+                    r.arrival_time, r.admitted_time, r.deadline, r.priority,
+                    r.num_preemptions, tuple(table) if table else ()))
+            fresh[rid] = hit
+            out.append(hit[1])
+        return tuple(out)
+
+    def _prefix_nodes(self, limit: int) -> tuple[NodeSummary, ...]:
+        kv = self.engine.kv
+        key = (kv.tree.version, kv.pool.cache_version, limit)
+        if self._prefix is None or self._prefix[0] != key:
+            self._prefix = (key, tuple(kv.tree.summary(limit)))
+        return self._prefix[1]
+
+    def _weights(self) -> WeightsView:
+        view = self.engine.weights_view
+        if "auto" not in view.formats:
+            return view
+        return dataclasses.replace(view, auto=self.engine.executor.auto_choice())
+
+    def kv_view(self) -> KVView:
+        e = self.engine
+        kv, tree = e.kv, e.kv.tree
+        return KVView(kv.num_blocks, kv.block_size, e.kv_format, kv.bytes_per_block,
+                      bytes(kv.pool.states), kv.pool.num_free, tree.num_evictable,
+                      kv.num_reserved, kv.usage, tree.num_nodes, tree.hit_rate,
+                      tree.num_evictions, kv.num_cow_copies, tree.num_query_tokens,
+                      tree.num_hit_tokens, e.executor.kv_formats,
+                      e.executor.draft_kv_bytes_per_token(e.kv_format) * kv.block_size,
+                      e.executor.draft_model_name,
+                      window_view(kv.groups, kv.pool.states, kv.page_groups))
+
+    def transfers_view(self) -> TransfersView:
+        e = self.engine
+        kv, log, tree = e.kv, e.transfer_log, e.kv.tree
+        return TransfersView(
+            e.executor.link_bandwidth, e.executor.link_detail, kv.host.num_blocks,
+            kv.host.num_swapped, kv.host.num_demoted, kv.bytes_per_block, bytes(kv.host.states),
+            tuple(kv.host_tables), log.view_counters(kv.num_swap_outs, kv.num_swap_ins, tree),
+            log.last, tuple(log.recent),
+            e.executor.describe_offload(), e.executor.offload_gain_bytes)
+
+    def build(self, max_prefix_nodes: int = 256) -> EngineSnapshot:
+        """Call from the engine thread (or while it is stopped)."""
+        e = self.engine
+        sched = e.scheduler
+        tables = e.kv.tables
+        fresh: dict[str, tuple[tuple, RequestView]] = {}
+        waiting = self._request_views(sched.waiting, tables, fresh)
+        running = self._request_views(sched.running, tables, fresh)
+        done = e.completed
+        finished = self._request_views(
+            itertools.islice(done, max(len(done) - RECENT_FINISHED, 0), None), tables, fresh)
+        self._views = fresh
+        counts = e.figures.status_counts
+        pending = e.submitted_knobs if e.submitted_knobs != sched.knobs else None
+        return EngineSnapshot(
+            step=e.step_count,
+            time=e.clock.now() if e.state_end is None else e.state_end,
+            model_name=e.executor.model_name, executor=e.executor.name,
+            knobs=sched.knobs, waiting=waiting, running=running,
+            batch=e.last_batch, kv=self.kv_view(),
+            prefix_nodes=self._prefix_nodes(max_prefix_nodes),
+            num_finished=counts.get("finished_stopped", 0) + counts.get("finished_length", 0),
+            num_rejected=counts.get("rejected", 0), num_aborted=counts.get("aborted", 0),
+            num_preemptions=sched.num_preemptions,
+            recent=e.figures.rolling(), figures=e.figures.view(),
+            paused=e.paused, failure=e.failure, lag_s=e.clock.lag_s, pending_knobs=pending,
+            tracked=tuple(e.tracked_outputs()), finished=finished, detail=e.watched_detail(),
+            switches=tuple(e.switches), weights=self._weights(),
+            transfers=self.transfers_view(),
+            speculation=sched.spec.view(sched.knobs.speculative_method,
+                                        sched.knobs.num_speculative_tokens,
+                                        e.executor.draft_model_name),
+        )
