@@ -27,7 +27,7 @@ QUEUE_POLICIES = ("fcfs", "priority", "sjf", "edf")
 RESERVATION_POLICIES = ("full", "lazy")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 """Preempted requests recompute their KV when readmitted, swap it to the host tier and back,
-or (`auto`) whichever the timing model says is faster for each victim (`scheduler.py`)."""
+or (`auto`) whichever the timing model says is faster for each victim (`policies/preemption.py`)."""
 EVICTION_POLICIES = ("lru", "value")
 DEADLINE_ACTIONS = ("reject", "wait")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")

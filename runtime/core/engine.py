@@ -150,7 +150,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv, executor.estimate_step_seconds,
                                    self.max_model_len, executor.eos_token_ids)
         self.scheduler.propose = lambda req, k: executor.propose(req, k, self.scheduler.knobs)
-        self.scheduler.draft_estimate = executor.estimate_draft_seconds
+        self.scheduler.drafts.draft_estimate = executor.estimate_draft_seconds
         self.check_knobs(k)
         self.inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self.wake = threading.Event()

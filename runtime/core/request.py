@@ -156,7 +156,8 @@ class Request(Progress):
     priority: int = 0
     """Lower runs first under the `priority` policy (as in vLLM)."""
     num_arrival_preemptions: int = 0
-    """Times a higher-priority arrival preempted it (bounded: `scheduler.ARRIVAL_PREEMPTIONS`)."""
+    """Times a higher-priority arrival preempted it (bounded:
+    `policies.preemption.ARRIVAL_PREEMPTIONS`)."""
     output_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
     events: list[tuple[float, str]] = field(default_factory=list)

@@ -15,77 +15,31 @@ also capped so the step's predicted time stays within it (`step_budget.py`).
 In `static` mode a group is admitted only when nothing runs, and runs until every member
 has finished.
 
-Preemption (`recompute`): when a running request cannot get the blocks it needs, the
-victim is the running request, not yet scheduled this iteration, that was admitted last
-(under the `priority` policy: the lowest-priority one, latest admitted among equals) — the
-request that has received the least service, as in vLLM. Its blocks are freed and it returns
-to the head of the queue; its prompt and generated tokens are recomputed when it is
-readmitted (reusing whatever the prefix cache still holds). If the request needing blocks is
-itself the only candidate, it is the one preempted. No admissions happen in an iteration
-that preempted.
-
-Priority preemption on arrival: under the `priority` policy, when the queue's first request
-cannot start (the pool cannot take its first chunk, or `max_num_seqs` requests run), running
-requests of a strictly lower priority are preempted for it — lowest priority first, latest
-admitted among equals — until it fits (`_preempt_for_arrival`). The bound that keeps a
-stream of high-priority arrivals from starving the others: a request is preempted this way
-at most `ARRIVAL_PREEMPTIONS` times (after that only a pool shortage can preempt it), and a
-request that has waited `priority_max_wait_s` is ordered ahead of every priority, oldest
-first, and preempts nobody's way in — so every request is admitted within that wait plus
-the service of the aged requests ahead of it, and once admitted loses its place at most
-twice to arrivals.
-
-Preemption mode (the `preemption` knob): `recompute` as above; `swap` copies the victim's
-computed blocks to the host tier instead (`kv/tiers.py`) and it resumes where it stopped
-once they are copied back (`RequestStatus.SWAPPED`); `auto` decides per victim with
-`swap_or_recompute`. A victim with nothing computed, or one the host tier cannot take,
-recomputes.
+Who is preempted and how (`policies/preemption.py`), the queue order
+(`policies/queue_order.py`), what admission refuses (`policies/admission.py`) and the
+adaptive draft length (`policies/draft_length.py`) are policies of their own.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections import deque
 from collections.abc import Callable
 
 from kvdeck.runtime.core.config import EngineConfig, Knobs
-from kvdeck.runtime.core.forecast import Job, forecast
+from kvdeck.runtime.core.policies.admission import DeadlineAdmission, never_fits
+from kvdeck.runtime.core.policies.draft_length import DraftLengths
+from kvdeck.runtime.core.policies.preemption import arrival_victim, pick_victim, preemption_mode
+from kvdeck.runtime.core.policies.queue_order import priority_key, queue_order
 from kvdeck.runtime.core.request import Request, RequestStatus
 from kvdeck.runtime.core.step_budget import StepBudget, StepTotals
-from kvdeck.runtime.core.step_data import ScheduledChunk, SchedulerOutput, StepResult, causal_pairs
+from kvdeck.runtime.core.step_data import ScheduledChunk, SchedulerOutput, StepResult
 from kvdeck.runtime.kv.manager import BlockManager
-from kvdeck.runtime.spec.stats import MAX_POSITIONS, SpecStats
+from kvdeck.runtime.spec.stats import SpecStats
 
 Estimator = Callable[[int, int, int], float]
 """(new tokens, causal pairs, context tokens) -> predicted step seconds."""
 Proposer = Callable[[Request, int], list[int]]
 """(request, most tokens) -> draft tokens to follow its last token (speculative decoding)."""
-DraftEstimator = Callable[[int], float]
-"""(rows) -> predicted seconds of one draft-model pass over that many rows."""
-ARRIVAL_PREEMPTIONS = 2
-"""The most times one request is preempted for a higher-priority arrival."""
-
-
-def swap_or_recompute(num_tokens: int, block_size: int, bytes_per_block: int,
-                      link_seconds: Callable[[int], float], estimate: Estimator
-                      ) -> tuple[str, float, float]:
-    """`auto` preemption's rule for a victim with `num_tokens` computed tokens: swap when
-    copying its blocks out and back, `2 · bytes / link bandwidth`, takes less than
-    recomputing them — the time its tokens add to a step, `estimate(L, pairs, L) −
-    estimate(0, 0, 0)` (a recompute rides in steps that run anyway, so their fixed cost is
-    not its own). Returns (choice, swap seconds, recompute seconds).
-
-    Blocks are copied whole, so a victim with a few tokens pays a whole block each way; on
-    a roofline step model a short recompute is nearly free (it fills a memory-bound step's
-    idle compute), a long one is not (its cost grows with tokens and causal pairs)."""
-    nbytes = -(-num_tokens // block_size) * bytes_per_block
-    swap = 2.0 * link_seconds(nbytes)
-    recompute = estimate(num_tokens, causal_pairs(num_tokens, 0), num_tokens) \
-        - estimate(0, 0, 0)
-    return ("swap" if swap < recompute else "recompute"), swap, recompute
-
-
 class Scheduler:
     """Owns the waiting queue and the running batch; plans and applies iterations."""
 
@@ -112,14 +66,10 @@ class Scheduler:
         """Preemptions that swapped the victim's KV out (the rest recomputed)."""
         self.propose: Proposer | None = None
         """Drafts for speculative decoding (set by the engine from its executor)."""
-        self.draft_estimate: DraftEstimator | None = None
-        """A draft-model pass's predicted time (set by the engine when the executor has a
-        draft model): the draft's share of the draft-length rule's ΔT."""
         self.spec = SpecStats()
-        self._acceptance: dict[str, tuple[list[int], list[int]]] = {}
-        """Per speculating request: (accepted, tried) per draft position."""
-        self._last_step = (0.0, 0)
-        """(seconds, tokens emitted) of the latest step: T and N of the draft-length rule."""
+        self.drafts = DraftLengths(estimate, self.spec)
+        """The adaptive draft-length rule and what it learns from."""
+        self.deadlines = DeadlineAdmission(estimate, kv.block_size)
         self._prefilling: list[Request] = []
         """Running requests with prompt tokens left to compute, as of this step's plan."""
         self._target: StepBudget | None = None
@@ -214,7 +164,7 @@ class Scheduler:
                            status.value else status.value))
         if req.request_id in self.kv.tables or req.request_id in self.kv.host_tables:
             self.kv.release(req)
-        self._acceptance.pop(req.request_id, None)
+        self.drafts.forget(req.request_id)
         self.finished.append(req)
 
     # -- planning ---------------------------------------------------------------------------
@@ -350,44 +300,8 @@ class Scheduler:
         # Adaptive lengths follow measured step times; a seeded request promises the same
         # output every run, so it keeps the fixed length (its draws depend on it).
         if most and self.knobs.draft_length == "adaptive" and sp.seed is None:
-            most = self.draft_length(req, most, num_decodes if model else 0)
+            most = self.drafts.length(req, most, num_decodes if model else 0)
         return most, draft[:most]
-
-    def draft_length(self, req: Request, most: int, num_drafting: int = 0) -> int:
-        """How many draft tokens `req` should verify this step, at most `most`: lengthen
-        while `ΔT/ΔN < T/N` — ΔT the time one more verify row adds to a step (the timing
-        model at the request's context), ΔN the chance that row's token is kept (the
-        product of the request's acceptance rates up to it, smoothed toward a prior:
-        `(accepted + 2·prior)/(tried + 2)` per position, the prior being all requests'
-        rate at that position, or where none was tried the rate at the one before), and T/N
-        the latest step's time per token emitted.
-        With a draft model (`num_drafting` requests drafting this step) ΔT also holds the
-        draft's share of one more sequential draft pass: `pass(m)/m` over those requests.
-        A request whose drafts keep failing early gets shorter drafts, or none."""
-        seconds, tokens = self._last_step
-        if not tokens:
-            return most  # nothing measured yet
-        ctx = req.num_tokens
-        row = self.estimate(1, causal_pairs(1, ctx), ctx) - self.estimate(0, 0, 0)
-        if num_drafting and self.draft_estimate is not None:
-            row += self.draft_estimate(num_drafting) / num_drafting
-        per_token = seconds / tokens
-        accepted, tried = self._acceptance.get(req.request_id, ((), ()))
-        spec = self.spec
-        keep, prior = 1.0, 0.5
-        for i in range(most):
-            # The prior for position i: every request's rate there, else the rate at i − 1.
-            # (A fixed 1/2 for untried positions never lets a short draft grow: a position
-            # that is never drafted is never tried.)
-            if spec.drafts_per_pos[i]:
-                prior = (spec.accepted_per_pos[i] + 1) / (spec.drafts_per_pos[i] + 2)
-            a, t = (accepted[i], tried[i]) if i < len(tried) else (0, 0)
-            rate = (a + 2 * prior) / (t + 2)
-            keep *= rate
-            prior = rate
-            if row / keep >= per_token:
-                return i
-        return most
 
     def _add_prefill(self, plan: SchedulerOutput, req: Request, n: int) -> None:
         """A prefill chunk of `n` tokens (decodes are planned inline, in _schedule_decodes)."""
@@ -409,7 +323,7 @@ class Scheduler:
             cows = self.kv.try_allocate(req, n)
             if cows is not None:
                 return cows
-            victim = self._pick_victim(scheduled)
+            victim = pick_victim(self.running, scheduled, self.knobs.queue_policy)
             self._preempt(victim, plan)
             if victim is req:
                 return None
@@ -418,12 +332,12 @@ class Scheduler:
         """Under `priority`: preempt lower-priority running requests until the queue's first
         request can start (see the module docstring for the bound)."""
         k = self.knobs
-        head = min(self.waiting, key=self._priority_key(now))  # the queue's first, no sort
+        head = min(self.waiting, key=priority_key(k, now))  # the queue's first, no sort
         if head.status is not RequestStatus.WAITING or \
                 now - head.arrival_time >= k.priority_max_wait_s:
             return  # resumed requests and aged ones take their turn without preempting
         full = k.reservation == "full"
-        if self._never_fits(head, full):
+        if never_fits(head, full, self.kv, k.chunk_size):
             return
         while True:
             chain = self.kv.prefix_chain(head)  # preempted blocks may have been cached ones
@@ -431,12 +345,9 @@ class Scheduler:
                     k.max_num_batched_tokens)
             if len(self.running) < k.max_num_seqs and self.kv.can_admit(head, n, full, chain):
                 return
-            victims = [(i, r) for i, r in enumerate(self.running)
-                       if r.priority > head.priority
-                       and r.num_arrival_preemptions < ARRIVAL_PREEMPTIONS]
-            if not victims:
+            victim = arrival_victim(self.running, head)
+            if victim is None:
                 return
-            _, victim = max(victims, key=lambda ir: (ir[1].priority, ir[0]))
             victim.num_arrival_preemptions += 1
             swap = self.preemption_mode(victim) == "swap"
             self._preempt_now(victim, now, f"for higher-priority {head.request_id} "
@@ -446,14 +357,6 @@ class Scheduler:
                 plan.swapped.append(victim.request_id)
             plan.preempted.append(victim.request_id)
 
-    def _pick_victim(self, scheduled: set[str]) -> Request:
-        # `running` is in admission order, so a larger index means admitted later.
-        candidates = [(i, r) for i, r in enumerate(self.running)
-                      if r.request_id not in scheduled]
-        if self.knobs.queue_policy == "priority":
-            return max(candidates, key=lambda ir: (ir[1].priority, ir[0]))[1]
-        return candidates[-1][1]
-
     def _preempt(self, req: Request, plan: SchedulerOutput) -> None:
         swap = self.preemption_mode(req) == "swap"
         self._preempt_now(req, plan.time, swap=swap)
@@ -462,16 +365,8 @@ class Scheduler:
         plan.preempted.append(req.request_id)
 
     def preemption_mode(self, req: Request) -> str:
-        """How `req` would be preempted now: `swap` or `recompute` (see the module
-        docstring)."""
-        mode = self.knobs.preemption
-        kv = self.kv
-        if mode == "recompute" or not kv.can_swap_out(kv.blocks_needed(req.num_computed_tokens)):
-            return "recompute"
-        if mode == "swap":
-            return "swap"
-        return swap_or_recompute(req.num_computed_tokens, kv.block_size, kv.bytes_per_block,
-                                 kv.link_seconds, self.estimate)[0]
+        """How `req` would be preempted now: `swap` or `recompute`."""
+        return preemption_mode(req, self.knobs.preemption, self.kv, self.estimate)
 
     def _preempt_now(self, req: Request, now: float,
                      why: str = "blocks freed, to be recomputed", swap: bool = False) -> None:
@@ -513,39 +408,10 @@ class Scheduler:
         out: list[str] = []
         kv = self.kv
         while self.running and kv.pool.num_held + kv.num_reserved > num_blocks:
-            victim = self._pick_victim(set())
+            victim = pick_victim(self.running, set(), self.knobs.queue_policy)
             self._preempt_now(victim, now, why)
             out.append(victim.request_id)
         return out
-
-    def _queue_order(self, now: float) -> list[Request]:
-        policy = self.knobs.queue_policy
-        if policy == "fcfs":
-            # Preempted requests were put at the head. Only the front of a long queue can be
-            # admitted this iteration, so copy no more than that.
-            return list(itertools.islice(self.waiting, self.knobs.max_num_seqs + 256))
-        if policy == "priority":
-            return sorted(self.waiting, key=self._priority_key(now))
-        back = (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
-        resumed = [r for r in self.waiting if r.status in back]
-        fresh = [r for r in self.waiting if r.status not in back]
-        if policy == "edf":
-            fresh.sort(key=lambda r: (r.deadline if r.deadline is not None else math.inf,
-                                      r.arrival_time))
-        else:  # sjf with aging: requests past the wait limit go first, oldest first
-            limit = self.knobs.sjf_max_wait_s
-            fresh.sort(key=lambda r: (0, r.arrival_time, 0) if now - r.arrival_time >= limit
-                       else (1, r.num_prompt_tokens, r.arrival_time))
-        return resumed + fresh
-
-    def _priority_key(self, now: float) -> Callable[[Request], tuple]:
-        """Queue order under `priority`: requests that waited `priority_max_wait_s` first,
-        oldest first; then by priority, resumed ones ahead of fresh ones of the same
-        priority, then by arrival."""
-        limit = self.knobs.priority_max_wait_s
-        back = (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
-        return lambda r: ((0, r.arrival_time, 0, 0) if now - r.arrival_time >= limit else
-                          (1, r.priority, 0 if r.status in back else 1, r.arrival_time))
 
     def _admit(self, plan: SchedulerOutput, budget: int, scheduled: set[str],
                now: float) -> int:
@@ -557,7 +423,7 @@ class Scheduler:
                 plan.limit = "static batching: the running group finishes first"
             return budget  # a static group runs to completion before the next is admitted
         full = k.reservation == "full"
-        for req in self._queue_order(now):
+        for req in queue_order(self.waiting, k, now):
             if budget <= 0 or len(scheduled) >= k.max_num_seqs:
                 break
             if req.status is RequestStatus.SWAPPED:
@@ -566,7 +432,7 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget -= plan.chunks[-1].num_new_tokens
                 continue
-            never = self._never_fits(req, full)
+            never = never_fits(req, full, self.kv, k.chunk_size)
             if never:
                 self.waiting.remove(req)
                 self.reject(req, never, now)
@@ -586,7 +452,7 @@ class Scheduler:
                 plan.limit = "ITL target (itl_target_ms): the step has no room for more"
                 break
             if k.admission_control and (req.deadline is not None or self._deadlines()):
-                finish, miss = self._forecast_with(req, hit, now)
+                finish, miss = self.deadlines.judge(req, hit, self.running, now, k)
                 if miss is None:
                     # The latest forecast of every request it shares the batch with.
                     for r in self.running:
@@ -668,58 +534,8 @@ class Scheduler:
             self._add_prefill(plan, req, n)
         return True
 
-    def _never_fits(self, req: Request, full: bool) -> str | None:
-        """A reason the request can never be admitted with this pool, or None."""
-        tokens = req.max_total_tokens if full else req.num_tokens
-        need = self.kv.pages_for(tokens, self.knobs.chunk_size, full)
-        if need > self.kv.num_blocks:
-            what = "prompt + max_tokens − 1" if full else "its prompt"
-            unit = "pages (full-attention and window blocks)" if self.kv.groups else "blocks"
-            return (f"needs {need:,} KV {unit} for {what} ({tokens:,} tokens) but the pool "
-                    f"has {self.kv.num_blocks:,} {unit.split()[0]} of "
-                    f"{self.kv.block_size} tokens")
-        return None
-
     def _deadlines(self) -> bool:
         return any(r.deadline is not None for r in self.running)
-
-    @staticmethod
-    def _job(r: Request, computed: int | None = None) -> Job:
-        """`r` as the forecast sees it (`computed`: its tokens reused at admission)."""
-        return Job(r.request_id, r.num_computed_tokens if computed is None else computed,
-                   r.num_tokens, r.sampling.max_tokens - r.num_output_tokens, r.deadline)
-
-    def _forecast(self, jobs: list[Job], now: float) -> dict[str, float]:
-        k = self.knobs
-        return forecast(jobs, now, self.estimate, token_budget=k.max_num_batched_tokens,
-                        chunk_size=k.chunk_size, max_num_seqs=k.max_num_seqs,
-                        itl_target_s=k.itl_target_ms / 1e3, block_size=self.kv.block_size)
-
-    def _forecast_with(self, req: Request, hit: int, now: float
-                       ) -> tuple[dict[str, float], str | None]:
-        """(predicted finish of every running request and `req` if it is admitted now, why
-        it may not be — None when it and every running request with a deadline are
-        forecast to finish in time). The forecast runs the running batch, this step's
-        admissions included, plus `req` forward on the timing model (`forecast.py`). A
-        running request forecast to miss even without the newcomer (admitted before
-        admission control was on) does not block admissions."""
-        jobs = [self._job(r) for r in self.running]
-        finish = self._forecast([*jobs, self._job(req, hit)], now)
-        mine = finish.get(req.request_id, now)
-        if req.deadline is not None and mine > req.deadline:
-            return finish, (f"cannot meet its deadline: forecast finish "
-                            f"{mine - req.arrival_time:.2f} s after arrival, deadline "
-                            f"{req.deadline - req.arrival_time:.2f} s")
-        late = [j for j in jobs if j.deadline is not None and
-                finish.get(j.request_id, now) > j.deadline]
-        if late:
-            alone = self._forecast(jobs, now)
-            for j in late:
-                if alone.get(j.request_id, now) <= j.deadline:
-                    return finish, (f"admitting it would make {j.request_id} miss its "
-                                    f"deadline (forecast finish {finish[j.request_id] - now:.2f}"
-                                    f" s from now, deadline in {j.deadline - now:.2f} s)")
-        return finish, None
 
     # -- applying results -------------------------------------------------------------------
 
@@ -764,7 +580,7 @@ class Scheduler:
                 self._finish(req, status, self._why(req, status), now)
                 done.append(req)
         if emitted:
-            self._last_step = (result.timing.seconds, emitted)
+            self.drafts.last_step = (result.timing.seconds, emitted)
         return done
 
     def _take_token(self, req: Request, result: StepResult, now: float) -> RequestStatus | None:
@@ -833,11 +649,7 @@ class Scheduler:
         k = chunk.num_draft
         accepted = min(emitted - 1, k)
         self.spec.on_round(k, accepted, emitted, seconds)
-        acc, tried = self._acceptance.setdefault(req.request_id, ([0] * MAX_POSITIONS,
-                                                                  [0] * MAX_POSITIONS))
-        for i in range(min(accepted + 1, k)):  # positions actually judged
-            tried[i] += 1
-            acc[i] += i < accepted
+        self.drafts.on_verified(req.request_id, k, accepted)
         chunk_result = chunk.start + emitted  # the input token and the accepted drafts
         if status is None:
             # Rejected positions' KV is garbage past `chunk_result`: whole blocks past it

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from kvdeck.runtime.core.config import EngineConfig, Knobs
 from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.policies.preemption import ARRIVAL_PREEMPTIONS
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
-from kvdeck.runtime.core.scheduler import ARRIVAL_PREEMPTIONS
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 
 

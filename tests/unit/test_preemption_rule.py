@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdeck.runtime.core.scheduler import swap_or_recompute
+from kvdeck.runtime.core.policies.preemption import swap_or_recompute
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 
 BLOCK = 16

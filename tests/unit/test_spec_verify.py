@@ -101,32 +101,32 @@ def test_adaptive_draft_length_follows_the_marginal_cost_rule() -> None:
 
     s = Scheduler(EngineConfig(knobs=Knobs(speculative_method="ngram")), BlockManager(8, 4),
                   estimate, 1024)
-    s._last_step = (0.010, 10)
+    s.drafts.last_step = (0.010, 10)
     req = Request("r", [1, 2, 3], SamplingParams())
     # Unmeasured: each position is kept with (0 + 2·½)/(0 + 2) = 1/2, so ΔN = 1/2, 1/4, 1/8,
     # 1/16 and ΔT/ΔN = 0.4, 0.8, 1.6, 3.2 ms: lengthen while below 1 ms — two tokens.
-    assert s.draft_length(req, 6) == 2
+    assert s.drafts.length(req, 6) == 2
     # A request whose first draft token failed 8 times in 8: ΔN = (0 + 2·½)/10 = 1/10,
     # ΔT/ΔN = 2 ms: none.
-    s._acceptance["r"] = ([0] * 16, [8] + [0] * 15)
-    assert s.draft_length(req, 6) == 0
+    s.drafts.acceptance["r"] = ([0] * 16, [8] + [0] * 15)
+    assert s.drafts.length(req, 6) == 0
     # 9 of 10 at position 1 and nothing tried past it: untried positions take the rate
     # before them, (9 + 1)/(10 + 2) = 5/6, so ΔN = (5/6)^i and ΔT/ΔN = 0.24 … 0.60 ms:
     # all six (a fixed ½ for them would stop at three, and never learn more).
-    s._acceptance["r"] = ([9] + [0] * 15, [10] + [0] * 15)
-    assert s.draft_length(req, 6) == 6
+    s.drafts.acceptance["r"] = ([9] + [0] * 15, [10] + [0] * 15)
+    assert s.drafts.length(req, 6) == 6
     # Other requests' drafts failed 20 times in 20 at position 2: the prior there is
     # 1/22, its rate 2·(1/22)/2 ≈ 0.045, ΔT/ΔN ≈ 5.3 ms: one token.
     s.spec.drafts_per_pos[1] = 20
-    assert s.draft_length(req, 6) == 1
+    assert s.drafts.length(req, 6) == 1
     s.spec.drafts_per_pos[1] = 0
     # One that keeps succeeding at every position: 40/40 → ΔN ≈ 0.98^i, always worth it.
-    s._acceptance["r"] = ([40] * 16, [40] * 16)
-    assert s.draft_length(req, 6) == 6
+    s.drafts.acceptance["r"] = ([40] * 16, [40] * 16)
+    assert s.drafts.length(req, 6) == 6
     # A slower step (40 ms for 10 tokens, 4 ms a token) makes longer drafts worth it.
-    s._last_step = (0.040, 10)
-    s._acceptance.clear()
-    assert s.draft_length(req, 6) == 4
+    s.drafts.last_step = (0.040, 10)
+    s.drafts.acceptance.clear()
+    assert s.drafts.length(req, 6) == 4
 
 
 def test_ngram_search_agrees_with_a_plain_scan() -> None:
