@@ -1,0 +1,82 @@
+"""`kvdeck calibrate`: measure a real executor and fit the sim's step-time model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvdeck.console.commands.common import guarded, out, print_json
+from kvdeck.console.options import with_log_level
+from kvdeck.runtime.logs import setup_logging
+
+
+@with_log_level
+def calibrate(
+    model: str = typer.Argument(..., help="Model name or GGUF path."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option(None, "--dtype", help="Compute dtype (default per device)."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads."),
+    quick: bool = typer.Option(False, "--quick", help="A small sweep (seconds, not minutes)."),
+    name: str = typer.Option(None, "--name", help="Profile name (default: the model name)."),
+    as_json: bool = typer.Option(False, "--json", help="Print points and fit as JSON."),
+    log_level: str = "warning",
+) -> None:
+    """Time a sweep of steps on a real model, fit the sim executor's step model, save it."""
+    from rich.table import Table
+
+    from kvdeck.runtime.executors.link import measure_link
+    from kvdeck.runtime.planning.calibrate import (
+        fit_step_model,
+        hardware_name,
+        sweep,
+        write_profiles,
+    )
+    from kvdeck.runtime.planning.machine import measure_machine
+    from kvdeck.runtime.planning.profiles import HardwareProfile
+    from kvdeck.runtime.session import build_executor
+    from kvdeck.runtime.settings import resolve
+
+    def build():
+        setup_logging(log_level)
+        return build_executor(resolve({"executor": "torch", "model": model, "device": device,
+                                       "dtype": dtype, "threads": threads}))
+
+    ex = guarded(build)
+    say = (lambda msg: None) if as_json else out.print
+    say(f"calibrating {ex.model_name} on {ex.device} ({ex.dtype_name})")
+    points = sweep(ex, quick=quick, progress=say)
+    fit = fit_step_model(points)
+    bandwidth, flops = measure_machine(str(ex.device))
+    link = measure_link(ex.device).bandwidth
+    profile = name or Path(str(ex.model_path)).stem
+    hw = hardware_name(ex)
+    model_file, hw_file = write_profiles(ex, fit, profile, hw, bandwidth, flops, points, link)
+    measured = HardwareProfile.load(hw)
+    rows = [{"point": p.label, "measured_ms": p.seconds * 1e3,
+             "fit_ms": fit.seconds(p.new_tokens, p.pairs, p.sampled) * 1e3} for p in points]
+    for r in rows:
+        r["error_pct"] = 100 * (r["fit_ms"] - r["measured_ms"]) / r["measured_ms"]
+    if as_json:
+        print_json({"fit": {"fixed_ms": fit.fixed_s * 1e3, "per_token_us": fit.per_token_s * 1e6,
+                            "per_pair_ns": fit.per_pair_s * 1e9,
+                            "per_sample_us": fit.per_sample_s * 1e6}, "points": rows,
+                    "model_profile": str(model_file), "hardware_profile": str(hw_file),
+                    "mfu": measured.mfu, "mbu": measured.mbu,
+                    "bandwidth_bytes_per_s": bandwidth, "peak_flops": flops,
+                    "link_bytes_per_s": link})
+        return
+    table = Table(title=f"step = {fit.fixed_s * 1e3:.3f} ms + {fit.per_token_s * 1e6:.2f} µs × "
+                        f"tokens + {fit.per_pair_s * 1e9:.4f} ns × pairs + "
+                        f"{fit.per_sample_s * 1e6:.2f} µs × sampled rows")
+    for col in ("point", "measured ms", "fit ms", "error"):
+        table.add_column(col, justify="left" if col == "point" else "right")
+    for r in rows:
+        table.add_row(r["point"], f"{r['measured_ms']:.2f}", f"{r['fit_ms']:.2f}",
+                      f"{r['error_pct']:+.1f}%")
+    out.print(table)
+    out.print(f"peaks measured here: {bandwidth / 1e9:.1f} GB/s read, {flops / 1e9:.1f} GFLOP/s "
+              f"matmul, link {link / 1e9:.1f} GB/s; this model reached MFU {measured.mfu:.3f} "
+              f"and MBU {measured.mbu:.3f}", highlight=False)
+    out.print(f"wrote {model_file} and {hw_file}; use them with the sim executor: "
+              f'model_profile = "{profile}", hardware = "{hw}"')

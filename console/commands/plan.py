@@ -1,0 +1,209 @@
+"""`kvdeck plan` (capacity, latency and cost of every scheme) and `kvdeck sweep` (goodput by
+arrival rate)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvdeck.console.commands.common import err, fail, guarded, out, print_json
+from kvdeck.console.options import SettingsRequest, with_log_level, with_settings
+from kvdeck.runtime.core.config import check_float, check_int
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.logs import setup_logging
+
+
+@with_log_level
+def plan(
+    hardware: str = typer.Option("rtx-pro-6000", "--hardware",
+                                 help="Hardware profile (profiles/hardware/ or your own)."),
+    model: str = typer.Option("qwen3-8b", "--model",
+                              help="Model profile, a model name or a GGUF path."),
+    workload: str = typer.Option("long-burst", "--workload",
+                                 help="Workload profile (profiles/workloads/)."),
+    kv_budget: float = typer.Option(None, "--kv-budget",
+                                    help="GiB for KV and auxiliary buffers (default: the "
+                                         "card's memory less the weights, less 10 %)."),
+    deadline: float = typer.Option(None, "--deadline",
+                                   help="Completion deadline in seconds (default: the "
+                                        "workload's)."),
+    draft: list[str] = typer.Option(None, "--draft",
+                                    help="Draft source(s) to price (profiles/drafts/); "
+                                         "default every one that fits the model; 'none' for "
+                                         "no speculation."),
+    block_size: int = typer.Option(16, "--block-size", help="KV block size in tokens."),
+    max_batched_tokens: int = typer.Option(8192, "--max-batched-tokens",
+                                           help="Token budget per step (prefill chunks)."),
+    timing: str = typer.Option("auto", "--timing",
+                               help="auto (the fitted step model where the profile has one), "
+                                    "fit or roofline."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    svg: Path = typer.Option(None, "--svg", help="Write the memory-vs-completion plane here."),
+    log_level: str = "warning",
+) -> None:
+    """Plan before running: KV capacity, TTFT, completion time and cost of every scheme
+    (shared prefix, KV formats, speculation, weight offload), which limit each breaks, and
+    the cheapest feasible one."""
+    from kvdeck.console.plan_report import plan_json, plane_points, render_plan
+    from kvdeck.console.plane import render_svg
+    from kvdeck.runtime.planning.planner import Planner
+    from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
+    from kvdeck.runtime.planning.workloads import DraftSource, Workload, draft_sources
+
+    guarded(lambda: setup_logging(log_level))
+    guarded(lambda: check_int("--block-size", block_size, 1, 256))
+    guarded(lambda: check_int("--max-batched-tokens", max_batched_tokens, 1, 1 << 20))
+    if timing not in ("auto", "fit", "roofline"):
+        fail(f"--timing must be auto, fit or roofline, got {timing!r}.")
+    hw = guarded(lambda: HardwareProfile.load(hardware))
+    mp = guarded(lambda: ModelProfile.load(model))
+    wl = guarded(lambda: Workload.load(workload))
+    if timing == "fit" and hw.name not in mp.fits:
+        fail(f"Model profile {mp.name} has no fitted step model for {hw.name}; use --timing "
+             "roofline, or kvdeck calibrate on that card.")
+    if kv_budget is None:
+        budget = (hw.memory_bytes - mp.weight_bytes) * 0.9
+        if budget <= 0:
+            fail(f"{mp.name}'s weights ({mp.weight_bytes / 2**30:.1f} GiB) do not fit "
+                 f"{hw.name}'s memory ({hw.memory_bytes / 2**30:.1f} GiB); give --kv-budget.")
+    else:
+        guarded(lambda: check_float("--kv-budget", kv_budget, 1e-6, 1e6))
+        budget = kv_budget * 2**30
+    if deadline is not None:
+        guarded(lambda: check_float("--deadline", deadline, 1e-6, 1e6))
+    if draft and "none" in draft:
+        drafts = []
+    elif draft:
+        drafts = [guarded(lambda name=name: DraftSource.load(name)) for name in draft]
+        for d in drafts:
+            if not d.fits(mp):
+                fail(f"Draft source {d.name} drafts for {d.target}, not {mp.name}.")
+    else:
+        drafts = guarded(lambda: draft_sources(mp))
+    planner = Planner(hw, mp, wl, budget, deadline, drafts, block_size, max_batched_tokens,
+                      timing)
+    result = planner.plan()
+    if svg is not None:
+        title = f"{mp.name} on {hw.name}, {wl.name}: memory vs completion"
+        try:
+            svg.write_text(render_svg(plane_points(result), budget / 2**30, planner.deadline,
+                                      title))
+        except OSError as e:
+            fail(f"Cannot write the SVG to {svg}: {e.strerror}.")
+    if as_json:
+        print_json(plan_json(planner, result))
+        return
+    render_plan(out, planner, result)
+    if svg is not None:
+        out.print(f"wrote {svg}")
+
+
+@with_settings
+def sweep(
+    trace: str = typer.Argument(None, help="Arrival trace (JSONL/CSV) or a sample's name; "
+                                "omit for synthetic Poisson arrivals."),
+    rates: str = typer.Option(None, "--rates",
+                              help="Comma-separated arrival rates (req/s) to run; default "
+                                   "0.05–1× a trace's own rate, or 0.5–16 synthetic."),
+    limit: int = typer.Option(200, "--limit", help="Use the first N requests of a trace."),
+    num_requests: int = typer.Option(200, "--num-requests", help="Synthetic: how many."),
+    prompt_len: int = typer.Option(1024, "--prompt-len", help="Synthetic: mean prompt tokens."),
+    output_len: int = typer.Option(256, "--output-len", help="Synthetic: mean output tokens."),
+    slo_ttft: float = typer.Option(2.0, "--slo-ttft", help="TTFT SLO in seconds."),
+    slo_tpot: float = typer.Option(0.08, "--slo-tpot", help="TPOT SLO in seconds."),
+    slo_e2e: float = typer.Option(None, "--slo-e2e", help="E2E SLO in seconds."),
+    check_cap: bool = typer.Option(True, "--check-cap/--no-check-cap",
+                                   help="Re-run the rates past the knee with the recommended "
+                                        "cap (in-process only)."),
+    url: str = typer.Option(None, "--url", help="Sweep a running server (OpenAI-compatible "
+                            "base URL) instead of an engine in this process."),
+    hash_block_tokens: int = typer.Option(512, "--hash-block-tokens",
+                                          help="Tokens per Mooncake hash id."),
+    as_json: bool = typer.Option(False, "--json", help="Print every point as JSON."),
+    svg: Path = typer.Option(None, "--svg", help="Write the goodput chart here."),
+    settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
+) -> None:
+    """Run one workload at increasing arrival rates (sim executor by default) and report
+    completion throughput and goodput per rate, the knee where goodput peaks, and the cap on
+    requests in the engine (--max-waiting) that holds goodput past it."""
+    import asyncio
+
+    from kvdeck.console.sweep_report import render_sweep, sweep_svg
+    from kvdeck.runtime.planning.sweep import DEFAULT_SCALES, offered_rate
+    from kvdeck.runtime.planning.sweep import sweep as run_sweep
+    from kvdeck.runtime.runs.loadgen import RequestShape, run_bench
+    from kvdeck.runtime.runs.runner import run_arrivals
+    from kvdeck.runtime.runs.trace import load_arrivals, synthetic_arrivals
+    from kvdeck.runtime.session import build_session
+    from kvdeck.runtime.views.metrics import SLO
+
+    def inputs():
+        setup_logging(log_level)
+        check_int("--limit", limit, 2, 1 << 30)
+        check_int("--num-requests", num_requests, 2, 1 << 30)
+        check_int("--prompt-len", prompt_len, 1, 1 << 20)
+        check_int("--output-len", output_len, 1, 1 << 20)
+        if trace is None:
+            base = synthetic_arrivals(num_requests, 1.0, prompt_len=prompt_len,
+                                      output_len=output_len)
+            defaults = (0.5, 1, 2, 4, 6, 8, 12, 16)
+        else:
+            base = load_arrivals(trace, limit=limit)
+            rate = offered_rate(base)
+            if not 0 < rate < float("inf"):
+                raise ConfigError(f"The trace {trace} has no spread of arrival times to scale; "
+                                  "it needs at least two requests at different times.")
+            defaults = tuple(s * rate for s in DEFAULT_SCALES)
+        if rates is None:
+            return base, defaults
+        try:
+            chosen = tuple(float(r) for r in rates.split(","))
+        except ValueError:
+            raise ConfigError(f"--rates must be comma-separated numbers of requests per "
+                              f"second, got {rates!r}.") from None
+        if len(set(chosen)) < 2 or len(set(chosen)) != len(chosen) or \
+                any(not 0 < r < 1e6 for r in chosen):
+            raise ConfigError(f"--rates needs at least two different rates, each above 0, "
+                              f"got {rates!r}.")
+        return base, chosen
+
+    arrivals, chosen = guarded(inputs)
+    slo = guarded(lambda: SLO(slo_ttft, slo_tpot, slo_e2e))
+
+    def in_process(items, cap):
+        fixed = {"max_waiting": cap} if cap else {}
+        session = build_session(settings.resolve("sim", **fixed), with_tokenizer=False)
+        try:
+            return run_arrivals(session.engine, items, vocab_size=session.vocab_size, slo=slo,
+                                hash_block_tokens=hash_block_tokens)["summary"]
+        finally:
+            session.close()
+
+    def remote(items, cap):
+        model = (settings.flags or {}).get("model", "gemma3-270m")
+        got = asyncio.run(run_bench(url, model, items, slo=slo,
+                                    shape=RequestShape(32_000, hash_block_tokens)))
+        answered = [r for r in got["requests"] if r["status"] != "rejected"]
+        if not answered:  # a wrong URL or model name: say why instead of charting zeros
+            raise ConfigError(f"Every request to {url} was refused; the first: "
+                              f"{got['requests'][0]['reason']}")
+        return got["summary"]
+
+    say = (lambda msg: None) if as_json else (lambda msg: err.print(msg, highlight=False))
+    result = guarded(lambda: run_sweep(remote if url else in_process, arrivals, chosen,
+                                       check_cap=check_cap and url is None, progress=say))
+    title = f"sweep of {trace or 'synthetic Poisson arrivals'} ({len(arrivals)} requests)" \
+        f"{' → ' + url if url else ''}"
+    if svg is not None:
+        try:
+            svg.write_text(sweep_svg(result, title))
+        except OSError as e:
+            fail(f"Cannot write the SVG to {svg}: {e.strerror}.")
+    if as_json:
+        print_json(result.to_json() | {"slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot,
+                                               "e2e_s": slo_e2e}})
+        return
+    render_sweep(out, title, result)
+    if svg is not None:
+        out.print(f"wrote {svg}")

@@ -1,0 +1,147 @@
+"""`kvdeck run-trace`, `kvdeck replay` and `kvdeck compare`: runs driven, replayed and
+compared."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from kvdeck.console.commands.common import config_report, fail, guarded, out, print_json
+from kvdeck.console.options import SettingsRequest, with_log_level, with_settings
+from kvdeck.runtime.core.config import check_int
+from kvdeck.runtime.errors import ConfigError, EngineFailedError, KvdeckError
+from kvdeck.runtime.logs import setup_logging
+
+
+@with_settings
+def run_trace(
+    trace: str = typer.Argument(..., help="Arrival trace: a kvdeck/Mooncake JSONL or Azure CSV "
+                                "file, or a sample's name (azure-conv, azure-code, "
+                                "mooncake-conversation)."),
+    record: str = typer.Option(None, "--record", help="Write a run directory here."),
+    as_json: bool = typer.Option(False, "--json", help="Print summary and every request."),
+    output: str = typer.Option(None, "--output", "-o", help="Also write the JSON here."),
+    fmt: str = typer.Option("auto", "--format", help="auto, kvdeck, mooncake or azure."),
+    limit: int = typer.Option(None, "--limit", help="Run only the first N requests."),
+    time_scale: float = typer.Option(1.0, "--time-scale",
+                                     help="Multiply inter-arrival times (0.5 = twice the rate)."),
+    hash_block_tokens: int = typer.Option(512, "--hash-block-tokens",
+                                          help="Tokens per Mooncake hash id."),
+    slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
+    slo_tpot: float = typer.Option(None, "--slo-tpot", help="TPOT SLO in seconds."),
+    slo_e2e: float = typer.Option(None, "--slo-e2e", help="E2E SLO in seconds."),
+    settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
+) -> None:
+    """Run an arrival trace through the engine headless (sim executor by default) and
+    summarize it."""
+    from kvdeck.console.run_views import render_summary
+    from kvdeck.runtime.runs.recording import record_headless
+    from kvdeck.runtime.runs.runner import needs_tokenizer, run_arrivals
+    from kvdeck.runtime.runs.trace import load_arrivals
+    from kvdeck.runtime.session import build_session
+    from kvdeck.runtime.views.metrics import SLO
+
+    def go() -> dict:
+        setup_logging(log_level)
+        check_int("--hash-block-tokens", hash_block_tokens, 1, 1 << 20)
+        if limit is not None:
+            check_int("--limit", limit, 1, 1 << 30)
+        resolved = settings.resolve("sim")
+        slo = SLO(slo_ttft, slo_tpot, slo_e2e)
+        arrivals = load_arrivals(trace, fmt, limit=limit, time_scale=time_scale)
+        session = build_session(resolved, with_tokenizer=needs_tokenizer(arrivals))
+        engine = session.engine
+        recorder = record_headless(engine, record) if record else None
+        try:
+            result = run_arrivals(engine, arrivals, vocab_size=session.vocab_size,
+                                  hash_block_tokens=hash_block_tokens, slo=slo,
+                                  on_arrival=recorder.arrival if recorder else None)
+        except KvdeckError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an engine failure: one sentence and a log
+            failure = engine.fail(e)
+            raise EngineFailedError(f"The run stopped: {failure.message}; the traceback is in "
+                                    f"{failure.log_path}.") from None
+        finally:
+            if recorder:
+                recorder.close()
+            session.close()
+        result["trace"] = str(trace)
+        result["config"] = config_report(session)
+        return result
+
+    result = guarded(go)
+    if output:
+        Path(output).write_text(json.dumps(result, indent=1))
+    if as_json:
+        print_json(result)
+    else:
+        render_summary(out, f"{trace} on {result['summary']['model']}", result["summary"])
+        if result["summary"]["statuses"].get("rejected"):
+            out.print("some requests were rejected; --json lists each one's reason")
+        if record:
+            out.print(f"run recorded in {record}")
+
+
+@with_log_level
+def replay(run: str = typer.Argument(..., help="A run directory written by recording."),
+           summary: bool = typer.Option(False, "--summary",
+                                        help="Print the run's figures (as run-trace does) "
+                                             "instead of opening the console."),
+           as_json: bool = typer.Option(False, "--json", help="With --summary: as JSON."),
+           slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
+           slo_tpot: float = typer.Option(None, "--slo-tpot", help="TPOT SLO in seconds."),
+           slo_e2e: float = typer.Option(None, "--slo-e2e", help="E2E SLO in seconds."),
+           log_level: str = "warning") -> None:
+    """Open a recorded run in the console's panels, with play/pause, speed and a scrubber;
+    or, with --summary, print its figures computed from the records alone."""
+    guarded(lambda: setup_logging(log_level, to_stderr=False))
+    if summary:
+        from kvdeck.console.run_views import render_summary
+        from kvdeck.runtime.runs.replay import summarize_run
+        from kvdeck.runtime.views.metrics import SLO
+
+        result = guarded(lambda: summarize_run(run, SLO(slo_ttft, slo_tpot, slo_e2e)))
+        if as_json:
+            print_json(result)
+        else:
+            render_summary(out, f"replay of {run} on {result['model']}", result)
+            if result["unfinished"]:
+                out.print(f"{result['unfinished']} requests had not finished when the "
+                          "recording stopped; the figures cover the finished ones")
+        return
+    from kvdeck.console.screens.replay import ReplayApp
+
+    app = guarded(lambda: ReplayApp(run))
+    app.run()
+    if app.problem is not None:  # a record the replay could not apply
+        fail(app.problem)
+
+
+@with_log_level
+def compare(
+    a: str = typer.Argument(..., help="Result JSON of run-trace --json (A)."),
+    b: str = typer.Argument(..., help="Result JSON of run-trace --json (B)."),
+    log_level: str = "warning",
+) -> None:
+    """Print two run-trace results side by side with deltas."""
+    from kvdeck.console.run_views import render_compare
+
+    def load(path: str) -> dict:
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"Result file {p} does not exist.") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"Result file {p} is not valid JSON ({e.msg}).") from None
+        if not isinstance(data, dict) or not isinstance(data.get("summary"), dict):
+            raise ConfigError(f"Result file {p} has no 'summary'; write it with "
+                              "kvdeck run-trace --json or --output.")
+        return data["summary"]
+
+    guarded(lambda: setup_logging(log_level))
+    sa, sb = guarded(lambda: load(a)), guarded(lambda: load(b))
+    render_compare(out, a, sa, b, sb)
