@@ -270,7 +270,7 @@ class Engine:
     def _start_guide(self, sampling: SamplingParams):
         """A request's grammar state (`runtime/text/guided.py`), compiled on the caller's thread;
         RequestError when the constraint does not compile or this engine cannot apply it."""
-        if self.executor.name == "sim":
+        if not self.executor.computes_logits:
             raise RequestError("Constrained output (a JSON schema, regex, choice or grammar) "
                                "needs a model executor (torch or llama_cpp); the sim executor "
                                "computes no logits to constrain.")
@@ -333,7 +333,7 @@ class Engine:
                               f"one block ({self.kv.bytes_per_block:,} bytes), or use "
                               "recompute.")
         if knobs.speculative_method == "draft" and not self.executor.draft_model_name:
-            how = "--draft-cost C (a modelled draft)" if self.executor.name == "sim" else \
+            how = "--draft-cost C (a modelled draft)" if self.executor.virtual_time else \
                 "--draft-model NAME|PATH (a GGUF sharing the model's tokenizer)"
             raise ConfigError(f"speculative_method draft needs a draft model; start with "
                               f"{how}, or use ngram.")

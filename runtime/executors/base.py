@@ -49,6 +49,9 @@ class Executor(Protocol):
     eos_token_ids: tuple[int, ...]
     virtual_time: bool
     """True when step times are modelled and the engine runs on a virtual clock."""
+    computes_logits: bool
+    """True when steps compute the model's logits: what logprobs, `best_of`, constrained
+    output and scored prompts need (the sim executor models times and draws tokens)."""
 
     kv_formats: tuple[str, ...]
     """The KV formats this executor can store (the `kv_format` knob's choices)."""

@@ -113,6 +113,7 @@ class LlamaCppExecutor:
 
     name = "llama_cpp"
     virtual_time = False
+    computes_logits = True
     num_layers: int
 
     def __init__(self, model_path: str | Path, *, threads: int | None = None,

@@ -120,6 +120,7 @@ class SimExecutor:
 
     name = "sim"
     virtual_time = True
+    computes_logits = False
     max_sequences = 1 << 30
     model_path = None
 

@@ -98,6 +98,7 @@ class TorchExecutor:
 
     name = "torch"
     virtual_time = False
+    computes_logits = True
     max_sequences = 1 << 30
 
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str | None = None,

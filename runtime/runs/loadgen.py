@@ -33,9 +33,9 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
+from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
 from kvdeck.runtime.views.figures import summarize
 from kvdeck.runtime.views.metrics import SLO, Distribution, RequestMetrics
-from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
 
 
 def cap_arrivals(arrivals: Sequence[Arrival], max_prompt_len: int | None,

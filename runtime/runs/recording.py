@@ -22,13 +22,13 @@ import json
 import threading
 from pathlib import Path
 
-from kvdeck.runtime.core.engine import Engine
-from kvdeck.runtime.errors import ConfigError, RunFormatError
 from kvdeck.runtime.core.checkpoint import Checkpoint
 from kvdeck.runtime.core.commands import StartRecording, StopRecording
-from kvdeck.runtime.core.step_record import StepRecord
-from kvdeck.runtime.runs.records import RUN_FORMAT, Record, Truncated, dumps, parse_record
+from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import Request
+from kvdeck.runtime.core.step_record import StepRecord
+from kvdeck.runtime.errors import ConfigError, RunFormatError
+from kvdeck.runtime.runs.records import RUN_FORMAT, Record, Truncated, dumps, parse_record
 from kvdeck.runtime.runs.trace import Arrival
 
 

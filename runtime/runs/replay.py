@@ -16,22 +16,47 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvdeck.runtime.core.checkpoint import Checkpoint, RequestState
 from kvdeck.runtime.core.config import Knobs
+from kvdeck.runtime.core.request import RequestStatus
+from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.errors import RunFormatError
-from kvdeck.runtime.views.figures import RunFigures, kv_summary, step_figures, summarize
 from kvdeck.runtime.kv.block_pool import BlockStates
+from kvdeck.runtime.kv.events import (
+    Cache,
+    Cow,
+    Demote,
+    Evict,
+    Hit,
+    HostResize,
+    Promote,
+    Ref,
+    Relayout,
+    Reserve,
+    SwapIn,
+    SwapOut,
+    Unref,
+    Unswap,
+    WinCache,
+    WinEvict,
+    WinRef,
+    WinUnref,
+)
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.prefix_tree import PrefixTree
 from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HOST_SWAPPED, HostTier
-from kvdeck.runtime.kv.window import move_window_pages
-from kvdeck.runtime.views.metrics import SLO, RequestMetrics, request_metrics
-from kvdeck.runtime.core.checkpoint import Checkpoint, RequestState
-from kvdeck.runtime.core.step_record import StepRecord
-from kvdeck.runtime.kv.events import Cache, Cow, Demote, Evict, Hit, HostResize, Promote, Ref, Relayout, Reserve, SwapIn, SwapOut, Unref, Unswap, WinCache, WinEvict, WinRef, WinUnref
-from kvdeck.runtime.core.request import RequestStatus
-from kvdeck.runtime.views.snapshot import BatchView, EngineSnapshot, KVView, RequestView, window_view
-from kvdeck.runtime.spec.stats import SpecStats
 from kvdeck.runtime.kv.transfers import TransferLog, TransfersView, host_checkpoint
+from kvdeck.runtime.kv.window import move_window_pages
+from kvdeck.runtime.spec.stats import SpecStats
+from kvdeck.runtime.views.figures import RunFigures, kv_summary, step_figures, summarize
+from kvdeck.runtime.views.metrics import SLO, RequestMetrics, request_metrics
+from kvdeck.runtime.views.snapshot import (
+    BatchView,
+    EngineSnapshot,
+    KVView,
+    RequestView,
+    window_view,
+)
 
 
 class TraceState:
@@ -498,7 +523,8 @@ class Replay:
 
 def load_replay(run_dir) -> Replay:
     """Read a run directory for replay (one sentence if it cannot be replayed)."""
-    from kvdeck.runtime.runs.recording import read_run  # recording imports the engine; replay need not
+    # recording imports the engine; replay need not
+    from kvdeck.runtime.runs.recording import read_run
 
     header, records = read_run(run_dir)
     replay = Replay(header, records)

@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
 from kvdeck.runtime.views.figures import kv_summary, summarize
 from kvdeck.runtime.views.metrics import SLO, RequestMetrics, request_metrics
-from kvdeck.runtime.core.request import RequestStatus, SamplingParams
-from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
 
 
 def _rejected(a: Arrival, rid: str, reason: str) -> RequestMetrics:

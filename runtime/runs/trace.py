@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvdeck.runtime.text.checks import AnswerCheck, parse_check
 from kvdeck.runtime.errors import TraceError
-from kvdeck.runtime.runs.records import json_object
 from kvdeck.runtime.resources import SAMPLE_TRACES, sample_trace
+from kvdeck.runtime.runs.records import json_object
+from kvdeck.runtime.text.checks import AnswerCheck, parse_check
 
 FORMATS = ("auto", "kvdeck", "mooncake", "azure")
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 from kvdeck.runtime.core.config import check_float
 from kvdeck.runtime.core.engine import Engine
-from kvdeck.runtime.errors import KvdeckError
 from kvdeck.runtime.core.request import SamplingParams
+from kvdeck.runtime.errors import KvdeckError
 
 
 @dataclass(frozen=True)

@@ -182,20 +182,20 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
         if samples > body.n and body.stream:
             return error(400, "'best_of' cannot be used with 'stream' (the best samples are "
                               "known only at the end).", "best_of")
-        if samples > body.n and engine.executor.name == "sim":
+        if samples > body.n and not engine.executor.computes_logits:
             return error(400, "This server runs the sim executor, which computes no logits; "
                               "'best_of' ranks samples by their log-probabilities and needs "
                               "a real model.", "best_of")
         if isinstance(body, ChatBody) and body.top_logprobs and not body.logprobs:
             return error(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs")
-        if body.num_logprobs() is not None and engine.executor.name == "sim":
+        if body.num_logprobs() is not None and not engine.executor.computes_logits:
             return error(400, "This server runs the sim executor, which computes no logits; "
                               "logprobs need a real model.", "logprobs")
         try:
             guided = body.guide_spec()
         except (RequestError, ValueError) as e:
             return error(400, str(e))
-        if guided is not None and engine.executor.name == "sim":
+        if guided is not None and not engine.executor.computes_logits:
             return error(400, "This server runs the sim executor, which computes no logits; "
                               "constrained output needs a real model.", guided[0])
         try:
