@@ -40,6 +40,8 @@ Estimator = Callable[[int, int, int], float]
 """(new tokens, causal pairs, context tokens) -> predicted step seconds."""
 Proposer = Callable[[Request, int], list[int]]
 """(request, most tokens) -> draft tokens to follow its last token (speculative decoding)."""
+
+
 class Scheduler:
     """Owns the waiting queue and the running batch; plans and applies iterations."""
 

@@ -8,7 +8,7 @@ stretch that step; a target fixes the step time instead and derives the tokens f
 2. **step time → new tokens:** with the step's decode rows planned first, each prefill
    chunk gets the largest token count `n` for which the executor's timing model predicts
    `T(new + n, pairs + c(n, s), context + s + n) ≤ target`, where `c(n, s) = n·s +
-   n(n+1)/2` are the causal pairs of `n` tokens on top of `s` (`plan.causal_pairs`), and
+   n(n+1)/2` are the causal pairs of `n` tokens on top of `s` (`step_data.causal_pairs`), and
    `new`, `pairs`, `context` are the sums over the chunks planned so far. The count is
    found by bisection (the model grows with `n`).
 

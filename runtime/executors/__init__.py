@@ -1,1 +1,2 @@
-"""Executors run an iteration's plan: `sim` (timing model), later `torch` and `llama_cpp`."""
+"""Executors run an iteration's plan: `sim` (timing model), `torch` and
+`llama_cpp` (real models)."""

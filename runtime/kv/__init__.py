@@ -1,1 +1,2 @@
-"""Paged KV cache: block pool, block tables, prefix tree, host tier and formats."""
+"""Paged KV cache: block pool, block tables, prefix tree, host tier, formats, the
+KV events and the transfers log."""

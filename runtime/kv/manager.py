@@ -4,7 +4,7 @@
 executors block tables (read-only lists of physical block ids, one per `block_size` tokens)
 and copy-on-write instructions; executors never decide placement.
 
-Every change is also appended to `events` as a typed KV event (`runtime/runs/records.py`: Ref,
+Every change is also appended to `events` as a typed KV event (`runtime/kv/events.py`: Ref,
 Unref, Cow, Cache, Evict, Hit, Reserve), so an iteration trace can rebuild the block map,
 the prefix tree and every block table without a model.
 

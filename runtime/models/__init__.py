@@ -1,1 +1,2 @@
-"""Model files: GGUF parsing, model facts, the registry, and (later) architectures."""
+"""Model files: GGUF parsing, model facts, the registry, architectures, the decoder,
+weight formats and offload."""

@@ -6,7 +6,7 @@ A run directory holds
 - `iterations.jsonl`: a `Checkpoint` record (the engine state when recording started — a
   recording may start mid-run, with requests in flight and prefixes cached), then one
   `StepRecord` per step, and a `Truncated` record if the size bound was reached
-  (`runtime/runs/records.py` defines them all);
+  (`core/checkpoint.py`, `core/step_record.py` and `runs/records.py` define them);
 - `arrivals.jsonl`: every request as a kvdeck arrival record — its tokens, or the hash ids /
   prefix group that regenerate them — so the run can be re-run under another configuration.
 
