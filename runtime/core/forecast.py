@@ -23,13 +23,10 @@ each request's predicted finish time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvdeck.runtime.core.step_budget import StepBudget, StepTotals
-from kvdeck.runtime.core.step_data import causal_pairs
-
-Estimator = Callable[[int, int, int], float]
+from kvdeck.runtime.core.step_data import Estimator, causal_pairs
 
 
 @dataclass

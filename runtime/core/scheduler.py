@@ -32,12 +32,10 @@ from kvdeck.runtime.core.policies.preemption import arrival_victim, pick_victim,
 from kvdeck.runtime.core.policies.queue_order import priority_key, queue_order
 from kvdeck.runtime.core.request import Request, RequestStatus
 from kvdeck.runtime.core.step_budget import StepBudget, StepTotals
-from kvdeck.runtime.core.step_data import ScheduledChunk, SchedulerOutput, StepResult
+from kvdeck.runtime.core.step_data import Estimator, ScheduledChunk, SchedulerOutput, StepResult
 from kvdeck.runtime.kv.manager import BlockManager
 from kvdeck.runtime.spec.stats import SpecStats
 
-Estimator = Callable[[int, int, int], float]
-"""(new tokens, causal pairs, context tokens) -> predicted step seconds."""
 Proposer = Callable[[Request, int], list[int]]
 """(request, most tokens) -> draft tokens to follow its last token (speculative decoding)."""
 

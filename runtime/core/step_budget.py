@@ -21,12 +21,7 @@ starves it. The plan records the target and the prediction (`SchedulerOutput.itl
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from kvdeck.runtime.core.step_data import ScheduledChunk, causal_pairs
-
-Estimator = Callable[[int, int, int], float]
-"""(new tokens, causal pairs, context tokens) -> predicted step seconds."""
+from kvdeck.runtime.core.step_data import Estimator, ScheduledChunk, causal_pairs
 
 
 class StepTotals:

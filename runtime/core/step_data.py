@@ -9,9 +9,14 @@ Data only: the scheduler builds plans, executors read them and return results.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvdeck.runtime.core.request import Request
+
+Estimator = Callable[[int, int, int], float]
+"""(new tokens, causal pairs, context tokens) -> predicted step seconds: the timing model
+the scheduler, its policies, the step budget and the forecast plan with."""
 
 
 def causal_pairs(num_new: int, num_prior: int) -> int:

@@ -4,14 +4,11 @@ running request miss a deadline (`core/forecast.py`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from kvdeck.runtime.core.config import Knobs
 from kvdeck.runtime.core.forecast import Job, forecast
 from kvdeck.runtime.core.request import Request
+from kvdeck.runtime.core.step_data import Estimator
 from kvdeck.runtime.kv.manager import BlockManager
-
-Estimator = Callable[[int, int, int], float]
 
 
 def never_fits(req: Request, full: bool, kv: BlockManager, chunk_size: int) -> str | None:

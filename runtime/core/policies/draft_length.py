@@ -7,10 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvdeck.runtime.core.request import Request
-from kvdeck.runtime.core.step_data import causal_pairs
+from kvdeck.runtime.core.step_data import Estimator, causal_pairs
 from kvdeck.runtime.spec.stats import MAX_POSITIONS, SpecStats
 
-Estimator = Callable[[int, int, int], float]
 DraftEstimator = Callable[[int], float]
 """(rows) -> predicted seconds of one draft-model pass over that many rows."""
 

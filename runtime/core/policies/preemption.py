@@ -31,11 +31,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvdeck.runtime.core.request import Request
-from kvdeck.runtime.core.step_data import causal_pairs
+from kvdeck.runtime.core.step_data import Estimator, causal_pairs
 from kvdeck.runtime.kv.manager import BlockManager
 
-Estimator = Callable[[int, int, int], float]
-"""(new tokens, causal pairs, context tokens) -> predicted step seconds."""
 ARRIVAL_PREEMPTIONS = 2
 """The most times one request is preempted for a higher-priority arrival."""
 
