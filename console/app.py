@@ -190,7 +190,7 @@ class KvdeckApp(ConsoleApp):
         main.query_one(Banner).show(snap)
         if snap.switches and snap.switches[-1] != self._last_switch:
             self._last_switch = snap.switches[-1]
-            knob = self._last_switch["knob"]
+            knob = self._last_switch.knob
             title = "Weight offload" if knob == "offload_layers" else "Format switched"
             self.notify(switch_text(self._last_switch), title=title)
         if isinstance(self.screen, (RequestsScreen, ChartsScreen, PlanScreen)):

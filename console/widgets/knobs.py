@@ -18,6 +18,7 @@ from textual.widgets import DataTable, Input, Label, OptionList
 
 from kvdeck.console.model_report import human_bytes
 from kvdeck.runtime.core.config import KNOB_CHOICES, Knobs
+from kvdeck.runtime.core.switch import Switch
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.base import WeightsView
 
@@ -127,19 +128,19 @@ class KnobsPanel(DataTable):
 
     def show_values(self, knobs: Knobs, traffic: dict[str, float],
                     pending: Knobs | None = None, weights: WeightsView | None = None,
-                    switches: tuple[dict, ...] = ()) -> None:
+                    switches: tuple[Switch, ...] = ()) -> None:
         """Current values; a knob submitted but not applied yet shows `old → new`; the
         weight and KV formats show their measured quality beside them when it is cached,
         and the subtitle the weights' bytes."""
         later = dataclasses.asdict(pending) if pending is not None else {}
         quality = dict(weights.quality) if weights is not None else {}
-        repacks = [sw for sw in switches if sw["knob"] == "weight_format"]
+        repacks = [sw for sw in switches if sw.knob == "weight_format"]
         if repacks:  # the pause and the bytes before and after stay in sight
             sw = repacks[-1]
             self.border_title = (f"{self.BORDER_TITLE} · weights re-packed at step "
-                                 f"{sw.get('step', '?')}: {sw['seconds']:.2f} s, "
-                                 f"{human_bytes(sw['bytes_before'])} → "
-                                 f"{human_bytes(sw['bytes'])}")
+                                 f"{'?' if sw.step is None else sw.step}: "
+                                 f"{sw.seconds:.2f} s, {human_bytes(sw.bytes_before)} → "
+                                 f"{human_bytes(sw.bytes)}")
         if weights is not None:
             self.border_subtitle = " · ".join(
                 x for x in (f"weights {human_bytes(weights.resident_bytes)}",

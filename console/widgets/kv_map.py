@@ -9,6 +9,7 @@ from rich.text import Text
 
 from kvdeck.console.model_report import human_bytes
 from kvdeck.console.widgets.base import SnapshotPanel
+from kvdeck.runtime.core.switch import Switch
 from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HOST_FREE, HOST_SWAPPED
 from kvdeck.runtime.views.snapshot import (
     CACHED,
@@ -63,29 +64,23 @@ def draft_text(kv: KVView) -> str:
             f"{human_bytes(kv.draft_bytes_per_block)} ({share:.0%} for the draft)")
 
 
-def switch_text(sw: dict) -> str:
+def switch_text(sw: Switch) -> str:
     """One line for a format switch: what changed, the pause and what it moved."""
-    text = (f"{sw['knob']} {sw['from']} → {sw['to']} before step {sw.get('step', '?')}: "
-            f"paused {sw['seconds'] * 1e3:,.1f} ms{'' if sw.get('measured') else ' (modelled)'}")
-    if sw["knob"] == "offload_layers":
-        text = (f"offload {sw['from']} → {sw['to']} before step {sw.get('step', '?')}: "
-                f"paused {sw['seconds'] * 1e3:,.1f} ms"
-                f"{'' if sw.get('measured') else ' (modelled)'}, weights on the device "
-                f"{human_bytes(sw.get('bytes_before', 0))} → {human_bytes(sw['bytes'])}, "
-                f"pool {sw['num_blocks']:,} blocks")
-        if sw.get("preempted"):
-            text += f", {len(sw['preempted']):,} preempted"
-        return text
-    if sw["knob"] != "kv_format":
-        return text + (f", weights {human_bytes(sw.get('bytes_before', 0))} → "
-                       f"{human_bytes(sw['bytes'])}")
-    text += f", {human_bytes(sw['bytes'])} converted"
-    text += f", {sw['blocks']:,} blocks → pool {sw['num_blocks']:,}"
-    if sw.get("dropped"):
-        text += f", {sw['dropped']:,} cached dropped"
-    if sw.get("preempted"):
-        text += f", {len(sw['preempted']):,} preempted"
-    return text
+    step = "?" if sw.step is None else sw.step
+    paused = f"paused {sw.seconds * 1e3:,.1f} ms{'' if sw.measured else ' (modelled)'}"
+    preempted = f", {len(sw.preempted):,} preempted" if sw.preempted else ""
+    if sw.knob == "offload_layers":
+        return (f"offload {sw.old} → {sw.new} before step {step}: {paused}, weights on the "
+                f"device {human_bytes(sw.bytes_before)} → {human_bytes(sw.bytes)}, pool "
+                f"{sw.num_blocks:,} blocks{preempted}")
+    text = f"{sw.knob} {sw.old} → {sw.new} before step {step}: {paused}"
+    if sw.knob != "kv_format":
+        return text + f", weights {human_bytes(sw.bytes_before)} → {human_bytes(sw.bytes)}"
+    text += f", {human_bytes(sw.bytes)} converted"
+    text += f", {sw.blocks:,} blocks → pool {sw.num_blocks:,}"
+    if sw.dropped:
+        text += f", {sw.dropped:,} cached dropped"
+    return text + preempted
 
 
 def _all_window(page_groups: bytes, states: bytes, start: int) -> bool:
@@ -109,7 +104,7 @@ class KVMapPanel(SnapshotPanel):
     def draw(self, snap: EngineSnapshot) -> None:
         kv = snap.kv
         width = max(self.size.width - 4, 8)
-        kv_switches = [sw for sw in snap.switches if sw["knob"] == "kv_format"]
+        kv_switches = [sw for sw in snap.switches if sw.knob == "kv_format"]
         switch = switch_text(kv_switches[-1]) if kv_switches else ""
         switch_rows = -(-len(switch) // width) if switch else 0
         host = snap.transfers is not None and snap.transfers.host_blocks > 0

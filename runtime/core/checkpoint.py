@@ -7,7 +7,10 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 from kvdeck.runtime.core.request import Progress, RequestStatus
+from kvdeck.runtime.core.switch import Switch
 from kvdeck.runtime.errors import RunFormatError
+from kvdeck.runtime.kv.state import KVState
+from kvdeck.runtime.kv.transfers import TransferLog, host_checkpoint
 
 
 @dataclass(eq=False)
@@ -75,7 +78,7 @@ class Checkpoint:
     pool: dict[str, int] | None = None
     """The pool's `num_blocks` and `bytes_per_block` then (they change with the KV format);
     None: the run header's."""
-    switches: list[dict[str, Any]] = field(default_factory=list)
+    switches: list[Switch] = field(default_factory=list)
     """The latest KV/weight format switches before it (what the console still shows)."""
     host: dict[str, Any] | None = None
     """The host tier: `num_blocks`, `tables` (swapped requests' host blocks), swap counters
@@ -91,7 +94,8 @@ class Checkpoint:
         d = {"kind": self.kind}
         for f in fields(self):
             value = getattr(self, f.name)
-            d[f.name] = [r.to_json() for r in value] if f.name == "requests" else value
+            d[f.name] = [r.to_json() for r in value] if f.name in ("requests", "switches") \
+                else value
         return d
 
     @classmethod
@@ -102,7 +106,22 @@ class Checkpoint:
             values = {f.name: d[f.name] for f in fields(cls) if f.name not in optional}
             values.update({k: d.get(k, v) for k, v in optional.items()})
             values["requests"] = [RequestState.from_json(r) for r in values["requests"]]
+            values["switches"] = [Switch.from_json(sw) for sw in values["switches"]]
             return cls(**values)
         except (KeyError, TypeError) as e:
             raise RunFormatError(f"{where} is not a valid checkpoint ({type(e).__name__}: "
                                  f"{e}).") from None
+
+
+def checkpoint_of(kv: KVState, *, step: int, time: float, knobs: dict[str, Any],
+                  requests: list[RequestState], counters: dict[str, int],
+                  figures: dict[str, Any], switches: list[Switch],
+                  transfer_log: TransferLog, spec: dict[str, Any]) -> Checkpoint:
+    """The checkpoint of a KV state and what the engine (or replay) keeps beside it: the
+    one builder the live engine and replay share, so the two write the same record."""
+    return Checkpoint(
+        step=step, time=time, knobs=knobs, requests=requests, counters=counters,
+        figures=figures, switches=switches, spec=spec, **kv.checkpoint_fields(),
+        pool={"num_blocks": kv.pool.num_blocks, "bytes_per_block": kv.bytes_per_block},
+        host=host_checkpoint(kv.host.num_blocks, kv.host_tables, kv.num_swap_outs,
+                             kv.num_swap_ins, transfer_log))

@@ -27,7 +27,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from kvdeck.runtime.core.checkpoint import Checkpoint, RequestState
+from kvdeck.runtime.core.checkpoint import Checkpoint, RequestState, checkpoint_of
 from kvdeck.runtime.core.clock import PacedClock, VirtualClock, WallClock
 from kvdeck.runtime.core.commands import (
     Abort,
@@ -43,16 +43,18 @@ from kvdeck.runtime.core.commands import (
     Watch,
 )
 from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.pool_size import PoolSize
 from kvdeck.runtime.core.request import Progress, Request, RequestStatus, SamplingParams
 from kvdeck.runtime.core.scheduler import Scheduler
 from kvdeck.runtime.core.step_data import (
-    Conversion,
     SchedulerOutput,
     StepResult,
     StepTiming,
     causal_pairs,
 )
-from kvdeck.runtime.core.step_record import Finished, Forked, PlanEntry, StepRecord
+from kvdeck.runtime.core.step_record import Finished, Forked, StepRecord
+from kvdeck.runtime.core.switch import Switch
+from kvdeck.runtime.core.switches import KnobSwitches
 from kvdeck.runtime.errors import (
     ConfigError,
     EngineFailedError,
@@ -62,7 +64,7 @@ from kvdeck.runtime.errors import (
 )
 from kvdeck.runtime.executors.base import Executor
 from kvdeck.runtime.kv.manager import BlockManager
-from kvdeck.runtime.kv.transfers import TransferLog, host_checkpoint
+from kvdeck.runtime.kv.transfers import TransferLog
 from kvdeck.runtime.logs import write_failure
 from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
 from kvdeck.runtime.text.checks import AnswerCheck
@@ -70,7 +72,6 @@ from kvdeck.runtime.text.tokenizer import IncrementalDetokenizer, Tokenizer, for
 from kvdeck.runtime.views.figures import RunFigures, step_figures
 from kvdeck.runtime.views.metrics import request_metrics
 from kvdeck.runtime.views.snapshot import (
-    BatchView,
     EngineFailure,
     EngineSnapshot,
     RequestDetail,
@@ -96,11 +97,7 @@ class Engine:
         self.executor = executor
         self.tokenizer = tokenizer
         """Detokenizes outputs and matches stop strings (None: token ids only)."""
-        self.kv_format = config.knobs.kv_format
-        """The format the pool holds now (the knob's value once a change has applied)."""
-        self.switches: deque[dict] = deque(maxlen=8)
-        """The latest KV format / weight format switches (see `_switch_kv`)."""
-        self.kv_bytes_per_token = executor.kv_bytes_per_token(self.kv_format)
+        kv_format = config.knobs.kv_format
         formats = executor.resolve_weight_formats(config.knobs.weight_format)
         if formats != executor.weight_formats:
             executor.set_weight_formats(formats)
@@ -112,9 +109,10 @@ class Engine:
             raise ConfigError("free_window_kv cannot have a host KV tier: window pages are "
                               "not swapped or demoted; drop --host-kv-memory-gib or "
                               "--free-window-kv.")
-        num_blocks = self.pool_blocks(self.kv_format)
-        executor.bind_kv(num_blocks, config.block_size, self.kv_format, groups=self.groups)
-        host_blocks = config.host_blocks(self.kv_bytes_per_token)
+        self.pool = PoolSize(config, executor, self.groups)
+        num_blocks = self.pool.blocks(kv_format)
+        executor.bind_kv(num_blocks, config.block_size, kv_format, groups=self.groups)
+        host_blocks = self.pool.host_blocks(kv_format)
         executor.bind_host_kv(host_blocks)
         text = format_weight_format(formats)
         if text != config.knobs.weight_format:  # knobs hold the resolved value (`measured`)
@@ -134,8 +132,8 @@ class Engine:
         self.kv = BlockManager(
             num_blocks, config.block_size, enable_caching=k.enable_prefix_caching,
             cache_capacity=k.prefix_cache_capacity, eviction_policy=k.eviction_policy,
-            namespace=self._namespace(self.kv_format),
-            bytes_per_block=self.block_bytes(self.kv_format),
+            namespace=self.pool.namespace(kv_format),
+            bytes_per_block=self.pool.block_bytes(kv_format),
             recompute_cost=lambda h, c: executor.estimate_step_seconds(
                 c, causal_pairs(c, h), h + c),
             clock=lambda: self.step_count, host_blocks=host_blocks,
@@ -144,19 +142,18 @@ class Engine:
         )
         self.kv.admission.configure(k.cache_admission_k, k.cache_admission_window)
         self.transfer_log = TransferLog()
-        self.weights_view = executor.describe_weights(self.kv_format)
-        """What snapshots show of the weights (refreshed after every format switch: it
-        reads cached quality figures from disk)."""
         self.scheduler = Scheduler(config, self.kv, executor.estimate_step_seconds,
                                    self.max_model_len, executor.eos_token_ids)
         self.scheduler.propose = lambda req, k: executor.propose(req, k, self.scheduler.knobs)
         self.scheduler.drafts.draft_estimate = executor.estimate_draft_seconds
+        self.stop_event = threading.Event()
+        """Set to cut a paced step's sleep short (shutdown)."""
+        self.switcher = KnobSwitches(executor, self.kv, self.scheduler, self.clock, self.pool,
+                                     self.stop_event, kv_format)
         self.check_knobs(k)
         self.inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self.wake = threading.Event()
         """Set whenever something is put in the inbox, so an idle loop wakes up."""
-        self.stop_event = threading.Event()
-        """Set to cut a paced step's sleep short (shutdown)."""
         self.submitted_knobs = k
         """The knobs that will apply (validated on submission; applied between steps)."""
         self._lock = threading.Lock()
@@ -176,7 +173,9 @@ class Engine:
         """Receives each step's `StepRecord` (see runtime/runs/recording.py)."""
         self._recorder_actions: list[object | None] = []
         """Recorders to attach (a Recorder) or a detach (None), in the order asked."""
-        self.last_batch: BatchView | None = None
+        self.last_step: tuple[StepRecord, int, int] | None = None
+        """The last step that ran, with its token budget and sequence limit (the
+        snapshot's batch view)."""
         self.state_end: float | None = None
         """End time of the step that produced the current state; None once the engine has
         idled since (snapshots then show the clock's time). Live and replayed snapshots of
@@ -305,21 +304,15 @@ class Engine:
         self.post(SetKnobs(new, changes))
         return new
 
-    def pool_blocks(self, kv_format: str) -> int:
-        """Blocks the pool holds in `kv_format`: the budget (plus what weight offload frees)
-        over the bytes a block takes — the target's KV and, with a draft model, its twin's."""
-        e = self.executor
-        return self.config.blocks_for_budget(
-            self.block_bytes(kv_format) // self.config.block_size
-            + e.draft_kv_bytes_per_token(kv_format), e.offload_gain_bytes)
+    @property
+    def kv_format(self) -> str:
+        """The format the pool holds now (the knob's value once a change has applied)."""
+        return self.switcher.kv_format
 
-    def block_bytes(self, kv_format: str) -> int:
-        """Bytes of the target's KV one block (one page, with layer groups: the layers of
-        one page) takes in `kv_format`."""
-        per_token = self.executor.kv_bytes_per_token(kv_format)
-        if self.groups is not None:
-            per_token = self.groups.page_share(per_token)
-        return per_token * self.config.block_size
+    @property
+    def switches(self) -> deque[Switch]:
+        """The latest knob switches (`core/switches.py`)."""
+        return self.switcher.recent
 
     def check_knobs(self, knobs: Knobs) -> None:
         """Bounds that depend on this engine's executor and pool (ConfigError if broken)."""
@@ -347,7 +340,7 @@ class Engine:
         pool = self.kv.num_blocks
         if knobs.kv_format != self.kv_format:
             # The executor refuses a format it cannot store; the budget must buy a block.
-            pool = self.pool_blocks(knobs.kv_format)
+            pool = self.pool.blocks(knobs.kv_format)
         if knobs.prefix_cache_capacity > pool:
             raise ConfigError(f"prefix_cache_capacity must be from 0 to {pool:,} (the pool's "
                               f"blocks), got {knobs.prefix_cache_capacity:,}.")
@@ -388,14 +381,7 @@ class Engine:
             elif isinstance(msg, Abort):
                 self._abort(msg.request_id, msg.reason)
             elif isinstance(msg, SetKnobs):
-                if msg.knobs.kv_format != self.kv_format:
-                    self._switch_kv(msg.knobs.kv_format, record)
-                if msg.knobs.weight_format != self.scheduler.knobs.weight_format:
-                    self._switch_weights(msg.knobs.weight_format, record)
-                old = self.scheduler.knobs
-                if (msg.knobs.offload_layers, msg.knobs.offload_buffers) != \
-                        (old.offload_layers, old.offload_buffers):
-                    self._switch_offload(msg.knobs, record)
+                record.switches += self.switcher.apply(msg.knobs, self.step_count)
                 self.scheduler.apply_knobs(msg.knobs)
                 record.knobs.update(msg.changes)
             elif isinstance(msg, Pause):
@@ -420,115 +406,6 @@ class Engine:
                 self._recorder_actions.append(msg.recorder)
             elif isinstance(msg, StopRecording):
                 self._recorder_actions.append(None)
-
-    def _namespace(self, kv_format: str) -> str:
-        """Cached KV is reusable only by the same model, format and namespace."""
-        return f"{self.executor.model_name}|{kv_format}|{self.config.namespace}"
-
-    def _switch_kv(self, kv_format: str, record: StepRecord) -> None:
-        """Re-encode the KV pool in `kv_format` between iterations.
-
-        Converted in place rather than drained and re-laid: a running request keeps its KV,
-        re-encoded, instead of being preempted and recomputed — conversion reads and writes
-        each used block once (a memory-bound pass), far cheaper than recomputing every
-        context (a forward pass over all of them) — and cached prefixes stay, filed under
-        the new format's namespace, so old and new formats never mix. The block count
-        follows the memory budget (`kv_memory_bytes / bytes per block`): a smaller format
-        buys more blocks, a larger one fewer; when fewer than are in use, cached blocks are
-        dropped first (eviction order) and then the most recently admitted requests are
-        preempted (recompute) until the rest fit. The pause, the bytes converted, the
-        blocks and requests affected go to the iteration record's `switches` (requests
-        preempted here are listed there, not in the record's `preempted`).
-        """
-        old = self.kv_format
-        num_blocks = self.pool_blocks(kv_format)
-        conv, switch = self._relayout(kv_format, num_blocks, f"{old} → {kv_format}")
-        self._pause_clock(conv.seconds)
-        switch.update({"knob": "kv_format", "from": old, "to": kv_format,
-                       "bytes": conv.bytes_read + conv.bytes_written})
-        self._record_switch(switch, record)
-        log.info("kv_format %s → %s: %d blocks converted in %.3f s, pool %d blocks",
-                 old, kv_format, switch["blocks"], conv.seconds, num_blocks)
-
-    def _relayout(self, kv_format: str, num_blocks: int, why: str) -> tuple[Conversion, dict]:
-        """Re-lay the pool as `num_blocks` blocks in `kv_format` (see `_switch_kv`). The host
-        tier is emptied first — swapped requests will recompute, demoted prefixes are
-        dropped — and re-laid at the new block size: its copies are in the old layout.
-        Returns the conversion and the switch record's fields."""
-        kv, now = self.kv, self.clock.now()
-        unswapped = self.scheduler.unswap_all(now, why)
-        kv.drop_host_tier(kv.host.num_blocks)
-        preempted = self.scheduler.preempt_to_fit(
-            num_blocks, now, f"the pool shrank to {num_blocks:,} blocks ({why})")
-        dropped = 0
-        demote, kv.tree.demote = kv.tree.demote, False
-        while kv.num_used_blocks > num_blocks and kv.tree.evict_one() is not None:
-            dropped += 1
-        kv.tree.demote = demote
-        bpt = self.executor.kv_bytes_per_token(kv_format)
-        where = kv.relayout(num_blocks, self.block_bytes(kv_format),
-                            self._namespace(kv_format))
-        src = sorted(where)
-        conv = self.executor.convert_kv(kv_format, num_blocks, src, [where[b] for b in src])
-        host_blocks = self.config.host_blocks(bpt)
-        kv.drop_host_tier(host_blocks)
-        self.executor.bind_host_kv(host_blocks)
-        self.kv_format, self.kv_bytes_per_token = kv_format, bpt
-        return conv, {"seconds": conv.seconds, "measured": conv.measured,
-                      "blocks": len(src), "moved": sum(b != where[b] for b in src),
-                      "num_blocks": num_blocks, "dropped": dropped, "preempted": preempted,
-                      **({"unswapped": unswapped} if unswapped else {})}
-
-    def _switch_offload(self, knobs: Knobs, record: StepRecord) -> None:
-        """Move FFN weights to or from the host between iterations and give the device
-        memory that frees (or take back what it needs) to the KV pool, re-laid in place."""
-        old = self.scheduler.knobs
-        conv = self.executor.set_offload(knobs.offload_layers, knobs.offload_buffers)
-        self._pause_clock(conv.seconds)
-        num_blocks = self.pool_blocks(self.kv_format)
-        switch = {"knob": "offload_layers",
-                  "from": f"{old.offload_layers} layers, {old.offload_buffers} buffers",
-                  "to": f"{knobs.offload_layers} layers, {knobs.offload_buffers} buffers",
-                  "seconds": conv.seconds, "measured": conv.measured,
-                  "bytes": conv.bytes_written, "bytes_before": conv.bytes_read,
-                  "num_blocks": num_blocks, "offload": self.executor.describe_offload(),
-                  "gain": self.executor.offload_gain_bytes}
-        if num_blocks != self.kv.num_blocks:
-            relaid, fields = self._relayout(self.kv_format, num_blocks, "weight offload")
-            self._pause_clock(relaid.seconds)
-            switch.update(fields, seconds=conv.seconds + relaid.seconds)
-        self._record_switch(switch, record)
-        log.info("offload %s → %s: %.3f s, pool %d blocks", switch["from"], switch["to"],
-                 switch["seconds"], num_blocks)
-
-    def _switch_weights(self, text: str, record: StepRecord) -> None:
-        """Re-pack the matrices whose group changes format, between iterations, from the
-        executor's host master copy; requests wait meanwhile (nobody is preempted: the KV
-        does not change). The pause and the weight bytes go to the record's `switches`."""
-        old = self.scheduler.knobs.weight_format
-        conv = self.executor.set_weight_formats(parse_weight_format(text))
-        self._pause_clock(conv.seconds)
-        switch = {"knob": "weight_format", "from": old, "to": text, "seconds": conv.seconds,
-                  "measured": conv.measured, "bytes": conv.bytes_written,
-                  "bytes_before": conv.bytes_read}
-        self._record_switch(switch, record)
-        log.info("weight_format %s → %s: re-packed in %.3f s, %d → %d bytes", old, text,
-                 conv.seconds, conv.bytes_read, conv.bytes_written)
-
-    def _record_switch(self, switch: dict, record: StepRecord) -> None:
-        """A format switch goes to the step record, the snapshots' recent switches, and the
-        weights view (its quality figures depend on both formats)."""
-        record.switches.append(switch)
-        self.switches.append({**switch, "step": self.step_count})
-        self.weights_view = self.executor.describe_weights(self.kv_format)
-
-    def _pause_clock(self, seconds: float) -> None:
-        """A switch's pause takes modelled time on a virtual clock (measured time passes by
-        itself)."""
-        if self.executor.virtual_time:
-            self.clock.pin()
-            self.clock.advance(seconds)
-            self.clock.wait_until_due(self.stop_event)
 
     def _abort(self, rid: str, reason: str) -> None:
         req = self.scheduler.abort(rid, self.clock.now(), reason)
@@ -616,25 +493,16 @@ class Engine:
         for child, parent in self.scheduler.take_branched():
             record.forked.append(Forked(child.request_id, parent.request_id,
                                         child.sampling.max_tokens, True))
-        self.last_batch = BatchView(plan.step, plan.num_decode_tokens, plan.num_prefill_tokens,
-                                    len(plan.chunks), plan.token_budget, plan.max_num_seqs,
-                                    dt, len(plan.preempted), plan.limit, plan.predicted_s,
-                                    plan.itl_target_s)
-        record.dt, record.measured = dt, result.timing.measured
-        record.predicted_s, record.itl_target_s = plan.predicted_s, plan.itl_target_s
+        record.ran(plan, result, t1)
+        self.last_step = (record, plan.token_budget, plan.max_num_seqs)
         if result.draft_seconds:
-            record.draft_s = result.draft_seconds
             self.scheduler.spec.on_draft_step(result.draft_seconds, dt)
-        if t1 != t0 + dt:
-            record.end = t1
-        record.bytes_read = result.timing.bytes_read
         if result.transfers:
-            record.transfers = list(result.transfers)
             self.transfer_log.on_step(plan.step, result.transfers)
         self._collect(record)
         self.step_count += 1
         record.resident = resident
-        self._finish_step(record, plan, result)
+        self._finish_step(record)
         return record
 
     def _idle(self, record: StepRecord, plan: SchedulerOutput | None = None) -> \
@@ -649,30 +517,13 @@ class Engine:
         if record.is_empty:
             self._switch_recorder()
             return None
-        self._finish_step(record, plan, None)
+        self._finish_step(record)
         return record
 
-    def _finish_step(self, record: StepRecord, plan: SchedulerOutput | None,
-                     result: StepResult | None) -> None:
+    def _finish_step(self, record: StepRecord) -> None:
         """Complete the record, update the figures, write the record, tell `after_step`
         listeners (output streams), then attach or detach a recorder if asked."""
-        if plan is not None and result is not None:
-            record.plan = [PlanEntry(c.request_id, c.start, c.num_new_tokens, c.emitted,
-                                     c.num_draft) for c in plan.chunks]
-            record.tokens = list(result.sampled.items())
-            for c in plan.chunks:  # speculating requests: the tokens they took, in order
-                if c.num_draft and c.emitted:
-                    record.tokens.extend((c.request_id, t)
-                                         for t in result.spec[c.request_id][:c.emitted])
-            record.errors = dict(result.errors)
-            record.admitted, record.preempted = list(plan.admitted), list(plan.preempted)
-            record.swapped = list(plan.swapped)
-            record.forecasts = dict(plan.forecasts)
-            record.rejected = list(plan.rejected)
-            record.cow = list(plan.cow_copies)
-            record.num_decode = plan.num_decode_tokens
-            record.limit = plan.limit
-            record.kv = self.kv.take_events()
+        record.kv += self.kv.take_events()
         sched = self.scheduler
         record.queue = (sched.num_waiting, sched.num_running)
         if record.dt is not None:
@@ -818,7 +669,7 @@ class Engine:
 
     def checkpoint(self) -> Checkpoint:
         """The state a recording starting now begins from (engine thread, between steps)."""
-        sched, kv, tree = self.scheduler, self.kv, self.kv.tree
+        sched, kv = self.scheduler, self.kv
         requests = []
         for req in list(sched.running) + list(sched.waiting):
             progress = {f.name: getattr(req, f.name) for f in dataclasses.fields(Progress)}
@@ -827,22 +678,13 @@ class Engine:
                 req.request_id, req.arrival_time, req.num_prompt_tokens,
                 req.sampling.max_tokens, req.deadline, req.priority,
                 num_output_tokens=req.num_output_tokens, **progress))
-        nodes, tree_counters = tree.export()
-        return Checkpoint(
-            step=self.step_count, time=self.clock.now(),
+        return checkpoint_of(
+            kv.state, step=self.step_count, time=self.clock.now(),
             knobs=dataclasses.asdict(sched.knobs), requests=requests,
-            tables={rid: list(t) for rid, t in kv.tables.items()},
-            window_tables={rid: [list(t) for t in wt] for rid, wt in kv.window_tables.items()}
-            if kv.groups else None,
-            reserved=dict(kv.reserved), nodes=nodes, tree=tree_counters,
             counters={"preemptions": sched.num_preemptions, "cow": kv.num_cow_copies,
                       "swapped": sched.num_swapped},
-            figures=self.figures.to_json(),
-            pool={"num_blocks": kv.num_blocks, "bytes_per_block": kv.bytes_per_block},
-            switches=list(self.switches),
-            host=host_checkpoint(kv.host.num_blocks, kv.host_tables, kv.num_swap_outs,
-                                 kv.num_swap_ins, self.transfer_log),
-            spec=sched.spec.to_json())
+            figures=self.figures.to_json(), switches=list(self.switches),
+            transfer_log=self.transfer_log, spec=sched.spec.to_json())
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from kvdeck.runtime.core.checkpoint import RequestState
+from kvdeck.runtime.core.step_data import SchedulerOutput, StepResult
+from kvdeck.runtime.core.switch import Switch
 from kvdeck.runtime.errors import RunFormatError
 from kvdeck.runtime.kv.events import KVEvent, kv_event_from_json, kv_event_to_json
 from kvdeck.runtime.kv.transfers import Transfer
@@ -86,9 +88,9 @@ class StepRecord:
     kv: list[KVEvent] = field(default_factory=list)
     queue: tuple[int, int] = (0, 0)
     """(waiting, running) after the step."""
-    switches: list[dict[str, Any]] = field(default_factory=list)
-    """Pauses between iterations to re-encode the KV pool or re-pack weights, each
-    {knob, from, to, seconds, bytes, ...} (see `Engine._switch_kv`)."""
+    switches: list[Switch] = field(default_factory=list)
+    """Pauses between iterations to re-encode the KV pool, re-pack weights or move them
+    (`core/switches.py`)."""
     transfers: list[Transfer] = field(default_factory=list)
     """Copies between device and host the step made (swaps, demotions, promotions, weight
     prefetches)."""
@@ -105,6 +107,33 @@ class StepRecord:
     forecasts: dict[str, float] = field(default_factory=dict)
     """Admission control's latest predicted finish time of each running request, made when
     a request was admitted this step."""
+
+    def ran(self, plan: SchedulerOutput, result: StepResult, t1: float) -> None:
+        """Fill in what the executed `plan` and its `result` say, the step ending at `t1`
+        (the one place a plan and a result are copied into the record)."""
+        timing = result.timing
+        self.dt, self.measured, self.bytes_read = timing.seconds, timing.measured, \
+            timing.bytes_read
+        if t1 != self.t0 + timing.seconds:
+            self.end = t1
+        self.predicted_s, self.itl_target_s = plan.predicted_s, plan.itl_target_s
+        self.draft_s = result.draft_seconds
+        self.transfers = list(result.transfers)
+        self.plan = [PlanEntry(c.request_id, c.start, c.num_new_tokens, c.emitted,
+                               c.num_draft) for c in plan.chunks]
+        self.tokens = list(result.sampled.items())
+        for c in plan.chunks:  # speculating requests: the tokens they took, in order
+            if c.num_draft and c.emitted:
+                self.tokens.extend((c.request_id, t)
+                                   for t in result.spec[c.request_id][:c.emitted])
+        self.errors = dict(result.errors)
+        self.admitted, self.preempted = list(plan.admitted), list(plan.preempted)
+        self.swapped = list(plan.swapped)
+        self.forecasts = dict(plan.forecasts)
+        self.rejected = list(plan.rejected)
+        self.cow = list(plan.cow_copies)
+        self.num_decode = plan.num_decode_tokens
+        self.limit = plan.limit
 
     @property
     def t1(self) -> float:
@@ -144,6 +173,8 @@ class StepRecord:
             if value:
                 d[name] = [list(x) for x in value] if isinstance(value, list) and \
                     isinstance(value[0], tuple) else value
+        if self.switches:  # in its place among the keys
+            d["switches"] = [sw.to_json() for sw in self.switches]
         if self.finished:  # in its place among the keys; the flag only where checked
             d["finished"] = [list(f) if f.correct is not None else list(f[:4])
                              for f in self.finished]
@@ -172,7 +203,7 @@ class StepRecord:
                 forked=[Forked(*x) for x in d.get("forked", [])],
                 kv=[kv_event_from_json(e, where) for e in d.get("kv", [])],
                 queue=tuple(d.get("queue", (0, 0))),
-                switches=[dict(x) for x in d.get("switches", [])],
+                switches=[Switch.from_json(x) for x in d.get("switches", [])],
                 transfers=[Transfer(*x) for x in d.get("transfers", [])],
                 swapped=list(d.get("swapped", [])), draft_s=d.get("draft_s", 0.0),
                 predicted_s=d.get("predicted_s"), itl_target_s=d.get("itl_target_s", 0.0),

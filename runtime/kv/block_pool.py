@@ -15,7 +15,8 @@ snapshots copy (a copy of a bytearray, not a pass over the pool):
     CACHED_ACTIVE 4  in the prefix cache and used by one request
 
 `BlockStates` is the accounting alone (replay rebuilds it from KV events); `BlockPool` adds
-the free list that allocation takes blocks from.
+the free list that allocation picks blocks from. Neither decides anything: `KVState.apply`
+is the only code that changes them.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class BlockStates:
         c = self.cached[block]
         if rc == 1:
             self.num_free -= 1
+            self._taken(block)
         elif c:
             self.cache_version += 1
             if rc == 2:
@@ -93,6 +95,9 @@ class BlockStates:
     def _freed(self, block: int) -> None:
         """Hook: `block` just became free."""
 
+    def _taken(self, block: int) -> None:
+        """Hook: free `block` just took its first reference."""
+
     def mark_cached(self, block: int) -> None:
         """The prefix cache takes a reference on `block`."""
         self.cached[block] = 1
@@ -101,6 +106,7 @@ class BlockStates:
         if rc == 1:
             self.num_free -= 1
             self.num_cached_only += 1
+            self._taken(block)
         self.states[block] = _CODE[1][rc if rc < 3 else 3]
 
     def unmark_cached(self, block: int) -> bool:
@@ -151,19 +157,27 @@ class BlockPool(BlockStates):
         super().__init__(num_blocks, block_size)
         self._free: deque[int] = deque(range(num_blocks))
 
-    def can_take(self) -> bool:
-        return bool(self._free)
+    @property
+    def num_listed(self) -> int:
+        """Blocks on the free list (allocation order)."""
+        return len(self._free)
 
-    def take(self) -> int:
-        """Remove a free block from the pool with refcount 1; the caller checks `can_take`."""
-        block = self._free.popleft()
-        self.refcount[block] = 1
-        self.num_free -= 1
-        self.states[block] = PRIVATE
-        return block
+    def pick(self, n: int) -> list[int]:
+        """The next `n` free blocks allocation would take, without taking them: the caller
+        applies the KV event that references them (`KVState.apply`), which takes them off
+        the free list in this order. The caller makes sure `num_listed >= n`."""
+        free = self._free
+        return [free[0]] if n == 1 else [free[i] for i in range(n)]
 
     def _freed(self, block: int) -> None:
         self._free.append(block)
+
+    def _taken(self, block: int) -> None:
+        free = self._free
+        if free[0] == block:  # always, when the picked blocks are referenced in order
+            free.popleft()
+        else:
+            free.remove(block)
 
     def relayout(self, num_blocks: int, moves: dict[int, int]) -> None:
         super().relayout(num_blocks, moves)

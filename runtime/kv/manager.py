@@ -1,12 +1,13 @@
 """Block tables, reference counts, copy-on-write, reservation and prefix reuse.
 
-`BlockManager` is the single source of truth for where every request's KV lives. It hands
-executors block tables (read-only lists of physical block ids, one per `block_size` tokens)
-and copy-on-write instructions; executors never decide placement.
+`BlockManager` decides where every request's KV lives. It hands executors block tables
+(read-only lists of physical block ids, one per `block_size` tokens) and copy-on-write
+instructions; executors never decide placement.
 
-Every change is also appended to `events` as a typed KV event (`runtime/kv/events.py`: Ref,
-Unref, Cow, Cache, Evict, Hit, Reserve), so an iteration trace can rebuild the block map,
-the prefix tree and every block table without a model.
+The state itself is a `KVState` (`kv/state.py`): every decision here becomes a typed KV
+event (`kv/events.py`: Ref, Unref, Cow, Cache, Evict, Hit, Reserve, ...) applied there, and
+the same events in an iteration trace rebuild the block map, the prefix tree and every
+block table without a model, through the same `apply`.
 
 Blocks referenced by a step that is still executing are not reused: a release while
 `in_flight` is set is deferred until `end_step()`.
@@ -27,32 +28,21 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvdeck.runtime.core.request import Request
+from kvdeck.runtime.kv import events as ev
 from kvdeck.runtime.kv.block_pool import BlockPool
 from kvdeck.runtime.kv.cache_admission import CacheAdmission
-from kvdeck.runtime.kv.events import (
-    Cache,
-    Cow,
-    Hit,
-    HostResize,
-    KVEvent,
-    Promote,
-    Ref,
-    Relayout,
-    Reserve,
-    SwapIn,
-    SwapOut,
-    Unref,
-    Unswap,
-)
 from kvdeck.runtime.kv.formats import blocks_for_tokens
 from kvdeck.runtime.kv.groups import LayerGroups
-from kvdeck.runtime.kv.prefix_tree import PrefixNode, PrefixTree, default_recompute_cost
-from kvdeck.runtime.kv.tiers import HOST_SWAPPED, HostTier
-from kvdeck.runtime.kv.window import WindowTables, move_window_pages
+from kvdeck.runtime.kv.prefix_tree import PrefixNode, default_recompute_cost
+from kvdeck.runtime.kv.state import KVState
+from kvdeck.runtime.kv.window import WindowTables
+
+_NO_BLOCKS: list[int] = []
+"""The table of a request holding no block (never written: tables change by events)."""
 
 
-class BlockManager(WindowTables):
-    """Paged KV accounting for one engine. With layer groups (`groups`, `kv/window.py`)
+class BlockManager:
+    """Paged KV decisions for one engine. With layer groups (`groups`, `kv/window.py`)
     its blocks are pages and each request also has sliding-window tables."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
@@ -67,37 +57,69 @@ class BlockManager(WindowTables):
         `groups`: free sliding-window KV (`num_blocks` are then pages; no host tier)."""
         assert groups is None or not host_blocks, "window pages have no host tier"
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, block_size)
-        self.events: list[KVEvent] = []
-        self.tree = PrefixTree(self.pool, cache_capacity, eviction_policy, recompute_cost,
-                               bytes_per_block, events=self.events)
+        self.copies: list = []
+        """Pending copies between the tiers, in order (see the module docstring)."""
+        self.state = st = KVState(
+            BlockPool(num_blocks, block_size), host_blocks=host_blocks, groups=groups,
+            clock=clock, namespace=namespace, cache_capacity=cache_capacity,
+            eviction_policy=eviction_policy, recompute_cost=recompute_cost,
+            bytes_per_block=bytes_per_block, link_seconds=link_seconds, copies=self.copies)
+        self.apply = st.apply
+        # The state's parts, read (never written) by the scheduler, views and tests.
+        self.pool, self.tree, self.host, self.groups = st.pool, st.tree, st.host, groups
+        self.tables, self.host_tables = st.tables, st.host_tables
+        self.window_tables, self.reserved = st.window_tables, st.reserved
+        self.window = WindowTables(groups, st, self._take_for, self._apply)
+        self.local_pages = self.window.local_pages
         self.enable_caching = enable_caching
-        self.namespace = namespace
-        self.bytes_per_block = bytes_per_block
         self.clock = clock
         """The engine's step number: the prefix tree's notion of recency."""
-        self.tables: dict[str, list[int]] = {}
-        self.reserved: dict[str, int] = {}
-        self.num_reserved = 0
         self._chains: dict[str, list[PrefixNode]] = {}
         """Per request, the tree nodes backing its leading full blocks."""
         self.in_flight = False
         self._deferred: list[str] = []
         self.num_cow_copies = 0
-        self.host = HostTier(host_blocks)
-        self.host_tables: dict[str, list[int]] = {}
-        """Swapped-out requests' host blocks, in table order."""
-        self.copies: list = []
-        """Pending copies between the tiers, in order (see the module docstring)."""
-        self.tree.host = self.host
-        self.tree.copies = self.copies
-        self.tree.link_seconds = link_seconds
         self.link_seconds = link_seconds
-        self.num_swap_outs = 0
-        self.num_swap_ins = 0
         self.admission = CacheAdmission()
         """Which completed blocks may enter the prefix cache (`cache_admission.py`)."""
-        self._init_window(groups, num_blocks)
+
+    # -- the state's figures ----------------------------------------------------------------
+
+    def table(self, rid: str) -> list[int]:
+        """`rid`'s block table; empty when it holds no block (the first Ref makes it)."""
+        return self.tables.get(rid, _NO_BLOCKS)
+
+    @property
+    def num_reserved(self) -> int:
+        return self.state.num_reserved
+
+    @property
+    def namespace(self) -> str:
+        return self.state.namespace
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.state.bytes_per_block
+
+    @property
+    def page_groups(self) -> bytearray:
+        return self.state.page_groups
+
+    @property
+    def num_swap_outs(self) -> int:
+        return self.state.num_swap_outs
+
+    @property
+    def num_swap_ins(self) -> int:
+        return self.state.num_swap_ins
+
+    def _apply(self, event: ev.KVEvent) -> None:
+        """Apply a decision; a lowered capacity then evicts what became evictable."""
+        st = self.state
+        st.apply(event)
+        if st.released:
+            st.released = False
+            self._shrink_to_capacity()
 
     # -- knobs ------------------------------------------------------------------------------
 
@@ -131,19 +153,8 @@ class BlockManager(WindowTables):
         used = [b for b in range(pool.num_blocks) if pool.refcount[b]]
         free_low = (b for b in range(min(num_blocks, pool.num_blocks)) if not pool.refcount[b])
         moves = {b: next(free_low) for b in used if b >= num_blocks}
-        pool.relayout(num_blocks, moves)
-        for table in self.tables.values():
-            for i, b in enumerate(table):
-                if b in moves:
-                    table[i] = moves[b]
-        self.page_groups = move_window_pages(self.window_tables, self.page_groups, moves,
-                                             num_blocks)
-        self.tree.move_blocks(moves, bytes_per_block)
-        self.tree.rename_namespace(self.namespace, namespace)
-        self.namespace = namespace
-        self.bytes_per_block = bytes_per_block
-        self.events.append(Relayout(num_blocks, bytes_per_block,
-                                    [[a, b] for a, b in moves.items()]))
+        self.apply(ev.Relayout(num_blocks, bytes_per_block, [[a, b] for a, b in moves.items()]),
+                   namespace)
         return {b: moves.get(b, b) for b in used}
 
     # -- capacity ---------------------------------------------------------------------------
@@ -173,8 +184,7 @@ class BlockManager(WindowTables):
         self.tree.drop_host()
         self.copies.clear()
         if num_host_blocks != self.host.num_blocks:
-            self.host.resize(num_host_blocks)
-            self.events.append(HostResize(num_host_blocks))
+            self.apply(ev.HostResize(num_host_blocks))
         return swapped
 
     # -- swapping ---------------------------------------------------------------------------
@@ -192,13 +202,10 @@ class BlockManager(WindowTables):
         n = self.blocks_needed(req.num_computed_tokens)
         made = self.tree.make_host_room(n)
         assert made, "swap_out without room on the host tier"
-        hosts = [self.host.take(HOST_SWAPPED) for _ in range(n)]
-        pairs = [[table[i], h] for i, h in enumerate(hosts)]
-        self.events.append(SwapOut(rid, pairs))
+        pairs = [[table[i], h] for i, h in enumerate(self.host.pick(n))]
+        self.apply(ev.SwapOut(rid, pairs))
         self.copies.append(("swap", "d2h", rid, pairs))
-        self._release(rid)
-        self.host_tables[rid] = hosts
-        self.num_swap_outs += 1
+        self._release_device(rid)
         return n
 
     def swap_in_blocks(self, req: Request, num_new_tokens: int, reserve_full: bool) -> int:
@@ -217,26 +224,17 @@ class BlockManager(WindowTables):
         before the next forward pass), then room for `num_new_tokens` more. Its blocks
         re-enter the prefix cache as they are found there (`cache_computed`)."""
         rid = req.request_id
-        hosts = self.host_tables.pop(rid)
-        self.tables[rid] = table = []
+        hosts = self.host_tables[rid]
         self._chains[rid] = []
         if reserve_full:
-            promise = self.blocks_needed(req.max_total_tokens) - len(hosts)
-            self.reserved[rid] = promise
-            self.num_reserved += promise
-            self.events.append(Reserve(rid, promise))
+            self.apply(ev.Reserve(rid, self.blocks_needed(req.max_total_tokens) - len(hosts)))
         # Device blocks first, while the host blocks are still held: a demotion decided
         # while taking them must not land in a host block not yet copied back.
-        for _ in hosts:
-            block = self._take_for(rid)
-            self.events.append(Ref(rid, len(table), block))
-            table.append(block)
-        pairs = [[h, d] for h, d in zip(hosts, table, strict=True)]
+        for i in range(len(hosts)):
+            self._apply(ev.Ref(rid, i, self._take_for(rid, 1)[0]))
+        pairs = [[h, d] for h, d in zip(hosts, self.tables[rid], strict=True)]
         self.copies.append(("swap", "h2d", rid, pairs))
-        self.events.append(SwapIn(rid, pairs))
-        for h in hosts:
-            self.host.free(h)
-        self.num_swap_ins += 1
+        self.apply(ev.SwapIn(rid, pairs))
         return self.allocate(req, num_new_tokens)
 
     def unswap(self, req: Request) -> None:
@@ -244,9 +242,7 @@ class BlockManager(WindowTables):
         self._unswap(req.request_id)
 
     def _unswap(self, rid: str) -> None:
-        for h in self.host_tables.pop(rid):
-            self.host.free(h)
-        self.events.append(Unswap(rid))
+        self.apply(ev.Unswap(rid))
 
     def num_available_blocks(self) -> int:
         """Blocks a new allocation could get: free + evictable − promised to reservations."""
@@ -255,13 +251,17 @@ class BlockManager(WindowTables):
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for_tokens(num_tokens, self.block_size)
 
-    def _take(self) -> int:
-        if not self.pool.can_take():
-            self.tree.evict_one()
-        block = self.pool.take()
-        if self.groups:
-            self.page_groups[block] = 0  # a window table marks its own
-        return block
+    def _take_for(self, rid: str, n: int) -> list[int]:
+        """`n` free blocks for `rid`, evicting cached ones to make room, drawn first from
+        what was promised to it; the caller references them next, in this order."""
+        promised = min(self.reserved.get(rid, 0), n)
+        if promised:
+            self.apply(ev.Reserve(rid, -promised))
+        pool = self.pool
+        while pool.num_listed < n:
+            freed = self.tree.evict_one()
+            assert freed is not None, "no block to take (callers check the room first)"
+        return pool.pick(n)
 
     def pages_for(self, num_tokens: int, chunk_size: int, reserve_full: bool = False) -> int:
         """Pages one request of `num_tokens` tokens needs at its largest, computing
@@ -294,7 +294,7 @@ class BlockManager(WindowTables):
         """The cached nodes an admission of `req` would reuse now (no side effects)."""
         if not self.enable_caching:
             return []
-        return self.window_cut(self.tree.match(self.namespace, self._reusable(req)))
+        return self.window.cut(self.tree.match(self.namespace, self._reusable(req)))
 
     def peek_prefix(self, req: Request) -> int:
         """Cached tokens an admission of `req` would reuse now (no side effects)."""
@@ -316,7 +316,7 @@ class BlockManager(WindowTables):
             need += (self.blocks_needed(target) - len(chain)) * self.local_pages
         # Reused blocks that are currently evictable stop being available once referenced.
         evictable = sum(1 for n in chain if n.block >= 0 and self.pool.refcount[n.block] == 1)
-        evictable += self._window_hit_evictable(chain)
+        evictable += self.window.hit_evictable(chain)
         return need <= self.num_available_blocks() - evictable
 
     def admit(self, req: Request, num_new_tokens: int, reserve_full: bool) -> list[tuple[int, int]]:
@@ -327,65 +327,56 @@ class BlockManager(WindowTables):
         """
         rid = req.request_id
         assert rid not in self.tables, f"{rid} admitted twice"
-        self.tables[rid] = table = []
         chain: list[PrefixNode] = []
         if self.enable_caching:
             reusable = self._reusable(req)
-            chain = self.window_cut(self.tree.match(self.namespace, reusable))
-            self.tree.record_lookup(chain, len(reusable), self.clock())
+            chain = self.window.cut(self.tree.match(self.namespace, reusable))
             if self.admission.k > 1:
                 p = self.block_size
                 prompt = req.prompt_token_ids
                 self.admission.on_admit(rid, self.namespace, [
                     tuple(prompt[i:i + p]) for i in range(0, len(prompt) - p + 1, p)],
                     first=req.admitted_time is None)
-        on_host = [n for n in chain if n.on_host]
         # Pinned: no demotion decided while promoting may drop a block this chain needs.
-        self.tree.pin_host(on_host)
-        for node in chain:
+        # (Its device nodes come first and are referenced before any promotion takes a
+        # block, so no eviction can take them either.)
+        self.tree.pin_host([n for n in chain if n.on_host])
+        for i, node in enumerate(chain):
             if node.on_host:
                 self._promote(rid, node)
-            else:
-                self.pool.incref(node.block)
-                self.tree.on_block_used(node.block)
-            self.events.append(Ref(rid, len(table), node.block))
-            table.append(node.block)
+            self.apply(ev.Ref(rid, i, node.block))
         self._chains[rid] = chain
-        if self.groups:
-            self._window_admit(rid, chain)
+        self.window.admit(rid, chain)
         hit = len(chain) * self.block_size
         req.num_computed_tokens = hit
         req.num_cached_tokens = hit
         if self.enable_caching:
-            self.events.append(Hit(rid, hit))
+            self.apply(ev.Hit(rid, hit), len(reusable))
         if reserve_full:
             # Window blocks are promised whole too: a conservative bound (they are freed
             # as the request moves on, and a freed page returns to the pool).
-            promise = (self.blocks_needed(req.max_total_tokens) - len(table)) * \
-                (1 + self.local_pages)
-            self.reserved[rid] = promise
-            self.num_reserved += promise
-            self.events.append(Reserve(rid, promise))
+            self.apply(ev.Reserve(rid, (self.blocks_needed(req.max_total_tokens) - len(chain))
+                                  * (1 + self.local_pages)))
         return self.allocate(req, num_new_tokens)
 
     def _promote(self, rid: str, node: PrefixNode) -> None:
         """Bring a demoted chain block back for `rid`'s admission (a host hit): a device
-        block (the request's reference) receives its host copy."""
-        block = self._take()
+        block (the request's reference, which the caller applies next) receives its host
+        copy."""
+        (block,) = self._take_for(rid, 1)
         host_block = node.host_block
-        self.tree.promote(node, block, hit=True)
+        self.apply(ev.Promote(node.node_id, host_block, block, 1))
         self.copies.append(("promote", "h2d", f"node {node.node_id}", [[host_block, block]]))
-        self.events.append(Promote(node.node_id, host_block, block, 1))
 
     def try_allocate(self, req: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """`allocate` if `can_allocate`, else None — one pass for the scheduler's hot loop.
 
         The common decode case (room left in an unshared tail block) touches nothing.
         """
-        table = self.tables[req.request_id]
+        table = self.table(req.request_id)
         end = req.num_computed_tokens + num_new_tokens
         if end <= len(table) * self.block_size and not self._tail_is_shared(req) and \
-                not (self.groups and self._window_tail_shared(req)):
+                not (self.groups and self.window.tail_shared(req)):
             return []
         if not self.can_allocate(req, num_new_tokens):
             return None
@@ -397,17 +388,17 @@ class BlockManager(WindowTables):
         return need <= self.num_available_blocks() + self.reserved.get(req.request_id, 0)
 
     def _new_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
-        table = self.tables[req.request_id]
+        table = self.table(req.request_id)
         blocks = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
         need = max(blocks, 0) * (1 + self.local_pages)
         if num_new_tokens > 0:  # copy-on-write of a shared partial tail
             need += self._tail_is_shared(req)
-            if self.groups and self._window_tail_shared(req):
+            if self.groups and self.window.tail_shared(req):
                 need += self.local_pages
         return need
 
     def _tail_is_shared(self, req: Request) -> bool:
-        table = self.tables[req.request_id]
+        table = self.tables.get(req.request_id)
         n = req.num_computed_tokens
         if n % self.block_size == 0 or not table:
             return False
@@ -421,41 +412,34 @@ class BlockManager(WindowTables):
         first write into a shared, partially filled tail block copies it.
         """
         rid = req.request_id
-        table = self.tables[rid]
+        table = self.tables.get(rid)  # None: admitted without a hit, nothing held yet
         cows: list[tuple[int, int]] = []
         if num_new_tokens > 0 and self._tail_is_shared(req):
             idx = (req.num_computed_tokens - 1) // self.block_size
             src = table[idx]
-            dst = self._take_for(rid)
-            table[idx] = dst
-            self.events.append(Ref(rid, idx, dst))
-            self.events.append(Cow(rid, src, dst))
-            self._drop(src)
+            (dst,) = self._take_for(rid, 1)
+            self._apply(ev.Ref(rid, idx, dst))  # drops its reference to the shared one
+            self.apply(ev.Cow(rid, src, dst))
             cows.append((src, dst))
             self.num_cow_copies += 1
-        target = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
-        while len(table) < target:
-            block = self._take_for(rid)
-            self.events.append(Ref(rid, len(table), block))
-            table.append(block)
+        held = len(table) if table else 0
+        for i in range(held, self.blocks_needed(req.num_computed_tokens + num_new_tokens)):
+            self.apply(ev.Ref(rid, i, self._take_for(rid, 1)[0]))
         if self.groups:
-            self._window_grow(req, num_new_tokens, cows)
+            self.num_cow_copies += self.window.grow(req, num_new_tokens, cows, held)
         return cows
 
-    def _take_for(self, rid: str) -> int:
-        promised = self.reserved.get(rid, 0)
+    def _take_for(self, rid: str, n: int) -> list[int]:
+        """`n` free blocks for `rid`, evicting cached ones to make room, drawn first from
+        what was promised to it; the caller references them next, in this order."""
+        promised = min(self.reserved.get(rid, 0), n)
         if promised:
-            self.reserved[rid] = promised - 1
-            self.num_reserved -= 1
-            self.events.append(Reserve(rid, -1))
-        return self._take()
-
-    def _drop(self, block: int) -> None:
-        """Drop one table reference to `block`, noting it in the tree if now cache-only."""
-        self.pool.decref(block)
-        if self.pool.cached[block] and self.pool.refcount[block] == 1:
-            self.tree.on_block_released(block, self.clock())
-            self._shrink_to_capacity()
+            self.apply(ev.Reserve(rid, -promised))
+        pool = self.pool
+        while pool.num_listed < n:
+            freed = self.tree.evict_one()
+            assert freed is not None, "no block to take (callers check the room first)"
+        return pool.pick(n)
 
     def _shrink_to_capacity(self) -> None:
         """After the capacity knob was lowered below what running requests used, evict the
@@ -480,9 +464,8 @@ class BlockManager(WindowTables):
         p = self.block_size
         if req.num_computed_tokens // p <= len(chain):
             return  # no newly completed block (most decode steps)
-        table = self.tables[rid]
+        table = self.table(rid)
         full = min(req.num_computed_tokens // p, len(table))
-        now = self.clock()
         pool = self.pool
         window = self.groups is not None
         while len(chain) < full:
@@ -493,9 +476,7 @@ class BlockManager(WindowTables):
             if twin is not None and twin.on_host and not window:
                 # The same content was demoted: this block becomes its device copy (no
                 # copy needed) and the host block is freed.
-                host_block = twin.host_block
-                self.tree.promote(twin, table[k], hit=False)
-                self.events.append(Promote(twin.node_id, host_block, table[k], 0))
+                self.apply(ev.Promote(twin.node_id, twin.host_block, table[k], 0))
                 chain.append(twin)
                 continue
             if twin is not None:
@@ -504,28 +485,18 @@ class BlockManager(WindowTables):
                 # reservation's promise, stay private for now; a later call retries.
                 cost = int(pool.refcount[twin.block] == 1 and pool.refcount[table[k]] > 1)
                 if window:
-                    cost += self._window_twin_cost(rid, k, twin)
+                    cost += self.window.twin_cost(rid, k, twin)
                 if cost and pool.num_free + self.tree.num_evictable - cost < self.num_reserved:
                     return
             if twin is None and not self.admission.allows(rid, k, key, self.namespace):
                 return  # not seen often enough yet (cache admission): stays private
-            node = self.tree.insert(self.namespace, parent, key, table[k], now)
+            node = self.tree.insert(self.namespace, parent, key, table[k])
             if node is None:
                 return  # at capacity with nothing evictable: stays private
-            if node.block == table[k]:
-                self.events.append(Cache(node.node_id, parent.node_id if parent else 0,
-                                         node.block, node.depth_tokens))
-                if window:
-                    self._window_cache(rid, k, node)
-            else:
-                self.pool.incref(node.block)
-                self.tree.on_block_used(node.block)
-                old = table[k]
-                table[k] = node.block
-                self.events.append(Ref(rid, k, node.block))
-                self._drop(old)
-                if window:
-                    self._window_cache(rid, k, node)
+            if node.block != table[k]:  # the twin: switch to its block, drop ours
+                self._apply(ev.Ref(rid, k, node.block))
+            if window:
+                self.window.cache(rid, k, node)
             chain.append(node)
 
     # -- fork, truncate, release ------------------------------------------------------------
@@ -534,27 +505,33 @@ class BlockManager(WindowTables):
         """Give `child` a table sharing the blocks that hold `parent`'s computed tokens (full
         blocks and the partial tail); the first write into the shared tail copies it.
         Blocks the parent allocated for tokens not computed yet stay the parent's."""
-        src = self.tables[parent.request_id][:self.blocks_needed(parent.num_computed_tokens)]
+        src = self.table(parent.request_id)[:self.blocks_needed(parent.num_computed_tokens)]
         cid = child.request_id
         assert cid not in self.tables, f"{cid} already has a block table"
-        self.tables[cid] = list(src)
         for i, block in enumerate(src):
-            self.pool.incref(block)
-            self.tree.on_block_used(block)
-            self.events.append(Ref(cid, i, block))
+            self.apply(ev.Ref(cid, i, block))
         self._chains[cid] = list(self._chains.get(parent.request_id, []))
         child.num_computed_tokens = parent.num_computed_tokens
         if self.groups:
-            self._window_fork(parent, child, len(src))
-            self.slide(child)  # the parent may not have slid past this step's blocks yet
+            self.window.fork(parent, child, len(src))
+            self.window.slide(child)  # the parent may not have slid past this step's blocks
+
+    def slide(self, req: Request) -> None:
+        """Release `req`'s window blocks behind the window of its next position (between
+        steps)."""
+        self.window.slide(req)
+
+    def window_counts(self) -> tuple[int, int]:
+        """(full-attention pages, window pages) that requests hold now."""
+        return self.window.counts()
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Roll `req` back to its first `num_tokens` tokens, releasing whole blocks past them."""
         rid = req.request_id
-        table = self.tables[rid]
+        table = self.table(rid)
         keep = self.blocks_needed(num_tokens)
         if self.groups:
-            self._window_truncate(rid, num_tokens)
+            self.window.truncate(rid, num_tokens)
         while len(table) > keep:
             self._unref_last(rid, table)
         req.num_computed_tokens = min(req.num_computed_tokens, num_tokens)
@@ -562,9 +539,7 @@ class BlockManager(WindowTables):
         del chain[num_tokens // self.block_size:]
 
     def _unref_last(self, rid: str, table: list[int]) -> None:
-        block = table.pop()
-        self.events.append(Unref(rid, len(table), block))
-        self._drop(block)
+        self._apply(ev.Unref(rid, len(table) - 1, table[-1]))
 
     def release(self, req: Request) -> None:
         """Drop `req`'s table and reservation. Deferred while a step is in flight."""
@@ -576,16 +551,17 @@ class BlockManager(WindowTables):
     def _release(self, rid: str) -> None:
         if rid in self.host_tables:  # swapped out: only the host copy is left
             self._unswap(rid)
-        table = self.tables.pop(rid, None)
-        if table is None:
-            return
-        self._window_release(rid)
-        while table:
+        self._release_device(rid)
+
+    def _release_device(self, rid: str) -> None:
+        """Drop `rid`'s device blocks (window pages first) and what it was promised."""
+        table = self.table(rid)  # may hold none (rolled back to nothing) and still promise
+        self.window.release(rid)
+        while table:  # the last Unref removes the table
             self._unref_last(rid, table)
-        promised = self.reserved.pop(rid, 0)
+        promised = self.reserved.get(rid, 0)
         if promised:
-            self.num_reserved -= promised
-            self.events.append(Reserve(rid, -promised))
+            self.apply(ev.Reserve(rid, -promised))
         self._chains.pop(rid, None)
         self.admission.forget(rid)
 
@@ -609,7 +585,7 @@ class BlockManager(WindowTables):
         evicted = 0
         for node in sorted(nodes, key=lambda n: -n.depth_tokens):
             if not node.children and self.pool.refcount[node.block] == 1:
-                self.tree.evict(node)
+                self.apply(ev.Evict(node.node_id, node.block))
                 evicted += 1
         return evicted
 
@@ -617,11 +593,9 @@ class BlockManager(WindowTables):
         """Evict every cached block no request uses."""
         return self.tree.clear()
 
-    def take_events(self) -> list[KVEvent]:
-        """The events since the last call (the list object stays shared with the tree)."""
-        events = self.events[:]
-        self.events.clear()
-        return events
+    def take_events(self) -> list[ev.KVEvent]:
+        """The events applied since the last call."""
+        return self.state.take_events()
 
     # -- views and checks -------------------------------------------------------------------
 
@@ -636,32 +610,16 @@ class BlockManager(WindowTables):
         return self.pool.num_held / self.pool.num_blocks
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless refcounts equal table entries plus cache references,
-        no block is both free and referenced, and free + used equals the pool."""
-        self.pool.check_integrity()
-        self.tree.check_integrity()
-        counts = [0] * self.pool.num_blocks
-        self._window_integrity(counts)
-        assert set(self.window_tables) == (set(self.tables) if self.groups else set())
+        """Raise AssertionError unless the state holds together (`KVState.check_integrity`),
+        every request's cached chain is its table's first blocks, and no more is promised
+        than exists."""
+        self.state.check_integrity()
+        pool = self.pool
         for rid, table in self.tables.items():
-            for b in table:
-                counts[b] += 1
             chain = self._chains.get(rid, [])
             assert len(chain) <= len(table)
             for i, node in enumerate(chain):
                 assert table[i] == node.block, f"{rid} block {i} differs from its cached node"
-        for b in range(self.pool.num_blocks):
-            expected = counts[b] + (1 if self.pool.cached[b] else 0)
-            assert self.pool.refcount[b] == expected, \
-                f"block {b}: refcount {self.pool.refcount[b]} but {expected} references"
-        assert self.num_reserved == sum(self.reserved.values()) >= 0
-        assert self.num_reserved <= self.pool.num_free + self.tree.num_evictable, \
+        assert self.num_reserved <= pool.num_free + self.tree.num_evictable, \
             "more blocks promised than exist"
-        # The host tier: every block free, swapped (one request's) or demoted (one node's).
-        self.host.check_integrity()
-        swapped = [h for hosts in self.host_tables.values() for h in hosts]
-        assert len(swapped) == len(set(swapped)) == self.host.num_swapped, \
-            "swapped host blocks disagree with the host tables"
-        assert all(self.host.states[h] == HOST_SWAPPED for h in swapped)
-        assert not set(self.host_tables) & set(self.tables), "a request on both tiers"
-        assert self.pool.num_free + self.pool.num_used == self.pool.num_blocks
+        assert pool.num_free + pool.num_used == pool.num_blocks

@@ -40,12 +40,11 @@ Eviction policies (device victims; the host tier's own victims follow the same p
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvdeck.runtime.kv.block_pool import BlockStates
-from kvdeck.runtime.kv.events import Demote, Evict, WinCache, WinEvict
+from kvdeck.runtime.kv.events import Cache, Demote, Evict, KVEvent, WinEvict
 from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HostTier
 
 RecomputeCost = Callable[[int, int], float]
@@ -125,12 +124,28 @@ they must run (`BlockManager.copies`)."""
 
 
 class PrefixTree:
-    """Index of cached full blocks with hit accounting and eviction."""
+    """Index of cached full blocks with hit accounting and eviction.
 
-    def __init__(self, pool: BlockStates, capacity: int = 0, policy: str = "lru",
-                 recompute_cost: RecomputeCost = default_recompute_cost,
-                 bytes_per_block: int = 1, events: list | None = None):
+    The tree decides (what a lookup matches, which leaf to evict, whether to demote it) and
+    changes itself only through `apply`, the owning `KVState.apply`, which calls back the
+    mutators below (`add`, `evict`, `demote_to`, `promote`, `attach_local`, `drop_local`)
+    for both the live manager and replay."""
+
+    def __init__(self, pool: BlockStates, host: HostTier,
+                 apply: Callable[[KVEvent, object], None], capacity: int = 0,
+                 policy: str = "lru", recompute_cost: RecomputeCost = default_recompute_cost,
+                 bytes_per_block: int = 1,
+                 link_seconds: Callable[[int], float] = lambda nbytes: 0.0,
+                 copies: Copies | None = None):
+        """`host`: the tier demoted blocks go to (empty: evicted blocks are dropped);
+        `apply`: how a decision takes effect; `link_seconds`: seconds to copy that many
+        bytes one way over the host link (`T_f`, `T_m`); `copies`: the queue demotions'
+        copies join (`BlockManager.copies`)."""
         self.pool = pool
+        self.host = host
+        self.apply = apply
+        self.link_seconds = link_seconds
+        self.copies: Copies = copies if copies is not None else []
         self.block_size = pool.block_size
         self.capacity = capacity
         self.policy = policy
@@ -139,7 +154,7 @@ class PrefixTree:
         self.roots: dict[str, PrefixNode] = {}
         self.node_of_block: dict[int, PrefixNode] = {}
         self.nodes: dict[int, PrefixNode] = {}
-        self._ids = itertools.count(1)
+        self._next_id = 1
         self._heap: list[tuple[int, int, PrefixNode]] = []
         self._leaves: set[PrefixNode] = set()
         """Evictable leaves: cache-only block, no children."""
@@ -149,15 +164,8 @@ class PrefixTree:
         self.num_evictions = 0
         self.version = 0
         """Bumped on every change of structure or hits (see BlockStates.cache_version)."""
-        self.events = events if events is not None else []
-        """Eviction events (`events.Evict`), appended as they happen."""
-        self.host: HostTier | None = None
-        """The host tier demoted blocks go to (None: evicted blocks are dropped)."""
         self.demote = True
         """Whether evicted device blocks may be demoted (the `demote_prefixes` knob)."""
-        self.link_seconds: Callable[[int], float] = lambda nbytes: 0.0
-        """Seconds to copy `nbytes` one way over the host link (`T_f`, `T_m`)."""
-        self.copies: Copies = []
         self.host_nodes: dict[int, PrefixNode] = {}
         """Host block -> the demoted node in it."""
         self._host_leaves: set[PrefixNode] = set()
@@ -208,7 +216,7 @@ class PrefixTree:
     # -- insertion --------------------------------------------------------------------------
 
     def insert(self, namespace: str, parent: PrefixNode | None, key: tuple[int, ...],
-               block: int, now: int) -> PrefixNode | None:
+               block: int) -> PrefixNode | None:
         """Cache `block` (holding `key`) under `parent` (None: the root).
 
         Returns the node for that prefix: an existing one when the content is already cached
@@ -218,18 +226,21 @@ class PrefixTree:
         parent = parent or self.root(namespace)
         existing = parent.children.get(key)
         if existing is not None:
-            existing.last_access = now
-            self.version += 1
-            return existing
+            return existing  # the caller's Ref to its block touches it
         if self.capacity and len(self.node_of_block) >= self.capacity:
             if self.evict_one(node_only=True) is None:
                 return None
-        return self._add(next(self._ids), parent, key, block, now, self.num_lookups)
+        node_id = self._next_id
+        self.apply(Cache(node_id, parent.node_id, block, parent.depth_tokens + self.block_size),
+                   (parent, key))
+        return self.nodes[node_id]
 
-    def _add(self, node_id: int, parent: PrefixNode, key: tuple[int, ...], block: int,
-             now: int, created_lookup: int) -> PrefixNode:
+    def add(self, node_id: int, parent: PrefixNode, key: tuple[int, ...], block: int,
+            now: int, created_lookup: int) -> PrefixNode:
+        """Make `block` node `node_id` under `parent` (applying a `Cache` event)."""
         node = PrefixNode(node_id, parent, key, block, parent.depth_tokens + self.block_size,
                           created_lookup, now)
+        self._next_id = max(self._next_id, node_id + 1)
         parent.children[key] = node
         self._leaves.discard(parent)
         self.node_of_block[block] = node
@@ -244,9 +255,12 @@ class PrefixTree:
         """Re-create a node with a known id under a known parent (replay, which has the
         trace's ids but not the tokens: the node is keyed by its id)."""
         parent = self.nodes[parent_id] if parent_id else self.root("replay")
-        node = self._add(node_id, parent, (node_id,), block, now, created_lookup)
-        self._ids = itertools.count(max(node_id + 1, next(self._ids)))
-        return node
+        return self.add(node_id, parent, (node_id,), block, now, created_lookup)
+
+    def touch(self, node: PrefixNode, now: int) -> None:
+        """A request took `node`'s block from the cache (a duplicate switched to it)."""
+        node.last_access = now
+        self.version += 1
 
     def export(self) -> tuple[list[list[int]], dict[str, int]]:
         """The tree as checkpoint data: [node id, parent id, block, end token, hits, last
@@ -292,7 +306,7 @@ class PrefixTree:
         parent.children[node.key] = node
         self.nodes[node_id] = node
         self.host_nodes[host_block] = node
-        self._ids = itertools.count(max(node_id + 1, next(self._ids)))
+        self._next_id = max(self._next_id, node_id + 1)
         self._note_host_leaf(node)
         if not parent.on_host:
             self._leaves.discard(parent)
@@ -365,7 +379,6 @@ class PrefixTree:
             self.local_of_page[page] = node
         node.local = tuple(pages)
         self._note_local(node, now)
-        self.events.append(WinCache(node.node_id, list(pages)))
         self.version += 1
 
     def _note_local(self, node: PrefixNode, now: int) -> None:
@@ -377,7 +390,6 @@ class PrefixTree:
     def drop_local(self, node: PrefixNode) -> None:
         """Free `node`'s window pages, which only the cache holds (the node stays)."""
         self._free_local(node)
-        self.events.append(WinEvict(node.node_id))
         self.version += 1
 
     def _free_local(self, node: PrefixNode) -> None:
@@ -405,7 +417,7 @@ class PrefixTree:
         return (p_hit * (t_recompute - t_link) - t_link) / self.bytes_per_block
 
     def _can_demote(self) -> bool:
-        return self.host is not None and self.demote and self.host.num_blocks > 0
+        return self.demote and self.host.num_blocks > 0
 
     def _eviction_loss(self, node: PrefixNode) -> float:
         """What evicting device `node` loses per byte: all its value when dropped, the
@@ -434,7 +446,7 @@ class PrefixTree:
                 if node is not None and self.policy != "value":  # it stays a candidate
                     heapq.heappush(self._heap, (node.last_access, node.node_id, node))
                 page = oldest.local[0]
-                self.drop_local(oldest)
+                self.apply(WinEvict(oldest.node_id), None)
                 return page
         if node is None:
             return None
@@ -445,7 +457,7 @@ class PrefixTree:
             self._demote(node)
         else:
             self._drop_host_subtree(node)
-            self.evict(node)
+            self.apply(Evict(node.node_id, block), None)
         return block
 
     def _host_room(self, node: PrefixNode) -> bool:
@@ -460,7 +472,7 @@ class PrefixTree:
         if self.policy == "value" and \
                 self.retention_value(victim, "host") >= self.retention_value(node, "host"):
             return False
-        self.evict(victim)
+        self.apply(Evict(victim.node_id, -1), None)
         return True
 
     def make_host_room(self, num_blocks: int) -> bool:
@@ -471,7 +483,7 @@ class PrefixTree:
             victim = self._pick_host_victim()
             if victim is None:
                 return False
-            self.evict(victim)
+            self.apply(Evict(victim.node_id, -1), None)
         return True
 
     def _pick_host_victim(self) -> PrefixNode | None:
@@ -491,10 +503,9 @@ class PrefixTree:
         """Move device leaf `node` to a free host block: its device block is freed now, the
         copy out runs before the next forward pass (`copies`)."""
         block = node.block
-        host_block = self.host.take(HOST_DEMOTED)
-        self.demote_to(node, host_block)
+        (host_block,) = self.host.pick(1)
+        self.apply(Demote(node.node_id, block, host_block), None)
         self.copies.append(("demote", "d2h", f"node {node.node_id}", [[block, host_block]]))
-        self.events.append(Demote(node.node_id, block, host_block))
 
     def demote_to(self, node: PrefixNode, host_block: int) -> None:
         """Account `node` as living in `host_block` (live, or replaying a Demote)."""
@@ -546,11 +557,11 @@ class PrefixTree:
             order.append(n)
             stack.extend(n.children.values())  # a host node's children are host nodes
         for n in reversed(order):  # children before their parents
-            self.evict(n)
+            self.apply(Evict(n.node_id, -1), None)
 
     def evict(self, node: PrefixNode) -> None:
-        """Remove leaf `node` and free its block: a device block only the cache holds, or
-        a host block (a demoted node)."""
+        """Remove leaf `node` (applying an `Evict` event) and free its block: a device
+        block only the cache holds, or a host block (a demoted node)."""
         parent = node.parent
         assert parent is not None and not node.children
         del parent.children[node.key]
@@ -559,15 +570,13 @@ class PrefixTree:
             self._host_leaves.discard(node)
             del self.host_nodes[node.host_block]
             self.host.free(node.host_block)
-            self.events.append(Evict(node.node_id, -1))
         else:
             self._leaves.discard(node)
             del self.node_of_block[node.block]
             freed = self.pool.unmark_cached(node.block)
             assert freed, "an evictable block must have no other reference"
-            if node.local:  # its window pages go with it (replay's Evict does the same)
+            if node.local:  # its window pages go with it
                 self._free_local(node)
-            self.events.append(Evict(node.node_id, node.block))
         self.num_evictions += 1
         self.version += 1
         if parent.on_host:
@@ -592,7 +601,7 @@ class PrefixTree:
         """Drop every demoted block; returns how many."""
         n = 0
         while (victim := self._pick_host_victim()) is not None:
-            self.evict(victim)
+            self.apply(Evict(victim.node_id, -1), None)
             n += 1
         return n
 

@@ -11,8 +11,8 @@ Two things live there, and nothing else:
 Attention never reads a host block: a swapped request runs only after its blocks are back,
 and a demoted block is promoted before the admission that hits it runs. Host block ids are
 their own space (`0 .. num_blocks-1`); `HostTier` is accounting only — free list, one state
-byte per block and counts — and the executor holds the bytes. Replay rebuilds it from the
-KV events with `occupy` (the trace names the ids), the live engine with `take`.
+byte per block and counts — and the executor holds the bytes. Live and replay both occupy
+blocks by the ids their KV events name (`KVState.apply`); the live manager `pick`s them first.
 
 Capacity is `host_kv_memory_bytes / bytes per block`; a KV format change empties the tier
 and re-lays it at the new block size (`BlockManager.drop_host_tier`).
@@ -44,17 +44,20 @@ class HostTier:
     def num_used(self) -> int:
         return self.num_swapped + self.num_demoted
 
-    def take(self, state: int) -> int:
-        """A free host block, now in `state` (HOST_SWAPPED or HOST_DEMOTED); the caller
-        checks `num_free` first."""
-        block = self._free.popleft()
-        self._set(block, state)
-        return block
+    def pick(self, n: int) -> list[int]:
+        """The next `n` free host blocks, without taking them (the KV event that occupies
+        them is applied next, in this order); the caller checks `num_free` first."""
+        free = self._free
+        return [free[i] for i in range(n)]
 
     def occupy(self, block: int, state: int) -> None:
-        """Take the named free block (replay, which knows the ids from the trace)."""
+        """Take the named free block into `state` (HOST_SWAPPED or HOST_DEMOTED)."""
         assert self.states[block] == HOST_FREE, f"host block {block} is not free"
-        self._free.remove(block)
+        free = self._free
+        if free[0] == block:  # a picked block, taken in order
+            free.popleft()
+        else:
+            free.remove(block)
         self._set(block, state)
 
     def _set(self, block: int, state: int) -> None:

@@ -1,10 +1,13 @@
 """Sliding-window block tables: the `BlockManager`'s second layer group (`free_window_kv`).
 
 With layer groups (`kv/groups.py`) every request has, beside its full-attention table (one
-page per block, `BlockManager.tables`), one table per sliding-window sub-group
-(`window_tables[rid][t]`, one page per block, −1 where freed). All of them draw pages from
-the one pool, so capacity is shared and counted in pages: a new block costs one page for the
-full-attention layers and `pages_per_local_block` for the window.
+page per block, `KVState.tables`), one table per sliding-window sub-group
+(`KVState.window_tables[rid][t]`, one page per block, −1 where freed). `WindowTables` makes
+the decisions about them (what a hit brings, when a page is freed, copy-on-write of a
+fork's tail) and changes them by applying `WinRef`, `WinUnref` and `WinCache` events. All
+of them draw pages from the one pool, so capacity is shared and counted in pages: a new
+block costs one page for the full-attention layers and `pages_per_local_block` for the
+window.
 
 After every step (`slide`) a request's window pages for blocks entirely behind
 `q − w + 1` are released, `q` being the next position it will compute: no query it can still
@@ -19,11 +22,14 @@ full-attention blocks are recomputed with the rest of the prompt.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvdeck.runtime.core.request import Request
 from kvdeck.runtime.kv.block_pool import CACHED_ACTIVE, PRIVATE, SHARED
-from kvdeck.runtime.kv.events import WinRef, WinUnref
+from kvdeck.runtime.kv.events import WinCache, WinRef, WinUnref
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.prefix_tree import PrefixNode
+from kvdeck.runtime.kv.state import KVState
 
 _HELD = bytes(1 if s in (PRIVATE, SHARED, CACHED_ACTIVE) else 0 for s in range(256))
 
@@ -37,35 +43,20 @@ def held_by_group(states: bytes, page_groups: bytes) -> tuple[int, int]:
     return held.count(1) - window, window
 
 
-def move_window_pages(window_tables: dict[str, list[list[int]]], page_groups: bytearray,
-                      moves: dict[int, int], num_pages: int) -> bytearray:
-    """Re-lay window tables and group flags after the pool moved pages (`old -> new`) and
-    now has `num_pages` pages (a KV format switch); returns the new flags."""
-    for tables in window_tables.values():
-        for table in tables:
-            table[:] = [moves.get(b, b) for b in table]
-    for old, new in moves.items():
-        page_groups[new] = page_groups[old]
-    return (page_groups + bytearray(max(num_pages - len(page_groups), 0)))[:num_pages]
-
-
 class WindowTables:
-    """Window-table operations of `BlockManager` (a mixin: it reads the manager's pool,
-    tree, events and reservations). Every method is a no-op without layer groups."""
+    """The window-table decisions of one `BlockManager` (composed, not inherited): it reads
+    `state` and changes it only through `apply` (the manager's, which applies the event to
+    `state`); `take(rid, n)` hands out `n` free pages, counted against `rid`'s reservation.
+    Every method is a no-op without layer groups."""
 
-    groups: LayerGroups | None
-    window_tables: dict[str, list[list[int]]]
-    _window_start: dict[str, int]
-    page_groups: bytearray
-    """Per page: 1 when a window table or a node's window pages hold it (the KV map draws
-    the two groups apart); stale for free pages."""
-
-    def _init_window(self, groups: LayerGroups | None, num_pages: int) -> None:
+    def __init__(self, groups: LayerGroups | None, state: KVState,
+                 take: Callable[[str, int], list[int]],
+                 apply: Callable[[WinRef | WinUnref | WinCache], None]):
         self.groups = groups
-        self.window_tables = {}
-        self._window_start = {}
-        """Per request: blocks before this index are freed (−1 in every sub-table)."""
-        self.page_groups = bytearray(num_pages)
+        self.state = state
+        self.take = take
+        self.apply = apply
+        self.block_size = state.block_size
 
     @property
     def local_pages(self) -> int:
@@ -74,7 +65,7 @@ class WindowTables:
 
     # -- prefix hits ------------------------------------------------------------------------
 
-    def window_cut(self, chain: list[PrefixNode]) -> list[PrefixNode]:
+    def cut(self, chain: list[PrefixNode]) -> list[PrefixNode]:
         """The deepest prefix of `chain` whose window before its end is cached."""
         g = self.groups
         if g is None or not chain:
@@ -92,168 +83,124 @@ class WindowTables:
             d = missing[i]
         return []
 
-    def _window_hit_evictable(self, chain: list[PrefixNode]) -> int:
+    def hit_evictable(self, chain: list[PrefixNode]) -> int:
         """Pages of `chain`'s window that only the cache holds (admission takes them)."""
         if not self.groups or not chain:
             return 0
         first = self.groups.first_live_block(len(chain) * self.block_size, self.block_size)
-        rc = self.pool.refcount
+        rc = self.state.pool.refcount
         return sum(len(n.local) for n in chain[first:] if rc[n.local[0]] == 1)
 
-    def _window_admit(self, rid: str, chain: list[PrefixNode]) -> None:
-        """A table per sub-group for a new request: the window before its hit from the
-        cache, −1 before that."""
-        b = self.local_pages
+    def admit(self, rid: str, chain: list[PrefixNode]) -> None:
+        """A new request's window before its hit comes from the cache (−1 before that)."""
         d = len(chain)
-        first = self.groups.first_live_block(d * self.block_size, self.block_size) if d else 0
-        wt = self.window_tables[rid] = [[-1] * first for _ in range(b)]
-        self._window_start[rid] = first
-        for k in range(first, d):
-            pages = chain[k].local
-            for t, page in enumerate(pages):
-                self.pool.incref(page)
-                self.tree.on_block_used(page)
-                wt[t].append(page)
-            self.events.append(WinRef(rid, k, list(pages)))
+        if not self.groups or not d:
+            return
+        apply = self.apply
+        for k in range(self.groups.first_live_block(d * self.block_size, self.block_size), d):
+            apply(WinRef(rid, k, list(chain[k].local)))
 
     # -- growth -----------------------------------------------------------------------------
 
-    def _window_tail_shared(self, req: Request) -> bool:
-        wt = self.window_tables.get(req.request_id)
+    def tail_shared(self, req: Request) -> bool:
+        wt = self.state.window_tables.get(req.request_id)
         n = req.num_computed_tokens
         if not wt or n % self.block_size == 0 or not wt[0]:
             return False
         page = wt[0][(n - 1) // self.block_size]
-        return page >= 0 and self.pool.refcount[page] > 1
+        return page >= 0 and self.state.pool.refcount[page] > 1
 
-    def _window_grow(self, req: Request, num_new_tokens: int, cows: list) -> None:
-        """Give `req`'s window tables the blocks `allocate` gave its full table, copying a
-        shared partial tail first (a fork's)."""
-        rid = req.request_id
-        wt = self.window_tables[rid]
-        if num_new_tokens > 0 and self._window_tail_shared(req):
+    def grow(self, req: Request, num_new_tokens: int, cows: list, num_old: int) -> int:
+        """Give `req`'s window tables the blocks `allocate` gave its full table (it had
+        `num_old`), copying a shared partial tail first (a fork's). Returns the pages
+        copied."""
+        rid, st = req.request_id, self.state
+        copied = 0
+        if num_new_tokens > 0 and self.tail_shared(req):
+            wt = st.window_tables[rid]
             idx = (req.num_computed_tokens - 1) // self.block_size
-            fresh = []
-            for t in range(len(wt)):
-                src, dst = wt[t][idx], self._take_for(rid)
-                self.page_groups[dst] = 1
-                wt[t][idx] = dst
-                fresh.append(dst)
-                self._drop(src)
-                cows.append((src, dst))
-            self.events.append(WinRef(rid, idx, fresh))
-            self.num_cow_copies += len(fresh)  # pages copied, as replay counts a plan's
-        target = len(self.tables[rid])
-        while len(wt[0]) < target:
-            pages = [self._take_for(rid) for _ in wt]
-            for t, page in enumerate(pages):
-                self.page_groups[page] = 1
-                wt[t].append(page)
-            self.events.append(WinRef(rid, len(wt[0]) - 1, pages))
+            srcs = [table[idx] for table in wt]
+            dsts = self.take(rid, len(wt))
+            self.apply(WinRef(rid, idx, dsts))  # drops the shared pages
+            cows.extend(zip(srcs, dsts, strict=True))
+            copied = len(dsts)
+        wt = st.window_tables.get(rid)
+        have = len(wt[0]) if wt else num_old  # no table yet: everything before is behind
+        for k in range(have, len(st.tables[rid])):
+            self.apply(WinRef(rid, k, self.take(rid, self.local_pages)))
+        return copied
 
     # -- sliding, caching, forks, truncation, release -----------------------------------------
 
     def slide(self, req: Request) -> None:
         """Release `req`'s window blocks behind the window of its next position."""
-        rid = req.request_id
-        wt = self.window_tables.get(rid)
+        rid, st = req.request_id, self.state
+        wt = st.window_tables.get(rid)
         if wt is None:
             return
         first = min(self.groups.first_live_block(req.num_computed_tokens, self.block_size),
                     len(wt[0]))
-        start = self._window_start[rid]
-        if first <= start:
-            return
-        assert not self.in_flight, "window blocks are released between steps"
-        for k in range(start, first):  # held from `start` on (`_window_integrity`)
-            pages = [table[k] for table in wt]
-            for table in wt:
-                table[k] = -1
-            self.events.append(WinUnref(rid, k, pages))
-            for page in pages:
-                self._drop(page)
-        self._window_start[rid] = first
+        for k in range(st.window_start[rid], first):  # held from the start on
+            self.apply(WinUnref(rid, k, [table[k] for table in wt]))
 
-    def _window_twin_cost(self, rid: str, k: int, twin: PrefixNode) -> int:
+    def twin_cost(self, rid: str, k: int, twin: PrefixNode) -> int:
         """Evictable pages that adopting `twin`'s window pages for block `k` would take
         without freeing `rid`'s own (a fork still holds them)."""
-        mine = self.window_tables[rid][0][k]
-        rc = self.pool.refcount
+        wt = self.state.window_tables.get(rid)
+        if wt is None:
+            return 0
+        mine = wt[0][k]
+        rc = self.state.pool.refcount
         if mine < 0 or not twin.local or rc[twin.local[0]] != 1 or rc[mine] == 1:
             return 0
         return len(twin.local)
 
-    def _window_cache(self, rid: str, k: int, node: PrefixNode) -> None:
+    def cache(self, rid: str, k: int, node: PrefixNode) -> None:
         """Block `k` of `rid` is cached as `node`: the cache keeps the request's window
         pages with it, or the request switches to the node's own (a twin)."""
-        wt = self.window_tables[rid]
+        wt = self.state.window_tables.get(rid)
+        if wt is None:
+            return
         mine = [table[k] for table in wt]
         if mine[0] < 0:
             return  # already behind its window (cached late, by cache admission)
-        if node.local:
-            if mine == list(node.local):
-                return
-            for t, page in enumerate(node.local):
-                self.pool.incref(page)
-                self.tree.on_block_used(page)
-                wt[t][k] = page
-            self.events.append(WinRef(rid, k, list(node.local)))
-            for page in mine:
-                if page >= 0:
-                    self._drop(page)
-        elif mine[0] >= 0:
-            self.tree.attach_local(node, mine, self.clock())
+        if not node.local:
+            self.apply(WinCache(node.node_id, mine))
+        elif mine != list(node.local):
+            self.apply(WinRef(rid, k, list(node.local)))  # drops its own
 
-    def _window_fork(self, parent: Request, child: Request, num_blocks: int) -> None:
-        pid, cid = parent.request_id, child.request_id
-        wt = self.window_tables[cid] = [table[:num_blocks] for table in
-                                        self.window_tables[pid]]
-        start = self._window_start[cid] = min(self._window_start[pid], num_blocks)
-        for k in range(start, num_blocks):
-            pages = [table[k] for table in wt]
-            for page in pages:
-                self.pool.incref(page)
-                self.tree.on_block_used(page)
-            self.events.append(WinRef(cid, k, pages))
-
-    def _window_truncate(self, rid: str, num_tokens: int) -> None:
-        wt = self.window_tables[rid]
-        assert self.groups.first_live_block(num_tokens, self.block_size) >= \
-            self._window_start[rid], f"{rid} rolled back behind its freed window blocks"
-        keep = -(-num_tokens // self.block_size)
-        while len(wt[0]) > keep:
-            self._window_pop(rid, wt)
-
-    def _window_pop(self, rid: str, wt: list[list[int]]) -> None:
-        pages = [table.pop() for table in wt]
-        if pages[0] >= 0:
-            self.events.append(WinUnref(rid, len(wt[0]), pages))
-            for page in pages:
-                self._drop(page)
-
-    def _window_release(self, rid: str) -> None:
-        wt = self.window_tables.pop(rid, None)
+    def fork(self, parent: Request, child: Request, num_blocks: int) -> None:
+        """`child` shares `parent`'s window pages of its first `num_blocks` blocks."""
+        st = self.state
+        wt = st.window_tables.get(parent.request_id)
         if wt is None:
             return
-        while wt[0]:
-            self._window_pop(rid, wt)
-        self._window_start.pop(rid, None)
+        cid = child.request_id
+        for k in range(min(st.window_start[parent.request_id], num_blocks), num_blocks):
+            self.apply(WinRef(cid, k, [table[k] for table in wt]))
 
-    # -- views and checks -------------------------------------------------------------------
+    def truncate(self, rid: str, num_tokens: int) -> None:
+        st = self.state
+        wt = st.window_tables.get(rid)
+        if wt is None:
+            return
+        assert self.groups.first_live_block(num_tokens, self.block_size) >= \
+            st.window_start[rid], f"{rid} rolled back behind its freed window blocks"
+        keep = -(-num_tokens // self.block_size)
+        while len(wt[0]) > keep:  # all inside the window (the assertion above)
+            self.apply(WinUnref(rid, len(wt[0]) - 1, [table[-1] for table in wt]))
 
-    def window_counts(self) -> tuple[int, int]:
+    def release(self, rid: str) -> None:
+        """Drop `rid`'s window pages, last first (its tables go with its block table)."""
+        st = self.state
+        wt = st.window_tables.get(rid)
+        if wt is None:
+            return
+        for k in range(len(wt[0]) - 1, st.window_start[rid] - 1, -1):
+            self.apply(WinUnref(rid, k, [table[k] for table in wt]))
+
+    # -- views ------------------------------------------------------------------------------
+
+    def counts(self) -> tuple[int, int]:
         """(full-attention pages, window pages) that requests hold now."""
-        return held_by_group(self.pool.states, self.page_groups)
-
-    def _window_integrity(self, counts: list[int]) -> None:
-        """Add window-table references to `counts`; check the tables' shape."""
-        for rid, wt in self.window_tables.items():
-            n = len(self.tables[rid])
-            start = self._window_start[rid]
-            for table in wt:
-                assert len(table) == n, f"{rid}: a window table differs in length"
-                assert all(b < 0 for b in table[:start]), f"{rid}: a freed block is held"
-                for b in table[start:]:
-                    assert b >= 0, f"{rid}: a window block inside the window is missing"
-                    counts[b] += 1
-                    assert self.page_groups[b], f"page {b} held as a window page"
+        return held_by_group(self.state.pool.states, self.state.page_groups)

@@ -1,12 +1,13 @@
 """Rebuild engine state from an iteration trace alone — no model, no engine.
 
 `TraceState.apply(record)` advances one step with the same pieces the live engine uses:
-KV events go into a `BlockStates` (refcounts, cache flags and the packed block map) and a
-`PrefixTree` (nodes restored by the trace's ids, hits and recency from the same events);
-request progress comes from the plan, admissions, preemptions and finishes into
-`RequestState`s, whose timings `metrics.request_metrics` reads exactly as it reads live
-requests; and the running figures are a `RunFigures` fed with the same step figures. So a
-replayed snapshot shows what the live console showed at that step.
+KV events go into a `KVState` through the `apply` the live block manager changes it with
+(refcounts, cache flags, the packed block map, every table, the host tier and the prefix
+tree, whose nodes replay keys by the trace's ids); request progress comes from the plan,
+admissions, preemptions and finishes into `RequestState`s, whose timings
+`metrics.request_metrics` reads exactly as it reads live requests; and the running figures
+are a `RunFigures` fed with the same step figures. So a replayed snapshot shows what the
+live console showed at that step.
 
 A run recorded mid-run starts with a `Checkpoint` record, from which the state is restored
 before the first step is applied.
@@ -16,37 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvdeck.runtime.core.checkpoint import Checkpoint, RequestState
+from kvdeck.runtime.core.checkpoint import Checkpoint, RequestState, checkpoint_of
 from kvdeck.runtime.core.config import Knobs
 from kvdeck.runtime.core.request import RequestStatus
 from kvdeck.runtime.core.step_record import StepRecord
+from kvdeck.runtime.core.switch import RECENT, Switch
 from kvdeck.runtime.errors import RunFormatError
 from kvdeck.runtime.kv.block_pool import BlockStates
-from kvdeck.runtime.kv.events import (
-    Cache,
-    Cow,
-    Demote,
-    Evict,
-    Hit,
-    HostResize,
-    Promote,
-    Ref,
-    Relayout,
-    Reserve,
-    SwapIn,
-    SwapOut,
-    Unref,
-    Unswap,
-    WinCache,
-    WinEvict,
-    WinRef,
-    WinUnref,
-)
+from kvdeck.runtime.kv.events import Hit, Unswap
 from kvdeck.runtime.kv.groups import LayerGroups
-from kvdeck.runtime.kv.prefix_tree import PrefixTree
-from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HOST_SWAPPED, HostTier
-from kvdeck.runtime.kv.transfers import TransferLog, TransfersView, host_checkpoint
-from kvdeck.runtime.kv.window import move_window_pages
+from kvdeck.runtime.kv.state import KVState
+from kvdeck.runtime.kv.transfers import TransferLog, TransfersView
 from kvdeck.runtime.spec.stats import SpecStats
 from kvdeck.runtime.views.figures import RunFigures, kv_summary, step_figures, summarize
 from kvdeck.runtime.views.metrics import SLO, RequestMetrics, request_metrics
@@ -64,29 +45,18 @@ class TraceState:
 
     def __init__(self, header: dict):
         self.header = header
-        n, p = header["num_blocks"], header["block_size"]
-        self.num_blocks, self.block_size = n, p
-        self.host = HostTier(header.get("host_blocks", 0))
-        self.host_tables: dict[str, list[int]] = {}
-        self._new_tree(BlockStates(n, p))
-        self.bytes_per_block = header.get("bytes_per_block", 0)
+        self.block_size = header["block_size"]
+        groups = header.get("layer_groups")
+        self.groups = LayerGroups(groups["num_layers"], tuple(groups["local_layers"]),
+                                  groups["window"]) if groups else None
+        self._new_kv(header["num_blocks"], header.get("host_blocks", 0),
+                     header.get("bytes_per_block", 0))
         self.transfer_log = TransferLog()
         self.offload: str = header.get("offload", "")
         self.offload_gain_bytes: int = header.get("offload_gain_bytes", 0)
         self.num_swapped = 0
         self.spec = SpecStats()
-        self.num_swap_outs = 0
-        self.num_swap_ins = 0
-        self.tables: dict[str, list[int]] = {}
-        self.window_tables: dict[str, list[list[int]]] = {}
-        """With `free_window_kv`: the sliding-window page tables (`kv/window.py`)."""
-        groups = header.get("layer_groups")
-        self.groups = LayerGroups(groups["num_layers"], tuple(groups["local_layers"]),
-                                  groups["window"]) if groups else None
-        self.page_groups = bytearray(n)
         self.requests: dict[str, RequestState] = {}
-        self.reserved: dict[str, int] = {}
-        self.num_reserved = 0
         self.step = -1
         self.time = 0.0
         self.knobs: dict = dict(header.get("config", {}).get("knobs", {}))
@@ -95,15 +65,48 @@ class TraceState:
         self.figures = RunFigures()
         self.num_preemptions = 0
         self.num_cow = 0
-        self.switches: list[dict] = []
+        self.switches: list[Switch] = []
         self.finished: list[RequestMetrics] = []
         """Every request that finished in the applied records, for `summarize_run` (not kept
         in checkpoints: scrubbing back does not need it)."""
 
-    def _new_tree(self, pool: BlockStates) -> None:
-        self.pool = pool
-        self.tree = PrefixTree(pool)
-        self.tree.host = self.host
+    def _new_kv(self, num_blocks: int, host_blocks: int, bytes_per_block: int) -> None:
+        """An empty KV state (`kv/state.py`), changed by the trace's events only."""
+        self.kv = KVState(BlockStates(num_blocks, self.block_size), host_blocks=host_blocks,
+                          groups=self.groups, clock=lambda: self.step, record=False,
+                          bytes_per_block=bytes_per_block)
+        kv = self.kv
+        self.pool, self.tree, self.host = kv.pool, kv.tree, kv.host
+        self.tables, self.window_tables, self.host_tables = \
+            kv.tables, kv.window_tables, kv.host_tables
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.kv.bytes_per_block
+
+    @property
+    def num_reserved(self) -> int:
+        return self.kv.num_reserved
+
+    @property
+    def reserved(self) -> dict[str, int]:
+        return self.kv.reserved
+
+    @property
+    def page_groups(self) -> bytearray:
+        return self.kv.page_groups
+
+    @property
+    def num_swap_outs(self) -> int:
+        return self.kv.num_swap_outs
+
+    @property
+    def num_swap_ins(self) -> int:
+        return self.kv.num_swap_ins
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -111,73 +114,38 @@ class TraceState:
         """Start from a mid-run checkpoint (before any step record is applied)."""
         self.step, self.time = cp.step - 1, cp.time
         self.knobs = dict(cp.knobs)
-        if cp.host is not None and cp.host["num_blocks"] != self.host.num_blocks:
-            self.host.resize(cp.host["num_blocks"])
-        if cp.pool is not None and cp.pool["num_blocks"] != self.num_blocks:
-            self.num_blocks = cp.pool["num_blocks"]
-            self._new_tree(BlockStates(self.num_blocks, self.block_size))
-        if cp.pool is not None:
-            self.bytes_per_block = cp.pool["bytes_per_block"]
+        pool, host = cp.pool or {}, cp.host or {}
+        self._new_kv(pool.get("num_blocks", self.num_blocks),
+                     host.get("num_blocks", self.host.num_blocks),
+                     pool.get("bytes_per_block", self.bytes_per_block))
         self.switches = list(cp.switches)
         for sw in self.switches:
-            if sw["knob"] == "offload_layers":
-                self.offload, self.offload_gain_bytes = sw["offload"], sw["gain"]
-        self.tree.load(cp.nodes, cp.tree)
-        if len(self.page_groups) != self.num_blocks:
-            self.page_groups = bytearray(self.num_blocks)
-        for node in self.tree.nodes.values():
-            for page in node.local:
-                self.page_groups[page] = 1
-        for rid, table in cp.tables.items():
-            self.tables[rid] = list(table)
-            for block in table:
-                self.pool.incref(block)
-                self.tree.on_block_used(block)
-        for rid, wt in (cp.window_tables or {}).items():
-            self.window_tables[rid] = [list(t) for t in wt]
-            for table in wt:
-                for page in table:
-                    if page >= 0:
-                        self.pool.incref(page)
-                        self.tree.on_block_used(page)
-                        self.page_groups[page] = 1
-        self.reserved = dict(cp.reserved)
-        self.num_reserved = sum(cp.reserved.values())
+            if sw.knob == "offload_layers":
+                self.offload, self.offload_gain_bytes = sw.offload, sw.gain
+        self.kv.restore(cp.tables, cp.window_tables, cp.reserved, cp.nodes, cp.tree,
+                        host.get("tables", {}))
         self.num_preemptions = cp.counters["preemptions"]
         self.num_cow = cp.counters["cow"]
         self.num_swapped = cp.counters.get("swapped", 0)
         if cp.spec is not None:
             self.spec.load(cp.spec)
         if cp.host is not None:
-            for rid, hosts in cp.host["tables"].items():
-                self.host_tables[rid] = list(hosts)
-                for h in hosts:
-                    self.host.occupy(h, HOST_SWAPPED)
-            self.num_swap_outs = cp.host["counters"]["swap_outs"]
-            self.num_swap_ins = cp.host["counters"]["swap_ins"]
+            self.kv.num_swap_outs = cp.host["counters"]["swap_outs"]
+            self.kv.num_swap_ins = cp.host["counters"]["swap_ins"]
             self.transfer_log.load(cp.host["transfers"])
         self.requests = {r.request_id: r for r in cp.requests}
         self.figures.load(cp.figures)
 
     def checkpoint(self) -> Checkpoint:
         """This state as a checkpoint (the replay console keeps some to scrub backwards)."""
-        nodes, tree_counters = self.tree.export()
-        return Checkpoint(
-            step=self.step + 1, time=self.time, knobs=dict(self.knobs),
+        return checkpoint_of(
+            self.kv, step=self.step + 1, time=self.time, knobs=dict(self.knobs),
             requests=[dataclasses.replace(r, token_times=list(r.token_times))
                       for r in self.requests.values()],
-            tables={rid: list(t) for rid, t in self.tables.items()},
-            window_tables={rid: [list(t) for t in wt] for rid, wt in self.window_tables.items()}
-            if self.groups else None,
-            reserved=dict(self.reserved), nodes=nodes, tree=tree_counters,
             counters={"preemptions": self.num_preemptions, "cow": self.num_cow,
                       "swapped": self.num_swapped},
-            figures=self.figures.to_json(),
-            pool={"num_blocks": self.num_blocks, "bytes_per_block": self.bytes_per_block},
-            switches=list(self.switches),
-            host=host_checkpoint(self.host.num_blocks, self.host_tables, self.num_swap_outs,
-                                 self.num_swap_ins, self.transfer_log),
-            spec=self.spec.to_json())
+            figures=self.figures.to_json(), switches=list(self.switches),
+            transfer_log=self.transfer_log, spec=self.spec.to_json())
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -214,11 +182,11 @@ class TraceState:
                     is not None else rec.t0
             self.requests[f.request_id] = child
         for sw in rec.switches:  # requests preempted to fit a re-laid pool
-            for rid in sw.get("preempted", ()):
+            for rid in sw.preempted:
                 self._preempted(rid, rec)
-            self.switches = [*self.switches[-7:], {**sw, "step": rec.step}]
-            if sw["knob"] == "offload_layers":
-                self.offload, self.offload_gain_bytes = sw["offload"], sw["gain"]
+            self.switches = [*self.switches[1 - RECENT:], sw.at(rec.step)]
+            if sw.knob == "offload_layers":
+                self.offload, self.offload_gain_bytes = sw.offload, sw.gain
         for rid in rec.admitted:
             r = self._request(rid, rec)
             swapped_in = r.status is RequestStatus.SWAPPED
@@ -232,8 +200,18 @@ class TraceState:
             r = self.requests.get(rid)
             if r is not None:
                 r.predicted_finish = t
+        kv = self.kv
         for ev in rec.kv:
-            self._apply_kv(ev, rec)
+            if isinstance(ev, Hit):  # the lookup asked about all known tokens but the last
+                r = self._request(ev.request_id, rec)
+                kv.apply(ev, r.num_tokens - 1)
+                r.num_cached_tokens = r.num_computed_tokens = ev.num_tokens
+                continue
+            kv.apply(ev)
+            if isinstance(ev, Unswap):  # it will recompute
+                r = self.requests.get(ev.request_id)
+                if r is not None and r.status is RequestStatus.SWAPPED:
+                    r.status, r.num_computed_tokens = RequestStatus.PREEMPTED, 0
         t1 = rec.t1
         if rec.draft_s:
             self.spec.on_draft_step(rec.draft_s, rec.dt or 0.0)
@@ -272,10 +250,7 @@ class TraceState:
             self.finished.append(m)
         if rec.dt is not None:
             k = Knobs(**self.knobs) if self.knobs else Knobs()
-            self.last_batch = BatchView(rec.step, rec.num_decode, rec.num_prefill,
-                                        len(rec.plan), k.max_num_batched_tokens,
-                                        k.max_num_seqs, rec.dt, len(rec.preempted), rec.limit,
-                                        rec.predicted_s, rec.itl_target_s)
+            self.last_batch = BatchView.of(rec, k.max_num_batched_tokens, k.max_num_seqs)
             self.figures.on_step(step_figures(rec, self.usage,
                                               self.pool.num_cached_only / self.num_blocks,
                                               self.tree.hit_rate))
@@ -292,130 +267,6 @@ class TraceState:
             raise RunFormatError(f"Step {rec.step} refers to request {rid!r}, which the run "
                                  "never introduced; the recording is incomplete.")
         return r
-
-    def _apply_kv(self, ev, rec: StepRecord) -> None:
-        pool, tree, step = self.pool, self.tree, rec.step
-        if isinstance(ev, Ref):
-            table = self.tables.setdefault(ev.request_id, [])
-            pool.incref(ev.block)
-            tree.on_block_used(ev.block)
-            self.page_groups[ev.block] = 0
-            if ev.index == len(table):
-                table.append(ev.block)
-            else:  # a replacement (copy-on-write, or a duplicate switched to the cached block)
-                old, table[ev.index] = table[ev.index], ev.block
-                node = tree.node_of_block.get(ev.block)
-                if node is not None:
-                    node.last_access = step  # the cache handed out an existing block
-                self._drop(old, step)
-        elif isinstance(ev, Unref):
-            table = self.tables.get(ev.request_id)
-            if not table or table[-1] != ev.block or ev.index != len(table) - 1:
-                raise RunFormatError(f"Step {rec.step} drops block {ev.block} from "
-                                     f"{ev.request_id!r}, which does not hold it last.")
-            table.pop()
-            if not table:
-                del self.tables[ev.request_id]
-            self._drop(ev.block, step)
-        elif isinstance(ev, Cache):
-            node = tree.restore(ev.node_id, ev.parent_id, ev.block, step, tree.num_lookups)
-            assert node.depth_tokens == ev.end_token
-        elif isinstance(ev, Evict):
-            tree.evict(tree.nodes[ev.node_id])
-        elif isinstance(ev, Hit):
-            r = self._request(ev.request_id, rec)
-            table = self.tables.get(ev.request_id, [])
-            chain = [tree.node_of_block[b] for b in table[:ev.num_tokens // self.block_size]]
-            tree.record_lookup(chain, r.num_tokens - 1, step)
-            r.num_cached_tokens = r.num_computed_tokens = ev.num_tokens
-        elif isinstance(ev, Reserve):
-            self.num_reserved += ev.delta
-            left = self.reserved.get(ev.request_id, 0) + ev.delta
-            if left:
-                self.reserved[ev.request_id] = left
-            else:
-                self.reserved.pop(ev.request_id, None)
-        elif isinstance(ev, Cow):
-            pass  # the Ref before it already moved the table entry; counted per step
-        elif isinstance(ev, SwapOut):
-            hosts = [h for _, h in ev.pairs]
-            for h in hosts:
-                self.host.occupy(h, HOST_SWAPPED)
-            self.host_tables[ev.request_id] = hosts
-            self.num_swap_outs += 1
-        elif isinstance(ev, SwapIn):
-            for h in self.host_tables.pop(ev.request_id):
-                self.host.free(h)
-            self.num_swap_ins += 1
-        elif isinstance(ev, Unswap):
-            for h in self.host_tables.pop(ev.request_id):
-                self.host.free(h)
-            r = self.requests.get(ev.request_id)
-            if r is not None and r.status is RequestStatus.SWAPPED:
-                r.status, r.num_computed_tokens = RequestStatus.PREEMPTED, 0
-        elif isinstance(ev, Demote):
-            node = tree.nodes[ev.node_id]
-            assert node.block == ev.block, f"node {ev.node_id} is not in block {ev.block}"
-            self.host.occupy(ev.host_block, HOST_DEMOTED)
-            tree.demote_to(node, ev.host_block)
-        elif isinstance(ev, Promote):
-            tree.promote(tree.nodes[ev.node_id], ev.block, hit=bool(ev.hit))
-        elif isinstance(ev, HostResize):
-            self.host.resize(ev.num_blocks)
-        elif isinstance(ev, WinRef | WinUnref | WinCache | WinEvict):
-            self._apply_window(ev, rec)
-        elif isinstance(ev, Relayout):
-            moves = {old: new for old, new in ev.moves}
-            pool.relayout(ev.num_blocks, moves)
-            for table in self.tables.values():
-                table[:] = [moves.get(b, b) for b in table]
-            self.page_groups = move_window_pages(self.window_tables, self.page_groups, moves,
-                                                 ev.num_blocks)
-            tree.move_blocks(moves, ev.bytes_per_block)
-            self.num_blocks, self.bytes_per_block = ev.num_blocks, ev.bytes_per_block
-
-    def _apply_window(self, ev, rec: StepRecord) -> None:
-        """A sliding-window event (`kv/window.py`), as the live manager applied it."""
-        pool, tree = self.pool, self.tree
-        if isinstance(ev, WinRef):
-            wt = self.window_tables.setdefault(ev.request_id, [[] for _ in ev.pages])
-            for table, page in zip(wt, ev.pages, strict=True):
-                pool.incref(page)
-                tree.on_block_used(page)
-                self.page_groups[page] = 1
-                while len(table) < ev.index:  # blocks a hit left behind its window
-                    table.append(-1)
-                if ev.index == len(table):
-                    table.append(page)
-                else:  # a replacement: copy-on-write, or a cached twin's pages
-                    old, table[ev.index] = table[ev.index], page
-                    if old >= 0:
-                        self._drop(old, rec.step)
-        elif isinstance(ev, WinUnref):
-            wt = self.window_tables.get(ev.request_id)
-            if not wt or len(wt[0]) <= ev.index or \
-                    [t[ev.index] for t in wt] != list(ev.pages):
-                raise RunFormatError(f"Step {rec.step} drops window pages {ev.pages} from "
-                                     f"{ev.request_id!r}, which does not hold them there.")
-            for table in wt:
-                table[ev.index] = -1
-                while table and table[-1] < 0:
-                    table.pop()
-            if not wt[0]:
-                del self.window_tables[ev.request_id]
-            for page in ev.pages:
-                self._drop(page, rec.step)
-        elif isinstance(ev, WinCache):
-            for page in ev.pages:
-                self.page_groups[page] = 1
-            tree.attach_local(tree.nodes[ev.node_id], ev.pages, rec.step)
-        else:
-            tree.drop_local(tree.nodes[ev.node_id])
-
-    def _drop(self, block: int, step: int) -> None:
-        self.pool.decref(block)
-        if self.pool.cached[block] and self.pool.refcount[block] == 1:
-            self.tree.on_block_released(block, step)
 
     # -- views --------------------------------------------------------------------------------
 
@@ -476,22 +327,8 @@ class TraceState:
             tuple(log.recent), self.offload, self.offload_gain_bytes)
 
     def check_integrity(self) -> None:
-        """The rebuilt pool and tree agree with each other and with the block tables."""
-        self.host.check_integrity()
-        assert self.host.num_swapped == sum(map(len, self.host_tables.values()))
-        self.pool.check_integrity()
-        self.tree.check_integrity()
-        counts = [0] * self.num_blocks
-        for table in self.tables.values():
-            for b in table:
-                counts[b] += 1
-        for wt in self.window_tables.values():
-            for table in wt:
-                for b in table:
-                    if b >= 0:
-                        counts[b] += 1
-        for b in range(self.num_blocks):
-            assert self.pool.refcount[b] == counts[b] + self.pool.cached[b], f"block {b}"
+        """The rebuilt pool, tree, tables and host tier agree (`KVState.check_integrity`)."""
+        self.kv.check_integrity()
 
 
 class Replay:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvdeck.runtime.core.config import Knobs
+from kvdeck.runtime.core.step_record import StepRecord
+from kvdeck.runtime.core.switch import Switch
 from kvdeck.runtime.executors.base import WeightsView
 from kvdeck.runtime.kv.block_pool import (
     CACHED,
@@ -79,6 +81,13 @@ class BatchView:
     """The timing model's prediction of `seconds`, made when the step was planned."""
     itl_target_s: float = 0.0
     """The ITL target the step was planned under (0: none)."""
+
+    @classmethod
+    def of(cls, rec: StepRecord, token_budget: int, max_num_seqs: int) -> BatchView:
+        """The batch of step record `rec` (one that ran), planned under these limits."""
+        return cls(rec.step, rec.num_decode, rec.num_prefill, len(rec.plan), token_budget,
+                   max_num_seqs, rec.dt or 0.0, len(rec.preempted), rec.limit,
+                   rec.predicted_s, rec.itl_target_s)
 
     @property
     def unused_budget(self) -> int:
@@ -220,7 +229,7 @@ class EngineSnapshot:
     detail: RequestDetail | None = None
     """The watched request (see `commands.Watch`), wherever it is in its life."""
     weights: WeightsView | None = None
-    switches: tuple[dict, ...] = ()
+    switches: tuple[Switch, ...] = ()
     """The latest pauses to re-encode the KV pool or re-pack weights, oldest first, each a
     `StepRecord.switches` entry plus the step it happened before."""
     transfers: TransfersView | None = None
@@ -265,7 +274,7 @@ class SnapshotBuilder:
         return self._prefix[1]
 
     def _weights(self) -> WeightsView:
-        view = self.engine.weights_view
+        view = self.engine.switcher.weights_view
         if "auto" not in view.formats:
             return view
         return dataclasses.replace(view, auto=self.engine.executor.auto_choice())
@@ -311,7 +320,7 @@ class SnapshotBuilder:
             time=e.clock.now() if e.state_end is None else e.state_end,
             model_name=e.executor.model_name, executor=e.executor.name,
             knobs=sched.knobs, waiting=waiting, running=running,
-            batch=e.last_batch, kv=self.kv_view(),
+            batch=BatchView.of(*e.last_step) if e.last_step else None, kv=self.kv_view(),
             prefix_nodes=self._prefix_nodes(max_prefix_nodes),
             num_finished=counts.get("finished_stopped", 0) + counts.get("finished_length", 0),
             num_rejected=counts.get("rejected", 0), num_aborted=counts.get("aborted", 0),

@@ -127,13 +127,13 @@ def test_llama_cpp_kv_format_switch_re_prefills_running_requests_in_the_pause(ge
             e.set_knobs(kv_format=fmt)
             e.step()
             sw = e.switches[-1]
-            assert sw["to"] == fmt == ex.kv_format and sw["seconds"] > 0
+            assert sw.new == fmt == ex.kv_format and sw.seconds > 0
             # Every running request's slot holds exactly its computed tokens again.
             for r in e.scheduler.running:
                 assert ex._length[ex._seq_of[r.request_id]] == r.num_computed_tokens
-            assert sw["bytes"] == sum(
+            assert sw.bytes == sum(
                 r.num_computed_tokens - 1 for r in e.scheduler.running) * (
-                ex.kv_bytes_per_token(sw["from"]) + ex.kv_bytes_per_token(fmt))
+                ex.kv_bytes_per_token(sw.old) + ex.kv_bytes_per_token(fmt))
             e.check_integrity()
         e.run_until_idle()
         e.check_integrity()

@@ -52,24 +52,24 @@ def test_switching_formats_mid_run_keeps_requests_resizes_the_pool_and_replays(
         drive(e, 1, live)
         sw = e.switches[-1]
         seen.append(sw)
-        assert sw["to"] == fmt and e.kv_format == fmt
+        assert sw.new == fmt and e.kv_format == fmt
         bpt = e.executor.kv_bytes_per_token(fmt)
-        assert e.kv.num_blocks == sw["num_blocks"] == budget // (BLOCK * bpt)
+        assert e.kv.num_blocks == sw.num_blocks == budget // (BLOCK * bpt)
         assert e.kv.bytes_per_block == BLOCK * bpt
         assert e.kv.namespace.split("|")[1] == fmt
         still = {r.request_id for r in e.scheduler.running} | \
             {r.request_id for r in e.scheduler.waiting} | {r.request_id for r in e.completed}
         assert running <= still  # nobody lost: running, preempted back to waiting, or done
-        if not sw["dropped"] and not sw["preempted"]:
+        if not sw.dropped and not sw.preempted:
             assert e.kv.tree.num_nodes >= nodes - 1  # the cache survived the conversion
     drive(e, 100_000, live)
     rec.close()
     e.check_integrity()
     # Capacity moves by the formats' byte ratio: q4_0 holds 64/18 as many blocks as fp16.
-    assert seen[0]["num_blocks"] == 60 * 64 // 18
-    assert seen[1]["num_blocks"] == 30
+    assert seen[0].num_blocks == 60 * 64 // 18
+    assert seen[1].num_blocks == 30
     shrink = seen[1]
-    assert shrink["preempted"] or shrink["dropped"]  # fp32 halves the pool: room was made
+    assert shrink.preempted or shrink.dropped  # fp32 halves the pool: room was made
     assert {r.status for r in e.completed} <= {RequestStatus.FINISHED_STOPPED,
                                                 RequestStatus.FINISHED_LENGTH,
                                                 RequestStatus.REJECTED}
@@ -87,7 +87,7 @@ def test_switching_formats_mid_run_keeps_requests_resizes_the_pool_and_replays(
         for key in expected:
             assert got[key] == expected[key], f"{key} differs after record {step}"
     assert relayouts == 5
-    assert [sw["to"] for sw in state.snapshot().switches] == \
+    assert [sw.new for sw in state.snapshot().switches] == \
         ["q4_0", "fp32", "q8_0", "fp8_e4m3", "fp16"]
     assert state.snapshot().kv.kv_format == "fp16"
 
@@ -146,10 +146,10 @@ def test_widening_fp16_to_fp32_mid_run_changes_no_token_and_moves_blocks(tiny: P
     # fp16 values are exact in fp32: every token after the conversion is the same.
     assert switched == plain
     sw = e.switches[-1]
-    assert (sw["from"], sw["to"], sw["num_blocks"]) == ("fp16", "fp32", 64)
-    assert sw["blocks"] > 0 and sw["measured"] and sw["bytes"] > 0 and not sw["preempted"]
+    assert (sw.old, sw.new, sw.num_blocks) == ("fp16", "fp32", 64)
+    assert sw.blocks > 0 and sw.measured and sw.bytes > 0 and not sw.preempted
     assert e.executor.kv.num_blocks == 64 and e.executor.kv.codec.name == "fp32"
-    assert sw["moved"] > 0  # blocks past the smaller pool's end were moved, data and all
+    assert sw.moved > 0  # blocks past the smaller pool's end were moved, data and all
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "bf16", pytest.param(
@@ -164,7 +164,7 @@ def test_quantizing_mid_run_keeps_every_request_alive(tiny: Path, fmt: str) -> N
     sw = e.switches[-1]
     # The pool's block count grows by the format's byte ratio against fp32 (4 bytes/value).
     per_value = {"q8_0": 34 / 32, "q4_0": 18 / 32, "bf16": 2, "fp8_e4m3": 1}[fmt]
-    assert sw["num_blocks"] == e.kv.num_blocks == int(64 * 4 / per_value)
+    assert sw.num_blocks == e.kv.num_blocks == int(64 * 4 / per_value)
     pool = e.executor.kv
     assert pool.num_bytes == pool.num_blocks * 4 * e.executor.kv_bytes_per_token(fmt)
 
@@ -206,13 +206,13 @@ def test_weight_format_switch_mid_run_is_recorded_and_replayed(tiny: Path, tmp_p
     rec.close()
     e.check_integrity()
     assert all(len(r.output_token_ids) == 24 for r in e.completed)
-    first, second = [sw for sw in e.switches if sw["knob"] == "weight_format"]
-    assert first["to"] == "attn=dense,ffn=dense,head=int4"
-    assert first["bytes_before"] == before and first["bytes"] < before
-    assert second["to"] == "auto" and ex.auto_choice()
+    first, second = [sw for sw in e.switches if sw.knob == "weight_format"]
+    assert first.new == "attn=dense,ffn=dense,head=int4"
+    assert first.bytes_before == before and first.bytes < before
+    assert second.new == "auto" and ex.auto_choice()
     replay = Replay(*read_run(tmp_path / "run"))
     state = replay.initial_state()
     for record in replay.steps:
         state.apply(record)
-    assert [sw["to"] for sw in state.snapshot().switches] == [first["to"], "auto"]
+    assert [sw.new for sw in state.snapshot().switches] == [first.new, "auto"]
     assert state.snapshot().knobs.weight_format == "auto"

@@ -80,7 +80,7 @@ async def test_kv_and_weight_formats_switch_through_the_knobs_mid_run(tiny32, tm
         e.check_integrity()
         assert e.executor.weight_formats == {"attn": "int8", "ffn": "int4", "head": "bf16"}
         sw = e.switches[-1]
-        assert sw["knob"] == "weight_format" and sw["bytes"] < sw["bytes_before"]
+        assert sw.knob == "weight_format" and sw.bytes < sw.bytes_before
         assert "weights" in str(table.border_subtitle)
         assert "weights re-packed at step" in str(table.border_title)  # pause and bytes stay
         assert all(r.status is RequestStatus.RUNNING for r in reqs)

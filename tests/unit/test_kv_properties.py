@@ -62,8 +62,9 @@ class KVMachine(RuleBasedStateMachine):
         k = min(k, req.num_pending_tokens)
         if not self.mgr.can_allocate(req, k):  # growth or a copy-on-write may need a block
             return
+        cows = self.mgr.allocate(req, k)
         held = self._tables(rid)
-        for src, dst in self.mgr.allocate(req, k):
+        for src, dst in cows:
             assert self.mgr.pool.refcount[dst] == 1
             assert sum(t.count(dst) for t in held) == 1
             assert not any(src in t for t in held)
@@ -75,7 +76,7 @@ class KVMachine(RuleBasedStateMachine):
 
     def _tables(self, rid) -> list[list[int]]:
         """Every table of `rid` a copy-on-write may write into."""
-        return [self.mgr.tables[rid]]
+        return [self.mgr.table(rid)]
 
     def _computed(self, req) -> None:
         """Hook: `req` just computed tokens."""
@@ -113,7 +114,7 @@ class KVMachine(RuleBasedStateMachine):
         self._tick()
         if in_flight:
             self.mgr.begin_step()
-            used = set(self.mgr.tables[rid])
+            used = set(self.mgr.table(rid))
             self.mgr.release(req)
             # Blocks read by the in-flight step are not reusable until it ends.
             assert all(self.mgr.pool.refcount[b] > 0 for b in used)
@@ -172,7 +173,7 @@ class HostTierMachine(KVMachine):
                 self.mgr.blocks_needed(req.num_computed_tokens)):
             return
         self._tick()
-        table = list(self.mgr.tables[rid])
+        table = list(self.mgr.table(rid))
         computed = req.num_computed_tokens
         n = self.mgr.swap_out(req)
         assert rid not in self.mgr.tables and len(self.mgr.host_tables[rid]) == n
@@ -195,7 +196,7 @@ class HostTierMachine(KVMachine):
         self.mgr.swap_in(req, 0, full)
         copies = [c for c in self.mgr.take_copies() if c[0] == "swap"]
         assert copies[-1][1] == "h2d" and [p[0] for p in copies[-1][3]] == hosts
-        assert [p[1] for p in copies[-1][3]] == self.mgr.tables[rid][:len(hosts)]
+        assert [p[1] for p in copies[-1][3]] == self.mgr.table(rid)[:len(hosts)]
         assert req.num_computed_tokens == computed and rid not in self.mgr.host_tables
         self.live[rid] = self.swapped.pop(rid)
 

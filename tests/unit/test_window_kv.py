@@ -139,7 +139,7 @@ class WindowMachine(KVMachine):
                                 groups=GROUPS)
 
     def _tables(self, rid) -> list[list[int]]:
-        return [self.mgr.tables[rid], *self.mgr.window_tables[rid]]
+        return [self.mgr.table(rid), *self.mgr.window_tables.get(rid, ())]
 
     def _computed(self, req) -> None:
         self.mgr.slide(req)
@@ -151,7 +151,7 @@ class WindowMachine(KVMachine):
             return
         # A rollback never returns behind the freed window (speculation rolls back only
         # what one step computed).
-        start = self.mgr._window_start[rid] * 4
+        start = self.mgr.state.window_start[rid] * 4
         low = min(start + GROUPS.window, req.num_computed_tokens)
         n = data.draw(st.integers(low, req.num_computed_tokens))
         self.mgr.truncate(req, n)
