@@ -17,7 +17,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from kvdeck.runtime.core.engine import MAX_BRANCHES
+from kvdeck.runtime.core.intake import MAX_BRANCHES
 from kvdeck.runtime.errors import RequestError
 from kvdeck.runtime.text.guided import GuideSpec, choice_spec
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
-from kvdeck.runtime.core.request import Progress, RequestStatus
+from kvdeck.runtime.core.request import Progress, Request, RequestStatus
 from kvdeck.runtime.core.switch import Switch
 from kvdeck.runtime.errors import RunFormatError
 from kvdeck.runtime.kv.state import KVState
@@ -29,6 +29,15 @@ class RequestState(Progress):
     deadline: float | None
     priority: int
     num_output_tokens: int = 0
+
+    @classmethod
+    def of(cls, req: Request) -> RequestState:
+        """A live request's state, as a checkpoint keeps it."""
+        progress = {f.name: getattr(req, f.name) for f in fields(Progress)}
+        progress["token_times"] = list(req.token_times)
+        return cls(req.request_id, req.arrival_time, req.num_prompt_tokens,
+                   req.sampling.max_tokens, req.deadline, req.priority,
+                   num_output_tokens=req.num_output_tokens, **progress)
 
     @property
     def num_tokens(self) -> int:

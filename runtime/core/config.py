@@ -104,11 +104,11 @@ class Knobs:
     """What admission control does with a request that cannot meet its deadline."""
     kv_format: str = "fp16"
     """How the KV pool stores K and V (`kv/formats.py`). A change re-encodes the pool in
-    place between iterations; the block count follows the budget (`Engine._switch_kv`)."""
+    place between iterations; the block count follows the budget (`core/switches.py`)."""
     weight_format: str = "dense"
     """Matrix weight formats, all groups or per group (`models/weight_formats.py`):
     `int8`, `attn=int8,ffn=int4,head=bf16`, `auto`, `measured`. Re-packed between
-    iterations (`Engine._switch_weights`); the engine stores the resolved value."""
+    iterations (`core/switches.py`); the engine stores the resolved value."""
     demote_prefixes: bool = True
     """With a host tier, evicted prefix-cache blocks are demoted to it instead of dropped
     (under `value`, only those whose host retention value is positive)."""

@@ -3,15 +3,49 @@
 The pool's size follows the memory budget (`EngineConfig.kv_memory_bytes`, plus what weight
 offload frees) over the bytes one block takes in a KV format: the target's KV and, with a
 draft model, its twin's; with layer groups (`free_window_kv`) a block is a page holding a
-share of the layers. The engine sizes the pool with it at start, the knob switches when the
-format or offload changes, and the knob checks when they bound a knob by the pool.
+share of the layers. `set_up` prepares an executor for an engine and binds its pool in
+the order sizing needs; `PoolSize.manager` makes the block manager of that pool. The knob
+switches size the pool with it when the format or offload changes, and the knob checks
+when they bound a knob by the pool.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 from kvdeck.runtime.core.config import EngineConfig
+from kvdeck.runtime.core.step_data import causal_pairs
+from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.base import Executor
 from kvdeck.runtime.kv.groups import LayerGroups
+from kvdeck.runtime.kv.manager import BlockManager
+from kvdeck.runtime.models.weight_formats import format_weight_format
+
+
+def set_up(config: EngineConfig, executor: Executor) -> tuple[EngineConfig, PoolSize]:
+    """Prepare `executor` for an engine of `config` and bind its pool and host tier, in
+    the order sizing needs: weight formats, weight offload (it frees device memory the pool
+    takes), layer groups, then the pool. Returns the config with its weight format resolved
+    (what `measured` chose, written out) and the sizing."""
+    k = config.knobs
+    formats = executor.resolve_weight_formats(k.weight_format)
+    if formats != executor.weight_formats:
+        executor.set_weight_formats(formats)
+    if k.offload_layers:
+        executor.set_offload(k.offload_layers, k.offload_buffers)
+    groups = executor.layer_groups() if config.free_window_kv else None
+    if groups is not None and config.host_kv_memory_bytes:
+        raise ConfigError("free_window_kv cannot have a host KV tier: window pages are not "
+                          "swapped or demoted; drop --host-kv-memory-gib or "
+                          "--free-window-kv.")
+    pool = PoolSize(config, executor, groups)
+    executor.bind_kv(pool.blocks(k.kv_format), config.block_size, k.kv_format, groups=groups)
+    executor.bind_host_kv(pool.host_blocks(k.kv_format))
+    text = format_weight_format(formats)
+    if text != k.weight_format:  # knobs hold the resolved value
+        config = dataclasses.replace(config, knobs=k.with_changes(weight_format=text))
+    return config, pool
 
 
 class PoolSize:
@@ -40,6 +74,21 @@ class PoolSize:
     def host_blocks(self, kv_format: str) -> int:
         """Blocks the host tier holds in `kv_format` (its own budget)."""
         return self.config.host_blocks(self.executor.kv_bytes_per_token(kv_format))
+
+    def manager(self, clock: Callable[[], int]) -> BlockManager:
+        """The block manager of the pool as bound (the config's KV format and prefix-cache
+        knobs); `clock` is the engine's step number."""
+        e, k = self.executor, self.config.knobs
+        kv = BlockManager(
+            self.blocks(k.kv_format), self.config.block_size,
+            enable_caching=k.enable_prefix_caching, cache_capacity=k.prefix_cache_capacity,
+            eviction_policy=k.eviction_policy, namespace=self.namespace(k.kv_format),
+            bytes_per_block=self.block_bytes(k.kv_format),
+            recompute_cost=lambda h, c: e.estimate_step_seconds(c, causal_pairs(c, h), h + c),
+            clock=clock, host_blocks=self.host_blocks(k.kv_format),
+            link_seconds=lambda nbytes: nbytes / e.link_bandwidth, groups=self.groups)
+        kv.admission.configure(k.cache_admission_k, k.cache_admission_window)
+        return kv
 
     def namespace(self, kv_format: str) -> str:
         """Cached KV is reusable only by the same model, format and namespace."""

@@ -34,9 +34,10 @@ from kvdeck.runtime.core.pool_size import PoolSize
 from kvdeck.runtime.core.scheduler import Scheduler
 from kvdeck.runtime.core.step_data import Conversion
 from kvdeck.runtime.core.switch import RECENT, Switch
+from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.base import Executor, WeightsView
 from kvdeck.runtime.kv.manager import BlockManager
-from kvdeck.runtime.models.weight_formats import parse_weight_format
+from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
 
 log = logging.getLogger("kvdeck.engine")
 
@@ -57,6 +58,48 @@ class KnobSwitches:
         self.weights_view: WeightsView = executor.describe_weights(kv_format)
         """What snapshots show of the weights (refreshed after every switch: it reads cached
         quality figures from disk)."""
+
+    def submit(self, knobs: Knobs, changes: dict[str, Any]) -> Knobs:
+        """`knobs` with `changes`, checked (ConfigError if broken); a weight format is
+        stored resolved, so what is pending shows what will apply."""
+        new = knobs.with_changes(**changes)
+        if "weight_format" in changes:
+            formats = self.executor.resolve_weight_formats(
+                new.weight_format, parse_weight_format(knobs.weight_format))
+            new = new.with_changes(weight_format=format_weight_format(formats))
+        self.check(new)
+        return new
+
+    def check(self, knobs: Knobs) -> None:
+        """Bounds that depend on this engine's executor and pool (ConfigError if broken)."""
+        if knobs.preemption != "recompute" and self.pool.groups is not None:
+            raise ConfigError(f"preemption {knobs.preemption} needs a host KV tier, which "
+                              "free_window_kv rules out (window pages are not swapped); use "
+                              "recompute.")
+        if knobs.preemption != "recompute" and not self.kv.has_host_tier:
+            raise ConfigError(f"preemption {knobs.preemption} needs a host KV tier; give it "
+                              "--host-kv-memory-gib (setting host_kv_memory_bytes) of at least "
+                              f"one block ({self.kv.bytes_per_block:,} bytes), or use "
+                              "recompute.")
+        if knobs.speculative_method == "draft" and not self.executor.draft_model_name:
+            how = "--draft-cost C (a modelled draft)" if self.executor.virtual_time else \
+                "--draft-model NAME|PATH (a GGUF sharing the model's tokenizer)"
+            raise ConfigError(f"speculative_method draft needs a draft model; start with "
+                              f"{how}, or use ngram.")
+        if knobs.max_num_seqs > self.executor.max_sequences:
+            raise ConfigError(f"max_num_seqs must be at most {self.executor.max_sequences} "
+                              f"with {self.executor.name} (its slots, --n-parallel), got "
+                              f"{knobs.max_num_seqs}.")
+        if knobs.offload_layers > self.executor.num_layers:
+            raise ConfigError(f"offload_layers must be from 0 to {self.executor.num_layers} "
+                              f"(the model's layers), got {knobs.offload_layers}.")
+        blocks = self.kv.num_blocks
+        if knobs.kv_format != self.kv_format:
+            # The executor refuses a format it cannot store; the budget must buy a block.
+            blocks = self.pool.blocks(knobs.kv_format)
+        if knobs.prefix_cache_capacity > blocks:
+            raise ConfigError(f"prefix_cache_capacity must be from 0 to {blocks:,} (the pool's "
+                              f"blocks), got {knobs.prefix_cache_capacity:,}.")
 
     def apply(self, knobs: Knobs, step: int) -> list[Switch]:
         """Switch whatever `knobs` change, KV format first; returns the switches made."""

@@ -40,8 +40,8 @@ def live_profiles(engine) -> tuple[HardwareProfile, ModelProfile]:
         or getattr(ex, "weight_bytes", None) or model.matrix_weight_bytes
     timing = getattr(ex, "timing", None)
     fits = {"local": timing.fit} if timing is not None else {}
-    model = replace(model, kv_dtype=engine.kv_format, matrix_weight_bytes=int(weight_bytes),
-                    fits=fits)
+    model = replace(model, kv_dtype=engine.switcher.kv_format,
+                    matrix_weight_bytes=int(weight_bytes), fits=fits)
     hw = HardwareProfile.load("local")
     device = getattr(ex, "device", None)
     if getattr(device, "type", "") == "cuda":  # energy at the measured draw, not the limit

@@ -39,7 +39,7 @@ def engine_header(engine: Engine) -> dict:
         "model": engine.executor.model_name,
         "num_blocks": engine.kv.num_blocks,
         "block_size": engine.kv.block_size,
-        "kv_format": engine.kv_format,
+        "kv_format": engine.switcher.kv_format,
         "bytes_per_block": engine.kv.bytes_per_block,
         "host_blocks": engine.kv.host.num_blocks,
         "link_bandwidth": engine.executor.link_bandwidth,

@@ -21,7 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from kvdeck.runtime.core.engine import MAX_BRANCHES
+from kvdeck.runtime.core.intake import MAX_BRANCHES
 from kvdeck.runtime.text.checks import AnswerCheck, parse_check
 from kvdeck.runtime.text.guided import ConstraintError, GuideSpec, choice_spec
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvdeck.runtime.core.config import Knobs
+from kvdeck.runtime.core.failure import EngineFailure
+from kvdeck.runtime.core.request import Request, RequestStatus
 from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.core.switch import Switch
 from kvdeck.runtime.executors.base import WeightsView
@@ -34,13 +36,14 @@ from kvdeck.runtime.kv.prefix_tree import NodeSummary
 from kvdeck.runtime.kv.transfers import TransfersView
 from kvdeck.runtime.kv.window import held_by_group
 from kvdeck.runtime.spec.stats import SpeculationView
+from kvdeck.runtime.text.tokenizer import Tokenizer, forced_runs
 from kvdeck.runtime.views.figures import FiguresView
 
 if TYPE_CHECKING:
     from kvdeck.runtime.core.engine import Engine
 
 __all__ = ["CACHED", "CACHED_ACTIVE", "FREE", "PRIVATE", "SHARED", "STATE_NAMES",
-           "BatchView", "EngineFailure", "EngineSnapshot", "KVView", "RequestDetail",
+           "BatchView", "EngineSnapshot", "KVView", "RequestDetail",
            "RequestView", "SnapshotBuilder", "TrackedOutput"]
 RECENT_FINISHED = 64
 """Finished requests a snapshot lists."""
@@ -188,14 +191,6 @@ class RequestDetail:
 
 
 @dataclass(frozen=True)
-class EngineFailure:
-    """Why the engine stopped, in one sentence, and where the full traceback is."""
-
-    message: str
-    log_path: str | None
-
-
-@dataclass(frozen=True)
 class EngineSnapshot:
     """Everything the console shows, as of the end of iteration `step`."""
 
@@ -238,6 +233,23 @@ class EngineSnapshot:
     """Speculative decoding's method and acceptance (`runtime/spec/stats.py`)."""
 
 
+def tracked_output(req: Request, tokenizer: Tokenizer | None) -> TrackedOutput:
+    """A followed request's text (forced runs marked when constrained) and its
+    branches'."""
+    text = req.output_text
+    if text is None:
+        text = " ".join(map(str, req.output_token_ids))
+    guide = req.guide
+    segments = forced_runs(tokenizer, req.prompt_token_ids, req.output_token_ids,
+                           guide.forced) if guide is not None and tokenizer else ()
+    branches = tuple(tracked_output(b, tokenizer) for b in req.branches
+                     if b.status is not RequestStatus.WAITING)
+    return TrackedOutput(req.request_id, req.status.value, req.num_prompt_tokens,
+                         req.num_output_tokens, req.sampling.max_tokens, text, req.reason,
+                         req.sampling.guide.label if req.sampling.guide else None,
+                         segments, branches)
+
+
 class SnapshotBuilder:
     """Builds an engine's snapshots, reusing what has not changed since the last one."""
 
@@ -266,6 +278,19 @@ class SnapshotBuilder:
             out.append(hit[1])
         return tuple(out)
 
+    def _watched(self) -> RequestDetail | None:
+        e = self.engine
+        req = e.watched
+        if req is None and e.watched_id is not None:  # it arrived since it was asked for
+            req = e.watched = e.find(e.watched_id)
+        if req is None:
+            return None
+        table = e.kv.tables.get(req.request_id)
+        return RequestDetail(req.request_id, req.status.value, req.reason,
+                             req.num_prompt_tokens, req.num_output_tokens,
+                             req.num_cached_tokens, req.priority, tuple(req.events),
+                             tuple(table) if table else ())
+
     def _prefix_nodes(self, limit: int) -> tuple[NodeSummary, ...]:
         kv = self.engine.kv
         key = (kv.tree.version, kv.pool.cache_version, limit)
@@ -282,12 +307,12 @@ class SnapshotBuilder:
     def kv_view(self) -> KVView:
         e = self.engine
         kv, tree = e.kv, e.kv.tree
-        return KVView(kv.num_blocks, kv.block_size, e.kv_format, kv.bytes_per_block,
+        return KVView(kv.num_blocks, kv.block_size, e.switcher.kv_format, kv.bytes_per_block,
                       bytes(kv.pool.states), kv.pool.num_free, tree.num_evictable,
                       kv.num_reserved, kv.usage, tree.num_nodes, tree.hit_rate,
                       tree.num_evictions, kv.num_cow_copies, tree.num_query_tokens,
                       tree.num_hit_tokens, e.executor.kv_formats,
-                      e.executor.draft_kv_bytes_per_token(e.kv_format) * kv.block_size,
+                      e.executor.draft_kv_bytes_per_token(e.switcher.kv_format) * kv.block_size,
                       e.executor.draft_model_name,
                       window_view(kv.groups, kv.pool.states, kv.page_groups))
 
@@ -327,8 +352,9 @@ class SnapshotBuilder:
             num_preemptions=sched.num_preemptions,
             recent=e.figures.rolling(), figures=e.figures.view(),
             paused=e.paused, failure=e.failure, lag_s=e.clock.lag_s, pending_knobs=pending,
-            tracked=tuple(e.tracked_outputs()), finished=finished, detail=e.watched_detail(),
-            switches=tuple(e.switches), weights=self._weights(),
+            tracked=tuple(tracked_output(r, e.tokenizer) for r in e.tracked.values()),
+            finished=finished, detail=self._watched(),
+            switches=tuple(e.switcher.recent), weights=self._weights(),
             transfers=self.transfers_view(),
             speculation=sched.spec.view(sched.knobs.speculative_method,
                                         sched.knobs.num_speculative_tokens,

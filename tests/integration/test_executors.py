@@ -126,7 +126,7 @@ def test_llama_cpp_kv_format_switch_re_prefills_running_requests_in_the_pause(ge
                 e.step()
             e.set_knobs(kv_format=fmt)
             e.step()
-            sw = e.switches[-1]
+            sw = e.switcher.recent[-1]
             assert sw.new == fmt == ex.kv_format and sw.seconds > 0
             # Every running request's slot holds exactly its computed tokens again.
             for r in e.scheduler.running:

@@ -109,7 +109,7 @@ def test_the_console_marks_forced_tokens(gemma_path) -> None:
                                                                   max_tokens=90, guide=spec),
                         track=True, branches=2)
     e.run_until_idle()
-    (t,) = e.tracked_outputs()
+    (t,) = e.snapshot().tracked
     assert "".join(text for text, _ in t.segments) == req.output_text
     forced = "".join(text for text, f in t.segments if f)
     assert '{"people": [{"name": "' in forced and '"age": ' in forced

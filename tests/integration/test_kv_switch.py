@@ -50,9 +50,9 @@ def test_switching_formats_mid_run_keeps_requests_resizes_the_pool_and_replays(
         nodes = e.kv.tree.num_nodes
         e.set_knobs(kv_format=fmt)
         drive(e, 1, live)
-        sw = e.switches[-1]
+        sw = e.switcher.recent[-1]
         seen.append(sw)
-        assert sw.new == fmt and e.kv_format == fmt
+        assert sw.new == fmt and e.switcher.kv_format == fmt
         bpt = e.executor.kv_bytes_per_token(fmt)
         assert e.kv.num_blocks == sw.num_blocks == budget // (BLOCK * bpt)
         assert e.kv.bytes_per_block == BLOCK * bpt
@@ -145,7 +145,7 @@ def test_widening_fp16_to_fp32_mid_run_changes_no_token_and_moves_blocks(tiny: P
     switched = run_waves(e, "fp32")
     # fp16 values are exact in fp32: every token after the conversion is the same.
     assert switched == plain
-    sw = e.switches[-1]
+    sw = e.switcher.recent[-1]
     assert (sw.old, sw.new, sw.num_blocks) == ("fp16", "fp32", 64)
     assert sw.blocks > 0 and sw.measured and sw.bytes > 0 and not sw.preempted
     assert e.executor.kv.num_blocks == 64 and e.executor.kv.codec.name == "fp32"
@@ -161,7 +161,7 @@ def test_quantizing_mid_run_keeps_every_request_alive(tiny: Path, fmt: str) -> N
     out = run_waves(e, fmt)
     assert len(out) == 8 and all(len(toks) == 24 for toks in out.values())
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in e.completed)
-    sw = e.switches[-1]
+    sw = e.switcher.recent[-1]
     # The pool's block count grows by the format's byte ratio against fp32 (4 bytes/value).
     per_value = {"q8_0": 34 / 32, "q4_0": 18 / 32, "bf16": 2, "fp8_e4m3": 1}[fmt]
     assert sw.num_blocks == e.kv.num_blocks == int(64 * 4 / per_value)
@@ -206,7 +206,7 @@ def test_weight_format_switch_mid_run_is_recorded_and_replayed(tiny: Path, tmp_p
     rec.close()
     e.check_integrity()
     assert all(len(r.output_token_ids) == 24 for r in e.completed)
-    first, second = [sw for sw in e.switches if sw.knob == "weight_format"]
+    first, second = [sw for sw in e.switcher.recent if sw.knob == "weight_format"]
     assert first.new == "attn=dense,ffn=dense,head=int4"
     assert first.bytes_before == before and first.bytes < before
     assert second.new == "auto" and ex.auto_choice()

@@ -88,7 +88,7 @@ def test_switching_both_formats_live_on_the_real_model(gemma_path, tokenizer) ->
     # The budget buys 64/34 as many blocks in q8_0 as in fp16 (each count rounded down).
     assert e.kv.num_blocks == (32 << 20) // (16 * ex.kv_bytes_per_token("q8_0")) == 214
     assert blocks == (32 << 20) // (16 * ex.kv_bytes_per_token("fp16")) == 113
-    assert {sw.knob for sw in e.switches} == {"kv_format", "weight_format"}
+    assert {sw.knob for sw in e.switcher.recent} == {"kv_format", "weight_format"}
     assert ex.weight_formats == {"attn": "int8", "ffn": "int8", "head": "int8"}
     e.run_until_idle()
     e.check_integrity()

@@ -175,7 +175,7 @@ def test_offload_switched_mid_run_keeps_tokens_and_resizes_the_pool(
         e.step()
         e.check_integrity()
     assert {r.request_id: list(r.output_token_ids) for r in e.completed} == reference
-    sw = e.switches[-1]
+    sw = e.switcher.recent[-1]
     assert sw.knob == "offload_layers" and sw.num_blocks == e.kv.num_blocks > before
     with pytest.raises(ConfigError, match="offload_layers must be from 0 to 4"):
         e.set_knobs(offload_layers=5)

@@ -67,7 +67,7 @@ async def test_kv_and_weight_formats_switch_through_the_knobs_mid_run(tiny32, tm
         e.check_integrity()
         # fp16 stores 64 bytes per 32 values, q8_0 34: the pool buys 64/34 as many blocks.
         assert e.kv.num_blocks == 96 * 64 // 34 == 180
-        assert e.kv_format == "q8_0" and e.executor.kv.codec.name == "q8_0"
+        assert e.switcher.kv_format == "q8_0" and e.executor.kv.codec.name == "q8_0"
         kv_map = panel_text(app.query_one(KVMapPanel))
         assert "kv_format fp16 → q8_0" in kv_map and "pool 180" in kv_map
         assert "180 × 4 tok · q8_0" in str(app.query_one(KVMapPanel).border_subtitle)
@@ -79,7 +79,7 @@ async def test_kv_and_weight_formats_switch_through_the_knobs_mid_run(tiny32, tm
         await pilot.pause()
         e.check_integrity()
         assert e.executor.weight_formats == {"attn": "int8", "ffn": "int4", "head": "bf16"}
-        sw = e.switches[-1]
+        sw = e.switcher.recent[-1]
         assert sw.knob == "weight_format" and sw.bytes < sw.bytes_before
         assert "weights" in str(table.border_subtitle)
         assert "weights re-packed at step" in str(table.border_title)  # pause and bytes stay

@@ -48,7 +48,7 @@ async def test_kv_map_shows_both_groups(tiny_gemma3, tmp_path):
         await edit_knob(pilot, app, "kv_format", "fp32")
         advance(app, 2)
         await pilot.pause()
-        assert e.kv_format == "fp32" and e.executor.kv.codec.name == "fp32"
+        assert e.switcher.kv_format == "fp32" and e.executor.kv.codec.name == "fp32"
         assert e.executor.kv.num_layers == 1 and e.executor.kv.num_blocks == 300  # pages
         assert all(r.status is RequestStatus.RUNNING for r in reqs)
         advance(app, 40)
