@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Annotated, Any
 
 import typer
@@ -262,6 +263,30 @@ def _wrap(fn: Callable, extra: list[inspect.Parameter], take: Callable[[dict], d
 
     wrapper.__signature__ = sig.replace(parameters=own + extra)  # type: ignore[attr-defined]
     return wrapper
+
+
+def with_options(cls: type) -> Callable[[Callable], Callable]:
+    """Give a command one flag per field of the frozen dataclass `cls`, each field
+    `Annotated` with its `typer.Option` or `typer.Argument` (help and all); the command
+    receives them as one `opts: cls` instead of a parameter each."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                               annotation=hints[f.name]) for f in fields(cls)]
+    names = [f.name for f in fields(cls)]
+
+    def wrap(fn: Callable) -> Callable:
+        sig = inspect.signature(fn, eval_str=True)
+        rest = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                for p in sig.parameters.values() if p.name != "opts"]
+
+        @functools.wraps(fn)
+        def wrapper(**kwargs: Any) -> Any:
+            return fn(cls(**{k: kwargs.pop(k) for k in names}), **kwargs)
+
+        wrapper.__signature__ = sig.replace(parameters=extra + rest)  # type: ignore[attr-defined]
+        return wrapper
+
+    return wrap
 
 
 def with_log_level(fn: Callable) -> Callable:

@@ -40,7 +40,7 @@ Eviction policies (device victims; the host tier's own victims follow the same p
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvdeck.runtime.kv.block_pool import BlockStates
@@ -80,29 +80,6 @@ class PrefixNode:
     @property
     def on_host(self) -> bool:
         return self.host_block >= 0
-
-
-@dataclass(frozen=True)
-class NodeSummary:
-    """What the snapshot shows of the tree: one segment, a chain of blocks in which every
-    block but the last has exactly one child and all have the same users (radix-style)."""
-
-    node_id: int
-    """Id of the segment's first node."""
-    parent_id: int
-    """Id of the segment's parent's *last* node's segment (0: the root)."""
-    block: int
-    start_token: int
-    end_token: int
-    num_blocks: int
-    num_users: int
-    """Block-table references (requests using the blocks), not counting the cache's own."""
-    hits: int
-    last_access: int
-    """Engine step of the segment's most recent use."""
-    evictable: bool
-    on_host: bool = False
-    """The segment is demoted to the host tier."""
 
 
 Copies = list
@@ -614,44 +591,6 @@ class PrefixTree:
     @property
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
-
-    def summary(self, limit: int = 256, max_nodes: int = 2048) -> list[NodeSummary]:
-        """Up to `limit` segments, depth first, the most used and most hit siblings first,
-        visiting at most `max_nodes` nodes: the shared parts of a large tree come first, and
-        a snapshot stays cheap when hundreds of requests hold long private chains."""
-        out: list[NodeSummary] = []
-        rc = self.pool.refcount
-        p = self.block_size
-        budget = max_nodes
-
-        def order(nodes: Iterable[PrefixNode]) -> list[PrefixNode]:
-            return sorted(nodes, key=lambda n: (-users(n), -n.hits, n.node_id))
-
-        def users(n: PrefixNode) -> int:
-            return rc[n.block] if n.block >= 0 else 0  # a host node: no user, no cache ref
-
-        stack = [(c, 0) for r in self.roots.values() for c in reversed(order(r.children.values()))]
-        while stack and len(out) < limit and budget > 0:
-            first, parent_id = stack.pop()
-            count = users(first)
-            last, n, access = first, 1, first.last_access
-            children = last.children
-            while len(children) == 1 and n < budget:
-                (child,) = children.values()
-                if users(child) != count:
-                    break
-                last, n, children = child, n + 1, child.children
-                if child.last_access > access:
-                    access = child.last_access
-            budget -= n
-            # A lookup touches a whole chain from the root, so hits never grow along a
-            # chain: the segment's first node has the most.
-            out.append(NodeSummary(first.node_id, parent_id, first.block,
-                                   first.depth_tokens - p, last.depth_tokens, n,
-                                   max(count - 1, 0), first.hits, access, count <= 1,
-                                   first.on_host))
-            stack.extend((c, first.node_id) for c in reversed(order(children.values())))
-        return out
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless tree, block map, pool flags and leaf set agree."""

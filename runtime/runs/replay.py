@@ -31,6 +31,7 @@ from kvdeck.runtime.kv.transfers import TransferLog, TransfersView
 from kvdeck.runtime.spec.stats import SpecStats
 from kvdeck.runtime.views.figures import RunFigures, kv_summary, step_figures, summarize
 from kvdeck.runtime.views.metrics import SLO, RequestMetrics, request_metrics
+from kvdeck.runtime.views.prefix import summarize_tree
 from kvdeck.runtime.views.snapshot import (
     BatchView,
     EngineSnapshot,
@@ -160,8 +161,16 @@ class TraceState:
                                  ) from None
 
     def _apply(self, rec: StepRecord) -> None:
+        """The record's parts in the order the live step made them."""
         self.step = rec.step
         self.time = rec.t1
+        self._arrivals(rec)
+        self._kv_events(rec)
+        self._progress(rec)
+        self._endings(rec)
+
+    def _arrivals(self, rec: StepRecord) -> None:
+        """Knob changes, arrivals, forks, switches and admissions at the step's start."""
         if rec.knobs:
             self.knob_changes.append((self.step, rec.knobs))
             self.knobs.update(rec.knobs)
@@ -200,6 +209,9 @@ class TraceState:
             r = self.requests.get(rid)
             if r is not None:
                 r.predicted_finish = t
+
+    def _kv_events(self, rec: StepRecord) -> None:
+        """The step's KV events, through `KVState.apply`, and what they say of requests."""
         kv = self.kv
         for ev in rec.kv:
             if isinstance(ev, Hit):  # the lookup asked about all known tokens but the last
@@ -212,6 +224,9 @@ class TraceState:
                 r = self.requests.get(ev.request_id)
                 if r is not None and r.status is RequestStatus.SWAPPED:
                     r.status, r.num_computed_tokens = RequestStatus.PREEMPTED, 0
+
+    def _progress(self, rec: StepRecord) -> None:
+        """What the plan computed and emitted, and who was preempted."""
         t1 = rec.t1
         if rec.draft_s:
             self.spec.on_draft_step(rec.draft_s, rec.dt or 0.0)
@@ -238,6 +253,9 @@ class TraceState:
                 self._preempted(rid, rec)
         self.num_cow += len(rec.cow)
         self.transfer_log.on_step(rec.step, rec.transfers)
+
+    def _endings(self, rec: StepRecord) -> None:
+        """Finished requests and the step's figures."""
         for f in rec.finished:
             r = self.requests.pop(f.request_id, None)
             if r is None:
@@ -305,7 +323,7 @@ class TraceState:
             knobs=knobs,
             waiting=tuple(self._view(r) for r in live if r.status is not RequestStatus.RUNNING),
             running=tuple(self._view(r) for r in live if r.status is RequestStatus.RUNNING),
-            batch=self.last_batch, kv=kv, prefix_nodes=tuple(tree.summary()),
+            batch=self.last_batch, kv=kv, prefix_nodes=tuple(summarize_tree(tree)),
             num_finished=counts.get("finished_stopped", 0) + counts.get("finished_length", 0),
             num_rejected=counts.get("rejected", 0), num_aborted=counts.get("aborted", 0),
             num_preemptions=self.num_preemptions,

@@ -73,7 +73,11 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
                api_key: str | None = None, settings: Settings | None = None,
                limits: ServeLimits = ServeLimits()) -> Guard:
     """The API for one engine serving one model, behind its `Guard`; `loop` (which the
-    caller runs) publishes the snapshots /metrics and /health read."""
+    caller runs) publishes the snapshots /metrics and /health read.
+
+    Long because every route is registered here as a closure over this one app's engine,
+    output hub, metrics and limits (the FastAPI way of binding routes to one instance);
+    each route body is its own nested function."""
     app = FastAPI(title="kvdeck", version="1", docs_url=None, redoc_url=None)
     hub = OutputHub(engine)
     metrics = ServerMetrics(loop, model_id)

@@ -32,12 +32,12 @@ from kvdeck.runtime.kv.block_pool import (
     STATE_NAMES,
 )
 from kvdeck.runtime.kv.groups import LayerGroups
-from kvdeck.runtime.kv.prefix_tree import NodeSummary
 from kvdeck.runtime.kv.transfers import TransfersView
 from kvdeck.runtime.kv.window import held_by_group
 from kvdeck.runtime.spec.stats import SpeculationView
 from kvdeck.runtime.text.tokenizer import Tokenizer, forced_runs
 from kvdeck.runtime.views.figures import FiguresView
+from kvdeck.runtime.views.prefix import NodeSummary, summarize_tree
 
 if TYPE_CHECKING:
     from kvdeck.runtime.core.engine import Engine
@@ -295,7 +295,7 @@ class SnapshotBuilder:
         kv = self.engine.kv
         key = (kv.tree.version, kv.pool.cache_version, limit)
         if self._prefix is None or self._prefix[0] != key:
-            self._prefix = (key, tuple(kv.tree.summary(limit)))
+            self._prefix = (key, tuple(summarize_tree(kv.tree, limit)))
         return self._prefix[1]
 
     def _weights(self) -> WeightsView:
