@@ -373,11 +373,12 @@ class BlockManager:
 
         The common decode case (room left in an unshared tail block) touches nothing.
         """
-        table = self.table(req.request_id)
-        end = req.num_computed_tokens + num_new_tokens
-        if end <= len(table) * self.block_size and not self._tail_is_shared(req) and \
-                not (self.groups and self.window.tail_shared(req)):
-            return []
+        table = self.tables.get(req.request_id, _NO_BLOCKS)
+        n = req.num_computed_tokens
+        if n + num_new_tokens <= len(table) * self.block_size and (
+                n % self.block_size == 0 or self.pool.refcount[table[(n - 1) // self.block_size]]
+                < 2) and not (self.groups and self.window.tail_shared(req)):
+            return []  # the shared-tail test of `_tail_is_shared`, inlined: every decode step
         if not self.can_allocate(req, num_new_tokens):
             return None
         return self.allocate(req, num_new_tokens)
