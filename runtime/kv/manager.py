@@ -34,7 +34,7 @@ from kvdeck.runtime.kv.cache_admission import CacheAdmission
 from kvdeck.runtime.kv.formats import blocks_for_tokens
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.prefix_tree import PrefixNode, default_recompute_cost
-from kvdeck.runtime.kv.state import KVState
+from kvdeck.runtime.kv.state import Figure, KVState
 from kvdeck.runtime.kv.window import WindowTables
 
 _NO_BLOCKS: list[int] = []
@@ -89,29 +89,12 @@ class BlockManager:
         """`rid`'s block table; empty when it holds no block (the first Ref makes it)."""
         return self.tables.get(rid, _NO_BLOCKS)
 
-    @property
-    def num_reserved(self) -> int:
-        return self.state.num_reserved
-
-    @property
-    def namespace(self) -> str:
-        return self.state.namespace
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.state.bytes_per_block
-
-    @property
-    def page_groups(self) -> bytearray:
-        return self.state.page_groups
-
-    @property
-    def num_swap_outs(self) -> int:
-        return self.state.num_swap_outs
-
-    @property
-    def num_swap_ins(self) -> int:
-        return self.state.num_swap_ins
+    num_reserved = Figure("state")
+    namespace = Figure("state")
+    bytes_per_block = Figure("state")
+    page_groups = Figure("state")
+    num_swap_outs = Figure("state")
+    num_swap_ins = Figure("state")
 
     def _apply(self, event: ev.KVEvent) -> None:
         """Apply a decision; a lowered capacity then evicts what became evictable."""
@@ -250,18 +233,6 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for_tokens(num_tokens, self.block_size)
-
-    def _take_for(self, rid: str, n: int) -> list[int]:
-        """`n` free blocks for `rid`, evicting cached ones to make room, drawn first from
-        what was promised to it; the caller references them next, in this order."""
-        promised = min(self.reserved.get(rid, 0), n)
-        if promised:
-            self.apply(ev.Reserve(rid, -promised))
-        pool = self.pool
-        while pool.num_listed < n:
-            freed = self.tree.evict_one()
-            assert freed is not None, "no block to take (callers check the room first)"
-        return pool.pick(n)
 
     def pages_for(self, num_tokens: int, chunk_size: int, reserve_full: bool = False) -> int:
         """Pages one request of `num_tokens` tokens needs at its largest, computing

@@ -47,6 +47,21 @@ from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.prefix_tree import PrefixTree, RecomputeCost, default_recompute_cost
 from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HOST_SWAPPED, HostTier
 
+
+class Figure:
+    """A read-only attribute that is the KV state's, on whatever holds one in `holder`
+    (the block manager, replay): one copy of the figure, read where it lives."""
+
+    def __init__(self, holder: str):
+        self.holder = holder
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return getattr(getattr(obj, self.holder), self.name)
+
+
 REPLAY_NAMESPACE = "replay"
 """The one root replay files nodes under (a trace has their ids, not their tokens)."""
 

@@ -85,30 +85,6 @@ class TraceState:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.kv.bytes_per_block
-
-    @property
-    def num_reserved(self) -> int:
-        return self.kv.num_reserved
-
-    @property
-    def reserved(self) -> dict[str, int]:
-        return self.kv.reserved
-
-    @property
-    def page_groups(self) -> bytearray:
-        return self.kv.page_groups
-
-    @property
-    def num_swap_outs(self) -> int:
-        return self.kv.num_swap_outs
-
-    @property
-    def num_swap_ins(self) -> int:
-        return self.kv.num_swap_ins
-
     # -- checkpoints --------------------------------------------------------------------------
 
     def restore(self, cp: Checkpoint) -> None:
@@ -118,7 +94,7 @@ class TraceState:
         pool, host = cp.pool or {}, cp.host or {}
         self._new_kv(pool.get("num_blocks", self.num_blocks),
                      host.get("num_blocks", self.host.num_blocks),
-                     pool.get("bytes_per_block", self.bytes_per_block))
+                     pool.get("bytes_per_block", self.kv.bytes_per_block))
         self.switches = list(cp.switches)
         for sw in self.switches:
             if sw.knob == "offload_layers":
@@ -307,13 +283,13 @@ class TraceState:
         h, tree = self.header, self.tree
         kv_format = self.knobs.get("kv_format", h.get("kv_format", "?"))
         kv = KVView(self.num_blocks, self.block_size, kv_format,
-                    self.bytes_per_block, self.block_states(), self.pool.num_free,
-                    self.pool.num_cached_only, self.num_reserved, self.usage, tree.num_nodes,
+                    self.kv.bytes_per_block, self.block_states(), self.pool.num_free,
+                    self.pool.num_cached_only, self.kv.num_reserved, self.usage, tree.num_nodes,
                     tree.hit_rate, tree.num_evictions, self.num_cow, tree.num_query_tokens,
                     tree.num_hit_tokens, (),
                     h.get("draft_kv_bytes_per_token", {}).get(kv_format, 0) * self.block_size,
                     h.get("draft_model", ""),
-                    window_view(self.groups, self.pool.states, self.page_groups))
+                    window_view(self.groups, self.pool.states, self.kv.page_groups))
         live = [r for r in self.requests.values() if r.arrival_time <= self.time]
         counts = self.figures.status_counts
         knobs = Knobs(**self.knobs) if self.knobs else Knobs()
@@ -335,12 +311,12 @@ class TraceState:
 
     def transfers_view(self) -> TransfersView:
         log = self.transfer_log
-        counters = log.view_counters(self.num_swap_outs, self.num_swap_ins, self.tree)
+        counters = log.view_counters(self.kv.num_swap_outs, self.kv.num_swap_ins, self.tree)
         h = self.header
         link = h.get("link_bandwidth", 0.0)
         return TransfersView(
             link, h.get("link", f"{link / 1e9:,.1f} GB/s"), self.host.num_blocks,
-            self.host.num_swapped, self.host.num_demoted, self.bytes_per_block,
+            self.host.num_swapped, self.host.num_demoted, self.kv.bytes_per_block,
             bytes(self.host.states), tuple(self.host_tables), counters, log.last,
             tuple(log.recent), self.offload, self.offload_gain_bytes)
 

@@ -97,8 +97,9 @@ def assert_replays_as_lived(run: Path, live: list[dict]) -> Replay:
     return replay
 
 
-def drive(e: Engine, steps: int, live: list[dict], fork_at: int | None = None) -> None:
-    """Step `e` (the test is its engine thread), capturing a view after every step; at
+def drive(e: Engine, steps: int, live: list[dict], fork_at: int | None = None,
+          view=lambda e: view_of(e.snapshot())) -> None:
+    """Step `e` (the test is its engine thread), capturing `view(e)` after every step; at
     step `fork_at`, branch a running request so copy-on-write happens."""
     for _ in range(steps):
         if fork_at is not None and e.step_count == fork_at:
@@ -107,7 +108,7 @@ def drive(e: Engine, steps: int, live: list[dict], fork_at: int | None = None) -
             e.fork(parent, parent.request_id + "-fork")
         if e.step() is not None:
             e.check_integrity()
-            live.append(view_of(e.snapshot()))
+            live.append(view(e))
         if not e.has_work:
             break
 

@@ -15,21 +15,12 @@ from kvdeck.runtime.kv.manager import BlockManager
 from kvdeck.runtime.runs.recording import read_run, record_headless
 from kvdeck.runtime.runs.replay import Replay
 from kvdeck.runtime.runs.trace import synthesize_tokens
-from tests.integration.test_engine_sim import workload
+from tests.integration.test_engine_sim import drive, workload
 
 
 def lived(e: Engine, steps: int, tables: list[dict], fork_at: int | None = None) -> None:
     """Step `e`, keeping every table of its KV state after each step."""
-    for _ in range(steps):
-        if fork_at is not None and e.step_count == fork_at:
-            parent = next(r for r in e.scheduler.running
-                          if r.num_computed_tokens % e.config.block_size)
-            e.fork(parent, parent.request_id + "-fork")
-        if e.step() is not None:
-            e.check_integrity()
-            tables.append(e.kv.state.as_data())
-        if not e.has_work:
-            break
+    drive(e, steps, tables, fork_at, view=lambda e: e.kv.state.as_data())
 
 
 def assert_same_tables(run: Path, tables: list[dict]) -> set[str]:

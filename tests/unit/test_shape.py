@@ -14,7 +14,7 @@ MAX_FUNCTION_LINES = 80
 ENGINE_MAX_LINES = 450
 
 # Still over the limits, to be split (issue "A house one can live in").
-LONG_FILES = {"runtime/kv/manager.py", "runtime/kv/prefix_tree.py", "runtime/core/scheduler.py",
+LONG_FILES = {"runtime/kv/prefix_tree.py", "runtime/core/scheduler.py",
               "runtime/executors/torch.py"}
 LONG_FUNCTIONS = {"runtime/executors/llama_cpp.py:__init__",
                   "runtime/executors/llama_cpp.py:execute",
