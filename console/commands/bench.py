@@ -112,7 +112,7 @@ def bench(opts: BenchOptions, settings: SettingsRequest = SettingsRequest(),
     from kvdeck.console.run_views import render_summary
     from kvdeck.runtime.views.metrics import SLO
 
-    setup_logging(log_level)
+    guarded(lambda: setup_logging(log_level))
     _check(opts)
     items = guarded(lambda: _arrivals(opts))
     slo = guarded(lambda: SLO(opts.slo_ttft, opts.slo_tpot, opts.slo_e2e))

@@ -53,7 +53,8 @@ class Switch:
         d: dict[str, Any] = {"knob": self.knob, "from": self.old, "to": self.new}
         for f in fields(self)[3:]:
             value = getattr(self, f.name)
-            if value or f.name in ("seconds", "measured", "bytes"):
+            if value or f.name in ("seconds", "measured", "bytes") or \
+                    (f.name == "step" and value is not None):
                 d[f.name] = list(value) if isinstance(value, tuple) else value
         return d
 
