@@ -17,7 +17,8 @@ has finished.
 
 Who is preempted and how (`policies/preemption.py`), the queue order
 (`policies/queue_order.py`), what admission refuses (`policies/admission.py`) and the
-adaptive draft length (`policies/draft_length.py`) are policies of their own.
+adaptive draft length (`policies/draft_length.py`) are policies of their own. Carrying out
+a preemption is `preempt.py`; when a request stops after a token, `stop_rules.py`.
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from kvdeck.runtime.core import preempt
 from kvdeck.runtime.core.config import EngineConfig, Knobs
 from kvdeck.runtime.core.policies.admission import DeadlineAdmission, never_fits
 from kvdeck.runtime.core.policies.draft_length import DraftLengths
-from kvdeck.runtime.core.policies.preemption import arrival_victim, pick_victim, preemption_mode
-from kvdeck.runtime.core.policies.queue_order import priority_key, queue_order
+from kvdeck.runtime.core.policies.preemption import preemption_mode
+from kvdeck.runtime.core.policies.queue_order import queue_order
 from kvdeck.runtime.core.request import Request, RequestStatus
 from kvdeck.runtime.core.step_budget import StepBudget, StepTotals
 from kvdeck.runtime.core.step_data import Estimator, ScheduledChunk, SchedulerOutput, StepResult
+from kvdeck.runtime.core.stop_rules import finish_reason, stop_after
 from kvdeck.runtime.kv.manager import BlockManager
 from kvdeck.runtime.spec.stats import SpecStats
 
@@ -143,7 +146,7 @@ class Scheduler:
             status = self._take_token(child, result, now)
             if status is not None:
                 self.running.remove(child)
-                self._finish(child, status, self._why(child, status), now)
+                self._finish(child, status, finish_reason(child, status), now)
 
     def reject(self, req: Request, reason: str, now: float) -> None:
         self._finish(req, RequestStatus.REJECTED, reason, now)
@@ -178,7 +181,7 @@ class Scheduler:
         budget = k.max_num_batched_tokens
         scheduled: set[str] = set()
         if k.queue_policy == "priority" and self.waiting and self.running:
-            self._preempt_for_arrival(plan, now)
+            preempt.preempt_for_arrival(self, plan, now)
         for_arrival = len(plan.preempted)  # these make room for an admission this step
         # Decodes first, then running prefills, each in admission order.
         decodes: list[Request] = []
@@ -202,7 +205,7 @@ class Scheduler:
             if n == 0:
                 plan.limit = "ITL target (itl_target_ms): the step has no room for more"
                 break
-            cows = self._make_room(req, n, scheduled, plan)
+            cows = preempt.make_room(self, req, n, scheduled, plan)
             if cows is None:
                 continue
             plan.cow_copies.extend(cows)
@@ -255,7 +258,7 @@ class Scheduler:
             k, draft = self._draft(req, budget, len(decodes)) if speculate else (0, ())
             if k:
                 # A draft model's tokens come in the step (`ScheduledChunk.draft`).
-                cows = self._make_room(req, 1 + k, scheduled, plan)
+                cows = preempt.make_room(self, req, 1 + k, scheduled, plan)
                 if cows is None:
                     continue
                 plan.cow_copies.extend(cows)
@@ -268,7 +271,7 @@ class Scheduler:
             table = tables[rid]
             c = req.num_computed_tokens
             if c % p == 0 or refcount[table[c // p]] != 1:
-                cows = self._make_room(req, 1, scheduled, plan)
+                cows = preempt.make_room(self, req, 1, scheduled, plan)
                 if cows is None:
                     continue
                 plan.cow_copies.extend(cows)
@@ -315,103 +318,20 @@ class Scheduler:
         ))
         plan.num_prefill_tokens += n
 
-    def _make_room(self, req: Request, n: int, scheduled: set[str],
-                   plan: SchedulerOutput) -> list[tuple[int, int]] | None:
-        """Grow `req` by `n` tokens, preempting others as needed; returns the copy-on-write
-        pairs, or None if `req` itself had to be preempted."""
-        while True:
-            cows = self.kv.try_allocate(req, n)
-            if cows is not None:
-                return cows
-            victim = pick_victim(self.running, scheduled, self.knobs.queue_policy)
-            self._preempt(victim, plan)
-            if victim is req:
-                return None
-
-    def _preempt_for_arrival(self, plan: SchedulerOutput, now: float) -> None:
-        """Under `priority`: preempt lower-priority running requests until the queue's first
-        request can start (see the module docstring for the bound)."""
-        k = self.knobs
-        head = min(self.waiting, key=priority_key(k, now))  # the queue's first, no sort
-        if head.status is not RequestStatus.WAITING or \
-                now - head.arrival_time >= k.priority_max_wait_s:
-            return  # resumed requests and aged ones take their turn without preempting
-        full = k.reservation == "full"
-        if never_fits(head, full, self.kv, k.chunk_size):
-            return
-        while True:
-            chain = self.kv.prefix_chain(head)  # preempted blocks may have been cached ones
-            n = min(head.num_tokens - len(chain) * self.kv.block_size, k.chunk_size,
-                    k.max_num_batched_tokens)
-            if len(self.running) < k.max_num_seqs and self.kv.can_admit(head, n, full, chain):
-                return
-            victim = arrival_victim(self.running, head)
-            if victim is None:
-                return
-            victim.num_arrival_preemptions += 1
-            swap = self.preemption_mode(victim) == "swap"
-            self._preempt_now(victim, now, f"for higher-priority {head.request_id} "
-                                           f"(priority {head.priority} < {victim.priority})"
-                              + ("" if swap else "; blocks freed, to be recomputed"), swap)
-            if swap:
-                plan.swapped.append(victim.request_id)
-            plan.preempted.append(victim.request_id)
-
-    def _preempt(self, req: Request, plan: SchedulerOutput) -> None:
-        swap = self.preemption_mode(req) == "swap"
-        self._preempt_now(req, plan.time, swap=swap)
-        if swap:
-            plan.swapped.append(req.request_id)
-        plan.preempted.append(req.request_id)
-
     def preemption_mode(self, req: Request) -> str:
         """How `req` would be preempted now: `swap` or `recompute`."""
         return preemption_mode(req, self.knobs.preemption, self.kv, self.estimate)
 
-    def _preempt_now(self, req: Request, now: float,
-                     why: str = "blocks freed, to be recomputed", swap: bool = False) -> None:
-        """Take `req` out of the batch to the head of the queue: its blocks freed (it
-        recomputes), or with `swap` its computed blocks copied to the host tier first (it
-        resumes where it stopped)."""
-        self.running.remove(req)
-        if swap:
-            n = self.kv.swap_out(req)
-            req.status = RequestStatus.SWAPPED
-            why = f"{n:,} blocks swapped out to the host"
-            self.num_swapped += 1
-        else:
-            self.kv.release(req)
-            req.status = RequestStatus.PREEMPTED
-            req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        req.events.append((now, f"preempted: {why}"))
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
-
     def unswap_all(self, now: float, why: str) -> list[str]:
         """Swapped-out requests lose their host copies and will recompute (the host tier
-        is being dropped). Returns their ids."""
-        out = []
-        for req in self.waiting:
-            if req.status is RequestStatus.SWAPPED:
-                self.kv.unswap(req)
-                req.status = RequestStatus.PREEMPTED
-                req.num_computed_tokens = 0
-                req.events.append((now, f"host copy dropped ({why}): to be recomputed"))
-                out.append(req.request_id)
-        return out
+        is being dropped). Returns their ids (`preempt.unswap_all`)."""
+        return preempt.unswap_all(self, now, why)
 
     def preempt_to_fit(self, num_blocks: int, now: float, why: str) -> list[str]:
-        """Between steps: preempt running requests (the scheduler's usual victims, latest
-        admitted first) until the blocks they hold plus reservations fit in `num_blocks`.
-        Returns the ids preempted, in order."""
-        out: list[str] = []
-        kv = self.kv
-        while self.running and kv.pool.num_held + kv.num_reserved > num_blocks:
-            victim = pick_victim(self.running, set(), self.knobs.queue_policy)
-            self._preempt_now(victim, now, why)
-            out.append(victim.request_id)
-        return out
+        """Between steps: preempt running requests until the blocks they hold plus
+        reservations fit in `num_blocks`. Returns the ids preempted, in order
+        (`preempt.preempt_to_fit`)."""
+        return preempt.preempt_to_fit(self, num_blocks, now, why)
 
     def _admit(self, plan: SchedulerOutput, budget: int, scheduled: set[str],
                now: float) -> int:
@@ -577,7 +497,7 @@ class Scheduler:
                 self.kv.slide(req)
             if status is not None:
                 self.running.remove(req)
-                self._finish(req, status, self._why(req, status), now)
+                self._finish(req, status, finish_reason(req, status), now)
                 done.append(req)
         if emitted:
             self.drafts.last_step = (result.timing.seconds, emitted)
@@ -595,38 +515,7 @@ class Scheduler:
         if req.first_token_time is None:
             req.first_token_time = now
             req.events.append((now, "first token"))
-        return self._stop_after(req, token)
-
-    def _stop_after(self, req: Request, token: int) -> RequestStatus | None:
-        """The stop rules for `token`, just appended to `req`'s output: end of sequence or a
-        stop token id, `max_tokens` or the context limit, or a stop string (the detokenizer
-        takes the token here). None: the request goes on."""
-        sp = req.sampling
-        out = req.output_token_ids
-        status = None
-        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
-            status = RequestStatus.FINISHED_STOPPED
-        elif len(out) >= sp.max_tokens or len(req.prompt_token_ids) + len(out) >= \
-                self.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        det = req.detokenizer
-        if det is not None:
-            det.push(token)
-            if det.stopped_by is not None:
-                status = RequestStatus.FINISHED_STOPPED
-        guide = req.guide
-        if guide is not None and status is None:
-            if not guide.commit(token):  # masking prevents this: end it, and say why
-                req.error = f"the output left its constraint ({guide.error})"
-                status = RequestStatus.ABORTED
-            elif guide.finished:  # complete, and nothing may follow but the end
-                status = RequestStatus.FINISHED_STOPPED
-        return status
-
-    @staticmethod
-    def _why(req: Request, status: RequestStatus) -> str:
-        """The reason a request that stopped after a token is finished with."""
-        return req.error if status is RequestStatus.ABORTED and req.error else status.value
+        return stop_after(req, token, self.eos_token_ids, self.max_model_len)
 
     def _apply_draft(self, chunk: ScheduledChunk, tokens: list[int], now: float,
                      seconds: float) -> tuple[RequestStatus | None, int]:
@@ -642,7 +531,7 @@ class Scheduler:
             out.append(token)
             req.token_times.append(now)
             emitted += 1
-            status = self._stop_after(req, token)
+            status = stop_after(req, token, self.eos_token_ids, self.max_model_len)
             if status is not None:
                 break  # tokens after a stop are never emitted, as without speculation
         chunk.emitted = emitted

@@ -33,7 +33,7 @@ from kvdeck.runtime.kv.block_pool import BlockPool
 from kvdeck.runtime.kv.cache_admission import CacheAdmission
 from kvdeck.runtime.kv.formats import blocks_for_tokens
 from kvdeck.runtime.kv.groups import LayerGroups
-from kvdeck.runtime.kv.prefix_tree import PrefixNode, default_recompute_cost
+from kvdeck.runtime.kv.prefix_node import PrefixNode, default_recompute_cost
 from kvdeck.runtime.kv.state import Figure, KVState
 from kvdeck.runtime.kv.window import WindowTables
 

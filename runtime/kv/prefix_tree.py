@@ -35,67 +35,27 @@ Eviction policies (device victims; the host tier's own victims follow the same p
   back and `T_m` the one copy out, each `bytes / link bandwidth` (measured). A device block
   is demoted only when its host value is positive, and the device victim is the block whose
   eviction loses least: `V_device − max(V_host, 0)` when it would be demoted.
+
+The node record is `kv/prefix_node.py`; the tree as checkpoint data (export, and the load
+that replay rebuilds it with) is `kv/prefix_checkpoint.py`.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvdeck.runtime.kv.block_pool import BlockStates
 from kvdeck.runtime.kv.events import Cache, Demote, Evict, KVEvent, WinEvict
+from kvdeck.runtime.kv.prefix_node import (
+    PrefixNode,
+    RecomputeCost,
+    default_recompute_cost,
+    pop_oldest,
+)
 from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HostTier
 
-RecomputeCost = Callable[[int, int], float]
-"""(tokens before the block, tokens in the block) -> seconds to recompute it."""
-
-
-def default_recompute_cost(num_prior: int, num_new: int) -> float:
-    pairs = num_new * num_prior + num_new * (num_new + 1) // 2
-    return 1e-4 * num_new + 1e-9 * pairs
-
-
-@dataclass(eq=False)
-class PrefixNode:
-    """One cached full block."""
-
-    node_id: int
-    parent: PrefixNode | None
-    key: tuple[int, ...]
-    """The block's tokens (replay, which has no tokens, keys nodes by their id instead)."""
-    block: int
-    depth_tokens: int
-    """Tokens from the root through the end of this block."""
-    created_lookup: int
-    last_access: int
-    """Engine step of the last use."""
-    hits: int = 0
-    children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
-    host_block: int = -1
-    """The host block holding a demoted node's KV (−1: on the device, in `block`)."""
-    local: tuple[int, ...] = ()
-    """Its sliding-window pages, when the cache keeps them (`free_window_kv`)."""
-
-    @property
-    def on_host(self) -> bool:
-        return self.host_block >= 0
-
-
 Copies = list
-
-
-def _oldest(heap: list[tuple[int, int, PrefixNode]], leaves: set[PrefixNode]) -> PrefixNode:
-    """Pop the least recently used of (non-empty) `leaves` from their lazy heap of (last
-    access, id, node) entries: entries of nodes touched or gone since are skipped, and when
-    every entry was stale the heap is rebuilt in place."""
-    while True:
-        while heap:
-            stamp, _, node = heapq.heappop(heap)
-            if node in leaves and stamp == node.last_access:
-                return node
-        heap[:] = [(n.last_access, n.node_id, n) for n in leaves]
-        heapq.heapify(heap)
 """Pending block copies, each `(kind, direction, what, [[src, dst], ...])`, in the order
 they must run (`BlockManager.copies`)."""
 
@@ -239,39 +199,6 @@ class PrefixTree:
         node.last_access = now
         self.version += 1
 
-    def export(self) -> tuple[list[list[int]], dict[str, int]]:
-        """The tree as checkpoint data: [node id, parent id, block, end token, hits, last
-        access, created lookup, host block, window pages] per node (parents first), and the
-        counters."""
-        nodes = [[n.node_id, n.parent.node_id if n.parent else 0,
-                  n.block, n.depth_tokens, n.hits, n.last_access, n.created_lookup,
-                  n.host_block, list(n.local)]
-                 for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]
-        counters = {"lookups": self.num_lookups, "query_tokens": self.num_query_tokens,
-                    "hit_tokens": self.num_hit_tokens, "evictions": self.num_evictions,
-                    "demotions": self.num_demotions, "promotions": self.num_promotions,
-                    "host_hit_tokens": self.num_host_hit_tokens}
-        return nodes, counters
-
-    def load(self, nodes: list[list[int]], counters: dict[str, int]) -> None:
-        """Rebuild from `export()` data into an empty tree (replay)."""
-        for node_id, parent_id, block, _end, hits, last_access, created, *rest in nodes:
-            host_block = rest[0] if rest else -1
-            if host_block >= 0:  # demoted: enters on the device, then moves to the host
-                self.host_nodes_restore(node_id, parent_id, host_block, last_access, created)
-            else:
-                self.restore(node_id, parent_id, block, last_access, created)
-                if len(rest) > 1 and rest[1]:
-                    self.attach_local(self.nodes[node_id], rest[1], last_access)
-            self.nodes[node_id].hits = hits
-        self.num_lookups = counters["lookups"]
-        self.num_query_tokens = counters["query_tokens"]
-        self.num_hit_tokens = counters["hit_tokens"]
-        self.num_evictions = counters["evictions"]
-        self.num_demotions = counters.get("demotions", 0)
-        self.num_promotions = counters.get("promotions", 0)
-        self.num_host_hit_tokens = counters.get("host_hit_tokens", 0)
-
     def host_nodes_restore(self, node_id: int, parent_id: int, host_block: int, now: int,
                            created_lookup: int) -> PrefixNode:
         """Re-create a demoted node in host block `host_block` (checkpoint loading)."""
@@ -409,7 +336,7 @@ class PrefixTree:
             return None
         if self.policy == "value":
             return min(self._leaves, key=lambda n: (self._eviction_loss(n), n.node_id))
-        return _oldest(self._heap, self._leaves)
+        return pop_oldest(self._heap, self._leaves)
 
     def evict_one(self, node_only: bool = False) -> int | None:
         """Evict one evictable device leaf — demoted to the host tier when that is worth it
@@ -469,7 +396,7 @@ class PrefixTree:
         if self.policy == "value":
             return min(self._host_leaves,
                        key=lambda n: (self.retention_value(n, "host"), n.node_id))
-        return _oldest(self._host_heap, self._host_leaves)
+        return pop_oldest(self._host_heap, self._host_leaves)
 
     def _note_host_leaf(self, node: PrefixNode) -> None:
         if node.on_host and not node.children and node not in self._host_leaves:

@@ -44,7 +44,9 @@ from kvdeck.runtime.kv.events import (
     WinUnref,
 )
 from kvdeck.runtime.kv.groups import LayerGroups
-from kvdeck.runtime.kv.prefix_tree import PrefixTree, RecomputeCost, default_recompute_cost
+from kvdeck.runtime.kv.prefix_checkpoint import export_tree, load_tree
+from kvdeck.runtime.kv.prefix_node import RecomputeCost, default_recompute_cost
+from kvdeck.runtime.kv.prefix_tree import PrefixTree
 from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HOST_SWAPPED, HostTier
 
 
@@ -309,7 +311,7 @@ class KVState:
     def checkpoint_fields(self) -> dict[str, Any]:
         """The checkpoint's KV entries (`core/checkpoint.py`), the same live and replayed:
         tables, window tables, reservations, the tree's nodes and counters."""
-        nodes, counters = self.tree.export()
+        nodes, counters = export_tree(self.tree)
         return {"tables": {rid: list(t) for rid, t in self.tables.items()},
                 "window_tables": {rid: [list(t) for t in wt]
                                   for rid, wt in self.window_tables.items()}
@@ -322,7 +324,7 @@ class KVState:
                 host_tables: dict[str, list[int]]) -> None:
         """Load a checkpoint's KV entries into this empty state (replay)."""
         pool = self.pool
-        self.tree.load(nodes, tree)
+        load_tree(self.tree, nodes, tree)
         for node in self.tree.nodes.values():
             for page in node.local:
                 self.page_groups[page] = 1
@@ -360,7 +362,7 @@ class KVState:
                 "reserved": dict(self.reserved), "num_reserved": self.num_reserved,
                 "refcount": list(self.pool.refcount), "states": bytes(self.pool.states),
                 "cached": bytes(self.pool.cached), "host_states": bytes(self.host.states),
-                **dict(zip(("nodes", "tree"), self.tree.export(), strict=True))}
+                **dict(zip(("nodes", "tree"), export_tree(self.tree), strict=True))}
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless refcounts equal table entries plus cache references,

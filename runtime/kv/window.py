@@ -28,7 +28,7 @@ from kvdeck.runtime.core.request import Request
 from kvdeck.runtime.kv.block_pool import CACHED_ACTIVE, PRIVATE, SHARED
 from kvdeck.runtime.kv.events import WinCache, WinRef, WinUnref
 from kvdeck.runtime.kv.groups import LayerGroups
-from kvdeck.runtime.kv.prefix_tree import PrefixNode
+from kvdeck.runtime.kv.prefix_node import PrefixNode
 from kvdeck.runtime.kv.state import KVState
 
 _HELD = bytes(1 if s in (PRIVATE, SHARED, CACHED_ACTIVE) else 0 for s in range(256))

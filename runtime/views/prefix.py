@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvdeck.runtime.kv.prefix_tree import PrefixNode, PrefixTree
+from kvdeck.runtime.kv.prefix_node import PrefixNode
+from kvdeck.runtime.kv.prefix_tree import PrefixTree
 
 
 @dataclass(frozen=True)

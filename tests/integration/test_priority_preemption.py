@@ -1,4 +1,4 @@
-"""Priority preemption on arrival (`Scheduler._preempt_for_arrival`) on the sim: a
+"""Priority preemption on arrival (`core/preempt.py`, `preempt_for_arrival`) on the sim: a
 high-priority request that finds the pool or the batch full preempts lower-priority running
 requests and finishes first; equal priorities are never preempted for it; and the bound
 that keeps a stream of high-priority arrivals from starving the rest holds for random
