@@ -1,4 +1,4 @@
-"""Comparing llama.cpp outputs that may differ at kernel ties."""
+"""Comparing outputs that may differ at kernel ties (llama.cpp's batched rows, bf16 rows)."""
 
 from __future__ import annotations
 

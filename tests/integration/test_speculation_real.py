@@ -104,11 +104,14 @@ def test_draft_model_speculation_on_the_qwen_pair_is_lossless(qwen_pair, executo
                                     executor=executor, dtype=dtype)
     got, passes, stats = run(target, "draft", draft, texts=CODE, max_tokens=24,
                              executor=executor, dtype=dtype)
-    if executor == "llama_cpp":
-        prompts = {f"t{i}": t for i, t in enumerate(CODE)} | {"plain": PLAIN}
-        assert_equal_up_to_kernel_ties(target, prompts, expected, got)
-    else:
-        assert got == expected
+    # Up to kernel ties on both: llama.cpp's rows (see run()), and torch's in bf16, where a
+    # verify chunk's 1 + k rows are multiplied in other shapes than a lone decode row and
+    # round differently (on an AMX Xeon, t1's fourth token flipped between two tokens
+    # 0.048 apart in the reference's logits). bf16 rounds a logit of ~17 by up to ~0.07, so
+    # its ties are wider; a wrong verify or rollback still diverges at a clear winner.
+    prompts = {f"t{i}": t for i, t in enumerate(CODE)} | {"plain": PLAIN}
+    assert_equal_up_to_kernel_ties(target, prompts, expected, got,
+                                   tol=0.25 if dtype == "bf16" else 0.05)
     assert stats.acceptance_rate > 0.5  # the 0.5B agrees with the 1.5B on most code tokens
     assert stats.draft_seconds > 0
     assert passes < plain_passes
