@@ -33,7 +33,7 @@ def run(capacity: int, k: int) -> dict:
                   prefix_cache_capacity=capacity, cache_admission_k=k)
     engine = Engine(EngineConfig(kv_memory_bytes=16 * GIB, knobs=knobs), ex)
     arrivals = load_arrivals(resolve_trace(TRACE), time_scale=TIME_SCALE)
-    s = run_arrivals(engine, arrivals, vocab_size=ex.vocab_size)["summary"]
+    s = run_arrivals(engine, arrivals, vocab_size=ex.info.vocab_size)["summary"]
     engine.check_integrity()
     return {"capacity": capacity, "k": k, "hit_rate": s["prefix_hit_rate"],
             "evictions": s["num_evictions"], "ttft_p50_s": s["ttft_s"]["p50"],

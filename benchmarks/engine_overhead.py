@@ -19,6 +19,7 @@ from kvdeck.runtime.core.config import EngineConfig, Knobs
 from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+from kvdeck.runtime.views.snapshot import snapshot_of
 
 CONTEXT = 2048
 SHARED = 512
@@ -55,7 +56,7 @@ def measure(n: int, steps: int) -> dict:
     for _ in range(20):
         e.step()
         t0 = time.perf_counter()
-        e.snapshot()
+        snapshot_of(e)
         snap += (time.perf_counter() - t0) / 20
     e.check_integrity()
     return {"running": n, "steps": steps, "ms_per_iteration": per_step * 1e3,

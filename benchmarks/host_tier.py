@@ -46,7 +46,7 @@ def run(capacity: int, policy: str, host_bytes: int, preemption: str = "recomput
     engine = Engine(EngineConfig(kv_memory_bytes=16 * GIB, host_kv_memory_bytes=host_bytes,
                                  knobs=knobs), ex)
     arrivals = load_arrivals(resolve_trace(TRACE), time_scale=TIME_SCALE)
-    s = run_arrivals(engine, arrivals, vocab_size=ex.vocab_size)["summary"]
+    s = run_arrivals(engine, arrivals, vocab_size=ex.info.vocab_size)["summary"]
     engine.check_integrity()
     query = s["prefix_query_tokens"] or 1
     return {"capacity": capacity, "policy": policy, "host_gib": host_bytes / GIB,

@@ -23,7 +23,7 @@ from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 from kvdeck.runtime.runs.runner import run_arrivals
 from kvdeck.runtime.runs.trace import Arrival
-from kvdeck.runtime.views.metrics import Distribution
+from kvdeck.runtime.stats.metrics import Distribution
 
 TARGETS = (0.0, 150.0, 300.0)
 
@@ -36,7 +36,7 @@ def run(ex: TorchExecutor, target_ms: float) -> dict:
     e.recorder = records.append
     arrivals = [Arrival(0.0, 128, 160, request_id=f"d{i}") for i in range(4)]
     arrivals.append(Arrival(2.0, 3000, 4, request_id="long"))
-    result = run_arrivals(e, arrivals, vocab_size=ex.vocab_size)
+    result = run_arrivals(e, arrivals, vocab_size=ex.info.vocab_size)
     e.check_integrity()
     by_id = {r["request_id"]: r for r in result["requests"]}
     gaps = [x for i in range(4) for x in by_id[f"d{i}"]["itls"]]

@@ -55,7 +55,7 @@ def measured(ex: TorchExecutor, n: int) -> tuple[float, float]:
         max_num_batched_tokens=BUDGET, chunk_size=BUDGET, kv_format="fp32",
         weight_format="dense", enable_prefix_caching=False)), ex)
     reqs = run_arrivals(e, [Arrival(0.0, PROMPT, OUTPUT) for _ in range(n)],
-                        vocab_size=ex.vocab_size)["requests"]
+                        vocab_size=ex.info.vocab_size)["requests"]
     e.check_integrity()
     return max(r["ttft"] for r in reqs), max(r["e2e"] for r in reqs)
 

@@ -182,7 +182,7 @@ def quality(path: Path, tok: Tokenizer, threads: int) -> list:
     for act in ("measured", "fp32"):
         ex = TorchExecutor(path, device="cpu", dtype="fp32", threads=threads,
                            weight_activations=act)
-        label = f"activations {ex.activations_for('int8')}"
+        label = f"activations {ex.packer.activations_for('int8')}"
         weights = ("bf16", "int8", "int4") if act == "measured" else ("int8",)
         kv = tuple(f for f in kv_formats_for(ex.cfg.info.head_dim, ex.device)
                    if f != "fp32") if act == "measured" else ()
@@ -210,10 +210,10 @@ def main(out_dir: Path = Path("bench-results")) -> dict:
     print(f"model {path.name}; {threads} threads; torch {torch.__version__}; CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; flags: {cpu_flags()}; read "
           f"bandwidth {bandwidth / 1e9:.1f} GB/s")
-    k = ex.kernels
+    k = ex.packer.kernels
     print(f"kernel micro-benchmark ({'cached' if k.cached else f'{k.seconds_spent:.1f} s'}; "
-          f"int8 activations {ex.activations_for('int8')}, int4 "
-          f"{ex.activations_for('int4')}; measured default "
+          f"int8 activations {ex.packer.activations_for('int8')}, int4 "
+          f"{ex.packer.activations_for('int4')}; measured default "
           f"{ex.resolve_weight_formats('measured')}):")
     for line in describe(k):
         print(f"  {line}")

@@ -64,8 +64,7 @@ def run_engine(ex, reqs: list[list[int]], concurrency: int) -> dict:
     each step's (seconds, bytes read, decode rows, prefill tokens)."""
     cfg = EngineConfig(kv_memory_bytes=512 << 20, knobs=Knobs(
         max_num_seqs=concurrency, max_num_batched_tokens=4096, chunk_size=4096,
-        enable_prefix_caching=False, weight_format="dense" if ex.name == "llama_cpp"
-        else "measured"))
+        enable_prefix_caching=False, weight_format="measured"))
     e = Engine(cfg, ex)
     sp = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     records: list[StepRecord] = []

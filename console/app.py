@@ -44,13 +44,13 @@ from kvdeck.console.widgets.prompt import (
 from kvdeck.console.widgets.queue import QueuePanel
 from kvdeck.runtime.core.commands import SetPriority, Watch
 from kvdeck.runtime.core.engine import Engine
-from kvdeck.runtime.core.loop import EngineLoop
 from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.runs.loop import EngineLoop
 from kvdeck.runtime.runs.recording import Recorder, record_live, stop_live
 from kvdeck.runtime.runs.traffic import TrafficGenerator
 from kvdeck.runtime.settings import Settings, to_toml
-from kvdeck.runtime.views.snapshot import EngineSnapshot
+from kvdeck.runtime.views.snapshot import EngineSnapshot, snapshot_of
 
 
 class SnapshotReady(Message):
@@ -106,7 +106,7 @@ class KvdeckApp(ConsoleApp):
         self._prompts = 0
         self.before_shutdown: list = []
         """Called first when the console quits (e.g. stopping an API server beside it)."""
-        self.sub_title = f"{engine.executor.model_name} · {engine.executor.name}"
+        self.sub_title = f"{engine.executor.info.model_name} · {engine.executor.info.name}"
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -118,7 +118,7 @@ class KvdeckApp(ConsoleApp):
 
     def _resident_bytes(self) -> tuple[int, int]:
         """(weights, KV pool) bytes the engine holds, for the hardware strip."""
-        snap = self.latest or self.engine.snapshot()
+        snap = self.latest or snapshot_of(self.engine)
         kv = snap.kv
         weights = snap.weights.resident_bytes if snap.weights is not None else 0
         return weights, kv.num_blocks * (kv.bytes_per_block + kv.draft_bytes_per_block)
@@ -128,7 +128,7 @@ class KvdeckApp(ConsoleApp):
         self.query_one(HardwareStrip).refresh_readings()
         if self.hardware:
             self.set_interval(1.0, self.query_one(HardwareStrip).refresh_readings)
-        snap = self.engine.snapshot()
+        snap = snapshot_of(self.engine)
         self.render_snapshot(snap)
         if self.settings is not None and self.settings.executor_choice:
             self.notify(self.settings.executor_choice, title="Executor", timeout=8)

@@ -14,6 +14,7 @@ from kvdeck.runtime.runs.recording import record_headless
 from kvdeck.runtime.runs.traffic import TrafficGenerator
 from kvdeck.runtime.session import build_session
 from kvdeck.runtime.settings import resolve
+from kvdeck.runtime.views.snapshot import snapshot_of
 
 
 def make_demo_app(runs_dir: Path | None = None, autostart: bool = False,
@@ -37,7 +38,7 @@ def advance(app: KvdeckApp, steps: int) -> None:
         app.traffic(app.engine)
         app.engine.step()
         app.engine.check_integrity()
-    app.render_snapshot(app.engine.snapshot())
+    app.render_snapshot(snapshot_of(app.engine))
 
 
 async def _shoot(out: Path, size: tuple[int, int], steps: int, keys: list[str], name: str):

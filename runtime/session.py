@@ -37,7 +37,7 @@ class Session:
 
     @property
     def vocab_size(self) -> int:
-        return self.executor.vocab_size
+        return self.executor.info.vocab_size
 
     def close(self) -> None:
         self.engine.close()
@@ -104,18 +104,18 @@ def build_session(settings: Settings, *, live: bool = False,
         model_id = s.served_model_name or executor.model.name
     else:
         executor = build_executor(settings)
-        note = getattr(executor, "repack_note", "")
+        note = executor.info.start_note
         if note:  # llama.cpp runs in a mode other than its fastest: the start-up line says so
             settings = dataclasses.replace(settings, executor_choice="; ".join(
                 x for x in (settings.executor_choice, note) if x))
         if with_tokenizer:
-            tokenizer = _real_tokenizer(executor.model_path)
+            tokenizer = _real_tokenizer(executor.info.model_path)
         # A registry name as given ("qwen2.5-coder-0.5b"), a path by its file name.
         model_id = s.served_model_name or \
             Path(s.model or DEFAULT_MODEL).name.removesuffix(".gguf")
     try:
         engine = Engine(settings.engine, executor, tokenizer=tokenizer,
-                        pace=s.pace if live and executor.virtual_time else None)
+                        pace=s.pace if live and executor.info.virtual_time else None)
     except BaseException:
         executor.close()
         raise

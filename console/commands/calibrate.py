@@ -44,12 +44,12 @@ def calibrate(
 
     ex = guarded(build)
     say = (lambda msg: None) if as_json else out.print
-    say(f"calibrating {ex.model_name} on {ex.device} ({ex.dtype_name})")
+    say(f"calibrating {ex.info.model_name} on {ex.device} ({ex.dtype_name})")
     points = sweep(ex, quick=quick, progress=say)
     fit = fit_step_model(points)
     bandwidth, flops = measure_machine(str(ex.device))
     link = measure_link(ex.device).bandwidth
-    profile = name or Path(str(ex.model_path)).stem
+    profile = name or Path(str(ex.info.model_path)).stem
     hw = hardware_name(ex)
     model_file, hw_file = write_profiles(ex, fit, profile, hw, bandwidth, flops, points, link)
     measured = HardwareProfile.load(hw)

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from kvdeck.console.model_report import human_bytes
 from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.views.snapshot import snapshot_of
 
 out = Console()
 
@@ -39,9 +40,9 @@ def print_json(data: Any) -> None:
 
 def settings_line(session) -> str:
     """The settings a command runs with, in one line (printed at start-up)."""
-    snap = session.engine.snapshot()
+    snap = snapshot_of(session.engine)
     k = snap.knobs
-    slots = getattr(session.executor, "n_parallel", None)
+    slots = session.executor.info.slots
     # llama.cpp splits the pool evenly over its slots: say where a longer context comes from.
     per_slot = f" (the pool over {slots} slots; fewer --n-parallel or more --kv-memory-gib " \
         "for longer)" if slots else ""

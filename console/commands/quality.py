@@ -61,7 +61,7 @@ def quality(
 
     ex, tok, w, k = guarded(build)
     if not as_json:
-        out.print(f"measuring {ex.model_name} against fp32 weights + fp32 KV (cached figures "
+        out.print(f"measuring {ex.info.model_name} against fp32 weights + fp32 KV (cached figures "
                   "are reused)…", highlight=False)
     results = guarded(lambda: measure_formats(ex, tok, w, k))
     ex.close()

@@ -41,7 +41,7 @@ def run_trace(
     from kvdeck.runtime.runs.runner import needs_tokenizer, run_arrivals
     from kvdeck.runtime.runs.trace import load_arrivals
     from kvdeck.runtime.session import build_session
-    from kvdeck.runtime.views.metrics import SLO
+    from kvdeck.runtime.stats.metrics import SLO
 
     def go() -> dict:
         setup_logging(log_level)
@@ -101,7 +101,7 @@ def replay(run: str = typer.Argument(..., help="A run directory written by recor
     if summary:
         from kvdeck.console.run_views import render_summary
         from kvdeck.runtime.runs.replay import summarize_run
-        from kvdeck.runtime.views.metrics import SLO
+        from kvdeck.runtime.stats.metrics import SLO
 
         result = guarded(lambda: summarize_run(run, SLO(slo_ttft, slo_tpot, slo_e2e)))
         if as_json:

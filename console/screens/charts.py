@@ -15,7 +15,7 @@ from textual.widgets import Header, Static
 
 from kvdeck.console.widgets.chart import AXIS_WIDTH, Columns, columns, plot
 from kvdeck.console.widgets.footer import KeysFooter
-from kvdeck.runtime.views.figures import Bucket
+from kvdeck.runtime.stats.figures import Bucket
 from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 

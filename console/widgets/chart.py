@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from rich.text import Text
 
-from kvdeck.runtime.views.figures import Bucket
+from kvdeck.runtime.stats.figures import Bucket
 
 EIGHTHS = " ▁▂▃▄▅▆▇█"
 AXIS_WIDTH = 8

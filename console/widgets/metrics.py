@@ -3,7 +3,7 @@ over time (sparklines, with knob changes marked), resident requests, and answer 
 passed where requests carried them.
 
 Every number and chart comes from the snapshot: the latency figures and the time-bucketed
-history are kept by the engine (`runtime/views/figures.py`), so the live console and replay of
+history are kept by the engine (`runtime/stats/figures.py`), so the live console and replay of
 the same run draw the same charts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine: the three-call iteration, a thread-safe inbox, clocks, failure and snapshots.
+"""The engine: the three-call iteration, a thread-safe inbox, clocks and failure.
 
     plan   = scheduler.schedule()
     result = executor.execute(plan)
@@ -57,13 +57,12 @@ from kvdeck.runtime.core.switches import KnobSwitches
 from kvdeck.runtime.errors import (
     StepError,
 )
-from kvdeck.runtime.executors.base import Executor
+from kvdeck.runtime.executors.base import Drafting, Executor
 from kvdeck.runtime.kv.transfers import TransferLog
 from kvdeck.runtime.logs import write_failure
+from kvdeck.runtime.stats.figures import RunFigures, step_figures
+from kvdeck.runtime.stats.metrics import request_metrics
 from kvdeck.runtime.text.tokenizer import Tokenizer
-from kvdeck.runtime.views.figures import RunFigures, step_figures
-from kvdeck.runtime.views.metrics import request_metrics
-from kvdeck.runtime.views.snapshot import EngineSnapshot, SnapshotBuilder
 
 log = logging.getLogger("kvdeck.engine")
 MAX_TRACKED = 8
@@ -84,9 +83,9 @@ class Engine:
         config, self.pool = set_up(config, executor)
         self.config, self.groups = config, self.pool.groups
         """`groups`: the layer groups when sliding-window KV is freed (`kv/groups.py`)."""
-        self.max_model_len = min(config.max_model_len or executor.max_model_len,
-                                 executor.max_model_len)
-        if not executor.virtual_time:
+        self.max_model_len = min(config.max_model_len or executor.info.max_model_len,
+                                 executor.info.max_model_len)
+        if not executor.info.virtual_time:
             self.clock: WallClock = WallClock()
         else:
             self.clock = PacedClock(pace) if pace else VirtualClock()
@@ -98,9 +97,10 @@ class Engine:
         self.kv = self.pool.manager(lambda: self.step_count)
         self.transfer_log = TransferLog()
         self.scheduler = Scheduler(config, self.kv, executor.estimate_step_seconds,
-                                   self.max_model_len, executor.eos_token_ids)
+                                   self.max_model_len, executor.info.eos_token_ids)
         self.scheduler.propose = lambda req, k: executor.propose(req, k, self.scheduler.knobs)
-        self.scheduler.drafts.draft_estimate = executor.estimate_draft_seconds
+        if isinstance(executor, Drafting):
+            self.scheduler.drafts.draft_estimate = executor.estimate_draft_seconds
         self.stop_event = threading.Event()
         """Set to cut a paced step's sleep short (shutdown)."""
         self.switcher = KnobSwitches(executor, self.kv, self.scheduler, self.clock, self.pool,
@@ -141,7 +141,6 @@ class Engine:
         self.tracked: dict[str, Request] = {}
         self.watched: Request | None = None
         self.watched_id: str | None = None
-        self._snapshots = SnapshotBuilder(self)
 
     # -- thread-safe submission -------------------------------------------------------------
 
@@ -228,7 +227,7 @@ class Engine:
         clock = self.clock
         # Idle on virtual time: jump to the next arrival (a paced clock jumps only for a
         # single step asked for while paused).
-        jumps = clock.jumps or (self.paused and self.executor.virtual_time)
+        jumps = clock.jumps or (self.paused and self.executor.info.virtual_time)
         due = self.intake.next_arrival
         if jumps and not self.scheduler.running and not self.scheduler.waiting and due:
             clock.advance_to(due)
@@ -411,10 +410,6 @@ class Engine:
             if req.request_id == request_id:
                 return req
         return None
-
-    def snapshot(self, max_prefix_nodes: int = 256) -> EngineSnapshot:
-        """Build an immutable view; call from the engine thread (or when it is stopped)."""
-        return self._snapshots.build(max_prefix_nodes)
 
     def checkpoint(self) -> Checkpoint:
         """The state a recording starting now begins from (engine thread, between steps)."""

@@ -128,7 +128,7 @@ request_id: str | None = None, arrival_time: float | None = None,
     def _start_guide(self, sampling: SamplingParams):
         """A request's grammar state (`runtime/text/guided.py`), compiled on the caller's thread;
         RequestError when the constraint does not compile or this engine cannot apply it."""
-        if not self.executor.computes_logits:
+        if not self.executor.info.computes_logits:
             raise RequestError("Constrained output (a JSON schema, regex, choice or grammar) "
                                "needs a model executor (torch or llama_cpp); the sim executor "
                                "computes no logits to constrain.")
@@ -139,9 +139,9 @@ request_id: str | None = None, arrival_time: float | None = None,
             if self._grammars is None:
                 from kvdeck.runtime.text.guided import Grammars
 
-                ends = (*self.executor.eos_token_ids, *self.tokenizer.end_of_turn_ids)
+                ends = (*self.executor.info.eos_token_ids, *self.tokenizer.end_of_turn_ids)
                 self._grammars = Grammars(self.tokenizer, tuple(dict.fromkeys(ends)),
-                                          self.executor.vocab_size)
+                                          self.executor.info.vocab_size)
         return self._grammars.start(sampling.guide)
 
     def count(self, n: int) -> None:

@@ -17,7 +17,17 @@ from collections.abc import Callable
 from kvdeck.runtime.core.config import EngineConfig
 from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.executors.base import Executor
+from kvdeck.runtime.executors.base import (
+    Executor,
+    HostTier,
+    Offload,
+    WeightFormats,
+    WindowGroups,
+    capability,
+    draft_kv_bytes_per_token,
+    offload_of,
+    resolve_weight_formats,
+)
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.manager import BlockManager
 from kvdeck.runtime.models.weight_formats import format_weight_format
@@ -29,19 +39,24 @@ def set_up(config: EngineConfig, executor: Executor) -> tuple[EngineConfig, Pool
     takes), layer groups, then the pool. Returns the config with its weight format resolved
     (what `measured` chose, written out) and the sizing."""
     k = config.knobs
-    formats = executor.resolve_weight_formats(k.weight_format)
-    if formats != executor.weight_formats:
+    formats = resolve_weight_formats(executor, k.weight_format)
+    if isinstance(executor, WeightFormats) and formats != executor.weight_formats:
         executor.set_weight_formats(formats)
     if k.offload_layers:
-        executor.set_offload(k.offload_layers, k.offload_buffers)
-    groups = executor.layer_groups() if config.free_window_kv else None
+        capability(executor, Offload, "offload_layers").set_offload(k.offload_layers,
+                                                                    k.offload_buffers)
+    groups = capability(executor, WindowGroups, "free_window_kv").layer_groups() \
+        if config.free_window_kv else None
     if groups is not None and config.host_kv_memory_bytes:
         raise ConfigError("free_window_kv cannot have a host KV tier: window pages are not "
                           "swapped or demoted; drop --host-kv-memory-gib or "
                           "--free-window-kv.")
     pool = PoolSize(config, executor, groups)
     executor.bind_kv(pool.blocks(k.kv_format), config.block_size, k.kv_format, groups=groups)
-    executor.bind_host_kv(pool.host_blocks(k.kv_format))
+    host_blocks = pool.host_blocks(k.kv_format)
+    if host_blocks or isinstance(executor, HostTier):  # 0 drops an earlier engine's tier
+        capability(executor, HostTier, "--host-kv-memory-gib (host_kv_memory_bytes)"
+                   ).bind_host_kv(host_blocks)
     text = format_weight_format(formats)
     if text != k.weight_format:  # knobs hold the resolved value
         config = dataclasses.replace(config, knobs=k.with_changes(weight_format=text))
@@ -61,7 +76,7 @@ class PoolSize:
         e = self.executor
         return self.config.blocks_for_budget(
             self.block_bytes(kv_format) // self.config.block_size
-            + e.draft_kv_bytes_per_token(kv_format), e.offload_gain_bytes)
+            + draft_kv_bytes_per_token(e, kv_format), offload_of(e)[1])
 
     def block_bytes(self, kv_format: str) -> int:
         """Bytes of the target's KV one block (one page, with layer groups: the layers of
@@ -86,10 +101,10 @@ class PoolSize:
             bytes_per_block=self.block_bytes(k.kv_format),
             recompute_cost=lambda h, c: e.estimate_step_seconds(c, causal_pairs(c, h), h + c),
             clock=clock, host_blocks=self.host_blocks(k.kv_format),
-            link_seconds=lambda nbytes: nbytes / e.link_bandwidth, groups=self.groups)
+            link_seconds=lambda nbytes: nbytes / e.info.link_bandwidth, groups=self.groups)
         kv.admission.configure(k.cache_admission_k, k.cache_admission_window)
         return kv
 
     def namespace(self, kv_format: str) -> str:
         """Cached KV is reusable only by the same model, format and namespace."""
-        return f"{self.executor.model_name}|{kv_format}|{self.config.namespace}"
+        return f"{self.executor.info.model_name}|{kv_format}|{self.config.namespace}"

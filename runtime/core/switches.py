@@ -35,7 +35,16 @@ from kvdeck.runtime.core.scheduler import Scheduler
 from kvdeck.runtime.core.step_data import Conversion
 from kvdeck.runtime.core.switch import RECENT, Switch
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.executors.base import Executor, WeightsView
+from kvdeck.runtime.executors.base import (
+    Executor,
+    HostTier,
+    KVConversion,
+    Offload,
+    WeightFormats,
+    WeightsView,
+    capability,
+    resolve_weight_formats,
+)
 from kvdeck.runtime.kv.manager import BlockManager
 from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
 
@@ -64,8 +73,8 @@ class KnobSwitches:
         stored resolved, so what is pending shows what will apply."""
         new = knobs.with_changes(**changes)
         if "weight_format" in changes:
-            formats = self.executor.resolve_weight_formats(
-                new.weight_format, parse_weight_format(knobs.weight_format))
+            formats = resolve_weight_formats(self.executor, new.weight_format,
+                                             parse_weight_format(knobs.weight_format))
             new = new.with_changes(weight_format=format_weight_format(formats))
         self.check(new)
         return new
@@ -81,20 +90,24 @@ class KnobSwitches:
                               "--host-kv-memory-gib (setting host_kv_memory_bytes) of at least "
                               f"one block ({self.kv.bytes_per_block:,} bytes), or use "
                               "recompute.")
-        if knobs.speculative_method == "draft" and not self.executor.draft_model_name:
-            how = "--draft-cost C (a modelled draft)" if self.executor.virtual_time else \
+        if knobs.speculative_method == "draft" and not self.executor.info.draft_model_name:
+            how = "--draft-cost C (a modelled draft)" if self.executor.info.virtual_time else \
                 "--draft-model NAME|PATH (a GGUF sharing the model's tokenizer)"
             raise ConfigError(f"speculative_method draft needs a draft model; start with "
                               f"{how}, or use ngram.")
-        if knobs.max_num_seqs > self.executor.max_sequences:
-            raise ConfigError(f"max_num_seqs must be at most {self.executor.max_sequences} "
-                              f"with {self.executor.name} (its slots, --n-parallel), got "
+        info = self.executor.info
+        if knobs.max_num_seqs > info.max_sequences:
+            raise ConfigError(f"max_num_seqs must be at most {info.max_sequences} with "
+                              f"{info.name} (its slots, --n-parallel), got "
                               f"{knobs.max_num_seqs}.")
-        if knobs.offload_layers > self.executor.num_layers:
-            raise ConfigError(f"offload_layers must be from 0 to {self.executor.num_layers} "
+        if knobs.offload_layers:
+            capability(self.executor, Offload, "offload_layers")
+        if knobs.offload_layers > info.num_layers:
+            raise ConfigError(f"offload_layers must be from 0 to {info.num_layers} "
                               f"(the model's layers), got {knobs.offload_layers}.")
         blocks = self.kv.num_blocks
         if knobs.kv_format != self.kv_format:
+            capability(self.executor, KVConversion, "changing kv_format live")
             # The executor refuses a format it cannot store; the budget must buy a block.
             blocks = self.pool.blocks(knobs.kv_format)
         if knobs.prefix_cache_capacity > blocks:
@@ -145,10 +158,12 @@ class KnobSwitches:
         where = kv.relayout(num_blocks, self.pool.block_bytes(kv_format),
                             self.pool.namespace(kv_format))
         src = sorted(where)
-        conv = self.executor.convert_kv(kv_format, num_blocks, src, [where[b] for b in src])
+        conv = capability(self.executor, KVConversion, "changing kv_format live").convert_kv(
+            kv_format, num_blocks, src, [where[b] for b in src])
         host_blocks = self.pool.host_blocks(kv_format)
         kv.drop_host_tier(host_blocks)
-        self.executor.bind_host_kv(host_blocks)
+        if isinstance(self.executor, HostTier):
+            self.executor.bind_host_kv(host_blocks)
         self.kv_format = kv_format
         self.kv_bytes_per_token = self.executor.kv_bytes_per_token(kv_format)
         return conv, {"blocks": len(src), "moved": sum(b != where[b] for b in src),
@@ -158,7 +173,7 @@ class KnobSwitches:
     def _offload(self, old: Knobs, knobs: Knobs) -> Switch:
         """Move FFN weights to or from the host and give the device memory that frees (or
         take back what it needs) to the KV pool, re-laid in place."""
-        ex = self.executor
+        ex = capability(self.executor, Offload, "offload_layers")
         conv = ex.set_offload(knobs.offload_layers, knobs.offload_buffers)
         self._pause(conv.seconds)
         num_blocks = self.pool.blocks(self.kv_format)
@@ -180,7 +195,8 @@ class KnobSwitches:
     def _weights(self, old: str, text: str) -> Switch:
         """Re-pack the matrices whose group changes format from the executor's host master
         copy; requests wait meanwhile (nobody is preempted: the KV does not change)."""
-        conv = self.executor.set_weight_formats(parse_weight_format(text))
+        conv = capability(self.executor, WeightFormats, f"weight_format {text}"
+                          ).set_weight_formats(parse_weight_format(text))
         self._pause(conv.seconds)
         log.info("weight_format %s → %s: re-packed in %.3f s, %d → %d bytes", old, text,
                  conv.seconds, conv.bytes_read, conv.bytes_written)
@@ -190,7 +206,7 @@ class KnobSwitches:
     def _pause(self, seconds: float) -> None:
         """A switch's pause takes modelled time on a virtual clock (measured time passes by
         itself)."""
-        if self.executor.virtual_time:
+        if self.executor.info.virtual_time:
             self.clock.pin()
             self.clock.advance(seconds)
             self.clock.wait_until_due(self.stop)

@@ -63,6 +63,7 @@ shows the pause). Retired slots are not re-prefilled: their prefixes recompute w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -76,7 +77,7 @@ from kvdeck.runtime.core.step_data import (
     StepTiming,
 )
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.executors.base import WeightsView
+from kvdeck.runtime.executors.base import ExecutorInfo, WeightsView
 from kvdeck.runtime.executors.llama_cpp_context import (
     KV_TYPES,
     LlamaContext,
@@ -88,15 +89,14 @@ from kvdeck.runtime.executors.llama_cpp_context import (
 from kvdeck.runtime.executors.llama_cpp_draft import LlamaDraft
 from kvdeck.runtime.executors.llama_cpp_probe import resolve_repack
 from kvdeck.runtime.executors.online_fit import OnlineFit
+from kvdeck.runtime.executors.outputs import LogitsStage
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.models.gguf import read_gguf
 from kvdeck.runtime.models.info import model_info_from_gguf
 from kvdeck.runtime.planning.profiles import StepFit
 from kvdeck.runtime.settings import SessionOptions
 from kvdeck.runtime.spec.ngram import propose_for
-from kvdeck.runtime.spec.verify import sample_draft, verify_greedy
-from kvdeck.runtime.text.guided import MaskJob, apply_mask
-from kvdeck.runtime.text.sampling import sample, sample_branches, score_tokens
+from kvdeck.runtime.text.guided import MaskJob
 
 log = logging.getLogger("kvdeck.llama_cpp")
 
@@ -110,11 +110,6 @@ class NoSlotError(Exception):
 
 class LlamaCppExecutor:
     """Executor protocol implementation over llama-cpp-python's low-level API."""
-
-    name = "llama_cpp"
-    virtual_time = False
-    computes_logits = True
-    num_layers: int
 
     def __init__(self, model_path: str | Path, *, threads: int | None = None,
                  n_gpu_layers: int = 0, n_parallel: int = SessionOptions.n_parallel,
@@ -134,50 +129,45 @@ class LlamaCppExecutor:
         if not 1 <= n_parallel <= MAX_SLOTS:
             raise ConfigError(f"n_parallel must be from 1 to {MAX_SLOTS} (llama.cpp's "
                               f"sequences), got {n_parallel}.")
-        self.n_parallel = self.max_sequences = n_parallel
+        self.n_parallel = n_parallel
         self.batch_invariant = batch_invariant
-        self.model_path = Path(model_path)
-        g = read_gguf(self.model_path)
+        model_path = Path(model_path)
+        g = read_gguf(model_path)
         try:
             info = model_info_from_gguf(g)
             eos = [g.get("tokenizer.ggml.eos_token_id"), g.get("tokenizer.ggml.eot_token_id")]
         finally:
             g.close()
-        self.info = info
-        self.model_name = info.name
+        self.model_info = info
         self.model_context = info.context_length or 4096
-        self.max_model_len = self.model_context
-        """The model's context until `bind_kv` sets it to a slot's cells."""
-        self.num_layers = info.num_layers
         self.seed = seed
         self.threads = threads or os.cpu_count() or 1
         self.n_batch = n_batch
         self.n_gpu_layers = n_gpu_layers
-        self.repack, self.repack_note = resolve_repack(repack, self.model_path)
-        """Whether the weights are re-packed, and the start-up line saying why not."""
-        self._model = LlamaModel(self.model_path, n_gpu_layers, self.repack)
+        self.repack, repack_note = resolve_repack(repack, model_path)
+        """Whether the weights are re-packed (the start-up note says why not)."""
+        self._model = LlamaModel(model_path, n_gpu_layers, self.repack)
         self.load_seconds = self._model.load_seconds
-        self.vocab_size = self._model.vocab_size
         L, vocab = lib(), self._model.vocab
         ids = [int(t) for t in eos if t is not None]
         ids += [t for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0]
-        self.eos_token_ids = tuple(dict.fromkeys(ids))
         self.weight_bytes = self._model.weight_bytes
         self.draft: LlamaDraft | None = None
         if draft_model is not None:
             try:
-                self.draft = LlamaDraft(draft_model, self.model_path, n_gpu_layers, seed,
+                self.draft = LlamaDraft(draft_model, model_path, n_gpu_layers, seed,
                                         repack=self.repack)
             except BaseException:
                 self._model.close()
                 raise
-        self.draft_model_name = self.draft.name if self.draft is not None else ""
-        self.kv_formats = tuple(KV_TYPES)
-        self.weight_formats = {"attn": "dense", "ffn": "dense", "head": "dense"}
-        """`dense` here means the GGUF's own (quantized) tensors, as llama.cpp runs them."""
-        self.link_bandwidth = 1e12 if n_gpu_layers == 0 else 25e9
-        self.link_detail = "none (llama.cpp keeps KV in its context)"
-        self.offload_gain_bytes = 0
+        self.info = ExecutorInfo(
+            "llama_cpp", info.name, model_path, self._model.vocab_size, self.model_context,
+            tuple(dict.fromkeys(ids)), info.num_layers, tuple(KV_TYPES),
+            1e12 if n_gpu_layers == 0 else 25e9, "none (llama.cpp keeps KV in its context)",
+            max_sequences=n_parallel, slots=n_parallel,
+            draft_model_name=self.draft.name if self.draft is not None else "",
+            start_note=repack_note, device="cpu" if n_gpu_layers == 0 else "gpu")
+        """The context limit is the model's until `bind_kv` sets it to a slot's cells."""
         self._ctx: LlamaContext | None = None
         self.kv_format = "fp16"
         self.block_size = 16
@@ -207,7 +197,7 @@ class LlamaCppExecutor:
         if kv_format not in KV_TYPES:
             raise ConfigError(f"kv_format {kv_format!r} is not one llama.cpp stores; the "
                               f"llama_cpp executor takes {', '.join(KV_TYPES)}.")
-        return self.info.kv_bytes_per_token(kv_format)
+        return self.model_info.kv_bytes_per_token(kv_format)
 
     def draft_kv_bytes_per_token(self, kv_format: str) -> int:
         """Bytes of the draft model's KV per token (0 without a draft model)."""
@@ -217,16 +207,12 @@ class LlamaCppExecutor:
         """One draft pass over `num_rows` rows (0 without a draft model)."""
         return self.draft.pass_seconds(num_rows) if self.draft is not None else 0.0
 
-    def layer_groups(self) -> LayerGroups:
-        """Refused: llama.cpp lays out its own KV cells."""
-        raise ConfigError("free_window_kv frees pages of kvdeck's own KV pool, but llama.cpp "
-                          "keeps its own KV cells; use the torch executor for free_window_kv.")
-
     def bind_kv(self, num_blocks: int, block_size: int, kv_format: str,
                 groups: LayerGroups | None = None) -> None:
         """(Re)create the context: `num_blocks × block_size` cells of `kv_format` in
         `n_parallel` streams; every slot starts empty. A slot's cells cap a request's
-        tokens (`max_model_len`). `groups` is always None here (`layer_groups` refuses)."""
+        tokens (`info.max_model_len`). `groups` is always None here (llama.cpp lays out
+        its own KV cells: no `WindowGroups`)."""
         assert groups is None, "llama.cpp has no layer groups"
         self.kv_bytes_per_token(kv_format)  # refuses what llama.cpp cannot store
         self._free_context()
@@ -247,7 +233,8 @@ class LlamaCppExecutor:
         self._blocks.clear()
         self._retired.clear()
         self._free_ids = list(range(self.n_parallel - 1, -1, -1))
-        self.max_model_len = min(self.model_context, per_slot)
+        self.info = dataclasses.replace(self.info,
+                                        max_model_len=min(self.model_context, per_slot))
 
     def _free_context(self) -> None:
         if self.draft is not None:
@@ -263,7 +250,7 @@ class LlamaCppExecutor:
         t0 = time.perf_counter()
         running = [(rid, *self._running[rid], self._length[seq])
                    for rid, seq in self._seq_of.items() if rid in self._running]
-        before = sum(n for *_, n in running) * self.info.kv_bytes_per_token(self.kv_format)
+        before = sum(n for *_, n in running) * self.model_info.kv_bytes_per_token(self.kv_format)
         self.bind_kv(num_blocks, self.block_size, kv_format)
         moved = dict(zip(src, dst, strict=True))  # the pool's new block ids
         groups = []
@@ -278,44 +265,15 @@ class LlamaCppExecutor:
             self._write(seq, table, 0, n)
             self._length[seq] = n
         self._ctx.decode(groups, 0)
-        after = sum(map(len, groups)) * self.info.kv_bytes_per_token(kv_format)
+        after = sum(map(len, groups)) * self.model_info.kv_bytes_per_token(kv_format)
         return Conversion(time.perf_counter() - t0, True, before, after)
 
-    def bind_host_kv(self, num_blocks: int) -> None:
-        if num_blocks:
-            raise ConfigError("The llama_cpp executor has no host KV tier (llama.cpp keeps "
-                              "KV in its context); leave out --host-kv-memory-gib "
-                              "(host_kv_memory_bytes) or use --executor torch.")
-
-    def set_offload(self, num_layers: int, num_buffers: int) -> Conversion:
-        if num_layers:
-            raise ConfigError("offload_layers is a torch-executor knob; with llama_cpp, "
-                              "place layers with --n-gpu-layers.")
-        return Conversion(0.0, True, self.weight_bytes, self.weight_bytes)
-
-    def describe_offload(self) -> str:
-        return ""
-
-    def resolve_weight_formats(self, text: str, current: dict[str, str] | None = None
-                               ) -> dict[str, str]:
-        if text.strip() in ("dense", "measured"):
-            return dict(self.weight_formats)
-        raise ConfigError(f"weight_format {text!r}: the llama_cpp executor runs the GGUF's "
-                          "own quantized weights (weight_format dense); re-packing them is a "
-                          "torch-executor knob.")
-
-    def set_weight_formats(self, formats: dict[str, str]) -> Conversion:
-        return Conversion(0.0, True, self.weight_bytes, self.weight_bytes)
-
     def describe_weights(self, kv_format: str) -> WeightsView:
-        types = ", ".join(t.type_name for t in self.info.tensor_types[:3])
+        types = ", ".join(t.type_name for t in self.model_info.tensor_types[:3])
         where = "CPU" if self.n_gpu_layers == 0 else f"{self.n_gpu_layers} layers on the GPU"
         packed = "re-packed" if self.repack else "not re-packed"
         return WeightsView("dense", self.weight_bytes, f"llama.cpp, the GGUF's own {types} "
                            f"({packed}); {where}", (), ())
-
-    def auto_choice(self) -> str:
-        return ""
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
                               num_context_tokens: int) -> float:
@@ -438,12 +396,48 @@ class LlamaCppExecutor:
         t0 = time.perf_counter()
         for rid in plan.preempted:
             self._retire(rid)
-        groups: list[list[Row]] = []
-        wants: list[tuple[ScheduledChunk, int, int]] = []
-        """(chunk, its first logits row, rows) per chunk that samples or verifies."""
         errors: dict[str, str] = {}
-        num_out = num_rows = 0
-        for chunk in plan.chunks:  # every rollback first, so no copy takes stale positions
+        prepared = self._take_slots(plan, errors)
+        draft_seconds, q = 0.0, {}
+        if self.draft is not None:  # fills `draft` of the chunks that plan draft positions
+            draft_seconds, q = self.draft.run(plan, {c.request_id: seq for c, seq, _ in
+                                                     prepared}, self.batch_invariant)
+        groups, wants, scoring, num_out = self._lay_out(prepared)
+        num_rows = sum(map(len, groups))
+        if not self.batch_invariant:
+            groups = one_batch(groups)  # one llama_decode for the whole step
+        job = MaskJob([c.request for c, _, _ in wants if not c.num_draft],
+                      [(c.request, list(c.draft)) for c, _, _ in wants if c.num_draft])
+        try:  # the grammar masks are computed while llama.cpp decodes
+            logits = self._ctx.decode(groups, num_out)
+        finally:
+            masks = job.wait()
+        errors.update(job.errors)
+        for chunk, seq, _ in prepared:  # decoded: the slots now hold these positions
+            self._length[seq] = chunk.start + chunk.num_new_tokens
+        out = self._outputs(logits, wants, scoring, q, masks)
+        seconds = time.perf_counter() - t0
+        context = sum(c.start + c.num_new_tokens for c in plan.chunks)
+        weights = self.weight_bytes
+        if draft_seconds:
+            weights += self.draft.weight_bytes * self.draft.last_passes
+        timing = StepTiming(seconds, True, plan.num_prefill_tokens, plan.num_decode_tokens,
+                            plan.num_pairs,
+                            weights + context * self.kv_bytes_per_token(self.kv_format))
+        self.timing.observe(num_rows, timing.num_pairs, seconds - draft_seconds)
+        held = {b for blocks in self._blocks.values() for b in blocks}
+        lost = tuple(sorted(self._lost - held))
+        self._lost.clear()
+        return StepResult(out.sampled, timing, errors=errors, logprobs=out.logprobs,
+                          spec=out.spec, draft_seconds=draft_seconds,
+                          prompt_logprobs=out.prompt_logprobs, lost_blocks=lost)
+
+    def _take_slots(self, plan: SchedulerOutput, errors: dict[str, str]
+                    ) -> list[tuple[ScheduledChunk, int, list[int]]]:
+        """(chunk, its slot, the tokens its slot must recompute first) per chunk that got a
+        slot; a chunk that did not gets a line in `errors`. Every rollback is cut first, so
+        no copy takes stale positions."""
+        for chunk in plan.chunks:
             seq = self._seq_of.get(chunk.request_id)
             if seq is not None:
                 self._cut(seq, chunk.start)
@@ -455,13 +449,19 @@ class LlamaCppExecutor:
                 prepared.append((chunk, *self._prepare(chunk, keep)))
             except NoSlotError as e:
                 errors[chunk.request_id] = str(e)
-        draft_seconds, q = 0.0, {}
-        if self.draft is not None:  # fills `draft` of the chunks that plan draft positions
-            draft_seconds, q = self.draft.run(plan, {c.request_id: seq for c, seq, _ in
-                                                     prepared}, self.batch_invariant)
+        return prepared
+
+    def _lay_out(self, prepared: list[tuple[ScheduledChunk, int, list[int]]]
+                 ) -> tuple[list[list[Row]], list[tuple[ScheduledChunk, int, int]],
+                            list[tuple[ScheduledChunk, int, range]], int]:
+        """The step's rows, one group per chunk, and where their logits land: (groups,
+        wants: (chunk, its first logits row, rows) per chunk that samples or verifies,
+        scoring: (chunk, its first logits row, the positions) per chunk that scores prompt
+        positions, logits rows in all). Records what each slot will hold."""
+        groups: list[list[Row]] = []
+        wants: list[tuple[ScheduledChunk, int, int]] = []
         scoring: list[tuple[ScheduledChunk, int, range]] = []
-        """(chunk, its first logits row, the positions) per chunk that scores prompt
-        positions."""
+        num_out = 0
         for chunk, seq, redo in prepared:
             start, n, req = chunk.start, chunk.num_new_tokens, chunk.request
             tokens = [*req.token_slice(start, start + 1), *chunk.draft] if chunk.num_draft \
@@ -488,70 +488,26 @@ class LlamaCppExecutor:
                 num_out += outputs
             self._write(seq, chunk.block_table, start, start + n)
             self._running[chunk.request_id] = (req, chunk.block_table)
-            num_rows += len(rows)
             groups.append(rows)
-        if not self.batch_invariant:
-            groups = one_batch(groups)  # one llama_decode for the whole step
-        job = MaskJob([c.request for c, _, _ in wants if not c.num_draft],
-                      [(c.request, list(c.draft)) for c, _, _ in wants if c.num_draft])
-        try:  # the grammar masks are computed while llama.cpp decodes
-            logits = self._ctx.decode(groups, num_out)
-        finally:
-            masks = job.wait()
-        errors.update(job.errors)
-        for chunk, seq, _ in prepared:  # decoded: the slots now hold these positions
-            self._length[seq] = chunk.start + chunk.num_new_tokens
-        sampled: dict[str, int] = {}
-        logprobs: dict = {}
-        spec: dict[str, list[int]] = {}
+        return groups, wants, scoring, num_out
+
+    def _outputs(self, logits, wants: list[tuple[ScheduledChunk, int, int]],
+                 scoring: list[tuple[ScheduledChunk, int, range]], q: dict,
+                 masks: dict) -> LogitsStage:
+        """The step's sampled, verified and scored tokens from its logits rows."""
+        out = LogitsStage(self.seed, self.info.eos_token_ids)
         plain = [(c, i) for c, i, _ in wants if not c.num_draft]
         if plain:
             at = [i for _, i in plain]
             # The usual step's rows lie in order: a view, not a 16 MB copy of Gemma's rows.
-            rows = logits[at[0]:at[-1] + 1] if at == list(range(at[0], at[-1] + 1)) \
-                else logits[at]
-            toks, lps = sample(rows, [c.request for c, _ in plain], self.seed,
-                               self.eos_token_ids, masks)
-            for (c, _), tok, lp in zip(plain, toks, lps, strict=True):
-                sampled[c.request_id] = tok
-                if lp is not None:
-                    logprobs[c.request_id] = lp
-            more, more_lps = sample_branches(rows, [c for c, _ in plain], self.seed,
-                                             self.eos_token_ids, masks)
-            sampled.update(more)
-            logprobs.update(more_lps)
+            out.sample(logits[at[0]:at[-1] + 1] if at == list(range(at[0], at[-1] + 1))
+                       else logits[at], [c for c, _ in plain], masks)
         for c, i, k in wants:
             if c.num_draft:
-                rows_logits = logits[i:i + k]
-                allowed = masks.get(c.request_id)
-                if c.request.sampling.temperature == 0.0:
-                    if allowed is not None:
-                        rows_logits = apply_mask(rows_logits.float(), allowed)
-                    spec[c.request_id] = verify_greedy(rows_logits.argmax(-1).tolist(),
-                                                       list(c.draft))[0]
-                else:
-                    spec[c.request_id] = sample_draft(rows_logits, c.request, list(c.draft),
-                                                      self.seed, q.get(c.request_id), allowed)
-        prompt_logprobs = {  # position q's logits score prompt token q + 1
-            c.request_id: score_tokens(logits[i:i + len(r)],
-                                       c.request.prompt_token_ids[r.start + 1:r.stop + 1],
-                                       c.request.sampling.prompt_logprobs)
-            for c, i, r in scoring}
-        seconds = time.perf_counter() - t0
-        context = sum(c.start + c.num_new_tokens for c in plan.chunks)
-        weights = self.weight_bytes
-        if draft_seconds:
-            weights += self.draft.weight_bytes * self.draft.last_passes
-        timing = StepTiming(seconds, True, plan.num_prefill_tokens, plan.num_decode_tokens,
-                            plan.num_pairs,
-                            weights + context * self.kv_bytes_per_token(self.kv_format))
-        self.timing.observe(num_rows, timing.num_pairs, seconds - draft_seconds)
-        held = {b for blocks in self._blocks.values() for b in blocks}
-        lost = tuple(sorted(self._lost - held))
-        self._lost.clear()
-        return StepResult(sampled, timing, errors=errors, logprobs=logprobs, spec=spec,
-                          draft_seconds=draft_seconds, prompt_logprobs=prompt_logprobs,
-                          lost_blocks=lost)
+                out.verify(c, logits[i:i + k], q.get(c.request_id), masks.get(c.request_id))
+        for c, i, r in scoring:  # position q's logits score prompt token q + 1
+            out.score(c, logits[i:i + len(r)])
+        return out
 
     def propose(self, req, k: int, knobs) -> list[int]:
         """n-gram prompt lookup over the request's latest tokens (as the torch executor)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvdeck.runtime.core.config import check_choice, check_float, check_int
 from kvdeck.runtime.core.step_data import Conversion, SchedulerOutput, StepResult, StepTiming
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.executors.base import WeightsView
+from kvdeck.runtime.executors.base import ExecutorInfo, WeightsView
 from kvdeck.runtime.kv.formats import KV_FORMATS
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.transfers import Transfer
@@ -118,12 +118,6 @@ GROUP_SHARES = {"attn": 0.25, "ffn": 0.65, "head": 0.10}
 class SimExecutor:
     """Executor protocol implementation driven by a timing model."""
 
-    name = "sim"
-    virtual_time = True
-    computes_logits = False
-    max_sequences = 1 << 30
-    model_path = None
-
     def __init__(self, config: SimConfig = SimConfig(), seed: int = 0,
                  text_tokens: list[int] | None = None):
         """`text_tokens`: a tokenized text to read outputs from (each request from its own
@@ -134,10 +128,6 @@ class SimExecutor:
         self.seed = seed
         self.model = ModelProfile.load(config.model_profile)
         self.hardware = HardwareProfile.load(config.hardware)
-        self.model_name = f"sim:{self.model.name}@{self.hardware.name}"
-        self.max_model_len = self.model.context_length
-        self.eos_token_ids = (config.eos_token_id,)
-        self.vocab_size = config.vocab_size
         self.fit = self._resolve_fit()
         self._kv_bytes_per_token = self.model.kv_bytes_per_token()
         self._fitted_kv_bytes_per_token = self._kv_bytes_per_token
@@ -147,17 +137,21 @@ class SimExecutor:
         """Matrix bytes every step reads in the current weight formats."""
         self._rid_hash: dict[str, int] = {}
         self.num_steps = 0
-        self.num_layers = self.model.num_layers
-        self.link_bandwidth = self.hardware.link_bandwidth_bytes_per_s or \
-            self.hardware.bandwidth_bytes_per_s
-        """Bytes/s one way over the host link (the hardware profile's)."""
-        self.link_detail = f"{self.link_bandwidth / 1e9:,.0f} GB/s (profile)"
+        hw = self.hardware
+        link = hw.link_bandwidth_bytes_per_s or hw.bandwidth_bytes_per_s
+        self.info = ExecutorInfo(
+            "sim", f"sim:{self.model.name}@{hw.name}", None, config.vocab_size,
+            self.model.context_length, (config.eos_token_id,), self.model.num_layers,
+            tuple(KV_FORMATS), link, f"{link / 1e9:,.0f} GB/s (profile)",
+            virtual_time=True, computes_logits=False, device="none",
+            draft_model_name=(f"modelled, {config.draft_cost:g}× target, {config.drafting}"
+                              if config.draft_cost else ""))
+        """Every KV format (the sim only accounts bytes); the host link is the hardware
+        profile's."""
         self.block_size = 16
         self.offload_layers = 0
         self.offload_buffers = 2
         self._acceptance = config.acceptance_profile()
-        self.draft_model_name = (f"modelled, {config.draft_cost:g}× target, "
-                                 f"{config.drafting}") if config.draft_cost else ""
 
     def _resolve_fit(self) -> StepFit:
         c = self.config
@@ -180,18 +174,9 @@ class SimExecutor:
     def kv_bytes_per_token(self, kv_format: str) -> int:
         return self.model.kv_bytes_per_token(kv_format)
 
-    def layer_groups(self) -> LayerGroups:
-        """Refused: the sim holds no KV bytes, so there is nothing to free."""
-        m = self.model
-        if not m.sliding_window:
-            raise ConfigError(f"free_window_kv needs a model with sliding-window layers; the "
-                              f"sim's model card {m.name} has none, so there is nothing to free.")
-        raise ConfigError(f"free_window_kv lays out real KV pages; the sim models {m.name}'s "
-                          "steps without a KV pool, so it needs the torch executor.")
-
     def bind_kv(self, num_blocks: int, block_size: int, kv_format: str,
                 groups: LayerGroups | None = None) -> None:
-        """`groups` is always None here (`layer_groups` refuses)."""
+        """`groups` is always None here (the sim is no `WindowGroups`)."""
         assert groups is None, "the sim has no layer groups"
         # Accounting only: nothing to allocate.
         self._kv_bytes_per_token = self.kv_bytes_per_token(kv_format)
@@ -217,7 +202,7 @@ class SimExecutor:
     @property
     def ffn_layer_bytes(self) -> int:
         """FFN matrix bytes of one layer in the current format (`GROUP_SHARES`)."""
-        return int(self.weight_bytes * GROUP_SHARES["ffn"] / self.num_layers)
+        return int(self.weight_bytes * GROUP_SHARES["ffn"] / self.info.num_layers)
 
     @property
     def offload_gain_bytes(self) -> int:
@@ -227,13 +212,13 @@ class SimExecutor:
     def set_offload(self, num_layers: int, num_buffers: int) -> Conversion:
         """Priced, not performed: moving the weights to the host (or back) crosses the link
         once."""
-        if not 0 <= num_layers <= self.num_layers:
-            raise ConfigError(f"offload_layers must be from 0 to {self.num_layers} (the "
+        if not 0 <= num_layers <= self.info.num_layers:
+            raise ConfigError(f"offload_layers must be from 0 to {self.info.num_layers} (the "
                               f"model's layers), got {num_layers}.")
         moved = abs(num_layers - self.offload_layers) * self.ffn_layer_bytes
         before = self.weight_bytes - self.offload_gain_bytes
         self.offload_layers, self.offload_buffers = num_layers, num_buffers
-        return Conversion(moved / self.link_bandwidth, False, before,
+        return Conversion(moved / self.info.link_bandwidth, False, before,
                           self.weight_bytes - self.offload_gain_bytes)
 
     def describe_offload(self) -> str:
@@ -242,7 +227,7 @@ class SimExecutor:
             return ""
         size = self.ffn_layer_bytes
         buffers = min(self.offload_buffers, n)
-        return (f"layers {self.num_layers - n}–{self.num_layers - 1} FFN; "
+        return (f"layers {self.info.num_layers - n}–{self.info.num_layers - 1} FFN; "
                 f"{n * size / 2**20:,.0f} MiB per step; "
                 f"{buffers} buffer{'s' if buffers > 1 else ''} × {size / 2**20:,.0f} MiB")
 
@@ -252,12 +237,12 @@ class SimExecutor:
         its layer is reached, with two when the offloaded layer before starts (copies in
         sequence on one copy engine); a layer starts once its weights are in."""
         n, size = self.offload_layers, self.ffn_layer_bytes
-        t_layer, t_copy = compute / self.num_layers, size / self.link_bandwidth
-        first = self.num_layers - n
+        t_layer, t_copy = compute / self.info.num_layers, size / self.info.link_bandwidth
+        first = self.info.num_layers - n
         two = self.offload_buffers > 1 and n > 1
         t, copy_end, out = 0.0, t_copy if two else 0.0, []
         copy_start = 0.0
-        for i in range(self.num_layers):
+        for i in range(self.info.num_layers):
             if i >= first:
                 if not two:
                     copy_start, copy_end = t, t + t_copy
@@ -265,7 +250,7 @@ class SimExecutor:
                 out.append(Transfer("weights", "h2d", f"layer {i} ffn", 0, size,
                                     origin + copy_start, t_copy, t_copy, min(stall, t_copy)))
                 t = max(t, copy_end)
-                if two and i + 1 < self.num_layers:
+                if two and i + 1 < self.info.num_layers:
                     copy_start = max(t, copy_end)
                     copy_end = copy_start + t_copy
             t += t_layer
@@ -277,7 +262,7 @@ class SimExecutor:
         t, out = 0.0, []
         for kind, direction, what, pairs in copies:
             nbytes = len(pairs) * per_block
-            seconds = nbytes / self.link_bandwidth
+            seconds = nbytes / self.info.link_bandwidth
             out.append(Transfer(kind, direction, what, len(pairs), nbytes, t, seconds,
                                 seconds, seconds))
             t += seconds
@@ -302,9 +287,6 @@ class SimExecutor:
         `measured` is the profile's own (dense) format."""
         formats = parse_weight_format(text, current or self.weight_formats)
         return {g: "dense" if f == "measured" else f for g, f in formats.items()}
-
-    kv_formats = tuple(KV_FORMATS)
-    """Every format: the sim only accounts bytes."""
 
     def auto_choice(self) -> str:
         """The sim runs no kernels: `auto` is priced as dense and chooses nothing."""
@@ -340,7 +322,7 @@ class SimExecutor:
         sampled: dict[str, int] = {}
         spec: dict[str, list[int]] = {}
         token = self._token
-        draft_seconds = self._draft_seconds(plan) if self.draft_model_name else 0.0
+        draft_seconds = self._draft_seconds(plan) if self.info.draft_model_name else 0.0
         for chunk in plan.chunks:
             n, start = chunk.num_new_tokens, chunk.start
             num_new += n
@@ -386,7 +368,7 @@ class SimExecutor:
 
     def draft_kv_bytes_per_token(self, kv_format: str) -> int:
         """The modelled draft's twin KV per token (`draft_kv_ratio` of the target's)."""
-        if not self.draft_model_name:
+        if not self.info.draft_model_name:
             return 0
         return round(self.config.draft_kv_ratio * self.model.kv_bytes_per_token(kv_format))
 

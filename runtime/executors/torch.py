@@ -14,14 +14,15 @@ from pathlib import Path
 
 import torch
 
-from kvdeck.runtime.core.config import check_int
 from kvdeck.runtime.core.step_data import Conversion, SchedulerOutput, StepResult, StepTiming
 from kvdeck.runtime.errors import ConfigError, StepError
-from kvdeck.runtime.executors.base import WeightsView
+from kvdeck.runtime.executors.base import ExecutorInfo, WeightsView
 from kvdeck.runtime.executors.kv_codecs import get_codec, kv_formats_for
 from kvdeck.runtime.executors.link import measure_link
 from kvdeck.runtime.executors.online_fit import OnlineFit
+from kvdeck.runtime.executors.outputs import LogitsStage
 from kvdeck.runtime.executors.paged_kv import PagedBatch, PagedKVCache, paged_attention
+from kvdeck.runtime.executors.torch_weights import WeightPacker
 from kvdeck.runtime.kv.groups import LayerGroups, layer_groups
 from kvdeck.runtime.kv.transfers import Transfer
 from kvdeck.runtime.models.arch import ModelConfig
@@ -29,33 +30,18 @@ from kvdeck.runtime.models.architectures import model_config
 from kvdeck.runtime.models.gguf import read_gguf
 from kvdeck.runtime.models.kernels import (
     FLOAT,
-    KernelTable,
     cpu_compute_dtype,
-    describe,
-    load_or_measure,
-)
-from kvdeck.runtime.models.linear import (
-    INT4_GROUP_SIZES,
-    AutoMatrix,
-    pack_matrix,
 )
 from kvdeck.runtime.models.offload import FFNOffload
-from kvdeck.runtime.models.transformer import GROUP_MATRICES, Transformer
+from kvdeck.runtime.models.transformer import Transformer
 from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
 from kvdeck.runtime.models.weights import load_tensors
 from kvdeck.runtime.planning.profiles import StepFit
 from kvdeck.runtime.resources import cache_dir
 from kvdeck.runtime.spec.draft_model import DraftModel
 from kvdeck.runtime.spec.ngram import propose_for
-from kvdeck.runtime.spec.verify import sample_draft, verify_greedy
 from kvdeck.runtime.text.guided import MaskJob
 from kvdeck.runtime.text.quality import QualityCache
-from kvdeck.runtime.text.sampling import (
-    TokenLogprobs,
-    sample,
-    sample_branches,
-    score_tokens,
-)
 
 log = logging.getLogger("kvdeck.torch")
 
@@ -93,13 +79,20 @@ def default_dtype(device: torch.device, kernel_cache: Path | None = None) -> str
     return "fp32"
 
 
+def pick_dtype(dtype: str | None, device: torch.device, kernel_cache: Path) -> str:
+    """The compute dtype asked for, or this machine's default (`default_dtype`); a
+    ConfigError sentence for an unknown one, or int8 off the CPU."""
+    dtype = dtype or default_dtype(device, kernel_cache)
+    if dtype not in DTYPES:
+        raise ConfigError(f"Unknown dtype {dtype!r}; dtypes are {', '.join(DTYPES)}.")
+    if dtype.startswith("int8") and device.type != "cpu":
+        raise ConfigError("dtype int8 (FBGEMM dynamic quantization) runs on the CPU only; "
+                          "use bf16 on GPUs.")
+    return dtype
+
+
 class TorchExecutor:
     """Executor protocol implementation on a real model."""
-
-    name = "torch"
-    virtual_time = False
-    computes_logits = True
-    max_sequences = 1 << 30
 
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str | None = None,
                  threads: int | None = None, seed: int = 0, record_logits: bool = False,
@@ -118,13 +111,8 @@ class TorchExecutor:
         GGUF with the same tokenizer, loaded beside the target for `speculative_method =
         draft` (`runtime/spec/draft_model.py`)."""
         self.device = pick_device(device)
-        dtype = dtype or default_dtype(self.device, kernel_cache if kernel_cache is not None
-                                       else cache_dir() / "kernels")
-        if dtype not in DTYPES:
-            raise ConfigError(f"Unknown dtype {dtype!r}; dtypes are {', '.join(DTYPES)}.")
-        if dtype.startswith("int8") and self.device.type != "cpu":
-            raise ConfigError("dtype int8 (FBGEMM dynamic quantization) runs on the CPU only; "
-                              "use bf16 on GPUs.")
+        kernel_cache = kernel_cache if kernel_cache is not None else cache_dir() / "kernels"
+        dtype = pick_dtype(dtype, self.device, kernel_cache)
         if threads is not None:
             if threads < 1:
                 raise ConfigError(f"threads must be at least 1, got {threads}.")
@@ -135,8 +123,7 @@ class TorchExecutor:
         self.logits_log: list[tuple[str, int, torch.Tensor]] = []
         """With `record_logits`: (request id, position of the sampled token, logits) per
         sampled token — for tests and numerics inspection, not for serving."""
-        self.model_path = Path(model_path)
-        g = read_gguf(self.model_path)
+        g = read_gguf(Path(model_path))
         try:
             self.cfg: ModelConfig = model_config(g)
             t0 = time.perf_counter()
@@ -144,37 +131,19 @@ class TorchExecutor:
                                      int8=dtype == "int8", int8_head=dtype == "int8-head")
             self.greedy_shortlist = greedy_shortlist
             self._update_shortlist()
-            if self.device.type != "cpu":
-                self._masters_to_host()
             self.draft = DraftModel(draft_model, g, self.device, DTYPES[dtype], seed) \
                 if draft_model is not None else None
             self.load_seconds = time.perf_counter() - t0
         finally:
             g.close()
-        self.draft_model_name = self.draft.name if self.draft is not None else ""
         info = self.cfg.info
-        self.model_name = info.name
-        self.max_model_len = info.context_length
-        self.eos_token_ids = self.cfg.eos_token_ids
-        self.vocab_size = info.vocab_size
-        if int4_group_size not in INT4_GROUP_SIZES:
-            raise ConfigError(f"int4_group_size must be one of "
-                              f"{', '.join(map(str, INT4_GROUP_SIZES))}, got {int4_group_size}.")
-        self.int4_group_size = int4_group_size
-        check_int("int8_group_size", int8_group_size, 0, 1 << 16)
-        self.int8_group_size = int8_group_size
-        if weight_activations not in ("measured", *FLOAT):
-            raise ConfigError(f"weight_activations must be measured, {', '.join(FLOAT)}; got "
-                              f"{weight_activations!r}.")
-        self.weight_activations = weight_activations
-        self.kernel_cache = kernel_cache if kernel_cache is not None else \
-            cache_dir() / "kernels"
-        self._kernels: KernelTable | None = None
-        self._auto_rules: dict[str, list[tuple[int, str]]] = {}
+        self.packer = WeightPacker(
+            self.model, self.device, DTYPES[dtype], dtype if dtype in FLOAT else "fp32",
+            int4_group_size, int8_group_size, weight_activations, kernel_cache)
+        if self.device.type != "cpu":
+            self.packer.masters_to_host()
         self.weight_formats = dict(self.model.weight_formats)
         """The weight format of each group now (`weight_formats.py`)."""
-        self.kv_formats = tuple(kv_formats_for(self.cfg.info.head_dim, self.device))
-        """The KV formats this model's pool can use on this device."""
         self.kv: PagedKVCache | None = None
         self.host_kv: PagedKVCache | None = None
         """The host tier's bytes (`bind_host_kv`), same format and layout as the pool."""
@@ -182,38 +151,30 @@ class TorchExecutor:
         """The page layout the pool was bound with (`free_window_kv`); None: a block holds
         every layer."""
         self.kv_format = "fp16"
-        self.num_layers = info.num_layers
-        self.link = measure_link(self.device)
-        self.link_bandwidth = self.link.bandwidth
-        """Bytes/s one way between device and host (measured at start-up)."""
-        self.link_detail = self.link.describe()
-        log.info("host link %s", self.link.describe())
+        link = measure_link(self.device)
+        log.info("host link %s", link.describe())
+        self.info = ExecutorInfo(
+            "torch", info.name, Path(model_path), info.vocab_size, info.context_length,
+            self.cfg.eos_token_ids, info.num_layers,
+            tuple(kv_formats_for(info.head_dim, self.device)), link.bandwidth, link.describe(),
+            draft_model_name=self.draft.name if self.draft is not None else "",
+            device=str(self.device))
+        """The KV formats are those this model's pool can use on this device; the host
+        link is measured at start-up."""
         self.offload: FFNOffload | None = None
         self._windows = {self.cfg.window(i) for i in range(info.num_layers)}
-        # A prior until the executor's own steps pin the model down (`online_fit.py`):
-        # weights read once at ~12 GB/s plus a compute term at ~50 GFLOP/s.
+        self.timing = OnlineFit(self._prior_fit())
+
+    def _prior_fit(self) -> StepFit:
+        """The step-time model until the executor's own steps pin it down (`online_fit.py`):
+        weights read once at ~12 GB/s plus a compute term at ~50 GFLOP/s."""
+        info = self.cfg.info
         flops_per_token = 2.0 * self.model.matrix_params
         pair_flops = 4.0 * info.num_heads * info.head_dim * info.num_layers
-        self.timing = OnlineFit(StepFit(self.model.matrix_weight_bytes / 12e9,
-                                        flops_per_token / 50e9, pair_flops / 50e9))
+        return StepFit(self.model.matrix_weight_bytes / 12e9, flops_per_token / 50e9,
+                       pair_flops / 50e9)
 
     # -- weight formats ---------------------------------------------------------------------
-
-    @property
-    def kernels(self) -> KernelTable:
-        """The kernel micro-benchmark for this machine and model (measured on first use,
-        then cached on disk)."""
-        if self._kernels is None:
-            m = self.model
-            shapes = {"attn": tuple(m.masters[0]["wq"][0].shape),
-                      "ffn": tuple(m.masters[0]["w_up"][0].shape),
-                      "head": tuple(m.head_master.shape)}
-            self._kernels = load_or_measure(shapes, self.device, self.compute, self.kernel_cache,
-                                            self.int4_group_size, self.int8_group_size)
-            verb = "read from cache" if self._kernels.cached else \
-                f"measured in {self._kernels.seconds_spent:.1f} s"
-            log.info("kernel table %s: %s", verb, "; ".join(describe(self._kernels)))
-        return self._kernels
 
     def resolve_weight_formats(self, text: str, current: dict[str, str] | None = None
                                ) -> dict[str, str]:
@@ -228,80 +189,19 @@ class TorchExecutor:
                               "dynamic int8); other weight formats need a float dtype "
                               "(fp32, bf16 or fp16).")
         if "measured" in formats.values():
-            formats = self.kernels.measured_choice(self.activations_for)
+            formats = self.packer.kernels.measured_choice(self.packer.activations_for)
         if "int4" in formats.values():
-            gs = self.int4_group_size
+            gs = self.packer.int4_group_size
             for group, fmt in formats.items():
                 if fmt != "int4":
                     continue
-                bad = [tuple(m.shape) for m in self._masters(group) if m.shape[1] % gs]
+                bad = [tuple(m.shape) for m in self.packer.masters(group) if m.shape[1] % gs]
                 if bad:
                     raise ConfigError(f"int4 weights for {group} need inputs that are a "
                                       f"multiple of the group size {gs}; a matrix there is "
                                       f"{bad[0][0]} × {bad[0][1]}. Use int4_group_size "
                                       "that divides it, or int8.")
         return formats
-
-    def _masters_to_host(self) -> None:
-        """On an accelerator the master copies that re-packing starts from live in host
-        memory, so a compact format frees device memory (the dense matrices on the device
-        are dropped when their group is re-packed)."""
-        m = self.model
-        for layer in m.masters:
-            for name, (w, b) in layer.items():
-                layer[name] = (w.cpu(), b.cpu() if b is not None else None)
-        m.head_master = m.head_master.cpu()
-
-    def _masters(self, group: str) -> list[torch.Tensor]:
-        if group == "head":
-            return [self.model.head_master]
-        return [layer[n][0] for layer in self.model.masters for n in GROUP_MATRICES[group]]
-
-    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, group: str):
-        compute = DTYPES[self.dtype_name]
-        weight = weight.to(self.device)  # from a host master copy on an accelerator
-        bias = bias.to(self.device) if bias is not None else None
-        if fmt == "dense":
-            return pack_matrix(weight, bias, "dense", compute)
-        if fmt in FLOAT:
-            return pack_matrix(weight, bias, "dense", FLOAT[fmt])
-        if fmt == "auto":
-            return AutoMatrix([(limit, f, self._pack(weight, bias, f, group))
-                               for limit, f in self.auto_segments(group)])
-        return pack_matrix(weight, bias, fmt, FLOAT[self.activations_for(fmt)],
-                           self.int4_group_size, self.int8_group_size)
-
-    def activations_for(self, fmt: str) -> str:
-        """The activation dtype a quantized format's products take here."""
-        if self.weight_activations != "measured":
-            return self.weight_activations
-        return self.kernels.best_act(fmt)
-
-    AUTO_MAX_ROWS = 4096
-
-    @property
-    def compute(self) -> str:
-        """The float dtype activations are in (fp32 under the int8 FBGEMM dtypes)."""
-        return self.dtype_name if self.dtype_name in FLOAT else "fp32"
-
-    def auto_segments(self, group: str) -> list[tuple[int, str]]:
-        """`auto`'s rule for a group: (most rows, format) ranges, by measured time — at each
-        row count the fastest of dense (compute dtype), bf16 and int8."""
-        rule = self._auto_rules.get(group)
-        if rule is None:
-            candidates = tuple(dict.fromkeys((self.compute, "bf16", "int8")))
-            segments: list[tuple[int, str]] = []
-            for rows in range(1, self.AUTO_MAX_ROWS + 1):
-                best = self.kernels.fastest(group, candidates, rows, self.activations_for)
-                if segments and segments[-1][1] == best:
-                    segments[-1] = (rows, best)
-                else:
-                    segments.append((rows, best))
-            segments[-1] = (1 << 62, segments[-1][1])
-            # Dense weights in the compute dtype are the loaded ones ("dense").
-            rule = [(limit, "dense" if f == self.compute else f) for limit, f in segments]
-            self._auto_rules[group] = rule
-        return rule
 
     @torch.inference_mode()
     def set_weight_formats(self, formats: dict[str, str]) -> Conversion:
@@ -313,7 +213,7 @@ class TorchExecutor:
         offload = self.offload
         if offload is not None and formats.get("ffn") != self.weight_formats.get("ffn"):
             self._set_offload(0, 1)
-        self.model.set_weight_formats(formats, self._pack)
+        self.model.set_weight_formats(formats, self.packer.pack)
         if offload is not None and self.offload is None:
             self._set_offload(len(offload.offloaded), offload.num_buffers)
         self.weight_formats = dict(self.model.weight_formats)
@@ -326,14 +226,15 @@ class TorchExecutor:
         """The weights as snapshots show them, with cached quality figures for the current
         weight and KV formats (never computed here: `kvdeck quality` or `make bench` do)."""
         used = set(self.weight_formats.values())
-        measured = self._kernels is not None or self.weight_activations != "measured"
+        pk = self.packer
+        measured = pk.measured
         parts = []
         if measured and used & {"int8", "auto"}:
-            parts.append(f"int8: {self.activations_for('int8')} activations, "
-                         f"{self.int8_group_size or 'row'} inputs/scale")
+            parts.append(f"int8: {pk.activations_for('int8')} activations, "
+                         f"{pk.int8_group_size or 'row'} inputs/scale")
         if measured and "int4" in used:
-            parts.append(f"int4: {self.activations_for('int4')} activations, "
-                         f"{self.int4_group_size} inputs/scale")
+            parts.append(f"int4: {pk.activations_for('int4')} activations, "
+                         f"{pk.int4_group_size} inputs/scale")
         detail = "; ".join(parts)
         quality: list[tuple[str, str]] = []
         kv = QualityCache.for_executor(self, "kv").get(f"kv {kv_format}")
@@ -344,7 +245,7 @@ class TorchExecutor:
             q = QualityCache.for_executor(self, "weights").get(f"weights {fmt}")
             if q is not None:
                 quality.append(("weight_format", q.short()))
-        kernels = tuple(describe(self._kernels)) if self._kernels is not None else ()
+        kernels = pk.kernel_lines()
         return WeightsView(format_weight_format(self.weight_formats), self.resident_weight_bytes,
                            detail, kernels, tuple(quality))
 
@@ -378,8 +279,8 @@ class TorchExecutor:
         into `num_buffers` device buffers (0 layers: everything back on the device).
         Between iterations; returns the pause and the device weight bytes before and
         after."""
-        if not 0 <= num_layers <= self.num_layers:
-            raise ConfigError(f"offload_layers must be from 0 to {self.num_layers} (the "
+        if not 0 <= num_layers <= self.info.num_layers:
+            raise ConfigError(f"offload_layers must be from 0 to {self.info.num_layers} (the "
                               f"model's layers), got {num_layers}.")
         before = self.resident_weight_bytes
         t0 = time.perf_counter()
@@ -393,9 +294,9 @@ class TorchExecutor:
             self.offload.restore()
             self.offload = self.model.offload = None
         if num_layers:
-            layers = list(range(self.num_layers - num_layers, self.num_layers))
+            layers = list(range(self.info.num_layers - num_layers, self.info.num_layers))
             self.offload = FFNOffload(self.model.layers, layers, num_buffers, self.device,
-                                      self.link_bandwidth)
+                                      self.info.link_bandwidth)
             self.model.offload = self.offload
 
     def describe_offload(self) -> str:
@@ -490,6 +391,11 @@ class TorchExecutor:
         return self.timing.seconds(num_new_tokens, num_pairs)
 
     @property
+    def weight_bytes(self) -> int:
+        """Matrix bytes every step reads in the current weight formats."""
+        return self.model.matrix_weight_bytes
+
+    @property
     def fit(self) -> StepFit:
         """The step-time model now (learned from measured steps, `online_fit.py`)."""
         return self.timing.fit
@@ -524,42 +430,27 @@ class TorchExecutor:
             return paged_attention(kv, batch, layer, cfg.window(layer), cfg.attn_scale, q, k, v)
 
         sampling = [c for c in plan.chunks if c.sample and not c.num_draft]
-        reqs = [c.request for c in sampling]
-        job = MaskJob(reqs, [(c.request, list(c.draft)) for c in plan.chunks if c.num_draft])
+        job = MaskJob([c.request for c in sampling],
+                      [(c.request, list(c.draft)) for c in plan.chunks if c.num_draft])
         try:  # the grammar masks are computed while the forward pass runs
             hidden = self.model.forward(batch.tokens, batch.positions, attend)
         finally:
             masks = job.wait()
-        sampled: dict[str, int] = {}
-        logprobs: dict = {}
+        out = LogitsStage(self.seed, self.info.eos_token_ids, self.model.logits,
+                          self.model.argmax_tokens)
         shortlisted = False
         if batch.sample_ids:
-            rows = hidden[batch.sample_rows]
-            plain_greedy = not self.record_logits and all(
-                r.sampling.temperature == 0.0 and r.sampling.logprobs is None
-                and not r.sampling.processes_logits for r in reqs)
-            tokens = self.model.greedy_tokens(rows, self._allowed(reqs, masks)) \
-                if plain_greedy else None
-            if tokens is not None:
-                sampled = dict(zip(batch.sample_ids, tokens, strict=True))
-                shortlisted = True
-                for c, t in zip(sampling, tokens, strict=True):  # greedy samples agree
-                    sampled.update((b.request_id, t) for b in c.branches)
-            else:
-                logits = self.model.logits(rows)
-                if self.record_logits:
-                    for rid, req, row in zip(batch.sample_ids, reqs, logits, strict=True):
-                        self.logits_log.append((rid, req.num_tokens, row.cpu().clone()))
-                tokens, lps = sample(logits, reqs, self.seed, self.eos_token_ids, masks)
-                sampled = dict(zip(batch.sample_ids, tokens, strict=True))
-                logprobs = {rid: lp for rid, lp in zip(batch.sample_ids, lps, strict=True)
-                            if lp is not None}
-                more, more_lps = sample_branches(logits, sampling, self.seed,
-                                                 self.eos_token_ids, masks)
-                sampled.update(more)
-                logprobs.update(more_lps)
-        spec = self._verify(plan, batch, hidden, q, masks) if batch.verify else {}
-        prompt_logprobs = self._score_prompts(plan, hidden)
+            shortlisted = self._sample(out, sampling, hidden[batch.sample_rows], masks)
+        for index, row in batch.verify:
+            chunk = plan.chunks[index]
+            out.verify(chunk, hidden[row:row + 1 + len(chunk.draft)], q.get(chunk.request_id),
+                       masks.get(chunk.request_id))
+        row = 0
+        for c in plan.chunks:  # `hidden` holds the chunks' rows in plan order
+            if c.prompt_scored:
+                first = row + c.prompt_scored.start - c.start
+                out.score(c, hidden[first:first + len(c.prompt_scored)])
+            row += c.num_new_tokens
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
@@ -575,9 +466,30 @@ class TorchExecutor:
                             plan.num_pairs, weights + kv_read)
         if not transfers:  # copies would blur the compute model; drafting has its own
             self.timing.observe(batch.tokens.numel(), timing.num_pairs, seconds - draft_seconds)
-        return StepResult(sampled, timing, errors=job.errors, logprobs=logprobs,
-                          transfers=transfers, draft_seconds=draft_seconds, spec=spec,
-                          prompt_logprobs=prompt_logprobs)
+        return StepResult(out.sampled, timing, errors=job.errors, logprobs=out.logprobs,
+                          transfers=transfers, draft_seconds=draft_seconds, spec=out.spec,
+                          prompt_logprobs=out.prompt_logprobs)
+
+    def _sample(self, out: LogitsStage, chunks: list, rows: torch.Tensor,
+                masks: dict[str, torch.Tensor]) -> bool:
+        """Sample the chunks' rows (hidden states) into `out`. Plain greedy rows take the
+        int8 shortlist of the output head where there is one (returns True: the step then
+        read that head instead of the float one); the rest go through the float head."""
+        reqs = [c.request for c in chunks]
+        plain_greedy = not self.record_logits and all(
+            r.sampling.temperature == 0.0 and r.sampling.logprobs is None
+            and not r.sampling.processes_logits for r in reqs)
+        tokens = self.model.greedy_tokens(rows, self._allowed(reqs, masks)) \
+            if plain_greedy else None
+        if tokens is not None:
+            out.take_greedy(chunks, tokens)
+            return True
+        logits = self.model.logits(rows)
+        if self.record_logits:
+            for c, row in zip(chunks, logits, strict=True):
+                self.logits_log.append((c.request_id, c.request.num_tokens, row.cpu().clone()))
+        out.sample(logits, chunks, masks)
+        return False
 
     def _kv_read_bytes(self, batch: PagedBatch) -> int:
         """KV bytes the step's attention read: every layer over each row's context, or with
@@ -590,55 +502,6 @@ class TorchExecutor:
         per_layer = per_token // info.num_layers
         return per_layer * (len(g.global_layers) * batch.num_context_tokens
                             + len(g.local_layers) * batch.num_window_tokens)
-
-    SCORE_ROWS = 64
-    """Prompt rows turned into logits at a time: a row's logits are a vocabulary of floats
-    (1 MiB on Gemma 3), so a long chunk is scored in slices."""
-
-    def _score_prompts(self, plan: SchedulerOutput, hidden: torch.Tensor
-                       ) -> dict[str, list[TokenLogprobs]]:
-        """Prompt logprobs of every chunk that scores prompt positions
-        (`ScheduledChunk.prompt_scored`): each position's logits score the prompt token
-        after it. `hidden` holds the chunks' rows in plan order."""
-        out: dict[str, list[TokenLogprobs]] = {}
-        row = 0
-        for c in plan.chunks:
-            scored = c.prompt_scored
-            if scored:
-                req = c.request
-                first = row + scored.start - c.start
-                lps: list[TokenLogprobs] = []
-                for a in range(scored.start, scored.stop, self.SCORE_ROWS):
-                    b = min(a + self.SCORE_ROWS, scored.stop)
-                    logits = self.model.logits(hidden[first + a - scored.start:
-                                                      first + b - scored.start])
-                    lps.extend(score_tokens(logits, req.prompt_token_ids[a + 1:b + 1],
-                                            req.sampling.prompt_logprobs))
-                out[c.request_id] = lps
-            row += c.num_new_tokens
-        return out
-
-    def _verify(self, plan: SchedulerOutput, batch: PagedBatch, hidden: torch.Tensor,
-                q: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]
-                ) -> dict[str, list[int]]:
-        """Each speculating chunk's emitted tokens: its `1 + k` rows scored, the draft kept
-        by the lossless rule (`q`: the draft model's distributions per sampling request;
-        `masks`: a guided request's grammar masks per position). Greedy takes the argmax
-        exactly as plain decoding does (the int8 shortlist rescored in float where there is
-        one; the masked float logits for a guided request)."""
-        out: dict[str, list[int]] = {}
-        for index, row in batch.verify:
-            chunk = plan.chunks[index]
-            req, draft = chunk.request, list(chunk.draft)
-            rows = hidden[row:row + 1 + len(draft)]
-            allowed = masks.get(req.request_id)
-            if req.sampling.temperature == 0.0:
-                best = self.model.argmax_tokens(rows, allowed)
-                out[req.request_id] = verify_greedy(best, draft)[0]
-            else:
-                out[req.request_id] = sample_draft(self.model.logits(rows), req, draft,
-                                                   self.seed, q.get(req.request_id), allowed)
-        return out
 
     def _allowed(self, reqs: list, masks: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The grammar masks of a batch of sampling rows as one [S, vocab] bool tensor (an
@@ -669,7 +532,7 @@ class TorchExecutor:
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - start
             out.append(Transfer(kind, direction, what, len(pairs), nbytes, start - t0,
-                                seconds, nbytes / self.link_bandwidth, seconds))
+                                seconds, nbytes / self.info.link_bandwidth, seconds))
         return out
 
     def forget(self, request_id: str) -> None:

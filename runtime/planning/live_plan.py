@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvdeck.runtime.executors.base import Modelled, StepCost
 from kvdeck.runtime.planning.planner import Plan, Planner, Scheme
 from kvdeck.runtime.planning.power import nvml_power
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
@@ -31,21 +32,18 @@ WINDOW_S = 60.0
 
 def live_profiles(engine) -> tuple[HardwareProfile, ModelProfile]:
     """The profiles the engine's executor runs on (see the module docstring)."""
-    ex = engine.executor
-    if getattr(ex, "name", "") == "sim":
+    ex, info = engine.executor, engine.executor.info
+    if isinstance(ex, Modelled) and isinstance(ex, StepCost):
         return ex.hardware, replace(ex.model, fits={ex.hardware.name: ex.fit})
-    model = replace(ModelProfile.from_gguf(str(ex.model_path)),
-                    name=Path(str(ex.model_path)).stem)
-    weight_bytes = getattr(getattr(ex, "model", None), "matrix_weight_bytes", None) \
-        or getattr(ex, "weight_bytes", None) or model.matrix_weight_bytes
-    timing = getattr(ex, "timing", None)
-    fits = {"local": timing.fit} if timing is not None else {}
-    model = replace(model, kv_dtype=engine.switcher.kv_format,
-                    matrix_weight_bytes=int(weight_bytes), fits=fits)
+    model = replace(ModelProfile.from_gguf(str(info.model_path)),
+                    name=Path(str(info.model_path)).stem)
+    if isinstance(ex, StepCost):
+        model = replace(model, matrix_weight_bytes=int(ex.weight_bytes),
+                        fits={"local": ex.fit})
+    model = replace(model, kv_dtype=engine.switcher.kv_format)
     hw = HardwareProfile.load("local")
-    device = getattr(ex, "device", None)
-    if getattr(device, "type", "") == "cuda":  # energy at the measured draw, not the limit
-        power = nvml_power(device.index or 0)
+    if info.device.startswith("cuda"):  # energy at the measured draw, not the limit
+        power = nvml_power(int(info.device.partition(":")[2] or 0))
         if power is not None:
             hw = replace(hw, power_watts=power.draw_w)
     return hw, model

@@ -28,28 +28,30 @@ from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import Request
 from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.errors import ConfigError, RunFormatError
+from kvdeck.runtime.executors.base import draft_kv_bytes_per_token, offload_of
 from kvdeck.runtime.runs.records import RUN_FORMAT, Record, Truncated, dumps, parse_record
 from kvdeck.runtime.runs.trace import Arrival
 
 
 def engine_header(engine: Engine) -> dict:
+    ex, info = engine.executor, engine.executor.info
+    offload, gain = offload_of(ex)
     return {
         "kvdeck_run": RUN_FORMAT,
-        "executor": engine.executor.name,
-        "model": engine.executor.model_name,
+        "executor": info.name,
+        "model": info.model_name,
         "num_blocks": engine.kv.num_blocks,
         "block_size": engine.kv.block_size,
         "kv_format": engine.switcher.kv_format,
         "bytes_per_block": engine.kv.bytes_per_block,
         "host_blocks": engine.kv.host.num_blocks,
-        "link_bandwidth": engine.executor.link_bandwidth,
-        "link": engine.executor.link_detail,
-        "draft_model": engine.executor.draft_model_name,
-        "draft_kv_bytes_per_token": {f: engine.executor.draft_kv_bytes_per_token(f)
-                                     for f in engine.executor.kv_formats}
-        if engine.executor.draft_model_name else {},
-        "offload": engine.executor.describe_offload(),
-        "offload_gain_bytes": engine.executor.offload_gain_bytes,
+        "link_bandwidth": info.link_bandwidth,
+        "link": info.link_detail,
+        "draft_model": info.draft_model_name,
+        "draft_kv_bytes_per_token": {f: draft_kv_bytes_per_token(ex, f)
+                                     for f in info.kv_formats} if info.draft_model_name else {},
+        "offload": offload,
+        "offload_gain_bytes": gain,
         "max_model_len": engine.max_model_len,
         "layer_groups": dataclasses.asdict(engine.groups) if engine.groups else None,
         "config": dataclasses.asdict(engine.config),

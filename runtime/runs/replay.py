@@ -29,8 +29,8 @@ from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.state import KVState
 from kvdeck.runtime.kv.transfers import TransferLog, TransfersView
 from kvdeck.runtime.spec.stats import SpecStats
-from kvdeck.runtime.views.figures import RunFigures, kv_summary, step_figures, summarize
-from kvdeck.runtime.views.metrics import SLO, RequestMetrics, request_metrics
+from kvdeck.runtime.stats.figures import RunFigures, kv_summary, step_figures, summarize
+from kvdeck.runtime.stats.metrics import SLO, RequestMetrics, request_metrics
 from kvdeck.runtime.views.prefix import summarize_tree
 from kvdeck.runtime.views.snapshot import (
     BatchView,

@@ -17,8 +17,8 @@ from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.errors import KvdeckError
 from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
-from kvdeck.runtime.views.figures import kv_summary, summarize
-from kvdeck.runtime.views.metrics import SLO, RequestMetrics, request_metrics
+from kvdeck.runtime.stats.figures import kv_summary, summarize
+from kvdeck.runtime.stats.metrics import SLO, RequestMetrics, request_metrics
 
 
 def _rejected(a: Arrival, rid: str, reason: str) -> RequestMetrics:
@@ -62,7 +62,7 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
             i += 1
         if not engine.has_work:
             break
-        if engine.step() is None and not engine.executor.virtual_time:
+        if engine.step() is None and not engine.executor.info.virtual_time:
             time.sleep(0.001)  # wall clock: wait for the next arrival to come due
         if on_step is not None:
             on_step(engine)
@@ -76,5 +76,5 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
 def run_summary_extras(engine: Engine) -> dict:
     """KV figures the run summary reports besides request metrics."""
     kv = engine.kv
-    return kv_summary(engine.executor.name, engine.executor.model_name, kv.num_blocks,
+    return kv_summary(engine.executor.info.name, engine.executor.info.model_name, kv.num_blocks,
                       kv.block_size, kv.bytes_per_block, kv.tree, kv.num_cow_copies)

@@ -58,14 +58,14 @@ class TrafficGenerator:
         requests/s; a real model on a laptop CPU gets short requests at 0.5/s, so each one
         can be watched."""
         ex = engine.executor
-        if ex.virtual_time:
+        if ex.info.virtual_time:
             mix = TrafficMix.for_context(min(engine.max_model_len, 32768),
                                          3.0 if rate_per_s is None else rate_per_s)
         else:
             mix = TrafficMix(rate_per_s=0.5 if rate_per_s is None else rate_per_s,
                              short_prompt=48, short_output=24, long_prompt=192,
                              shared_prefix=160, long_output=24)
-        return cls(engine, mix, ex.vocab_size,
+        return cls(engine, mix, ex.info.vocab_size,
                    seed=engine.config.seed if seed is None else seed)
 
     def __init__(self, engine: Engine, mix: TrafficMix, vocab_size: int, seed: int = 0):

@@ -2,7 +2,7 @@
 plus `kvdeck:` metrics for what vLLM does not export.
 
 Everything is read from the engine loop's latest snapshot — counters, gauges, and the
-latency histograms the engine keeps (`runtime/views/figures.py`) — at scrape time; nothing here
+latency histograms the engine keeps (`runtime/stats/figures.py`) — at scrape time; nothing here
 touches the scheduler or the KV manager. Speculative-decoding counters use vLLM's names and,
 as in vLLM, appear only once speculation has been on.
 """
@@ -16,8 +16,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from kvdeck.runtime.core.loop import EngineLoop
 from kvdeck.runtime.kv.tiers import HOST_STATE_NAMES
+from kvdeck.runtime.runs.loop import EngineLoop
 from kvdeck.runtime.views.snapshot import STATE_NAMES
 
 HISTOGRAMS = (

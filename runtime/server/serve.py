@@ -22,7 +22,7 @@ from collections.abc import Callable, Generator
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvdeck.runtime.core.loop import EngineLoop
+from kvdeck.runtime.runs.loop import EngineLoop
 from kvdeck.runtime.server.app import ServeLimits, create_app
 from kvdeck.runtime.session import Session
 

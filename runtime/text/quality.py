@@ -133,10 +133,10 @@ class QualityCache:
         kernel table) or "kv" (by the compute dtype only)."""
         variant = f"compute {executor.dtype_name}"
         if part == "weights":
-            act = executor.activations_for
-            variant += (f", int8 g{executor.int8_group_size} {act('int8')}, int4 "
-                        f"g{executor.int4_group_size} {act('int4')}")
-        return cls(executor.model_path, directory, f"{part}: {variant}")
+            act = executor.packer.activations_for
+            variant += (f", int8 g{executor.packer.int8_group_size} {act('int8')}, int4 "
+                        f"g{executor.packer.int4_group_size} {act('int4')}")
+        return cls(executor.info.model_path, directory, f"{part}: {variant}")
 
     def __init__(self, model_path: Path, directory: Path | None = None, variant: str = ""):
         """`variant`: what else decides the figures (group sizes, activation dtypes)."""

@@ -1,2 +1,2 @@
-"""What a running engine shows: the snapshot the console draws, the running figures, per-request
-metrics."""
+"""What a running engine shows: the snapshot the console draws (built from an engine by
+`snapshot_of`, never by the engine itself) and the prefix tree's summary."""

@@ -7,13 +7,15 @@ CACHED, CACHED_ACTIVE), copied, not recomputed. `SnapshotBuilder` builds snapsho
 incrementally: request views are reused while a request has not changed, the prefix-tree
 summary while the tree and its blocks' references have not, and latency percentiles while no
 request has finished — so the engine thread can publish several snapshots a second under
-load (`make bench` reports the cost).
+load (`make bench` reports the cost). The engine never builds its own views (the core
+imports no view); `snapshot_of(engine)` does, with one builder per engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +24,12 @@ from kvdeck.runtime.core.failure import EngineFailure
 from kvdeck.runtime.core.request import Request, RequestStatus
 from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.core.switch import Switch
-from kvdeck.runtime.executors.base import WeightsView
+from kvdeck.runtime.executors.base import (
+    WeightsView,
+    auto_choice,
+    draft_kv_bytes_per_token,
+    offload_of,
+)
 from kvdeck.runtime.kv.block_pool import (
     CACHED,
     CACHED_ACTIVE,
@@ -35,8 +42,8 @@ from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.transfers import TransfersView
 from kvdeck.runtime.kv.window import held_by_group
 from kvdeck.runtime.spec.stats import SpeculationView
+from kvdeck.runtime.stats.figures import FiguresView
 from kvdeck.runtime.text.tokenizer import Tokenizer, forced_runs
-from kvdeck.runtime.views.figures import FiguresView
 from kvdeck.runtime.views.prefix import NodeSummary, summarize_tree
 
 if TYPE_CHECKING:
@@ -44,7 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CACHED", "CACHED_ACTIVE", "FREE", "PRIVATE", "SHARED", "STATE_NAMES",
            "BatchView", "EngineSnapshot", "KVView", "RequestDetail",
-           "RequestView", "SnapshotBuilder", "TrackedOutput"]
+           "RequestView", "SnapshotBuilder", "TrackedOutput", "snapshot_builder", "snapshot_of"]
 RECENT_FINISHED = 64
 """Finished requests a snapshot lists."""
 
@@ -302,7 +309,7 @@ class SnapshotBuilder:
         view = self.engine.switcher.weights_view
         if "auto" not in view.formats:
             return view
-        return dataclasses.replace(view, auto=self.engine.executor.auto_choice())
+        return dataclasses.replace(view, auto=auto_choice(self.engine.executor))
 
     def kv_view(self) -> KVView:
         e = self.engine
@@ -311,20 +318,21 @@ class SnapshotBuilder:
                       bytes(kv.pool.states), kv.pool.num_free, tree.num_evictable,
                       kv.num_reserved, kv.usage, tree.num_nodes, tree.hit_rate,
                       tree.num_evictions, kv.num_cow_copies, tree.num_query_tokens,
-                      tree.num_hit_tokens, e.executor.kv_formats,
-                      e.executor.draft_kv_bytes_per_token(e.switcher.kv_format) * kv.block_size,
-                      e.executor.draft_model_name,
+                      tree.num_hit_tokens, e.executor.info.kv_formats,
+                      draft_kv_bytes_per_token(e.executor, e.switcher.kv_format)
+                      * kv.block_size,
+                      e.executor.info.draft_model_name,
                       window_view(kv.groups, kv.pool.states, kv.page_groups))
 
     def transfers_view(self) -> TransfersView:
         e = self.engine
         kv, log, tree = e.kv, e.transfer_log, e.kv.tree
         return TransfersView(
-            e.executor.link_bandwidth, e.executor.link_detail, kv.host.num_blocks,
+            e.executor.info.link_bandwidth, e.executor.info.link_detail, kv.host.num_blocks,
             kv.host.num_swapped, kv.host.num_demoted, kv.bytes_per_block, bytes(kv.host.states),
             tuple(kv.host_tables), log.view_counters(kv.num_swap_outs, kv.num_swap_ins, tree),
             log.last, tuple(log.recent),
-            e.executor.describe_offload(), e.executor.offload_gain_bytes)
+            *offload_of(e.executor))
 
     def build(self, max_prefix_nodes: int = 256) -> EngineSnapshot:
         """Call from the engine thread (or while it is stopped)."""
@@ -343,7 +351,7 @@ class SnapshotBuilder:
         return EngineSnapshot(
             step=e.step_count,
             time=e.clock.now() if e.state_end is None else e.state_end,
-            model_name=e.executor.model_name, executor=e.executor.name,
+            model_name=e.executor.info.model_name, executor=e.executor.info.name,
             knobs=sched.knobs, waiting=waiting, running=running,
             batch=BatchView.of(*e.last_step) if e.last_step else None, kv=self.kv_view(),
             prefix_nodes=self._prefix_nodes(max_prefix_nodes),
@@ -358,5 +366,23 @@ class SnapshotBuilder:
             transfers=self.transfers_view(),
             speculation=sched.spec.view(sched.knobs.speculative_method,
                                         sched.knobs.num_speculative_tokens,
-                                        e.executor.draft_model_name),
+                                        e.executor.info.draft_model_name),
         )
+
+
+_BUILDERS: weakref.WeakKeyDictionary[Engine, SnapshotBuilder] = weakref.WeakKeyDictionary()
+"""One builder per engine, so what one snapshot built is reused by the next."""
+
+
+def snapshot_builder(engine: Engine) -> SnapshotBuilder:
+    """The builder of `engine`'s snapshots (made on first use, gone with the engine)."""
+    builder = _BUILDERS.get(engine)
+    if builder is None:
+        builder = _BUILDERS[engine] = SnapshotBuilder(engine)
+    return builder
+
+
+def snapshot_of(engine: Engine, max_prefix_nodes: int = 256) -> EngineSnapshot:
+    """An immutable view of `engine` now; call from the engine thread (or while it is
+    stopped)."""
+    return snapshot_builder(engine).build(max_prefix_nodes)

@@ -18,6 +18,7 @@ from kvdeck.runtime.core.config import EngineConfig
 from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.text.tokenizer import Tokenizer
+from kvdeck.runtime.views.snapshot import snapshot_of
 from tests.servers import serve_process
 from tests.ui.panel_text import panel_text
 
@@ -47,7 +48,7 @@ async def run_prompt(path, text: str) -> tuple[KvdeckApp, str, object]:
         req = engine.find(rid)
         while not req.status.is_finished:
             engine.step()
-        app.render_snapshot(engine.snapshot())
+        app.render_snapshot(snapshot_of(engine))
         await pilot.pause()
         shown = panel_text(app.query_one("#prompt-output")) + \
             str(app.query_one("#prompt-input").placeholder)

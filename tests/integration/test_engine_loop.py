@@ -7,9 +7,9 @@ import time
 
 from kvdeck.runtime.core.config import EngineConfig, Knobs
 from kvdeck.runtime.core.engine import Engine
-from kvdeck.runtime.core.loop import EngineLoop
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.executors.sim import SimExecutor
+from kvdeck.runtime.runs.loop import EngineLoop
 
 
 def wait_until(cond, timeout: float = 20.0) -> None:

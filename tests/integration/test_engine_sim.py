@@ -26,7 +26,7 @@ from kvdeck.runtime.runs.recording import read_run, record_headless
 from kvdeck.runtime.runs.replay import Replay
 from kvdeck.runtime.runs.runner import run_arrivals
 from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
-from kvdeck.runtime.views.snapshot import EngineSnapshot
+from kvdeck.runtime.views.snapshot import EngineSnapshot, snapshot_of
 
 KNOBS = Knobs(max_num_batched_tokens=512, chunk_size=128, max_num_seqs=16)
 
@@ -98,7 +98,7 @@ def assert_replays_as_lived(run: Path, live: list[dict]) -> Replay:
 
 
 def drive(e: Engine, steps: int, live: list[dict], fork_at: int | None = None,
-          view=lambda e: view_of(e.snapshot())) -> None:
+          view=lambda e: view_of(snapshot_of(e))) -> None:
     """Step `e` (the test is its engine thread), capturing `view(e)` after every step; at
     step `fork_at`, branch a running request so copy-on-write happens."""
     for _ in range(steps):
@@ -311,4 +311,4 @@ def test_fatal_executor_error_stops_the_engine_and_answers_everyone(tmp_path: Pa
     e.check_integrity()
     with pytest.raises(EngineFailedError, match="The engine has stopped"):
         e.add_request([1, 2, 3])
-    assert e.snapshot().failure == failure
+    assert snapshot_of(e).failure == failure

@@ -18,6 +18,7 @@ from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvdeck.runtime.views.snapshot import snapshot_of
 
 pytestmark = pytest.mark.slow
 
@@ -225,11 +226,11 @@ async def test_console_prompt_streams_decoded_text(executor, tokenizer) -> None:
         texts = []
         while True:
             e.step()
-            (tracked,) = [t for t in e.snapshot().tracked if t.request_id == rid]
+            (tracked,) = [t for t in snapshot_of(e).tracked if t.request_id == rid]
             texts.append(tracked.text)
             if tracked.status.startswith("finished"):
                 break
-        app.render_snapshot(e.snapshot())
+        app.render_snapshot(snapshot_of(e))
         assert len(set(texts)) > 5 and texts[-1].startswith(texts[3])  # grew token by token
         assert "France" in texts[-1]
         assert "France" in str(app.query_one("#prompt-output").render())

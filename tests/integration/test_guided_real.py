@@ -16,6 +16,7 @@ from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.text.guided import GuideSpec, choice_spec
 from kvdeck.runtime.text.tokenizer import Tokenizer
+from kvdeck.runtime.views.snapshot import snapshot_of
 from tests.kernel_ties import assert_equal_up_to_kernel_ties
 
 pytestmark = pytest.mark.slow
@@ -109,7 +110,7 @@ def test_the_console_marks_forced_tokens(gemma_path) -> None:
                                                                   max_tokens=90, guide=spec),
                         track=True, branches=2)
     e.run_until_idle()
-    (t,) = e.snapshot().tracked
+    (t,) = snapshot_of(e).tracked
     assert "".join(text for text, _ in t.segments) == req.output_text
     forced = "".join(text for text, f in t.segments if f)
     assert '{"people": [{"name": "' in forced and '"age": ' in forced

@@ -11,7 +11,8 @@ from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
-from kvdeck.runtime.views.metrics import request_metrics
+from kvdeck.runtime.stats.metrics import request_metrics
+from kvdeck.runtime.views.snapshot import snapshot_of
 
 TARGET_MS = 50.0
 
@@ -83,6 +84,6 @@ def test_the_target_is_a_live_knob_and_recorded() -> None:
     assert rec.predicted_s <= 0.04 and 16 < rec.plan[0].num_new_tokens < 4096
     again = StepRecord.from_json(rec.to_json(), "test")
     assert (again.predicted_s, again.itl_target_s) == (rec.predicted_s, 0.04)
-    assert e.snapshot().batch.itl_target_s == 0.04
+    assert snapshot_of(e).batch.itl_target_s == 0.04
     e.run_until_idle()
     e.check_integrity()

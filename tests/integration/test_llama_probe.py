@@ -110,7 +110,7 @@ def test_the_executor_and_references_open_llama_cpp_as_the_verdict_says(
 
     monkeypatch.setenv("KVDECK_FAULT", "repack-decode")
     ex = LlamaCppExecutor(gemma_path, threads=2, batch_invariant=True)
-    assert ex.repack is False and "crash on this CPU" in ex.repack_note
+    assert ex.repack is False and "crash on this CPU" in ex.info.start_note
     assert "not re-packed" in ex.describe_weights("fp16").detail
     tok = Tokenizer(gemma_path)
     prompt = tok.encode("The capital of France is")

@@ -16,7 +16,7 @@ from kvdeck.runtime.errors import RequestError
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.runs.recording import read_run, record_headless
 from kvdeck.runtime.runs.replay import Replay
-from kvdeck.runtime.views.snapshot import CACHED_ACTIVE, PRIVATE, SHARED
+from kvdeck.runtime.views.snapshot import CACHED_ACTIVE, PRIVATE, SHARED, snapshot_of
 from tests.integration.test_engine_sim import assert_replays_as_lived, view_of
 
 P = 16
@@ -45,7 +45,7 @@ def test_four_branches_hold_the_prompt_once(tmp_path: Path) -> None:
     while e.has_work:
         if e.step() is not None:
             e.check_integrity()
-            live.append(view_of(e.snapshot()))
+            live.append(view_of(snapshot_of(e)))
         running = [b for b in branches if b.status is RequestStatus.RUNNING]
         if len(running) < 4 or not all(len(b.output_token_ids) >= 2 for b in branches):
             continue  # until each sample has written past the prompt (and copied its tail)
@@ -60,7 +60,7 @@ def test_four_branches_hold_the_prompt_once(tmp_path: Path) -> None:
             assert sum(len(t) for t in tables) == 416
             # The KV map shows the prompt's blocks shared and the samples' own private;
             # the prefix tree branches after the prompt's last full block.
-            states = e.snapshot().kv.states
+            states = snapshot_of(e).kv.states
             assert all(states[b] == SHARED for b in tables[0][:shared])
             assert all(states[b] in (PRIVATE, CACHED_ACTIVE) for t in tables
                        for b in t[shared:])

@@ -29,8 +29,9 @@ def tiny(tiny_gemma3):
 
 
 def engine(ex, chunk_size: int = 64, **config) -> Engine:
-    """fp32 KV on the torch executor, so it computes what the fp32 reference does."""
-    kv = "fp32" if ex.name == "torch" else "fp16"
+    """fp32 KV where the executor stores it (torch), so it computes what the fp32
+    reference does."""
+    kv = "fp32" if "fp32" in ex.info.kv_formats else "fp16"
     return Engine(EngineConfig(**config, knobs=Knobs(
         weight_format="dense", kv_format=kv, max_num_batched_tokens=256,
         chunk_size=chunk_size, max_num_seqs=4)), ex)

@@ -17,6 +17,7 @@ from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.runs.recording import read_run, record_headless
 from kvdeck.runtime.runs.replay import Replay
+from kvdeck.runtime.views.snapshot import snapshot_of
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.integration.test_engine_sim import drive, view_of
 
@@ -57,7 +58,7 @@ def test_greedy_speculation_is_token_for_token_lossless_in_a_mixed_batch(tiny: P
     stats = e.scheduler.spec
     assert stats.num_drafts > 10 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert stats.mean_accepted_length > 1.0  # verify passes bought more than one token each
-    view = e.snapshot().speculation
+    view = snapshot_of(e).speculation
     assert view.method == "ngram" and view.drafts == stats.num_drafts
     # A token at position i + 1 is kept only if the one at i was: counts never increase.
     counts = view.accepted_per_pos
@@ -111,7 +112,7 @@ def stop_and_abort_storm(e: Engine, prompts: list[list[int]], seed: int,
     run_with_aborts(e, rng, 7)
     assert len(e.completed) == 100 and e.scheduler.spec.num_drafts > 50
     stopped = [r for r in e.completed if r.status.value == "finished_stopped"]
-    stops = set(e.executor.eos_token_ids)
+    stops = set(e.executor.info.eos_token_ids)
     assert stopped and all(r.output_token_ids[-1] in set(r.sampling.stop_token_ids) | stops
                            for r in stopped)
     assert all(t not in set(r.sampling.stop_token_ids) | stops
@@ -150,4 +151,4 @@ def test_sim_speculation_is_priced_recorded_and_replayed(tmp_path: Path) -> None
         state.apply(record)
         state.check_integrity()
         assert view_of(state.snapshot()) == expected
-    assert state.snapshot().speculation == e.snapshot().speculation
+    assert state.snapshot().speculation == snapshot_of(e).speculation

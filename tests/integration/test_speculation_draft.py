@@ -24,6 +24,7 @@ from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.runs.recording import read_run, record_headless
 from kvdeck.runtime.runs.replay import Replay
+from kvdeck.runtime.views.snapshot import snapshot_of
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.integration.test_engine_sim import drive, view_of
 from tests.integration.test_speculation import run, stop_and_abort_storm
@@ -75,7 +76,7 @@ def test_draft_model_greedy_is_lossless_in_a_mixed_batch(models, executor) -> No
     assert stats.num_drafts > 10
     assert 3 * stats.num_drafts < stats.num_draft_tokens <= 4 * stats.num_drafts
     assert stats.draft_seconds > 0 and stats.draft_step_seconds > stats.draft_seconds
-    view = e.snapshot().speculation
+    view = snapshot_of(e).speculation
     assert view.draft_model == "tiny-llama" and view.drafts == stats.num_drafts
 
 
@@ -134,7 +135,7 @@ def test_the_pool_holds_target_and_draft_kv(models) -> None:
     kt, kd = ex.kv_bytes_per_token("fp16"), ex.draft_kv_bytes_per_token("fp16")
     assert kd == 2 * DRAFT.num_layers * DRAFT.num_kv_heads * DRAFT.head_dim * 2
     assert e.kv.num_blocks == budget // (4 * (kt + kd))
-    view = e.snapshot().kv
+    view = snapshot_of(e).kv
     assert view.draft_bytes_per_block == 4 * kd and view.bytes_per_block == 4 * kt
     assert ex.draft.kv.num_blocks == e.kv.num_blocks
 
@@ -151,8 +152,8 @@ def test_llama_cpp_pool_holds_target_and_draft_kv_and_refuses_another_vocabulary
     kt, kd = ex.kv_bytes_per_token("fp16"), ex.draft_kv_bytes_per_token("fp16")
     assert kd == 2 * DRAFT.num_layers * DRAFT.num_kv_heads * DRAFT.head_dim * 2
     assert e.kv.num_blocks == budget // (4 * (kt + kd))
-    assert e.snapshot().kv.draft_bytes_per_block == 4 * kd
-    assert ex.draft.ctx is not None and e.snapshot().speculation.draft_model == "tiny-llama"
+    assert snapshot_of(e).kv.draft_bytes_per_block == 4 * kd
+    assert ex.draft.ctx is not None and snapshot_of(e).speculation.draft_model == "tiny-llama"
     e.close()
     other = write_tiny_gguf(tmp_path / "other.gguf", TinySpec(vocab=96))
     with pytest.raises(ConfigError, match=r"^The draft model tiny-llama \(other.gguf\) and the "
@@ -214,8 +215,8 @@ def test_sim_draft_model_what_if_is_recorded_and_replayed(tmp_path: Path) -> Non
     for record, expected in zip(replay.steps, live, strict=True):
         state.apply(record)
         assert view_of(state.snapshot()) == expected
-    assert state.snapshot().speculation == e.snapshot().speculation
-    assert state.snapshot().kv.draft_bytes_per_block == e.snapshot().kv.draft_bytes_per_block
+    assert state.snapshot().speculation == snapshot_of(e).speculation
+    assert state.snapshot().kv.draft_bytes_per_block == snapshot_of(e).kv.draft_bytes_per_block
 
 
 def test_sim_draft_settings_without_a_draft_are_refused() -> None:

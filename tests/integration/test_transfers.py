@@ -21,6 +21,7 @@ from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.runs.recording import read_run, record_headless
 from kvdeck.runtime.runs.replay import Replay
 from kvdeck.runtime.runs.trace import synthesize_tokens
+from kvdeck.runtime.views.snapshot import snapshot_of
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.integration.test_engine_sim import drive, view_of, workload
 
@@ -93,7 +94,7 @@ def test_swap_preempted_requests_finish_with_the_same_greedy_tokens(
     assert outputs == reference
     assert e.scheduler.num_swapped > 0 and e.kv.num_swap_ins == e.kv.num_swap_outs
     assert e.kv.host.num_used == e.kv.host.num_demoted  # nothing left swapped
-    counters = e.snapshot().transfers.counters
+    counters = snapshot_of(e).transfers.counters
     assert counters["d2h_bytes"] > 0 and counters["h2d_bytes"] > 0
 
 
@@ -263,7 +264,7 @@ def test_sim_swaps_demotes_offloads_and_replays_every_step(tmp_path: Path) -> No
         drive(e, n, views)
         live.extend((v, None) for v in views[:-1])
         if views:  # at the end of each phase, the transfers view is compared as well
-            live.append((views[-1], e.snapshot().transfers))
+            live.append((views[-1], snapshot_of(e).transfers))
 
     go(25)
     e.set_knobs(offload_layers=8, offload_buffers=2)
@@ -277,7 +278,7 @@ def test_sim_swaps_demotes_offloads_and_replays_every_step(tmp_path: Path) -> No
     assert len(e.completed) == 40
     assert {r.status for r in e.completed} <= {RequestStatus.FINISHED_STOPPED,
                                                 RequestStatus.FINISHED_LENGTH}
-    c = e.snapshot().transfers.counters
+    c = snapshot_of(e).transfers.counters
     assert e.scheduler.num_swapped > 0 and c["swap_ins"] > 0
     assert c["demotions"] > 0 and c["weight_bytes"] > 0
     replay = Replay(*read_run(tmp_path))

@@ -17,6 +17,7 @@ from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.runs.recording import record_headless
 from kvdeck.runtime.runs.replay import TraceState
+from kvdeck.runtime.views.snapshot import snapshot_of
 from tests.integration.test_engine_sim import assert_replays_as_lived, view_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -45,7 +46,7 @@ def run(e: Engine, prompts: list[list[int]], sp: SamplingParams = GREEDY,
         reqs += [e.add_request(p, sp, **kw) for p in wave]
         while e.has_work:
             if e.step() is not None and live is not None:
-                live.append(view_of(e.snapshot()))
+                live.append(view_of(snapshot_of(e)))
             e.check_integrity()
             for r in e.scheduler.running:
                 if e.kv.groups and r.request_id in e.kv.window_tables:
@@ -179,7 +180,7 @@ def test_recording_started_mid_run_and_scrubbing_back(tiny, tmp_path: Path) -> N
     live: list[dict] = []
     while e.has_work:
         if e.step() is not None:
-            live.append(view_of(e.snapshot()))
+            live.append(view_of(snapshot_of(e)))
         e.check_integrity()
     rec.close()
     assert all(r.status.value == "finished_length" for r in reqs)

@@ -12,6 +12,8 @@ import random
 import pytest
 import torch
 
+from kvdeck.runtime.core.config import EngineConfig
+from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import Request, SamplingParams
 from kvdeck.runtime.core.step_data import ScheduledChunk, SchedulerOutput, StepResult
 from kvdeck.runtime.executors.torch import TorchExecutor
@@ -143,5 +145,10 @@ def test_llama_cpp_refuses_free_window_kv(gemma_path) -> None:
     from kvdeck.runtime.errors import ConfigError
     from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
 
-    with pytest.raises(ConfigError, match="llama.cpp keeps its own KV cells"):
-        LlamaCppExecutor(gemma_path, threads=2).layer_groups()
+    ex = LlamaCppExecutor(gemma_path, threads=2)
+    try:
+        with pytest.raises(ConfigError, match="^free_window_kv needs an executor that lays out "
+                                              "KV pages .* the llama_cpp executor does not"):
+            Engine(EngineConfig(free_window_kv=True), ex)
+    finally:
+        ex.close()

@@ -12,6 +12,7 @@ from kvdeck.console.screenshots import make_demo_app as make_app
 from kvdeck.console.widgets.hardware import unified_line
 from kvdeck.console.widgets.kv_map import KVMapPanel
 from kvdeck.runtime.runs.recording import read_run
+from kvdeck.runtime.views.snapshot import snapshot_of
 from tests.ui.panel_text import panel_text
 
 
@@ -89,7 +90,7 @@ async def test_enum_knobs_offer_their_values_and_changes_show_pending(app: Kvdec
         assert await knob_choices(pilot, app, "queue_policy") == ["fcfs", "priority", "sjf",
                                                                    "edf"]
         await edit_knob(pilot, app, "queue_policy", "sjf")
-        app.render_snapshot(app.engine.snapshot())  # before the next iteration
+        app.render_snapshot(snapshot_of(app.engine))  # before the next iteration
         cell = str(table.get_cell("queue_policy", table._value_col))
         assert cell == "fcfs → sjf (next step)"
         advance(app, 1)

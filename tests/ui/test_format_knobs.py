@@ -14,6 +14,7 @@ from kvdeck.console.widgets.kv_map import KVMapPanel
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.session import build_session
 from kvdeck.runtime.settings import resolve
+from kvdeck.runtime.views.snapshot import snapshot_of
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.ui.panel_text import panel_text
 from tests.ui.test_console import edit_knob, knob_choices
@@ -30,7 +31,7 @@ def advance(app: KvdeckApp, steps: int) -> None:
     """Step the engine on the test's thread (no traffic here), then draw."""
     for _ in range(steps):
         app.engine.step()
-    app.render_snapshot(app.engine.snapshot())
+    app.render_snapshot(snapshot_of(app.engine))
 
 
 def make_app(model: Path, tmp_path: Path) -> KvdeckApp:

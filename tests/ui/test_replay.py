@@ -28,7 +28,7 @@ from kvdeck.runtime.runs.trace import Arrival
 from kvdeck.runtime.runs.traffic import TrafficGenerator, TrafficMix
 from kvdeck.runtime.session import build_session
 from kvdeck.runtime.settings import resolve
-from kvdeck.runtime.views.snapshot import EngineSnapshot
+from kvdeck.runtime.views.snapshot import EngineSnapshot, snapshot_of
 from tests.ui.panel_text import panel_text, panels_text
 
 
@@ -141,7 +141,8 @@ async def test_a_torch_console_recording_started_mid_run_replays_panel_for_panel
     session = build_session(resolved, live=False, with_tokenizer=False)  # random weights
     mix = TrafficMix(rate_per_s=200.0, long_fraction=0.5, short_prompt=24, short_output=12,
                      long_prompt=96, shared_prefix=64, long_output=16)
-    traffic = TrafficGenerator(session.engine, mix, session.engine.executor.vocab_size, seed=4)
+    traffic = TrafficGenerator(session.engine, mix, session.executor.info.vocab_size,
+                               seed=4)
     live = KvdeckApp(session.engine, traffic, autostart=False, hardware=False,
                      runs_dir=tmp_path / "runs", settings=resolved)
     shown = await record_live(live, steps_before=12, steps=24)
@@ -196,7 +197,7 @@ async def test_a_recording_made_while_paused_replays_its_starting_state(tmp_path
         advance(live, 3)  # paused: no iteration runs
         await pilot.press("r")
         advance(live, 1)
-        state = live.engine.snapshot().kv.states
+        state = snapshot_of(live.engine).kv.states
     (run,) = (tmp_path / "runs").iterdir()
     app = ReplayApp(run)
     async with app.run_test(size=(160, 48)) as pilot:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvdeck.console.screenshots import advance, make_demo_app
 from kvdeck.console.widgets.speculation import SpeculationPanel
+from kvdeck.runtime.views.snapshot import snapshot_of
 from tests.ui.panel_text import panel_text
 from tests.ui.test_replay import record_live, replay_equals_live
 
@@ -17,7 +18,7 @@ async def test_acceptance_shows_live_per_position(tmp_path) -> None:
     async with app.run_test(size=(160, 48)) as pilot:
         advance(app, 80)
         await pilot.pause()
-        v = app.engine.snapshot().speculation
+        v = snapshot_of(app.engine).speculation
         assert v.drafts > 0 and 0 < v.accepted_tokens < v.draft_tokens
         text = " ".join(panel_text(app.query_one(SpeculationPanel)).split())
         assert f"{v.drafts:,} drafts · {v.draft_tokens:,} draft tokens" in text
@@ -58,7 +59,7 @@ async def test_a_draft_model_shows_in_the_panel_and_the_kv_map(tmp_path) -> None
     async with app.run_test(size=(160, 48)) as pilot:
         advance(app, 80)
         await pilot.pause()
-        snap = app.engine.snapshot()
+        snap = snapshot_of(app.engine)
         v = snap.speculation
         assert v.drafts > 0 and v.draft_seconds > 0
         text = " ".join(panel_text(app.query_one(SpeculationPanel)).split())

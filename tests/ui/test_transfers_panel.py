@@ -7,6 +7,7 @@ from kvdeck.console.screenshots import advance, make_demo_app
 from kvdeck.console.widgets.kv_map import KVMapPanel
 from kvdeck.console.widgets.prefix_tree import PrefixTreePanel
 from kvdeck.console.widgets.transfers import TransfersPanel
+from kvdeck.runtime.views.snapshot import snapshot_of
 from tests.ui.panel_text import panel_text, tree_text
 from tests.ui.test_replay import record_live, replay_equals_live
 
@@ -21,14 +22,14 @@ async def test_swaps_demotions_and_offload_copies_show_as_they_happen(tmp_path) 
     async with app.run_test(size=(160, 48)) as pilot:
         for _ in range(3000):
             advance(app, 1)
-            c = e.snapshot().transfers.counters
+            c = snapshot_of(e).transfers.counters
             if c["swap_outs"] and c["demotions"] and e.kv.host_tables:
                 break
         else:
             raise AssertionError("no swap and demotion under this load")
         await pilot.pause()
         text = " ".join(panel_text(app.query_one(TransfersPanel)).split())  # unwrapped
-        t = e.snapshot().transfers
+        t = snapshot_of(e).transfers
         assert f"host {t.host_swapped + t.host_demoted:,}/{t.host_blocks:,} blk" in text
         assert f"▓ {t.host_swapped:,} swapped ░ {t.host_demoted:,} demoted" in text
         assert f"swaps {t.counters['swap_outs']:,} out {t.counters['swap_ins']:,} in" in text
@@ -43,7 +44,7 @@ async def test_swaps_demotions_and_offload_copies_show_as_they_happen(tmp_path) 
         host_row = kv_map.split("\nhost ")[-1]
         assert "▓" in host_row  # swapped blocks drawn on the host row (they outrank demoted)
         # Demoted prefix segments are marked in the prefix tree.
-        if any(n.on_host for n in e.snapshot().prefix_nodes):
+        if any(n.on_host for n in snapshot_of(e).prefix_nodes):
             assert "on host (demoted)" in tree_text(app.query_one(PrefixTreePanel))
 
 

@@ -9,6 +9,7 @@ from kvdeck.console.widgets.kv_map import WINDOW_CHAR, KVMapPanel
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.session import build_session
 from kvdeck.runtime.settings import resolve
+from kvdeck.runtime.views.snapshot import snapshot_of
 from tests.ui.panel_text import panel_text
 from tests.ui.test_console import edit_knob
 
@@ -17,7 +18,7 @@ def advance(app: KvdeckApp, steps: int) -> None:
     for _ in range(steps):
         app.engine.step()
         app.engine.check_integrity()
-    app.render_snapshot(app.engine.snapshot())
+    app.render_snapshot(snapshot_of(app.engine))
 
 
 async def test_kv_map_shows_both_groups(tiny_gemma3, tmp_path):

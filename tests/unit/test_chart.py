@@ -4,7 +4,7 @@ number above the peak, and knob changes are marked on the axis."""
 from __future__ import annotations
 
 from kvdeck.console.widgets.chart import columns, nice_top, plot
-from kvdeck.runtime.views.figures import Bucket
+from kvdeck.runtime.stats.figures import Bucket
 
 
 def history(n: int, gap_at: int | None = None, knob_at: int | None = None) -> list[Bucket]:

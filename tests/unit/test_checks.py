@@ -17,9 +17,9 @@ from kvdeck.runtime.errors import RequestError, TraceError
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.runs.recording import record_headless
 from kvdeck.runtime.runs.replay import summarize_run
+from kvdeck.runtime.stats.metrics import SLO
 from kvdeck.runtime.text.checks import AnswerCheck, parse_check
 from kvdeck.runtime.text.standin import StandInTokenizer
-from kvdeck.runtime.views.metrics import SLO
 
 
 def deep(n: int) -> dict:
@@ -121,7 +121,8 @@ def test_a_bad_check_names_where_it_came_from() -> None:
 def sim_engine(seed: int = 3) -> Engine:
     executor = SimExecutor(SimConfig(), seed=seed)
     return Engine(EngineConfig(block_size=8, num_blocks=64, seed=seed), executor,
-                  tokenizer=StandInTokenizer(executor.vocab_size, executor.config.eos_token_id))
+                  tokenizer=StandInTokenizer(executor.info.vocab_size,
+                                             executor.config.eos_token_id))
 
 
 def test_the_engine_marks_finished_answers_correct_or_not(tmp_path: Path) -> None:

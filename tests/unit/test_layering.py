@@ -4,8 +4,8 @@ Imports are read from the source (every `import` and `from … import`, at modul
 inside a function: a deferred import still ties two modules together); imports under
 `if TYPE_CHECKING:` are annotations only and are left out. The rules (CONTRIBUTING.md,
 "Layout"): runtime/ never imports the console; the engine core (`core/`) and the KV cache
-(`kv/`) never import `views/`, `runs/`, `planning/` or `server/`; executors never import
-`views/`.
+(`kv/`) never import `views/`, `runs/`, `planning/` or `server/`; the engine's statistics
+(`stats/`) import nothing but the core; executors never import `views/`.
 """
 
 from __future__ import annotations
@@ -20,21 +20,10 @@ REPO = Path(__file__).resolve().parents[2]
 FORBIDDEN = {
     "core": ("views", "runs", "planning", "server"),
     "kv": ("views", "runs", "planning", "server"),
+    "stats": ("views", "runs", "planning", "server", "executors", "kv"),
     "executors": ("views",),
 }
 """Subpackage of runtime/ → subpackages it must not import."""
-
-KNOWN_EXCEPTIONS = {
-    ("kvdeck.runtime.core.engine", "kvdeck.runtime.views.figures"),
-    ("kvdeck.runtime.core.engine", "kvdeck.runtime.views.metrics"),
-    ("kvdeck.runtime.core.engine", "kvdeck.runtime.views.snapshot"),
-    ("kvdeck.runtime.core.loop", "kvdeck.runtime.views.snapshot"),
-}
-"""Edges against the rules that are still there: the engine still keeps its running figures
-and assembles its snapshot, and the loop publishes it (issue 29, "a slim engine", moves the
-view assembly out). The list is exact — the test fails when one of these goes, so it is
-taken off here."""
-
 
 def module_name(path: Path, repo: Path) -> str:
     parts = list(path.relative_to(repo).with_suffix("").parts)
@@ -149,8 +138,7 @@ def test_the_cycle_finder_finds_a_deliberate_cycle(tmp_path: Path) -> None:
 
 def test_layers_import_downward_only() -> None:
     bad = broken_rules(import_graph(REPO))
-    assert bad - KNOWN_EXCEPTIONS == set(), "new imports against the layering rules"
-    assert KNOWN_EXCEPTIONS - bad == set(), "gone: take these off KNOWN_EXCEPTIONS"
+    assert bad == set(), "imports against the layering rules"
 
 
 def test_the_rule_check_flags_a_core_module_importing_a_view() -> None:

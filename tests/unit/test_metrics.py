@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvdeck.runtime.core.request import Request, RequestStatus, SamplingParams
-from kvdeck.runtime.views.figures import RunFigures, summarize
-from kvdeck.runtime.views.metrics import SLO, Distribution, percentile, request_metrics
+from kvdeck.runtime.stats.figures import RunFigures, summarize
+from kvdeck.runtime.stats.metrics import SLO, Distribution, percentile, request_metrics
 
 
 def finished(rid: str, arrival: float, times: list[float], deadline: float | None = None,
@@ -106,7 +106,7 @@ def test_bad_slo_is_refused() -> None:
 def test_step_model_error_over_a_sliding_window_of_steps() -> None:
     """The metrics panel's predicted-vs-measured figures: means over the latest `window`
     steps that took time, kept incrementally, the same after a checkpoint round trip."""
-    from kvdeck.runtime.views.figures import StepFigures
+    from kvdeck.runtime.stats.figures import StepFigures
 
     f = RunFigures(window=3)
     assert f.step_model() is None

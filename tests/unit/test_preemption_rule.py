@@ -19,9 +19,9 @@ BLOCK = 16
 def rule(timing: str, num_tokens: int) -> tuple[str, float, float]:
     sim = SimExecutor(SimConfig(timing=timing))
     assert sim.kv_bytes_per_token("bf16") == 147_456
-    assert sim.link_bandwidth == 64e9
+    assert sim.info.link_bandwidth == 64e9
     return swap_or_recompute(num_tokens, BLOCK, 147_456 * BLOCK,
-                             lambda nbytes: nbytes / sim.link_bandwidth,
+                             lambda nbytes: nbytes / sim.info.link_bandwidth,
                              sim.estimate_step_seconds)
 
 

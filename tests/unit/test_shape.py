@@ -13,13 +13,9 @@ MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 ENGINE_MAX_LINES = 450
 
-# Still over the limits, to be split (issue "A house one can live in").
-LONG_FILES = {"runtime/kv/prefix_tree.py", "runtime/core/scheduler.py",
-              "runtime/executors/torch.py"}
-LONG_FUNCTIONS = {"runtime/executors/llama_cpp.py:__init__",
-                  "runtime/executors/llama_cpp.py:execute",
-                  "runtime/executors/torch.py:__init__", "runtime/server/app.py:generate",
-                  "console/commands/plan.py:plan", "console/commands/plan.py:sweep"}
+# What still breaks a rule, to be split; empty now, and a new breach fails.
+LONG_FILES: set[str] = set()
+LONG_FUNCTIONS: set[str] = set()
 
 
 def sources(*folders: str) -> list[Path]:

@@ -136,10 +136,12 @@ def test_a_row_without_window_tables_is_refused() -> None:
 
 def test_executors_that_cannot_free_window_kv_say_why(tiny_llama) -> None:
     from kvdeck.runtime.errors import ConfigError
+    from kvdeck.runtime.executors.base import WindowGroups, capability
     from kvdeck.runtime.executors.sim import SimExecutor
     from kvdeck.runtime.executors.torch import TorchExecutor
 
-    with pytest.raises(ConfigError, match="the sim's model card qwen3-8b has none"):
-        SimExecutor().layer_groups()
+    with pytest.raises(ConfigError, match="^free_window_kv needs an executor that lays out KV "
+                                          "pages of its own .* the sim executor does not"):
+        capability(SimExecutor(), WindowGroups, "free_window_kv")
     with pytest.raises(ConfigError, match="tiny-llama attends over the whole context"):
         TorchExecutor(tiny_llama, device="cpu").layer_groups()

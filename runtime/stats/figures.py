@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from kvdeck.runtime.views.metrics import SLO, Distribution, RequestMetrics, good
+from kvdeck.runtime.stats.metrics import SLO, Distribution, RequestMetrics, good
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 """Upper bounds (seconds) of the latency histograms, as vLLM's exporter uses."""

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from kvdeck.runtime.core.commands import Pause, Resume, StepOnce
 from kvdeck.runtime.core.engine import Engine
-from kvdeck.runtime.views.snapshot import EngineSnapshot
+from kvdeck.runtime.views.snapshot import EngineSnapshot, snapshot_builder
 
 IDLE_PUBLISH_S = 1.0
 
@@ -31,6 +31,7 @@ class EngineLoop:
                  | None = None, snapshot_interval_s: float = 0.1,
                  before_step: Callable[[Engine], None] | None = None):
         self.engine = engine
+        self.snapshots = snapshot_builder(engine)
         self.before_step = before_step
         """Called on the engine thread before every iteration (e.g. a traffic generator)."""
         self.subscribers: list[Callable[[EngineSnapshot], None]] = []
@@ -87,7 +88,7 @@ class EngineLoop:
             return
         self._last_publish = now
         self._published_changes = self.engine.num_changes
-        snap = self.engine.snapshot()
+        snap = self.snapshots.build()
         self.latest = snap
         for callback in self.subscribers:
             callback(snap)
