@@ -22,6 +22,7 @@ ROWS: list[tuple[str, tuple[str, ...], float, str, bool | None]] = [
     ("E2E p50 (s)", ("e2e_s", "p50"), 1, "{:,.3f}", False),
     ("E2E p99 (s)", ("e2e_s", "p99"), 1, "{:,.3f}", False),
     ("queue p50 (s)", ("queue_s", "p50"), 1, "{:,.3f}", False),
+    ("TTFT from send p50 (ms)", ("ttft_from_send_s", "p50"), 1e3, "{:,.1f}", False),
     ("prefix hit rate (%)", ("prefix_hit_rate",), 100, "{:,.1f}", True),
     ("preemptions", ("num_preemptions",), 1, "{:,.0f}", False),
     ("evictions", ("num_evictions",), 1, "{:,.0f}", None),

@@ -51,7 +51,8 @@ class BenchOptions:
                                 "means (0: exact).")] = 0.5
     concurrency: Annotated[int | None, typer.Option(
         "--concurrency", help="At most N requests in flight (vLLM's --max-concurrency); a "
-                              "request's clock starts when it is sent.")] = None
+                              "request's clock starts at its scheduled arrival (waiting for "
+                              "a place counts), the send time is kept beside it.")] = None
     text_prompts: Annotated[bool, typer.Option(
         "--text-prompts", help="Send prompts as text: windows of a built-in English "
                                "passage, --prompt-len tokens by --model's tokenizer (for "
@@ -74,7 +75,7 @@ class BenchOptions:
     retries: Annotated[int, typer.Option(
         "--retries", help="Send a request again, up to N times, while its answer fails its "
                           "check (a trace's \"check\") or it errors; reports the retries and "
-                          "the time to a correct answer (from the first send). Retries help "
+                          "the time to a correct answer (from the scheduled arrival). Retries help "
                           "only where answers vary: see --temperature.")] = 0
     temperature: Annotated[float, typer.Option(
         "--temperature", help="Sampling temperature of every request; above 0, each send "
@@ -110,7 +111,7 @@ def bench(opts: BenchOptions, settings: SettingsRequest = SettingsRequest(),
     carry a check count as good only when their answer passes it. --model names the model
     the server serves (default gemma3-270m)."""
     from kvdeck.console.run_views import render_summary
-    from kvdeck.runtime.views.metrics import SLO
+    from kvdeck.runtime.stats.metrics import SLO
 
     guarded(lambda: setup_logging(log_level))
     _check(opts)

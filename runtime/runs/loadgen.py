@@ -10,16 +10,20 @@ Summaries (percentiles, throughput, goodput under SLOs) use the same code as `ru
 For servers that differ from vLLM's request shape (llama-cpp-python's server takes no
 token-id prompts and no `ignore_eos`), prompts can go as text (`text_prompt`) and exact
 output lengths be asked with `min_tokens` instead. With a concurrency limit, at most that
-many requests are in flight (vLLM's `--max-concurrency`); a request's clock starts when it
-is sent, not while it waits for a free place.
+many requests are in flight (vLLM's `--max-concurrency`). A request's clock starts at its
+scheduled arrival, as the engine's does: time spent waiting for a free place is queueing
+outside the server, and counts in TTFT and E2E (the chapters' rule). The send time is kept
+beside it: `admitted` and `queue_time` in each request's figures, and `ttft_from_send_s`
+(vLLM's serving benchmark's TTFT, which starts at the send) in the summary.
 
 Answer checks (`runtime/text/checks.py`, a trace's `check`) are judged here, on the streamed
 text, so they work against any server: a checked request is sent without the exact-length
 field (its answer ends where the model ends it), and one that fails its check counts as
 finished but not good. With `retries`, a request whose answer fails its check, or that
 errors, is sent again, up to that many times; the summary's usual figures count every send,
-and beside them come the retries and the time to a correct answer — from the first send
-to the end of the first correct answer — of each request that got one. Requests never
+and beside them come the retries and the time to a correct answer — from the scheduled
+arrival to the end of the first correct answer — of each request that got one. A retry's
+clock starts when it is sent. Requests never
 answered correctly are not good.
 """
 
@@ -34,8 +38,8 @@ from collections.abc import Callable, Sequence
 import httpx
 
 from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
-from kvdeck.runtime.views.figures import summarize
-from kvdeck.runtime.views.metrics import SLO, Distribution, RequestMetrics
+from kvdeck.runtime.stats.figures import summarize
+from kvdeck.runtime.stats.metrics import SLO, Distribution, RequestMetrics
 
 
 def cap_arrivals(arrivals: Sequence[Arrival], max_prompt_len: int | None,
@@ -104,7 +108,7 @@ class Outcome:
 
     sends: list[RequestMetrics]
     time_to_correct: float | None
-    """From the first send to the end of the first correct answer (None: never)."""
+    """From the scheduled arrival to the end of the first correct answer (None: never)."""
 
     @property
     def retries(self) -> int:
@@ -118,7 +122,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, a: Arrival, inde
     answer fails its check or it errors; a retry keeps its place under the concurrency
     limit."""
     rid = a.request_id or f"r{index}"
-    await asyncio.sleep(max(start + a.arrival_s - time.perf_counter(), 0))
+    scheduled = start + a.arrival_s
+    await asyncio.sleep(max(scheduled - time.perf_counter(), 0))
     if slots is not None:
         await slots.acquire()
     sends: list[RequestMetrics] = []
@@ -126,7 +131,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, a: Arrival, inde
         for attempt in range(retries + 1):
             m, text = await _send(client, url, shape.body(model, a, index, attempt), a,
                                   rid if attempt == 0 else f"{rid}.retry{attempt}", start,
-                                  headers)
+                                  headers, scheduled if attempt == 0 else None)
             finished = m.status.startswith("finished")
             if finished and a.check is not None:
                 m = dataclasses.replace(m, correct=a.check.passes(text))
@@ -140,13 +145,16 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, a: Arrival, inde
 
 
 async def _send(client: httpx.AsyncClient, url: str, body: dict, a: Arrival, rid: str,
-                start: float, headers: dict, resent: float | None = None
-                ) -> tuple[RequestMetrics, str]:
-    """Send one streaming request now (its clock starts here); its metrics and text. A
-    connection the server closed before answering anything (a kept-alive one it had
-    dropped: llama-server does now and then) is sent once more at once, the clock still
-    running from the first send (`resent`), as the openai client retries such errors."""
-    arrival = resent if resent is not None else time.perf_counter()
+                start: float, headers: dict, arrival: float | None = None,
+                sent: float | None = None) -> tuple[RequestMetrics, str]:
+    """Send one streaming request now; its metrics and text. Its clock starts at `arrival`
+    (its scheduled arrival; None: now, as for a retry). A connection the server closed
+    before answering anything (a kept-alive one it had dropped: llama-server does now and
+    then) is sent once more at once (`sent`: the first send), the clock still running, as
+    the openai client retries such errors."""
+    again = sent is not None
+    sent = sent if sent is not None else time.perf_counter()
+    arrival = arrival if arrival is not None else sent
     times: list[float] = []
     parts: list[str] = []
     output_tokens = 0
@@ -174,10 +182,10 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, a: Arrival, rid
                     if any(c.get("finish_reason") == "stop" for c in chunk.get("choices", [])):
                         status = "finished_stopped"
     except (httpx.RemoteProtocolError, httpx.ConnectError) as e:
-        if times or resent is not None:
+        if times or again:
             status, reason = "aborted", f"{type(e).__name__}: {e}"
         else:  # a kept-alive connection the server had closed: nothing ran; send once more
-            return await _send(client, url, body, a, rid, start, headers, arrival)
+            return await _send(client, url, body, a, rid, start, headers, arrival, sent)
     except httpx.HTTPError as e:
         status, reason = "aborted", f"{type(e).__name__}: {e}"
     end = time.perf_counter()
@@ -192,8 +200,9 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, a: Arrival, rid
         else None
     rel = [t - start for t in times]
     return RequestMetrics(
-        rid, status, reason, arrival - start, None, rel[0] if rel else None,
-        end - start if ok else None, a.prompt_len, output_tokens, 0, 0, ttft, tpot, e2e, None,
+        rid, status, reason, arrival - start, sent - start, rel[0] if rel else None,
+        end - start if ok else None, a.prompt_len, output_tokens, 0, 0, ttft, tpot, e2e,
+        sent - arrival,
         tuple(b - a_ for a_, b in zip(times, times[1:], strict=False)), None, None), \
         "".join(parts)
 
@@ -259,7 +268,9 @@ async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *,
     summary.update(
         trace_requests=len(outcomes), retries=sum(o.retries for o in outcomes),
         answered_correctly=len(answered),
-        time_to_correct_s=dataclasses.asdict(Distribution.of(answered)))
+        time_to_correct_s=dataclasses.asdict(Distribution.of(answered)),
+        ttft_from_send_s=dataclasses.asdict(Distribution.of(
+            m.ttft - m.queue_time for m in results if m.ttft is not None)))
     # What only the server knows (its steps, residents, busy time) a client cannot measure:
     # None shows as "—", not as a measured zero.
     summary["steps"] = None
