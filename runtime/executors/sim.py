@@ -111,10 +111,6 @@ class SimConfig:
         return values
 
 
-GROUP_SHARES = {"attn": 0.25, "ffn": 0.65, "head": 0.10}
-"""Share of matrix bytes per layer group assumed when pricing weight formats."""
-
-
 class SimExecutor:
     """Executor protocol implementation driven by a timing model."""
 
@@ -201,8 +197,9 @@ class SimExecutor:
 
     @property
     def ffn_layer_bytes(self) -> int:
-        """FFN matrix bytes of one layer in the current format (`GROUP_SHARES`)."""
-        return int(self.weight_bytes * GROUP_SHARES["ffn"] / self.info.num_layers)
+        """FFN matrix bytes of one layer in the current format (the profile's group
+        shares)."""
+        return int(self.model.ffn_layer_bytes(self.weight_bytes))
 
     @property
     def offload_gain_bytes(self) -> int:
@@ -299,14 +296,14 @@ class SimExecutor:
 
     def set_weight_formats(self, formats: dict[str, str]) -> Conversion:
         """Priced, not performed: matrices are re-packed from a host master copy, so the
-        pause is the new bytes written over the host link. The sim has no per-group split
-        of the profile's matrix bytes; groups are weighed by `GROUP_SHARES` (typical of
-        8B-class models). `auto` and `measured` price as the profile's own format (the
-        sim measures no kernels); kernel arithmetic differences are not modelled."""
+        pause is the new bytes written over the host link. Groups are weighed by the
+        profile's group shares (from its GGUF or its `[weight_groups]`). `auto` and
+        `measured` price as the profile's own format (the sim measures no kernels); kernel
+        arithmetic differences are not modelled."""
         per = self.model.bytes_per_weight
         before = self.weight_bytes
         ratio = sum(share * PARAM_BYTES.get(formats[g], per) / per
-                    for g, share in GROUP_SHARES.items())
+                    for g, share in self.model.group_shares.items())
         self.weight_bytes = int(self.model.matrix_weight_bytes * ratio)
         self.weight_formats = dict(formats)
         hw = self.hardware

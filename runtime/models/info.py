@@ -44,6 +44,10 @@ class ModelInfo:
     """Bytes of matrix weights a decode step reads once (D_w): every 2-D tensor except the
     embedding table, which is only gathered from, unless the output head is tied to it."""
     file_size: int
+    group_bytes: tuple[tuple[str, int], ...] = ()
+    """Matrix bytes per weight group as the `weight_format` knob names them (`attn`: the
+    attention projections, `ffn`: the feed-forward matrices, `head`: the output head), from
+    the tensors' names (`weight_groups`)."""
     has_chat_template: bool = False
     """The file carries `tokenizer.chat_template`: an instruct (chat-tuned) model; without
     one, a base model that continues text rather than answering it."""
@@ -82,6 +86,22 @@ def _required(g: GGUFFile, key: str) -> int:
         # Some files store per-layer head counts; kvdeck sizes KV by the largest.
         value = max(value)
     return int(value)
+
+
+def weight_groups(g: GGUFFile, tied: bool) -> tuple[tuple[str, int], ...]:
+    """(group, matrix bytes) for `attn`, `ffn` and `head`, by GGUF tensor name: a layer's
+    `attn_*` and `ffn_*` matrices, and the output head (the embedding table when tied)."""
+    out = {"attn": 0, "ffn": 0, "head": 0}
+    for t in g.tensors.values():
+        if len(t.shape) < 2:
+            continue
+        if t.name == "output.weight" or (tied and t.name == "token_embd.weight"):
+            out["head"] += t.num_bytes
+        elif t.name.startswith("blk.") and ".attn_" in t.name:
+            out["attn"] += t.num_bytes
+        elif t.name.startswith("blk.") and ".ffn_" in t.name:
+            out["ffn"] += t.num_bytes
+    return tuple(out.items())
 
 
 def model_info_from_gguf(g: GGUFFile) -> ModelInfo:
@@ -129,6 +149,7 @@ def model_info_from_gguf(g: GGUFFile) -> ModelInfo:
         weight_bytes=sum(t.num_bytes for t in g.tensors.values()),
         matrix_weight_bytes=matrix_bytes,
         file_size=g.file_size,
+        group_bytes=weight_groups(g, tied),
         has_chat_template=g.get("tokenizer.chat_template") is not None,
     )
 

@@ -179,6 +179,8 @@ def write_profiles(ex: TorchExecutor, fit: StepFit, name: str, hw: str,
         f"context_length = {info.context_length}\nbytes_per_weight = {bpw:.3f}\n"
         f"sliding_window = {info.sliding_window or 0}\n"
         f"num_local_layers = {len(info.sliding_window_layers) if info.sliding_window else 0}\n\n"
+        "# Matrix bytes per weight group, from the GGUF's tensors.\n[weight_groups]\n"
+        + "".join(f"{g} = {b}\n" for g, b in info.group_bytes) + "\n"
         f"[fit.{hw}]\nfixed_ms = {fit.fixed_s * 1e3:.6f}\n"
         f"per_token_us = {fit.per_token_s * 1e6:.6f}\nper_pair_ns = {fit.per_pair_s * 1e9:.6f}\n"
         f"per_sample_us = {fit.per_sample_s * 1e6:.6f}\n"

@@ -33,8 +33,6 @@ from kvdeck.runtime.planning.workloads import DraftSource, Workload, expected_ou
 
 PLAN_KV_FORMATS = ("bf16", "q8_0", "q4_0")
 """The KV formats the planner compares (bf16 stands for any 2-byte float format)."""
-FFN_SHARE = 0.65
-"""Share of a layer's matrix bytes in its FFN (the part weight offload moves; as the sim)."""
 OFFLOAD_BUFFERS = 2
 """Prefetch buffers for offloaded layers: two overlap copy and compute."""
 
@@ -336,7 +334,7 @@ class Planner:
     def _offload_bytes(self, deficit: float) -> int:
         """Whole layers' FFN weights to move to the host to free `deficit` bytes (the
         deficit already counts the prefetch buffers); capped at every layer."""
-        layer = self.model.matrix_weight_bytes * FFN_SHARE / self.model.num_layers
+        layer = self.model.ffn_layer_bytes()
         layers = min(self.model.num_layers, math.ceil(deficit / layer))
         return int(layers * layer)
 
@@ -353,7 +351,7 @@ class Planner:
         kv = self.kv_for(n, scheme.kv_format, scheme.shared, extra_tokens)
         offloaded = 0
         if scheme.offload:
-            layer = self.model.matrix_weight_bytes * FFN_SHARE / self.model.num_layers
+            layer = self.model.ffn_layer_bytes()
             aux += int(OFFLOAD_BUFFERS * layer)
             offloaded = self._offload_bytes(max(0.0, kv + aux - self.budget))
             # Two buffers overlap copy and compute: a step lasts at least its copies.

@@ -156,6 +156,11 @@ def matrix_params(info) -> int:
     return info.num_layers * per_layer + info.vocab_size * h
 
 
+ASSUMED_GROUP_SHARES = {"attn": 0.25, "ffn": 0.65, "head": 0.10}
+"""Weight-group shares assumed for a profile that gives none (an older user profile):
+typical of 8B-class models. Shipped profiles and every GGUF-derived one carry their own."""
+
+
 @dataclass(frozen=True)
 class ModelProfile:
     """A model's shape and weight sizes, enough to model its steps without its weights."""
@@ -182,6 +187,23 @@ class ModelProfile:
     decode_times: dict[str, tuple[tuple[int, int, float], ...]] = field(default_factory=dict)
     """Measured decode steps by hardware profile name: (batch, context, seconds), written
     by `kvdeck calibrate`; the planner interpolates them (`decode_seconds`)."""
+    group_bytes: dict[str, int] = field(default_factory=dict)
+    """Matrix bytes per weight group (`attn`, `ffn`, `head`): from the GGUF's tensors, or
+    the profile's `[weight_groups]` table; empty when a profile gives none."""
+
+    @property
+    def group_shares(self) -> dict[str, float]:
+        """Each weight group's share of the matrix bytes (Qwen3-8B: 0.20 / 0.72 / 0.08),
+        `ASSUMED_GROUP_SHARES` for a profile that gives no groups."""
+        total = sum(self.group_bytes.values())
+        if not total:
+            return dict(ASSUMED_GROUP_SHARES)
+        return {g: b / total for g, b in self.group_bytes.items()}
+
+    def ffn_layer_bytes(self, matrix_bytes: float | None = None) -> float:
+        """One layer's FFN matrices out of `matrix_bytes` (default: the profile's)."""
+        total = self.matrix_weight_bytes if matrix_bytes is None else matrix_bytes
+        return total * self.group_shares["ffn"] / self.num_layers
 
     def decode_seconds(self, hardware: str, batch: int, context: int) -> float | None:
         """A decode step of `batch` rows at `context`, interpolated from the measured steps
@@ -252,7 +274,7 @@ class ModelProfile:
             bytes_per_weight=info.matrix_weight_bytes / max(matrix_params(info), 1),
             sliding_window=info.sliding_window or 0,
             num_local_layers=len(info.sliding_window_layers) if info.sliding_window else 0,
-            source=str(info.path))
+            source=str(info.path), group_bytes=dict(info.group_bytes))
 
     @property
     def matrix_params(self) -> float:
@@ -330,4 +352,20 @@ class ModelProfile:
             num_local_layers=local,
             source=where,
             decode_times=decode_times,
+            group_bytes=_weight_groups(d, where),
         )
+
+
+def _weight_groups(d: dict, where: str) -> dict[str, int]:
+    """A model profile's `[weight_groups]` table (`attn`, `ffn`, `head` matrix bytes), or {}
+    without one."""
+    table = d.get("weight_groups")
+    if table is None:
+        return {}
+    groups = ("attn", "ffn", "head")
+    if not isinstance(table, dict) or set(table) != set(groups) or not all(
+            isinstance(table[g], int) and not isinstance(table[g], bool) and table[g] > 0
+            for g in groups):
+        raise ConfigError(f"Profile {where}: weight_groups must give attn, ffn and head, each "
+                          f"a whole number of bytes above 0, got {table!r}.")
+    return {g: table[g] for g in groups}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.executors.sim import GROUP_SHARES, SimConfig, SimExecutor
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.models.kernels import KernelTable
 from kvdeck.runtime.models.linear import AutoMatrix, WeightOnlyInt4, WeightOnlyInt8, pack_matrix
 from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
@@ -135,8 +135,9 @@ def test_sim_prices_weight_and_kv_formats_by_their_bytes() -> None:
     assert conv.bytes_read > conv.bytes_written and conv.seconds > 0
     mixed = ex.resolve_weight_formats("attn=int4,ffn=int8,head=dense")
     ex.set_weight_formats(mixed)
-    expect = sum(share * {"attn": 0.5, "ffn": 1.0, "head": per}[g] / per
-                 for g, share in GROUP_SHARES.items())
+    groups = ex.model.group_bytes  # Qwen3-8B's, from its shape
+    expect = sum(b / sum(groups.values()) * {"attn": 0.5, "ffn": 1.0, "head": per}[g] / per
+                 for g, b in groups.items())
     assert ex.weight_bytes == int(ex.model.matrix_weight_bytes * expect)
     # KV: q8_0 reads fewer bytes per context token than bf16.
     ex.set_weight_formats(ex.resolve_weight_formats("dense"))
@@ -156,3 +157,26 @@ def test_cuda_packed_matmul_equals_its_reference(fmt) -> None:
     ref = x.to(torch.bfloat16).float() @ m.dequantized().float().t()
     y = m(x)
     assert (y - ref).abs().max() <= 1.5e-2 * ref.abs().max()
+
+
+def test_weight_group_shares_come_from_the_model() -> None:
+    """Qwen3-8B's own shares (about 20 / 72 / 8 %), not a constant: one FFN layer is 288
+    MiB, so nine offloaded layers free 2,592 MiB (chapter 000)."""
+    from kvdeck.runtime.planning.profiles import ModelProfile
+
+    m = ModelProfile.load("qwen3-8b")
+    shares = m.group_shares
+    assert (round(shares["attn"], 2), round(shares["ffn"], 2), round(shares["head"], 2)) == \
+        (0.20, 0.72, 0.08)
+    assert round(m.group_bytes["ffn"] / m.num_layers / 2**20) == 288
+    assert round(9 * m.group_bytes["ffn"] / m.num_layers / 2**20) == 2592
+
+
+def test_weight_groups_are_read_from_a_gguf(gemma_path) -> None:
+    from kvdeck.runtime.models.info import read_model_info
+
+    info = read_model_info(gemma_path)
+    groups = dict(info.group_bytes)
+    # Gemma 3 ties its head to the embedding table, which is counted once, as the head.
+    assert sum(groups.values()) == info.matrix_weight_bytes
+    assert all(b > 0 for b in groups.values())
