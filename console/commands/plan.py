@@ -3,6 +3,8 @@ arrival rate)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -48,55 +50,86 @@ def plan(
     from kvdeck.console.plan_report import plan_json, plane_points, render_plan
     from kvdeck.console.plane import render_svg
     from kvdeck.runtime.planning.planner import Planner
-    from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
-    from kvdeck.runtime.planning.workloads import DraftSource, Workload, draft_sources
 
     guarded(lambda: setup_logging(log_level))
-    guarded(lambda: check_int("--block-size", block_size, 1, 256))
-    guarded(lambda: check_int("--max-batched-tokens", max_batched_tokens, 1, 1 << 20))
-    if timing not in ("auto", "fit", "roofline"):
-        fail(f"--timing must be auto, fit or roofline, got {timing!r}.")
-    hw = guarded(lambda: HardwareProfile.load(hardware))
-    mp = guarded(lambda: ModelProfile.load(model))
-    wl = guarded(lambda: Workload.load(workload))
-    if timing == "fit" and hw.name not in mp.fits:
-        fail(f"Model profile {mp.name} has no fitted step model for {hw.name}; use --timing "
-             "roofline, or kvdeck calibrate on that card.")
-    if kv_budget is None:
-        budget = (hw.memory_bytes - mp.weight_bytes) * 0.9
-        if budget <= 0:
-            fail(f"{mp.name}'s weights ({mp.weight_bytes / 2**30:.1f} GiB) do not fit "
-                 f"{hw.name}'s memory ({hw.memory_bytes / 2**30:.1f} GiB); give --kv-budget.")
-    else:
-        guarded(lambda: check_float("--kv-budget", kv_budget, 1e-6, 1e6))
-        budget = kv_budget * 2**30
+    _check_steps(block_size, max_batched_tokens, timing)
+    hw, mp, wl = _profiles(hardware, model, workload, timing)
+    budget = _kv_budget(kv_budget, hw, mp)
     if deadline is not None:
         guarded(lambda: check_float("--deadline", deadline, 1e-6, 1e6))
-    if draft and "none" in draft:
-        drafts = []
-    elif draft:
-        drafts = [guarded(lambda name=name: DraftSource.load(name)) for name in draft]
-        for d in drafts:
-            if not d.fits(mp):
-                fail(f"Draft source {d.name} drafts for {d.target}, not {mp.name}.")
-    else:
-        drafts = guarded(lambda: draft_sources(mp))
-    planner = Planner(hw, mp, wl, budget, deadline, drafts, block_size, max_batched_tokens,
-                      timing)
+    planner = Planner(hw, mp, wl, budget, deadline, _drafts(draft, mp), block_size,
+                      max_batched_tokens, timing)
     result = planner.plan()
     if svg is not None:
         title = f"{mp.name} on {hw.name}, {wl.name}: memory vs completion"
-        try:
-            svg.write_text(render_svg(plane_points(result), budget / 2**30, planner.deadline,
-                                      title))
-        except OSError as e:
-            fail(f"Cannot write the SVG to {svg}: {e.strerror}.")
+        _write_svg(svg, lambda: render_svg(plane_points(result), budget / 2**30,
+                                           planner.deadline, title))
     if as_json:
         print_json(plan_json(planner, result))
         return
     render_plan(out, planner, result)
     if svg is not None:
         out.print(f"wrote {svg}")
+
+
+def _check_steps(block_size: int, max_batched_tokens: int, timing: str) -> None:
+    """One sentence and exit 2 for a step size out of its range or an unknown timing."""
+    guarded(lambda: check_int("--block-size", block_size, 1, 256))
+    guarded(lambda: check_int("--max-batched-tokens", max_batched_tokens, 1, 1 << 20))
+    if timing not in ("auto", "fit", "roofline"):
+        fail(f"--timing must be auto, fit or roofline, got {timing!r}.")
+
+
+def _profiles(hardware: str, model: str, workload: str, timing: str) -> tuple:
+    """The hardware, model and workload profiles named; exit 2 where `--timing fit` asks
+    for a step model the model profile has not fitted on that card."""
+    from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
+    from kvdeck.runtime.planning.workloads import Workload
+
+    hw = guarded(lambda: HardwareProfile.load(hardware))
+    mp = guarded(lambda: ModelProfile.load(model))
+    wl = guarded(lambda: Workload.load(workload))
+    if timing == "fit" and hw.name not in mp.fits:
+        fail(f"Model profile {mp.name} has no fitted step model for {hw.name}; use --timing "
+             "roofline, or kvdeck calibrate on that card.")
+    return hw, mp, wl
+
+
+def _kv_budget(kv_budget: float | None, hw, mp) -> float:
+    """Bytes for KV and auxiliary buffers: `--kv-budget` GiB, or the card's memory less the
+    weights, less 10 %."""
+    if kv_budget is not None:
+        guarded(lambda: check_float("--kv-budget", kv_budget, 1e-6, 1e6))
+        return kv_budget * 2**30
+    budget = (hw.memory_bytes - mp.weight_bytes) * 0.9
+    if budget <= 0:
+        fail(f"{mp.name}'s weights ({mp.weight_bytes / 2**30:.1f} GiB) do not fit "
+             f"{hw.name}'s memory ({hw.memory_bytes / 2**30:.1f} GiB); give --kv-budget.")
+    return budget
+
+
+def _drafts(draft: list[str] | None, mp) -> list:
+    """The draft sources to price: those `--draft` names (none for 'none'), else every one
+    that drafts for the model."""
+    from kvdeck.runtime.planning.workloads import DraftSource, draft_sources
+
+    if draft and "none" in draft:
+        return []
+    if not draft:
+        return guarded(lambda: draft_sources(mp))
+    drafts = [guarded(lambda name=name: DraftSource.load(name)) for name in draft]
+    for d in drafts:
+        if not d.fits(mp):
+            fail(f"Draft source {d.name} drafts for {d.target}, not {mp.name}.")
+    return drafts
+
+
+def _write_svg(path: Path, render: Callable[[], str]) -> None:
+    """Write the SVG `render()` returns to `path`; one sentence and exit 2 if it cannot."""
+    try:
+        path.write_text(render())
+    except OSError as e:
+        fail(f"Cannot write the SVG to {path}: {e.strerror}.")
 
 
 @with_settings
@@ -127,16 +160,9 @@ def sweep(
     """Run one workload at increasing arrival rates (sim executor by default) and report
     completion throughput and goodput per rate, the knee where goodput peaks, and the cap on
     requests in the engine (--max-waiting) that holds goodput past it."""
-    import asyncio
-
     from kvdeck.console.sweep_report import render_sweep, sweep_svg
-    from kvdeck.runtime.planning.sweep import DEFAULT_SCALES, offered_rate
     from kvdeck.runtime.planning.sweep import sweep as run_sweep
-    from kvdeck.runtime.runs.loadgen import RequestShape, run_bench
-    from kvdeck.runtime.runs.runner import run_arrivals
-    from kvdeck.runtime.runs.trace import load_arrivals, synthetic_arrivals
-    from kvdeck.runtime.session import build_session
-    from kvdeck.runtime.views.metrics import SLO
+    from kvdeck.runtime.stats.metrics import SLO
 
     def inputs():
         setup_logging(log_level)
@@ -144,62 +170,23 @@ def sweep(
         check_int("--num-requests", num_requests, 2, 1 << 30)
         check_int("--prompt-len", prompt_len, 1, 1 << 20)
         check_int("--output-len", output_len, 1, 1 << 20)
-        if trace is None:
-            base = synthetic_arrivals(num_requests, 1.0, prompt_len=prompt_len,
-                                      output_len=output_len)
-            defaults = (0.5, 1, 2, 4, 6, 8, 12, 16)
-        else:
-            base = load_arrivals(trace, limit=limit)
-            rate = offered_rate(base)
-            if not 0 < rate < float("inf"):
-                raise ConfigError(f"The trace {trace} has no spread of arrival times to scale; "
-                                  "it needs at least two requests at different times.")
-            defaults = tuple(s * rate for s in DEFAULT_SCALES)
-        if rates is None:
-            return base, defaults
-        try:
-            chosen = tuple(float(r) for r in rates.split(","))
-        except ValueError:
-            raise ConfigError(f"--rates must be comma-separated numbers of requests per "
-                              f"second, got {rates!r}.") from None
-        if len(set(chosen)) < 2 or len(set(chosen)) != len(chosen) or \
-                any(not 0 < r < 1e6 for r in chosen):
-            raise ConfigError(f"--rates needs at least two different rates, each above 0, "
-                              f"got {rates!r}.")
-        return base, chosen
+        base, defaults = _synthetic(num_requests, prompt_len, output_len) if trace is None \
+            else _traced(trace, limit)
+        return base, (defaults if rates is None else _parse_rates(rates))
 
     arrivals, chosen = guarded(inputs)
     slo = guarded(lambda: SLO(slo_ttft, slo_tpot, slo_e2e))
-
-    def in_process(items, cap):
-        fixed = {"max_waiting": cap} if cap else {}
-        session = build_session(settings.resolve("sim", **fixed), with_tokenizer=False)
-        try:
-            return run_arrivals(session.engine, items, vocab_size=session.vocab_size, slo=slo,
-                                hash_block_tokens=hash_block_tokens)["summary"]
-        finally:
-            session.close()
-
-    def remote(items, cap):
-        model = (settings.flags or {}).get("model", "gemma3-270m")
-        got = asyncio.run(run_bench(url, model, items, slo=slo,
-                                    shape=RequestShape(32_000, hash_block_tokens)))
-        answered = [r for r in got["requests"] if r["status"] != "rejected"]
-        if not answered:  # a wrong URL or model name: say why instead of charting zeros
-            raise ConfigError(f"Every request to {url} was refused; the first: "
-                              f"{got['requests'][0]['reason']}")
-        return got["summary"]
-
+    # Both runners take what one run needs; a remote one also the server's URL.
+    where = {"settings": settings, "slo": slo, "hash_block_tokens": hash_block_tokens}
+    run = functools.partial(_run_remote, url=url, **where) if url else \
+        functools.partial(_run_in_process, **where)
     say = (lambda msg: None) if as_json else (lambda msg: err.print(msg, highlight=False))
-    result = guarded(lambda: run_sweep(remote if url else in_process, arrivals, chosen,
+    result = guarded(lambda: run_sweep(run, arrivals, chosen,
                                        check_cap=check_cap and url is None, progress=say))
     title = f"sweep of {trace or 'synthetic Poisson arrivals'} ({len(arrivals)} requests)" \
         f"{' → ' + url if url else ''}"
     if svg is not None:
-        try:
-            svg.write_text(sweep_svg(result, title))
-        except OSError as e:
-            fail(f"Cannot write the SVG to {svg}: {e.strerror}.")
+        _write_svg(svg, lambda: sweep_svg(result, title))
     if as_json:
         print_json(result.to_json() | {"slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot,
                                                "e2e_s": slo_e2e}})
@@ -207,3 +194,74 @@ def sweep(
     render_sweep(out, title, result)
     if svg is not None:
         out.print(f"wrote {svg}")
+
+
+def _synthetic(num_requests: int, prompt_len: int, output_len: int) -> tuple[list, tuple]:
+    """Synthetic Poisson arrivals at 1 req/s, and the rates to run them at by default."""
+    from kvdeck.runtime.runs.trace import synthetic_arrivals
+
+    base = synthetic_arrivals(num_requests, 1.0, prompt_len=prompt_len, output_len=output_len)
+    return base, (0.5, 1, 2, 4, 6, 8, 12, 16)
+
+
+def _traced(trace: str, limit: int) -> tuple[list, tuple]:
+    """A trace's first `limit` arrivals, and the rates to run them at by default (fractions
+    of its own rate); ConfigError for a trace with no spread of arrival times."""
+    from kvdeck.runtime.planning.sweep import DEFAULT_SCALES, offered_rate
+    from kvdeck.runtime.runs.trace import load_arrivals
+
+    base = load_arrivals(trace, limit=limit)
+    rate = offered_rate(base)
+    if not 0 < rate < float("inf"):
+        raise ConfigError(f"The trace {trace} has no spread of arrival times to scale; "
+                          "it needs at least two requests at different times.")
+    return base, tuple(s * rate for s in DEFAULT_SCALES)
+
+
+def _parse_rates(rates: str) -> tuple[float, ...]:
+    """`--rates` as numbers; ConfigError unless there are two or more different ones, each
+    above 0."""
+    try:
+        chosen = tuple(float(r) for r in rates.split(","))
+    except ValueError:
+        raise ConfigError(f"--rates must be comma-separated numbers of requests per "
+                          f"second, got {rates!r}.") from None
+    if len(set(chosen)) < 2 or len(set(chosen)) != len(chosen) or \
+            any(not 0 < r < 1e6 for r in chosen):
+        raise ConfigError(f"--rates needs at least two different rates, each above 0, "
+                          f"got {rates!r}.")
+    return chosen
+
+
+def _run_in_process(items: list, cap: int | None, *, settings: SettingsRequest, slo,
+                    hash_block_tokens: int) -> dict:
+    """The summary of `items` through a fresh engine in this process (sim by default),
+    holding at most `cap` requests when one is given."""
+    from kvdeck.runtime.runs.runner import run_arrivals
+    from kvdeck.runtime.session import build_session
+
+    fixed = {"max_waiting": cap} if cap else {}
+    session = build_session(settings.resolve("sim", **fixed), with_tokenizer=False)
+    try:
+        return run_arrivals(session.engine, items, vocab_size=session.vocab_size, slo=slo,
+                            hash_block_tokens=hash_block_tokens)["summary"]
+    finally:
+        session.close()
+
+
+def _run_remote(items: list, cap: int | None, *, url: str, settings: SettingsRequest, slo,
+                hash_block_tokens: int) -> dict:
+    """The summary of `items` sent to the server at `url`; `cap` goes unused, as a remote
+    server holds its own (--check-cap is in-process only)."""
+    import asyncio
+
+    from kvdeck.runtime.runs.loadgen import RequestShape, run_bench
+
+    model = (settings.flags or {}).get("model", "gemma3-270m")
+    got = asyncio.run(run_bench(url, model, items, slo=slo,
+                                shape=RequestShape(32_000, hash_block_tokens)))
+    answered = [r for r in got["requests"] if r["status"] != "rejected"]
+    if not answered:  # a wrong URL or model name: say why instead of charting zeros
+        raise ConfigError(f"Every request to {url} was refused; the first: "
+                          f"{got['requests'][0]['reason']}")
+    return got["summary"]

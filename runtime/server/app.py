@@ -25,9 +25,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from kvdeck.runtime.core.engine import Engine
-from kvdeck.runtime.core.loop import EngineLoop
+from kvdeck.runtime.core.request import Request as EngineRequest
 from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.errors import ConfigError, EngineFailedError, QueueFullError, RequestError
+from kvdeck.runtime.runs.loop import EngineLoop
 from kvdeck.runtime.server.answer import Answer, Reply
 from kvdeck.runtime.server.api_errors import error, validation_sentence
 from kvdeck.runtime.server.guard import Guard
@@ -41,8 +42,8 @@ from kvdeck.runtime.server.schemas import (
 )
 from kvdeck.runtime.server.streams import OutputHub
 from kvdeck.runtime.settings import Settings
-from kvdeck.runtime.text.checks import parse_check
-from kvdeck.runtime.text.guided import ConstraintError
+from kvdeck.runtime.text.checks import AnswerCheck, parse_check
+from kvdeck.runtime.text.guided import ConstraintError, GuideSpec
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions when `max_tokens` is not given."""
@@ -60,6 +61,102 @@ class ServeLimits:
     default_max_tokens: int = 1024
     """Output bound of a chat request that names none (within the context)."""
     metrics_need_key: bool = False
+
+
+class Refused(Exception):
+    """A request answered with an error instead of run; `response` is that answer."""
+
+    def __init__(self, response: JSONResponse) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def output_bound(body: GenerateBody, prompt_len: int, chat: bool, engine: Engine,
+                 limits: ServeLimits) -> tuple[int, bool]:
+    """The request's `max_tokens` for the engine, and whether it only scores its prompt."""
+    limit = body.output_limit()
+    # `max_tokens: 0` with echo scores the prompt only. The engine still samples the
+    # one token the prefill yields anyway (as vLLM does); the answer leaves it out.
+    if limit == 0:
+        return 1, True
+    if limit is None:
+        room = engine.max_model_len - prompt_len
+        limit = max(min(limits.default_max_tokens if chat
+                        else COMPLETIONS_DEFAULT_MAX_TOKENS, room), 1)
+    return limit, False
+
+
+def check_sampling(body: GenerateBody, engine: Engine) -> None:
+    """Refused for `best_of` or logprobs this request cannot have from this server."""
+    samples = body.num_samples()
+    if samples < body.n:
+        raise Refused(error(400, f"'best_of' ({samples}) must be at least 'n' ({body.n}).",
+                            "best_of"))
+    if samples > body.n and body.stream:
+        raise Refused(error(400, "'best_of' cannot be used with 'stream' (the best samples "
+                                 "are known only at the end).", "best_of"))
+    if samples > body.n and not engine.executor.info.computes_logits:
+        raise Refused(error(400, "This server runs the sim executor, which computes no "
+                                 "logits; 'best_of' ranks samples by their log-probabilities "
+                                 "and needs a real model.", "best_of"))
+    if isinstance(body, ChatBody) and body.top_logprobs and not body.logprobs:
+        raise Refused(error(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs"))
+    if body.num_logprobs() is not None and not engine.executor.info.computes_logits:
+        raise Refused(error(400, "This server runs the sim executor, which computes no "
+                                 "logits; logprobs need a real model.", "logprobs"))
+
+
+def guide_and_check(body: GenerateBody, engine: Engine) \
+        -> tuple[tuple[str, GuideSpec] | None, AnswerCheck | None]:
+    """The (field, constraint) the request asks for and the check its answer must pass;
+    Refused where either is malformed or the executor cannot constrain output."""
+    try:
+        guided = body.guide_spec()
+    except (RequestError, ValueError) as e:
+        raise Refused(error(400, str(e))) from None
+    if guided is not None and not engine.executor.info.computes_logits:
+        raise Refused(error(400, "This server runs the sim executor, which computes no "
+                                 "logits; constrained output needs a real model.", guided[0]))
+    try:
+        check = body.answer_check()
+    except RequestError as e:
+        raise Refused(error(400, str(e), "check")) from None
+    if check is None and guided is not None and guided[1].kind == "json_schema":
+        # The schema an answer was constrained to is what it must satisfy: one cut
+        # short by max_tokens is finished but not good. (A schema llguidance compiles
+        # but jsonschema cannot read goes unchecked.)
+        with contextlib.suppress(RequestError, ValueError, RecursionError):
+            check = parse_check({"json_schema": json.loads(guided[1].source)})
+    return guided, check
+
+
+def sampling_params(body: GenerateBody, tokenizer, chat: bool, limit: int, echo: str | None,
+                    guided: tuple[str, GuideSpec] | None) -> SamplingParams:
+    """The request's sampling parameters; Refused for a `logit_bias` key or stop token id
+    outside the vocabulary, ValueError for a `logit_bias` key that is no token id."""
+    bias = body.bias_pairs()
+    vocab = tokenizer.vocab_size
+    if any(token >= vocab for token, _ in bias):
+        raise Refused(error(400, f"logit_bias keys must be token ids from 0 to {vocab - 1}.",
+                            "logit_bias"))
+    if any(t >= vocab for t in body.stop_token_ids or ()):
+        raise Refused(error(400, f"stop_token_ids must be token ids from 0 to {vocab - 1}.",
+                            "stop_token_ids"))
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    ends = (*(tokenizer.end_of_turn_ids if chat else ()), *(body.stop_token_ids or ()))
+    return SamplingParams(
+        temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+        max_tokens=limit, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
+        stop_token_ids=tuple(dict.fromkeys(ends)),
+        # best_of ranks its samples by their tokens' log-probabilities.
+        logprobs=body.num_logprobs() if body.num_logprobs() is not None
+        else (0 if body.num_samples() > body.n else None),
+        prompt_logprobs=body.num_logprobs() if echo is not None else None,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0, min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens or 0, logit_bias=bias,
+        guide=guided[1] if guided else None)
 
 
 def config_json(settings: Settings | None, engine: Engine) -> dict:
@@ -168,82 +265,16 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
         down = failed()
         if down is not None:
             return down
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        limit = body.output_limit()
-        # `max_tokens: 0` with echo scores the prompt only. The engine still samples the
-        # one token the prefill yields anyway (as vLLM does); the answer leaves it out.
-        echo_only = limit == 0
-        if echo_only:
-            limit = 1
-        elif limit is None:
-            room = engine.max_model_len - len(prompt)
-            limit = max(min(limits.default_max_tokens if chat
-                            else COMPLETIONS_DEFAULT_MAX_TOKENS, room), 1)
-        samples = body.num_samples()
-        if samples < body.n:
-            return error(400, f"'best_of' ({samples}) must be at least 'n' ({body.n}).",
-                         "best_of")
-        if samples > body.n and body.stream:
-            return error(400, "'best_of' cannot be used with 'stream' (the best samples are "
-                              "known only at the end).", "best_of")
-        if samples > body.n and not engine.executor.computes_logits:
-            return error(400, "This server runs the sim executor, which computes no logits; "
-                              "'best_of' ranks samples by their log-probabilities and needs "
-                              "a real model.", "best_of")
-        if isinstance(body, ChatBody) and body.top_logprobs and not body.logprobs:
-            return error(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs")
-        if body.num_logprobs() is not None and not engine.executor.computes_logits:
-            return error(400, "This server runs the sim executor, which computes no logits; "
-                              "logprobs need a real model.", "logprobs")
+        limit, echo_only = output_bound(body, len(prompt), chat, engine, limits)
         try:
-            guided = body.guide_spec()
-        except (RequestError, ValueError) as e:
-            return error(400, str(e))
-        if guided is not None and not engine.executor.computes_logits:
-            return error(400, "This server runs the sim executor, which computes no logits; "
-                              "constrained output needs a real model.", guided[0])
+            check_sampling(body, engine)
+            guided, check = guide_and_check(body, engine)
+        except Refused as e:
+            return e.response
         try:
-            check = body.answer_check()
-        except RequestError as e:
-            return error(400, str(e), "check")
-        if check is None and guided is not None and guided[1].kind == "json_schema":
-            # The schema an answer was constrained to is what it must satisfy: one cut
-            # short by max_tokens is finished but not good. (A schema llguidance compiles
-            # but jsonschema cannot read goes unchecked.)
-            with contextlib.suppress(RequestError, ValueError, RecursionError):
-                check = parse_check({"json_schema": json.loads(guided[1].source)})
-        try:
-            bias = body.bias_pairs()
-            vocab = tokenizer.vocab_size
-            if any(token >= vocab for token, _ in bias):
-                return error(400, f"logit_bias keys must be token ids from 0 to {vocab - 1}.",
-                             "logit_bias")
-            if any(t >= vocab for t in body.stop_token_ids or ()):
-                return error(400, f"stop_token_ids must be token ids from 0 to {vocab - 1}.",
-                             "stop_token_ids")
-            ends = (*(tokenizer.end_of_turn_ids if chat else ()), *(body.stop_token_ids or ()))
-            sampling = SamplingParams(
-                temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                max_tokens=limit, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
-                stop_token_ids=tuple(dict.fromkeys(ends)),
-                # best_of ranks its samples by their tokens' log-probabilities.
-                logprobs=body.num_logprobs() if body.num_logprobs() is not None
-                else (0 if samples > body.n else None),
-                prompt_logprobs=body.num_logprobs() if echo is not None else None,
-                presence_penalty=body.presence_penalty or 0.0,
-                frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=body.repetition_penalty or 1.0, min_p=body.min_p or 0.0,
-                min_tokens=body.min_tokens or 0, logit_bias=bias,
-                guide=guided[1] if guided else None)
-            rid = f"{'chat' if chat else 'cmpl'}-{uuid.uuid4().hex[:12]}"
-            # A constraint compiles on submission (milliseconds; the vocabulary's first
-            # reading takes seconds): off the event loop.
-            if guided:
-                req = await off_loop(engine.add_request, prompt, sampling, request_id=rid,
-                                     check=check, branches=samples)
-            else:
-                req = engine.add_request(prompt, sampling, request_id=rid, check=check,
-                                         branches=samples)
+            req = await submit(body, prompt, chat, echo, limit, guided, check)
+        except Refused as e:
+            return e.response
         except ConstraintError as e:
             return error(400, str(e), guided[0])
         except (RequestError, ConfigError, ValueError) as e:
@@ -252,6 +283,27 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
             return error(429, str(e))
         except EngineFailedError as e:
             return error(503, str(e))
+        return await answer(request, body, req, chat, echo, echo_only)
+
+    async def submit(body: GenerateBody, prompt: list[int], chat: bool, echo: str | None,
+                     limit: int, guided: tuple[str, GuideSpec] | None,
+                     check: AnswerCheck | None) -> EngineRequest:
+        """The request added to the engine; Refused for a token id outside the vocabulary,
+        and the engine's own errors as it raises them."""
+        sampling = sampling_params(body, tokenizer, chat, limit, echo, guided)
+        rid = f"{'chat' if chat else 'cmpl'}-{uuid.uuid4().hex[:12]}"
+        # A constraint compiles on submission (milliseconds; the vocabulary's first
+        # reading takes seconds): off the event loop.
+        if guided:
+            return await off_loop(engine.add_request, prompt, sampling, request_id=rid,
+                                  check=check, branches=body.num_samples())
+        return engine.add_request(prompt, sampling, request_id=rid, check=check,
+                                  branches=body.num_samples())
+
+    async def answer(request: Request, body: GenerateBody, req: EngineRequest, chat: bool,
+                     echo: str | None, echo_only: bool):
+        """The request's answer: whole once every sample is done, or streamed as
+        server-sent events."""
         report = body.num_logprobs() is not None
         reply = Reply([Answer(r, chat, hub.watch(r), tokenizer, echo, echo_only, index=i,
                               report=report, prompt_of=req)
