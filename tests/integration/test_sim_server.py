@@ -148,10 +148,13 @@ def test_bench_caps_requests_in_flight_and_sends_text_prompts() -> None:
         prompt_tokens = parse_metrics(httpx.get(base + "/metrics").text).prompt_tokens
         exact = kvdeck("bench", "--url", url, "--exact-length-field", "min_tokens", *common)
     assert got["summary"]["statuses"] == {"finished_length": 6}
-    spans = [(r["arrival"], r["finish"]) for r in got["requests"]]
+    # In flight from the send (`admitted`) to the last byte; each clock starts at the
+    # scheduled arrival, so the wait for a place is in the later ones' queue time.
+    spans = [(r["admitted"], r["finish"]) for r in got["requests"]]
     for t, _ in spans:
         assert sum(1 for a, b in spans if a <= t < b) <= 2
     assert max(a for a, _ in spans) > min(b for _, b in spans)  # later ones waited
+    assert max(r["queue_time"] for r in got["requests"]) > 0
     assert 6 * 60 <= prompt_tokens <= 6 * 68
     assert exact["summary"]["statuses"] == {"finished_length": 6}
     assert all(r["output_tokens"] == 8 for r in exact["requests"])
