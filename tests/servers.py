@@ -61,6 +61,17 @@ def in_process(session) -> Iterator:
         srv.engine.check_integrity()
 
 
+@contextmanager
+def sim_in_process() -> Iterator:
+    """`in_process` for the simulated card, served as model `sim`."""
+    from kvdeck.runtime.session import build_session
+    from kvdeck.runtime.settings import resolve
+
+    with in_process(build_session(resolve({"executor": "sim", "served_model_name": "sim"}),
+                                  live=True)) as srv:
+        yield srv
+
+
 def idle(server, timeout: float = 60) -> None:
     """Wait until an in-process server's published snapshot shows an idle engine (what
     /metrics reads)."""

@@ -12,15 +12,12 @@ import pytest
 from kvdeck.runtime.runs.loadgen import run_bench
 from kvdeck.runtime.runs.trace import Arrival
 from kvdeck.runtime.server.serve import ApiServer
-from kvdeck.runtime.session import build_session
-from kvdeck.runtime.settings import resolve
-from tests.servers import in_process
+from tests.servers import sim_in_process
 
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[ApiServer]:
-    with in_process(build_session(resolve({"executor": "sim", "served_model_name": "sim"}),
-                                  live=True)) as srv:
+    with sim_in_process() as srv:
         yield srv
 
 

@@ -19,7 +19,7 @@ from kvdeck.runtime.runs.loadgen import attempt_seed
 from kvdeck.runtime.server.serve import ApiServer
 from kvdeck.runtime.session import build_session
 from kvdeck.runtime.settings import resolve
-from tests.servers import idle, in_process
+from tests.servers import idle, in_process, sim_in_process
 
 COUNTERS = ("kvdeck:goodput_requests_total", "kvdeck:checked_requests_total",
             "kvdeck:check_failures_total")
@@ -40,8 +40,7 @@ def moved(before: dict[str, float], after: dict[str, float]) -> tuple[float, ...
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[ApiServer]:
-    with in_process(build_session(resolve({"executor": "sim", "served_model_name": "sim"}),
-                                  live=True)) as srv:
+    with sim_in_process() as srv:
         yield srv
 
 
