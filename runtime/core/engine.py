@@ -184,6 +184,8 @@ class Engine:
             if isinstance(msg, AddRequest):
                 req = msg.request
                 self.intake.hold(req)
+                if self.watched is None and req.request_id == self.watched_id:
+                    self.watched = req  # watched before it arrived
                 if req.tracked:
                     self.tracked[req.request_id] = req
                     while len(self.tracked) > MAX_TRACKED:

@@ -261,9 +261,17 @@ class SnapshotBuilder:
     """Builds an engine's snapshots, reusing what has not changed since the last one."""
 
     def __init__(self, engine: Engine):
-        self.engine = engine
+        self._engine = weakref.ref(engine)
+        """Weak: the builders of `snapshot_of` are kept per engine in a weak-keyed table, and
+        a strong reference back would keep every engine (and its model) alive."""
         self._views: dict[str, tuple[tuple, RequestView]] = {}
         self._prefix: tuple[tuple[int, int, int], tuple[NodeSummary, ...]] | None = None
+
+    @property
+    def engine(self) -> Engine:
+        engine = self._engine()
+        assert engine is not None, "the engine of this snapshot builder is gone"
+        return engine
 
     def _request_views(self, requests, tables: dict[str, list[int]],
                        fresh: dict[str, tuple[tuple, RequestView]]) -> tuple[RequestView, ...]:
@@ -288,8 +296,6 @@ class SnapshotBuilder:
     def _watched(self) -> RequestDetail | None:
         e = self.engine
         req = e.watched
-        if req is None and e.watched_id is not None:  # it arrived since it was asked for
-            req = e.watched = e.find(e.watched_id)
         if req is None:
             return None
         table = e.kv.tables.get(req.request_id)
