@@ -229,7 +229,7 @@ class BlockManager:
 
     def num_available_blocks(self) -> int:
         """Blocks a new allocation could get: free + evictable − promised to reservations."""
-        return self.pool.num_free + self.tree.num_evictable - self.num_reserved
+        return self.pool.num_free + self.tree.num_evictable - self.state.num_reserved
 
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for_tokens(num_tokens, self.block_size)
@@ -265,7 +265,7 @@ class BlockManager:
         """The cached nodes an admission of `req` would reuse now (no side effects)."""
         if not self.enable_caching:
             return []
-        return self.window.cut(self.tree.match(self.namespace, self._reusable(req)))
+        return self.window.cut(self.tree.match(self.state.namespace, self._reusable(req)))
 
     def peek_prefix(self, req: Request) -> int:
         """Cached tokens an admission of `req` would reuse now (no side effects)."""
@@ -301,11 +301,11 @@ class BlockManager:
         chain: list[PrefixNode] = []
         if self.enable_caching:
             reusable = self._reusable(req)
-            chain = self.window.cut(self.tree.match(self.namespace, reusable))
+            chain = self.window.cut(self.tree.match(self.state.namespace, reusable))
             if self.admission.k > 1:
                 p = self.block_size
                 prompt = req.prompt_token_ids
-                self.admission.on_admit(rid, self.namespace, [
+                self.admission.on_admit(rid, self.state.namespace, [
                     tuple(prompt[i:i + p]) for i in range(0, len(prompt) - p + 1, p)],
                     first=req.admitted_time is None)
         # Pinned: no demotion decided while promoting may drop a block this chain needs.
@@ -438,13 +438,13 @@ class BlockManager:
             return  # no newly completed block (most decode steps)
         table = self.table(rid)
         full = min(req.num_computed_tokens // p, len(table))
-        pool = self.pool
+        pool, st = self.pool, self.state
         window = self.groups is not None
         while len(chain) < full:
             k = len(chain)
             key = tuple(req.token_slice(k * p, (k + 1) * p))
             parent = chain[-1] if chain else None
-            twin = (parent or self.tree.root(self.namespace)).children.get(key)
+            twin = (parent or self.tree.root(st.namespace)).children.get(key)
             if twin is not None and twin.on_host and not window:
                 # The same content was demoted: this block becomes its device copy (no
                 # copy needed) and the host block is freed.
@@ -458,11 +458,11 @@ class BlockManager:
                 cost = int(pool.refcount[twin.block] == 1 and pool.refcount[table[k]] > 1)
                 if window:
                     cost += self.window.twin_cost(rid, k, twin)
-                if cost and pool.num_free + self.tree.num_evictable - cost < self.num_reserved:
+                if cost and pool.num_free + self.tree.num_evictable - cost < st.num_reserved:
                     return
-            if twin is None and not self.admission.allows(rid, k, key, self.namespace):
+            if twin is None and not self.admission.allows(rid, k, key, st.namespace):
                 return  # not seen often enough yet (cache admission): stays private
-            node = self.tree.insert(self.namespace, parent, key, table[k])
+            node = self.tree.insert(st.namespace, parent, key, table[k])
             if node is None:
                 return  # at capacity with nothing evictable: stays private
             if node.block != table[k]:  # the twin: switch to its block, drop ours
@@ -592,6 +592,6 @@ class BlockManager:
             assert len(chain) <= len(table)
             for i, node in enumerate(chain):
                 assert table[i] == node.block, f"{rid} block {i} differs from its cached node"
-        assert self.num_reserved <= pool.num_free + self.tree.num_evictable, \
+        assert self.state.num_reserved <= pool.num_free + self.tree.num_evictable, \
             "more blocks promised than exist"
         assert pool.num_free + pool.num_used == pool.num_blocks
