@@ -25,7 +25,7 @@ from kvdeck.runtime.executors.base import (
     WindowGroups,
     capability,
     draft_kv_bytes_per_token,
-    offload_of,
+    has,
     resolve_weight_formats,
 )
 from kvdeck.runtime.kv.groups import LayerGroups
@@ -76,7 +76,8 @@ class PoolSize:
         e = self.executor
         return self.config.blocks_for_budget(
             self.block_bytes(kv_format) // self.config.block_size
-            + draft_kv_bytes_per_token(e, kv_format), offload_of(e)[1])
+            + draft_kv_bytes_per_token(e, kv_format),
+            e.offload_gain_bytes if has(e, Offload) else 0)
 
     def block_bytes(self, kv_format: str) -> int:
         """Bytes of the target's KV one block (one page, with layer groups: the layers of

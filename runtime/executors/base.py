@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 from kvdeck.runtime.core.step_data import Conversion, SchedulerOutput, StepResult
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.kv.groups import LayerGroups
+from kvdeck.runtime.models.weight_formats import GROUPS
 
 if TYPE_CHECKING:
     from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, StepFit
@@ -267,7 +268,7 @@ NEEDS = {KVConversion: "re-encodes its KV pool in place", HostTier: "has a host 
 def capability(executor: Executor, kind: type[C], what: str) -> C:
     """`executor` as a `kind`, or a ConfigError saying that `what` (a knob or flag) needs
     an executor that has it."""
-    if not isinstance(executor, kind):
+    if not has(executor, kind):
         raise ConfigError(f"{what} needs an executor that {NEEDS[kind]}; the "
                           f"{executor.info.name} executor does not.")
     return executor
@@ -304,18 +305,14 @@ def auto_choice(executor: Executor) -> str:
     return executor.auto_choice() if has(executor, WeightFormats) else ""
 
 
-DENSE = {"attn": "dense", "ffn": "dense", "head": "dense"}
-"""The weights of an executor that does not re-pack them: as the model file has them."""
-
-
 def resolve_weight_formats(executor: Executor, text: str,
                            current: dict[str, str] | None = None) -> dict[str, str]:
     """The formats per group a `weight_format` value names for `executor`; one that does
     not re-pack weights takes only `dense` (its own) or `measured` (which picks it)."""
     if isinstance(executor, WeightFormats):
         return executor.resolve_weight_formats(text, current)
-    if text.strip() in ("dense", "measured"):
-        return dict(DENSE)
+    if text.strip() in ("dense", "measured"):  # the weights as the model file has them
+        return {g: "dense" for g in GROUPS}
     raise ConfigError(f"weight_format {text!r}: the {executor.info.name} executor runs the "
                       "model file's own weights (weight_format dense); re-packing them needs "
                       "an executor that does (the torch executor).")

@@ -40,8 +40,7 @@ class LogitsStage:
     seed: int
     eos_token_ids: tuple[int, ...]
     logits: Callable[[torch.Tensor], torch.Tensor] = lambda rows: rows
-    argmax: Callable[[torch.Tensor, torch.Tensor | None], list[int]] = \
-        lambda rows, allowed: masked_argmax(rows, allowed)
+    argmax: Callable[[torch.Tensor, torch.Tensor | None], list[int]] = masked_argmax
     score_rows: int = 64
     """Prompt rows turned into logits at a time: a row's logits are a vocabulary of floats
     (1 MiB on Gemma 3), so a long chunk is scored in slices."""

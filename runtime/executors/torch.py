@@ -138,7 +138,7 @@ class TorchExecutor:
             g.close()
         info = self.cfg.info
         self.packer = WeightPacker(
-            self.model, self.device, DTYPES[dtype], dtype if dtype in FLOAT else "fp32",
+            self.model, self.device, dtype if dtype in FLOAT else "fp32",
             int4_group_size, int8_group_size, weight_activations, kernel_cache)
         if self.device.type != "cpu":
             self.packer.masters_to_host()

@@ -27,11 +27,11 @@ class WeightPacker:
 
     AUTO_MAX_ROWS = 4096
 
-    def __init__(self, model: Transformer, device: torch.device, compute_dtype: torch.dtype,
-                 compute: str, int4_group_size: int, int8_group_size: int,
-                 weight_activations: str, kernel_cache: Path):
-        """`compute`: the float dtype activations are in (`compute_dtype`'s name; fp32
-        under the int8 FBGEMM dtypes). See `TorchExecutor` for the other arguments."""
+    def __init__(self, model: Transformer, device: torch.device, compute: str,
+                 int4_group_size: int, int8_group_size: int, weight_activations: str,
+                 kernel_cache: Path):
+        """`compute`: the float dtype activations are in (fp32 under the int8 FBGEMM
+        dtypes). See `TorchExecutor` for the other arguments."""
         if int4_group_size not in INT4_GROUP_SIZES:
             raise ConfigError(f"int4_group_size must be one of "
                               f"{', '.join(map(str, INT4_GROUP_SIZES))}, got {int4_group_size}.")
@@ -40,7 +40,7 @@ class WeightPacker:
             raise ConfigError(f"weight_activations must be measured, {', '.join(FLOAT)}; got "
                               f"{weight_activations!r}.")
         self.model, self.device = model, device
-        self.compute_dtype, self.compute = compute_dtype, compute
+        self.compute = compute
         self.int4_group_size, self.int8_group_size = int4_group_size, int8_group_size
         self.weight_activations = weight_activations
         self.kernel_cache = kernel_cache
@@ -90,11 +90,10 @@ class WeightPacker:
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, group: str):
         """One matrix of `group` in `fmt`, from its master copy."""
-        compute = self.compute_dtype
         weight = weight.to(self.device)  # from a host master copy on an accelerator
         bias = bias.to(self.device) if bias is not None else None
         if fmt == "dense":
-            return pack_matrix(weight, bias, "dense", compute)
+            return pack_matrix(weight, bias, "dense", FLOAT[self.compute])
         if fmt in FLOAT:
             return pack_matrix(weight, bias, "dense", FLOAT[fmt])
         if fmt == "auto":

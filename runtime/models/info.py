@@ -8,6 +8,7 @@ from pathlib import Path
 from kvdeck.runtime.errors import ModelFileError
 from kvdeck.runtime.kv.formats import KV_FORMATS, blocks_for_tokens, kv_bytes_per_token
 from kvdeck.runtime.models.gguf import GGUFFile, iter_tensor_types, read_gguf
+from kvdeck.runtime.models.weight_formats import GROUPS
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def _required(g: GGUFFile, key: str) -> int:
 def weight_groups(g: GGUFFile, tied: bool) -> tuple[tuple[str, int], ...]:
     """(group, matrix bytes) for `attn`, `ffn` and `head`, by GGUF tensor name: a layer's
     `attn_*` and `ffn_*` matrices, and the output head (the embedding table when tied)."""
-    out = {"attn": 0, "ffn": 0, "head": 0}
+    out = dict.fromkeys(GROUPS, 0)
     for t in g.tensors.values():
         if len(t.shape) < 2:
             continue

@@ -10,6 +10,7 @@ from pathlib import Path
 from kvdeck.runtime.core.config import tomllib
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.kv.formats import KV_FORMATS, kv_bytes_per_token
+from kvdeck.runtime.models.weight_formats import GROUPS
 from kvdeck.runtime.resources import cache_dir, profile_names, profiles_dir
 
 
@@ -191,7 +192,7 @@ class ModelProfile:
     """Matrix bytes per weight group (`attn`, `ffn`, `head`): from the GGUF's tensors, or
     the profile's `[weight_groups]` table; empty when a profile gives none."""
 
-    @property
+    @functools.cached_property
     def group_shares(self) -> dict[str, float]:
         """Each weight group's share of the matrix bytes (Qwen3-8B: 0.20 / 0.72 / 0.08),
         `ASSUMED_GROUP_SHARES` for a profile that gives no groups."""
@@ -362,10 +363,9 @@ def _weight_groups(d: dict, where: str) -> dict[str, int]:
     table = d.get("weight_groups")
     if table is None:
         return {}
-    groups = ("attn", "ffn", "head")
-    if not isinstance(table, dict) or set(table) != set(groups) or not all(
+    if not isinstance(table, dict) or set(table) != set(GROUPS) or not all(
             isinstance(table[g], int) and not isinstance(table[g], bool) and table[g] > 0
-            for g in groups):
+            for g in GROUPS):
         raise ConfigError(f"Profile {where}: weight_groups must give attn, ffn and head, each "
                           f"a whole number of bytes above 0, got {table!r}.")
-    return {g: table[g] for g in groups}
+    return {g: table[g] for g in GROUPS}
