@@ -293,7 +293,7 @@ class Engine:
         t1 = self.state_end = self.clock.now()
         self.scheduler.update(plan, result, t1)
         if result.lost_blocks:
-            self.kv.forget_blocks(result.lost_blocks)
+            self.kv.tree.forget_blocks(result.lost_blocks)
         for child, parent in self.scheduler.take_branched():
             record.forked.append(Forked(child.request_id, parent.request_id,
                                         child.sampling.max_tokens, True))

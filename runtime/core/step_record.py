@@ -14,6 +14,9 @@ from kvdeck.runtime.kv.events import KVEvent, kv_event_from_json, kv_event_to_js
 from kvdeck.runtime.kv.transfers import Transfer
 
 
+_new_tuple = tuple.__new__
+
+
 class PlanEntry(NamedTuple):
     """One request's share of a step: `num_new_tokens` from position `start`."""
 
@@ -119,8 +122,9 @@ class StepRecord:
         self.predicted_s, self.itl_target_s = plan.predicted_s, plan.itl_target_s
         self.draft_s = result.draft_seconds
         self.transfers = list(result.transfers)
-        self.plan = [PlanEntry(c.request_id, c.start, c.num_new_tokens, c.emitted,
-                               c.num_draft) for c in plan.chunks]
+        make = _new_tuple  # every chunk, every step: the tuple without the keyword wrapper
+        self.plan = [make(PlanEntry, (c.request.request_id, c.start, c.num_new_tokens,
+                                      c.emitted, c.num_draft)) for c in plan.chunks]
         self.tokens = list(result.sampled.items())
         for c in plan.chunks:  # speculating requests: the tokens they took, in order
             if c.num_draft and c.emitted:

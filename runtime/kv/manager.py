@@ -163,7 +163,7 @@ class BlockManager:
         moot. Returns the ids of the requests that were swapped out."""
         swapped = list(self.host_tables)
         for rid in swapped:
-            self._unswap(rid)
+            self.apply(ev.Unswap(rid))
         self.tree.drop_host()
         self.copies.clear()
         if num_host_blocks != self.host.num_blocks:
@@ -222,10 +222,7 @@ class BlockManager:
 
     def unswap(self, req: Request) -> None:
         """Drop swapped-out `req`'s host copy (aborted, or it will recompute)."""
-        self._unswap(req.request_id)
-
-    def _unswap(self, rid: str) -> None:
-        self.apply(ev.Unswap(rid))
+        self.apply(ev.Unswap(req.request_id))
 
     def num_available_blocks(self) -> int:
         """Blocks a new allocation could get: free + evictable − promised to reservations."""
@@ -340,19 +337,26 @@ class BlockManager:
         self.copies.append(("promote", "h2d", f"node {node.node_id}", [[host_block, block]]))
 
     def try_allocate(self, req: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
-        """`allocate` if `can_allocate`, else None — one pass for the scheduler's hot loop.
+        """`allocate` if `can_allocate`, else None — one pass for the scheduler's hot loop:
+        the tail's sharing and the blocks to add are worked out once.
 
         The common decode case (room left in an unshared tail block) touches nothing.
         """
         table = self.tables.get(req.request_id, _NO_BLOCKS)
         n = req.num_computed_tokens
-        if n + num_new_tokens <= len(table) * self.block_size and (
-                n % self.block_size == 0 or self.pool.refcount[table[(n - 1) // self.block_size]]
-                < 2) and not (self.groups and self.window.tail_shared(req)):
-            return []  # the shared-tail test of `_tail_is_shared`, inlined: every decode step
-        if not self.can_allocate(req, num_new_tokens):
+        p = self.block_size
+        shared = num_new_tokens > 0 and n % p != 0 and len(table) > 0 and \
+            self.pool.refcount[table[(n - 1) // p]] > 1  # `_tail_is_shared`, inlined
+        grow = -(-(n + num_new_tokens) // p) - len(table)
+        if grow <= 0 and not shared and not (self.groups and self.window.tail_shared(req)):
+            return []
+        if self.groups:  # window tables have pages of their own: the general path
+            return self.allocate(req, num_new_tokens) \
+                if self.can_allocate(req, num_new_tokens) else None
+        if max(grow, 0) + shared > self.num_available_blocks() + \
+                self.reserved.get(req.request_id, 0):
             return None
-        return self.allocate(req, num_new_tokens)
+        return self._grow(req, num_new_tokens, shared)
 
     def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Whether `req` can grow by `num_new_tokens` (counting its own reservation)."""
@@ -383,10 +387,14 @@ class BlockManager:
         Returns copy-on-write pairs (src, dst) the executor must copy before writing: the
         first write into a shared, partially filled tail block copies it.
         """
+        return self._grow(req, num_new_tokens, num_new_tokens > 0 and self._tail_is_shared(req))
+
+    def _grow(self, req: Request, num_new_tokens: int, shared: bool) -> list[tuple[int, int]]:
+        """`allocate`, told whether the tail block is shared (and written into)."""
         rid = req.request_id
         table = self.tables.get(rid)  # None: admitted without a hit, nothing held yet
         cows: list[tuple[int, int]] = []
-        if num_new_tokens > 0 and self._tail_is_shared(req):
+        if shared:
             idx = (req.num_computed_tokens - 1) // self.block_size
             src = table[idx]
             (dst,) = self._take_for(rid, 1)
@@ -395,7 +403,8 @@ class BlockManager:
             cows.append((src, dst))
             self.num_cow_copies += 1
         held = len(table) if table else 0
-        for i in range(held, self.blocks_needed(req.num_computed_tokens + num_new_tokens)):
+        need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
+        for i in range(held, need):  # block by block: evictions interleave as they fall due
             self.apply(ev.Ref(rid, i, self._take_for(rid, 1)[0]))
         if self.groups:
             self.num_cow_copies += self.window.grow(req, num_new_tokens, cows, held)
@@ -404,9 +413,9 @@ class BlockManager:
     def _take_for(self, rid: str, n: int) -> list[int]:
         """`n` free blocks for `rid`, evicting cached ones to make room, drawn first from
         what was promised to it; the caller references them next, in this order."""
-        promised = min(self.reserved.get(rid, 0), n)
+        promised = self.reserved.get(rid, 0)
         if promised:
-            self.apply(ev.Reserve(rid, -promised))
+            self.apply(ev.Reserve(rid, -min(promised, n)))
         pool = self.pool
         while pool.num_listed < n:
             freed = self.tree.evict_one()
@@ -436,7 +445,7 @@ class BlockManager:
         p = self.block_size
         if req.num_computed_tokens // p <= len(chain):
             return  # no newly completed block (most decode steps)
-        table = self.table(rid)
+        table = self.tables.get(rid, _NO_BLOCKS)
         full = min(req.num_computed_tokens // p, len(table))
         pool, st = self.pool, self.state
         window = self.groups is not None
@@ -522,7 +531,7 @@ class BlockManager:
 
     def _release(self, rid: str) -> None:
         if rid in self.host_tables:  # swapped out: only the host copy is left
-            self._unswap(rid)
+            self.apply(ev.Unswap(rid))
         self._release_device(rid)
 
     def _release_device(self, rid: str) -> None:
@@ -547,19 +556,6 @@ class BlockManager:
         deferred, self._deferred = self._deferred, []
         for rid in deferred:
             self._release(rid)
-
-    def forget_blocks(self, blocks: tuple[int, ...]) -> int:
-        """The executor no longer has the KV of `blocks` (llama.cpp recycled the slot that
-        held them): evict their cache nodes that only the cache holds, deepest first, so no
-        admission counts a hit the executor would have to recompute outside the token
-        budget. Returns how many were evicted."""
-        nodes = [n for b in blocks if (n := self.tree.node_of_block.get(b)) is not None]
-        evicted = 0
-        for node in sorted(nodes, key=lambda n: -n.depth_tokens):
-            if not node.children and self.pool.refcount[node.block] == 1:
-                self.apply(ev.Evict(node.node_id, node.block))
-                evicted += 1
-        return evicted
 
     def clear_cache(self) -> int:
         """Evict every cached block no request uses."""

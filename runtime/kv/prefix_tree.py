@@ -501,6 +501,19 @@ class PrefixTree:
             self.demote = demote
         return n
 
+    def forget_blocks(self, blocks: tuple[int, ...]) -> int:
+        """The executor no longer has the KV of `blocks` (llama.cpp recycled the slot that
+        held them): evict their cache nodes that only the cache holds, deepest first, so no
+        admission counts a hit the executor would have to recompute outside the token
+        budget. Returns how many were evicted."""
+        nodes = [n for b in blocks if (n := self.node_of_block.get(b)) is not None]
+        evicted = 0
+        for node in sorted(nodes, key=lambda n: -n.depth_tokens):
+            if not node.children and self.pool.refcount[node.block] == 1:
+                self.apply(Evict(node.node_id, node.block), None)
+                evicted += 1
+        return evicted
+
     def drop_host(self) -> int:
         """Drop every demoted block; returns how many."""
         n = 0

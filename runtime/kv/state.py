@@ -122,14 +122,14 @@ class KVState:
         """Change the state as `ev` says (and keep `ev` when recording). `extra`: what the
         event does not carry (module docstring). An event that does not fit the state
         raises KeyError, IndexError, ValueError or AssertionError."""
-        if self.events is not None:
-            self.events.append(ev)
+        events = self.events
+        if events is not None:
+            events.append(ev)
         self._handlers[type(ev)](ev, extra)
 
     def take_events(self) -> list[KVEvent]:
         """The events applied since the last call."""
-        events = self.events[:]
-        self.events.clear()
+        events, self.events = self.events, []
         return events
 
     # -- block tables -----------------------------------------------------------------------
