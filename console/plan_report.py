@@ -54,9 +54,10 @@ def render_plan(out: Console, planner: Planner, plan: Plan, plane: bool = True) 
               f"prefill, {f['blocks_after_output']} after the output; {f['shared_blocks']} "
               f"shared prefix blocks{window}", highlight=False)
     step = f["decode_step_s"]
-    fit = f" / fit {step['fit'] * 1e3:.2f} ms" if step["fit"] is not None else ""
-    out.print(f"decode step at batch {step['batch']}, context {step['context']}: roofline "
-              f"{step['roofline'] * 1e3:.2f} ms{fit}", highlight=False)
+    models = " / ".join(f"{name} {step[name] * 1e3:.2f} ms"
+                        for name in ("measured", "fit", "roofline") if step[name] is not None)
+    out.print(f"decode step at batch {step['batch']}, context {step['context']}: {models}",
+              highlight=False)
     figures = Table(title="per KV format")
     for col in ("format", "KV B/token", "GiB/request", "fit", "fit shared",
                 "D(b,L) GB/step", "KV > weights at b ≥"):
@@ -76,8 +77,10 @@ def render_plan(out: Console, planner: Planner, plan: Plan, plane: bool = True) 
     for r, m in zip(plan.results, marks(plane_points(plan)), strict=True):
         style = "green" if r.feasible else "red"
         chosen = " [bold](chosen)[/]" if r is plan.choice else ""
-        table.add_row(m, r.scheme.name, f"{r.memory_bytes / GIB:.2f}", _seconds(r.ttft_s),
-                      _seconds(r.completion_s), _seconds(r.accelerator_s_per_good),
+        bound = "≥" if r.unpriced else ""  # a cost left out: the times are lower bounds
+        table.add_row(m, r.scheme.name, f"{r.memory_bytes / GIB:.2f}",
+                      bound + _seconds(r.ttft_s), bound + _seconds(r.completion_s),
+                      bound + _seconds(r.accelerator_s_per_good),
                       _joules(r.energy_j_per_good),
                       f"[{style}]{r.verdict()}[/]{chosen}")
     out.print(table)

@@ -38,8 +38,9 @@ def plan(
     max_batched_tokens: int = typer.Option(8192, "--max-batched-tokens",
                                            help="Token budget per step (prefill chunks)."),
     timing: str = typer.Option("auto", "--timing",
-                               help="auto (the fitted step model where the profile has one), "
-                                    "fit or roofline."),
+                               help="auto (the card's measured decode steps where the model "
+                                    "profile has them, else its fitted step model, else the "
+                                    "roofline), measured, fit or roofline."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     svg: Path = typer.Option(None, "--svg", help="Write the memory-vs-completion plane here."),
     log_level: str = "warning",
@@ -74,10 +75,12 @@ def plan(
 
 def _check_steps(block_size: int, max_batched_tokens: int, timing: str) -> None:
     """One sentence and exit 2 for a step size out of its range or an unknown timing."""
+    from kvdeck.runtime.planning.planner import TIMINGS
+
     guarded(lambda: check_int("--block-size", block_size, 1, 256))
     guarded(lambda: check_int("--max-batched-tokens", max_batched_tokens, 1, 1 << 20))
-    if timing not in ("auto", "fit", "roofline"):
-        fail(f"--timing must be auto, fit or roofline, got {timing!r}.")
+    if timing not in TIMINGS:
+        fail(f"--timing must be {', '.join(TIMINGS[:-1])} or {TIMINGS[-1]}, got {timing!r}.")
 
 
 def _profiles(hardware: str, model: str, workload: str, timing: str) -> tuple:
@@ -92,6 +95,9 @@ def _profiles(hardware: str, model: str, workload: str, timing: str) -> tuple:
     if timing == "fit" and hw.name not in mp.fits:
         fail(f"Model profile {mp.name} has no fitted step model for {hw.name}; use --timing "
              "roofline, or kvdeck calibrate on that card.")
+    if timing == "measured" and not mp.decode_times.get(hw.name):
+        fail(f"Model profile {mp.name} has no measured decode steps on {hw.name}; use "
+             "--timing fit or roofline, or kvdeck calibrate on that card.")
     return hw, mp, wl
 
 

@@ -13,7 +13,6 @@ from kvdeck.runtime.errors import RunFormatError
 from kvdeck.runtime.kv.events import KVEvent, kv_event_from_json, kv_event_to_json
 from kvdeck.runtime.kv.transfers import Transfer
 
-
 _new_tuple = tuple.__new__
 
 

@@ -1,8 +1,11 @@
 """The `sim` executor: a timing model instead of a model, on a virtual clock.
 
-Step time is either the fitted model `fixed + per_token × new_tokens + per_pair × pairs`
-or a roofline `max(F / (P·MFU), (D_w + Σ L·k) / (β·MBU))` from a hardware and a model
-profile. Tokens are deterministic functions of (seed, request id, position), so the same
+Step time comes from `runtime/planning/step_time.py`, the planner's own model: the card's
+measured decode steps as a curve in the bytes a step reads (`measured`, where the model
+profile has them), the fitted model `fixed +
+per_token × new_tokens + per_pair × pairs` (`fit`), or a roofline `max(F / (P·MFU), (D_w +
+Σ L·k) / (β·MBU))` from a hardware and a model profile; `auto` takes the first the profiles
+allow. Tokens are deterministic functions of (seed, request id, position), so the same
 trace, configuration and seed give byte-identical runs. KV exists only as accounting: an 8B
 model on a 96 GB card with hundreds of 8K-token requests runs on a laptop.
 """
@@ -26,9 +29,9 @@ from kvdeck.runtime.models.weight_formats import (
     parse_weight_format,
 )
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, StepFit
-from kvdeck.runtime.planning.step_time import fitted_seconds, roofline_seconds
+from kvdeck.runtime.planning.step_time import Measured, fitted_seconds, roofline_seconds
 
-TIMING_MODES = ("fit", "roofline")
+TIMING_MODES = ("auto", "measured", "fit", "roofline")
 DRAFTING = ("sequential", "parallel")
 _MASK = (1 << 64) - 1
 
@@ -47,7 +50,9 @@ class SimConfig:
 
     model_profile: str = "qwen3-8b"
     hardware: str = "rtx-pro-6000"
-    timing: str = "fit"
+    timing: str = "auto"
+    """`measured`, `fit`, `roofline`, or `auto`: measured where the model profile has
+    measured steps on `hardware` (and no fitted-model override is given), else the fit."""
     fixed_ms: float | None = None
     """Fitted-model overrides; when unset, the model profile's fit for `hardware` is used."""
     per_token_us: float | None = None
@@ -124,7 +129,11 @@ class SimExecutor:
         self.seed = seed
         self.model = ModelProfile.load(config.model_profile)
         self.hardware = HardwareProfile.load(config.hardware)
+        self.timing = self._resolve_timing()
         self.fit = self._resolve_fit()
+        self.measured = Measured.of(self.model, self.hardware) \
+            if self.timing == "measured" else None
+        self._kv_format = self.model.kv_dtype
         self._kv_bytes_per_token = self.model.kv_bytes_per_token()
         self._fitted_kv_bytes_per_token = self._kv_bytes_per_token
         """KV bytes per token the fitted timing was measured with (the profile's kv_dtype)."""
@@ -149,11 +158,24 @@ class SimExecutor:
         self.offload_buffers = 2
         self._acceptance = config.acceptance_profile()
 
+    def _resolve_timing(self) -> str:
+        """The step model: `auto` is measured where the profile has measured steps on the
+        card and no fitted-model value is overridden, else the fit."""
+        c = self.config
+        has_measured = bool(self.model.decode_times.get(self.hardware.name))
+        if c.timing == "measured" and not has_measured:
+            raise ConfigError(f"Model profile {self.model.name} has no measured decode steps "
+                              f"on {self.hardware.name}; use timing = 'fit' or 'roofline'.")
+        if c.timing != "auto":
+            return c.timing
+        overridden = (c.fixed_ms, c.per_token_us, c.per_pair_ns) != (None, None, None)
+        return "measured" if has_measured and not overridden else "fit"
+
     def _resolve_fit(self) -> StepFit:
         c = self.config
         base = self.model.fits.get(self.hardware.name)
         values = (c.fixed_ms, c.per_token_us, c.per_pair_ns)
-        if base is None and None in values and c.timing == "fit":
+        if base is None and None in values and self.timing == "fit":
             raise ConfigError(
                 f"Model profile {self.model.name} has no fitted timing for {self.hardware.name}; "
                 "set fixed_ms, per_token_us and per_pair_ns, or use timing = 'roofline'."
@@ -176,6 +198,7 @@ class SimExecutor:
         assert groups is None, "the sim has no layer groups"
         # Accounting only: nothing to allocate.
         self._kv_bytes_per_token = self.kv_bytes_per_token(kv_format)
+        self._kv_format = kv_format
         self.block_size = block_size
 
     def convert_kv(self, kv_format: str, num_blocks: int, src: list[int], dst: list[int]
@@ -185,6 +208,7 @@ class SimExecutor:
         tokens = len(src) * self.block_size
         read = tokens * self._kv_bytes_per_token
         self._kv_bytes_per_token = self.kv_bytes_per_token(kv_format)
+        self._kv_format = kv_format
         written = tokens * self._kv_bytes_per_token
         hw = self.hardware
         return Conversion((read + written) / (hw.bandwidth_bytes_per_s * hw.mbu), False,
@@ -267,7 +291,11 @@ class SimExecutor:
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
                               num_context_tokens: int) -> float:
-        if self.config.timing == "fit":
+        if self.measured is not None:
+            return self.measured.seconds(self.model, self.hardware, self.weight_bytes,
+                                         num_context_tokens * self._kv_bytes_per_token,
+                                         self._kv_format, num_new_tokens, num_pairs)
+        if self.timing == "fit":
             # The fit was measured with the profile's weight and KV formats; other formats
             # change the bytes each step reads, priced at the card's bandwidth.
             extra = (self.weight_bytes - self.model.matrix_weight_bytes

@@ -22,139 +22,21 @@ run of the same workload agree by construction; docs/planner.md says where they 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.kv.formats import blocks_for_tokens
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
-from kvdeck.runtime.planning.step_time import fitted_seconds, roofline_seconds
+from kvdeck.runtime.planning.schemes import Broken, Plan, Scheme, SchemeResult
+from kvdeck.runtime.planning.step_time import Measured, fitted_seconds, roofline_seconds
 from kvdeck.runtime.planning.workloads import DraftSource, Workload, expected_outputs
 
+TIMINGS = ("auto", "measured", "fit", "roofline")
 PLAN_KV_FORMATS = ("bf16", "q8_0", "q4_0")
 """The KV formats the planner compares (bf16 stands for any 2-byte float format)."""
 OFFLOAD_BUFFERS = 2
 """Prefetch buffers for offloaded layers: two overlap copy and compute."""
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """One way to serve the workload."""
-
-    shared: bool = False
-    kv_format: str = "bf16"
-    draft: DraftSource | None = None
-    offload: bool = False
-
-    @property
-    def name(self) -> str:
-        parts = (["shared prefix"] if self.shared else []) \
-            + ([f"{self.kv_format} KV"] if self.kv_format != "bf16" else []) \
-            + ([f"spec {self.draft.name}"] if self.draft is not None else []) \
-            + (["weight offload"] if self.offload else [])
-        return " + ".join(parts) or "baseline"
-
-
-@dataclass(frozen=True)
-class Broken:
-    """A limit a scheme breaks and by how much (bytes or seconds)."""
-
-    limit: str
-    """`memory` or `deadline`."""
-    over_by: float
-
-    def describe(self, budget: float, deadline: float) -> str:
-        if self.limit == "memory":
-            size = f"{self.over_by / 2**30:.2f} GiB" if self.over_by >= 2**30 else \
-                f"{self.over_by / 2**20:.1f} MiB"
-            share = f" ({100 * self.over_by / budget:.1f}% of the budget)" if budget > 0 else ""
-            return f"memory over by {size}{share}"
-        if math.isinf(self.over_by):
-            return "deadline: arrivals outpace service (the queue grows without bound)"
-        share = f" ({100 * self.over_by / deadline:.0f}%)" if deadline > 0 else ""
-        return f"deadline missed by {self.over_by:.2f} s{share}"
-
-
-@dataclass
-class SchemeResult:
-    """What one scheme costs and whether it holds."""
-
-    scheme: Scheme
-    kv_bytes: int
-    aux_bytes: int
-    """Draft weights and peak buffers, offload prefetch buffers."""
-    offloaded_bytes: int
-    """Weights moved to the host, freeing that much device memory."""
-    concurrency: int
-    """Requests resident at once (the burst, or Little's law for Poisson arrivals)."""
-    ttft_s: float
-    completion_s: float
-    decode_step_s: float
-    """One decode step (a speculative round's verify + draft) at the plan's batch."""
-    busy_s: float
-    """Accelerator time the workload takes."""
-    good: int
-    budget_bytes: float
-    deadline_s: float
-    power_watts: float
-    broken: list[Broken] = field(default_factory=list)
-
-    @property
-    def memory_bytes(self) -> int:
-        """Device memory beyond the resident weights: KV + auxiliary − offloaded weights
-        (offloading whole layers can free more than the rest needs: then 0)."""
-        return max(self.kv_bytes + self.aux_bytes - self.offloaded_bytes, 0)
-
-    @property
-    def feasible(self) -> bool:
-        return not self.broken
-
-    @property
-    def accelerator_s_per_good(self) -> float:
-        return self.busy_s / self.good if self.good else math.inf
-
-    @property
-    def energy_j_per_good(self) -> float:
-        """At the profile's power (its limit, or a live draw); NaN where the profile has no
-        power figure (a CPU measured here)."""
-        if not self.power_watts:
-            return math.nan
-        return self.accelerator_s_per_good * self.power_watts
-
-    def verdict(self) -> str:
-        if self.feasible:
-            return "feasible"
-        return "; ".join(b.describe(self.budget_bytes, self.deadline_s) for b in self.broken)
-
-    def to_json(self) -> dict:
-        def num(x: float) -> float | None:
-            return None if math.isinf(x) or math.isnan(x) else x
-
-        return {
-            "scheme": self.scheme.name, "shared_prefix": self.scheme.shared,
-            "kv_format": self.scheme.kv_format,
-            "draft": self.scheme.draft.name if self.scheme.draft else None,
-            "weight_offload": self.scheme.offload,
-            "memory_bytes": self.memory_bytes, "kv_bytes": self.kv_bytes,
-            "aux_bytes": self.aux_bytes, "offloaded_bytes": self.offloaded_bytes,
-            "concurrency": self.concurrency, "ttft_s": num(self.ttft_s),
-            "completion_s": num(self.completion_s), "decode_step_s": num(self.decode_step_s),
-            "feasible": self.feasible,
-            "broken": [{"limit": b.limit, "over_by": num(b.over_by)} for b in self.broken],
-            "broken_limit": ", ".join(b.limit for b in self.broken) or None,
-            "accelerator_s_per_good": num(self.accelerator_s_per_good),
-            "energy_j_per_good": num(self.energy_j_per_good),
-        }
-
-
-@dataclass
-class Plan:
-    """Every scheme's result, the chosen one and, when none is feasible, what would help."""
-
-    results: list[SchemeResult]
-    choice: SchemeResult | None
-    suggestions: list[str]
-    figures: dict
 
 
 class Planner:
@@ -164,8 +46,10 @@ class Planner:
                  kv_budget_bytes: float, deadline_s: float | None = None,
                  drafts: list[DraftSource] | None = None, block_size: int = 16,
                  max_batched_tokens: int = 8192, timing: str = "auto"):
-        """`timing`: `fit` (the model profile's fitted step for this card), `roofline`, or
-        `auto` (the fit where the profile has one)."""
+        """`timing`: `measured` (the card's measured decode steps as a curve in the bytes a
+        step reads, `step_time.Measured`), `fit` (the model profile's fitted step for this
+        card), `roofline`, or `auto` (measured, else the fit, else the roofline, as the
+        profiles allow)."""
         self.hw, self.model, self.workload = hardware, model, workload
         self.budget = float(kv_budget_bytes)
         self.deadline = workload.deadline_s if deadline_s is None else deadline_s
@@ -177,8 +61,18 @@ class Planner:
                               f" + {workload.output_tokens} tokens) exceed {model.name}'s "
                               f"context of {model.context_length:,} tokens.")
         self.fit = model.fits.get(hardware.name)
-        self.timing = ("fit" if self.fit is not None else "roofline") if timing == "auto" \
-            else timing
+        self.measured = Measured.of(model, hardware)
+        if timing not in TIMINGS:
+            raise ConfigError(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}.")
+        if timing == "auto":
+            timing = "measured" if self.measured is not None else \
+                "fit" if self.fit is not None else "roofline"
+        if (timing == "measured" and self.measured is None) or \
+                (timing == "fit" and self.fit is None):
+            raise ConfigError(f"Model profile {model.name} has no {timing} step model for "
+                              f"{hardware.name}; use another timing, or kvdeck calibrate on "
+                              "that card.")
+        self.timing = timing
 
     # -- memory -------------------------------------------------------------------------
 
@@ -248,7 +142,11 @@ class Planner:
         """One step by the chosen timing: `num_new` new tokens, `num_pairs` causal pairs,
         `num_context` KV positions read, `num_sampled` rows through the output head."""
         k = self.kv_bytes_per_token(kv_format)
-        if (timing or self.timing) == "fit" and self.fit is not None:
+        timing = timing or self.timing
+        if timing == "measured" and self.measured is not None:
+            return self.measured.seconds(self.model, self.hw, self.model.matrix_weight_bytes,
+                                         num_context * k, kv_format, num_new, num_pairs)
+        if timing == "fit" and self.fit is not None:
             extra = num_context * (k - self.kv_bytes_per_token(self.model.kv_dtype))
             return fitted_seconds(self.fit, self.hw, extra, num_new, num_pairs, num_sampled)
         return roofline_seconds(self.model, self.hw, self.model.matrix_weight_bytes, k,
@@ -256,20 +154,36 @@ class Planner:
 
     def decode_step(self, batch: int, context: int, kv_format: str = "bf16",
                     timing: str | None = None) -> float:
-        """A plain decode step: `batch` rows, each on `context` earlier positions. Under the
-        fitted timing, measured decode steps in the model profile (`kvdeck calibrate`
-        writes them) are interpolated where they cover the batch, other KV formats adjusted
-        by the bytes they read, as the fit is: a CPU's decode step is flat, then steep, in
-        the batch, which no linear fit follows."""
-        if (timing or self.timing) == "fit":
-            measured = self.model.decode_seconds(self.hw.name, batch, context)
-            if measured is not None:
-                extra = batch * (context + 1) * (self.kv_bytes_per_token(kv_format)
-                                                 - self.kv_bytes_per_token(self.model.kv_dtype))
-                return max(measured + extra / (self.hw.bandwidth_bytes_per_s * self.hw.mbu),
-                           measured * 0.1)
-        return self.step_seconds(batch, batch * causal_pairs(1, context),
-                                 batch * (context + 1), kv_format, timing, batch)
+        """A plain decode step: `batch` rows, each on `context` earlier positions. Measured
+        decode steps in the model profile (the reference card's table; `kvdeck calibrate`
+        writes them) are interpolated where they cover the batch and context — a CPU's
+        decode step is flat, then steep, in the batch, which no linear fit follows — and
+        other KV formats move along the measured curve by the bytes they change
+        (`measured`) or at the card's bandwidth (`fit`). Every row reads its own context,
+        a shared prefix included, as kvdeck's kernels and the sim do (no cascade attention:
+        docs/planner.md says what that costs against the chapter's measured 27.35 ms)."""
+        timing = timing or self.timing
+        rows = batch * (context + 1)
+        if timing not in ("fit", "measured"):
+            return self.step_seconds(batch, batch * causal_pairs(1, context), rows,
+                                     kv_format, timing, batch)
+        grid = self.model.decode_seconds(self.hw.name, batch, context)
+        k, k0 = self.kv_bytes_per_token(kv_format), self.kv_bytes_per_token(self.model.kv_dtype)
+        if timing == "fit":
+            if grid is None:
+                return self.step_seconds(batch, batch * causal_pairs(1, context), rows,
+                                         kv_format, timing, batch)
+            extra = rows * (k - k0)
+            return max(grid + extra / (self.hw.bandwidth_bytes_per_s * self.hw.mbu),
+                       grid * 0.1)
+        step = self.step_seconds(batch, batch * causal_pairs(1, context), rows, kv_format,
+                                 timing, batch)
+        if grid is None:
+            return step
+        m, w = self.measured, self.model.matrix_weight_bytes
+        return max(grid + step - m.seconds(self.model, self.hw, w, rows * k0,
+                                           self.model.kv_dtype, batch,
+                                           batch * causal_pairs(1, context)), 0.0)
 
     # -- one scheme ---------------------------------------------------------------------
 
@@ -284,7 +198,10 @@ class Planner:
         prefix = self._prefix(scheme)
         own = w.prompt_tokens - prefix
         new = self._prefill_tokens(n, scheme)
-        pairs = causal_pairs(w.prompt_tokens, 0) + (n - 1) * causal_pairs(own, prefix)
+        warm = self._warm(scheme)
+        first = own if warm else w.prompt_tokens  # tokens until the first prompt is in
+        pairs = (n if warm else n - 1) * causal_pairs(own, prefix) \
+            + (0 if warm else causal_pairs(w.prompt_tokens, 0))
         budget = self.max_batched_tokens
         computed, done, step, seconds = 0, 0, 0, 0.0
         while computed < new:
@@ -292,14 +209,14 @@ class Planner:
             # chunking always makes progress).
             chunk = min(new - computed, max(budget - done, budget // 2, 1))
             computed += chunk
-            # Requests whose prompt is complete: the first after P tokens, each next after
+            # Requests whose prompt is complete: the first after its tokens, each next after
             # P − prefix more (all at once when the prompt is all shared prefix).
-            if computed < w.prompt_tokens:
+            if computed < first:
                 finished = 0
             elif own == 0:
                 finished = n
             else:
-                finished = min(n, 1 + (computed - w.prompt_tokens) // own)
+                finished = min(n, 1 + (computed - first) // own)
             seconds += self.step_seconds(
                 chunk + done, pairs * chunk / new + done * (w.prompt_tokens + step + 1),
                 min(n, finished + 1) * w.prompt_tokens + done * step, scheme.kv_format,
@@ -309,16 +226,16 @@ class Planner:
             seconds *= 1 + scheme.draft.ttft_overhead
         return seconds
 
-    def _decode(self, n: int, scheme: Scheme) -> tuple[float, float]:
+    def _decode(self, n: int, scheme: Scheme) -> tuple[float, float, int]:
         """(seconds for the rest of the output at batch `n`, one step or round at mid
-        output)."""
+        output, steps or rounds taken)."""
         w, fmt, d = self.workload, scheme.kv_format, scheme.draft
         remaining = w.output_tokens - 1
         if remaining <= 0:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0
         if d is None:
             total = sum(self.decode_step(n, w.prompt_tokens + j, fmt) for j in range(remaining))
-            return total, self.decode_step(n, w.prompt_tokens + remaining // 2, fmt)
+            return total, self.decode_step(n, w.prompt_tokens + remaining // 2, fmt), remaining
         per_round = d.expected_outputs()
         rows = d.draft_length + 1
 
@@ -329,7 +246,7 @@ class Planner:
 
         rounds = math.ceil(remaining / per_round)
         total = sum(round_seconds(w.prompt_tokens + int(r * per_round)) for r in range(rounds))
-        return total, round_seconds(w.prompt_tokens + remaining // 2)
+        return total, round_seconds(w.prompt_tokens + remaining // 2), rounds
 
     def _offload_bytes(self, deficit: float) -> int:
         """Whole layers' FFN weights to move to the host to free `deficit` bytes (the
@@ -345,9 +262,11 @@ class Planner:
         if w.arrival == "burst":
             n = w.num_requests
             ttft = self._prefill(n, scheme)
-            decode, step = self._decode(n, scheme)
+            decode, step, steps = self._decode(n, scheme)
         else:
             n, ttft, decode, step = self._steady_state(scheme)
+            steps = math.ceil(max(0, w.output_tokens - 1)
+                              / (d.expected_outputs() if d is not None else 1.0))
         kv = self.kv_for(n, scheme.kv_format, scheme.shared, extra_tokens)
         offloaded = 0
         if scheme.offload:
@@ -373,7 +292,8 @@ class Planner:
             # request it spends T/b = 1/λ (Little's law), whatever the scheme.
             busy, good_if_met = w.num_requests / w.rate_per_s, w.num_requests
         result = SchemeResult(scheme, kv, aux, offloaded, n, ttft, completion, step, busy, 0,
-                              self.budget, self.deadline, self.hw.power_watts)
+                              self.budget, self.deadline, self.hw.power_watts,
+                              unpriced=self._unpriced(scheme), steps=steps)
         if result.memory_bytes > self.budget:
             result.broken.append(Broken("memory", result.memory_bytes - self.budget))
         if completion > self.deadline:
@@ -381,16 +301,29 @@ class Planner:
         result.good = good_if_met if result.feasible else 0
         return result
 
+    def _unpriced(self, scheme: Scheme) -> str:
+        """What the scheme's times leave out: under measured timing, a KV format whose
+        conversion cost was not measured on the card."""
+        if self.timing != "measured" or self.measured.convert_known(scheme.kv_format):
+            return ""
+        return f"{scheme.kv_format} conversion (not measured on {self.hw.name})"
+
     def _prefix(self, scheme: Scheme) -> int:
         """Prompt tokens a scheme computes once for every request: the shared prefix's full
         blocks when it shares, else none."""
         return self.shared_blocks * self.block_size if scheme.shared else 0
 
     def _prefill_tokens(self, n: int, scheme: Scheme) -> int:
-        """Prompt tokens `n` requests compute: the first all of its prompt, the others
-        their prompt past the shared prefix."""
+        """Prompt tokens `n` requests compute: the first all of its prompt (none of the
+        prefix when it was cached before they came), the others their prompt past the
+        shared prefix."""
         w = self.workload
-        return w.prompt_tokens + (n - 1) * (w.prompt_tokens - self._prefix(scheme))
+        own = w.prompt_tokens - self._prefix(scheme)
+        return n * own if self._warm(scheme) else w.prompt_tokens + (n - 1) * own
+
+    def _warm(self, scheme: Scheme) -> bool:
+        """Whether the scheme finds the shared prefix already cached when requests come."""
+        return scheme.shared and self.workload.prefix_cached and self.shared_blocks > 0
 
     def _steady_state(self, scheme: Scheme) -> tuple[int, float, float, float]:
         """Poisson arrivals at rate λ, served by continuous batching with chunked prefill:
@@ -443,11 +376,18 @@ class Planner:
         return [Scheme(s, f, d) for d in (None, *self.drafts) for s in sharing
                 for f in PLAN_KV_FORMATS]
 
-    def plan(self) -> Plan:
-        results = [self.evaluate(s) for s in self.schemes()]
-        results += [self.evaluate(replace(r.scheme, offload=True)) for r in list(results)
-                    if any(b.limit == "memory" for b in r.broken)]
-        feasible = [r for r in results if r.feasible]
+    def plan(self, only: list[Scheme] | None = None) -> Plan:
+        """Every scheme (`schemes()`, then those over the memory budget again with weight
+        offload), or `only` these, each evaluated; the cheapest feasible one fully priced is
+        the choice, and when there is none, what would make one feasible."""
+        if only is not None:
+            results = [self.evaluate(s) for s in only]
+        else:
+            results = [self.evaluate(s) for s in self.schemes()]
+            results += [self.evaluate(replace(r.scheme, offload=True)) for r in list(results)
+                        if any(b.limit == "memory" for b in r.broken)]
+        # A scheme whose times leave a cost out is not chosen over one fully priced.
+        feasible = [r for r in results if r.feasible and not r.unpriced]
         choice = min(feasible, key=lambda r: (r.accelerator_s_per_good, r.memory_bytes),
                      default=None)
         suggestions = [] if choice is not None else self.suggest(results)
@@ -455,7 +395,9 @@ class Planner:
 
     def suggest(self, results: list[SchemeResult]) -> list[str]:
         """What would make some scheme feasible: more memory, a later deadline, shorter
-        outputs, a draft source that emits more per round."""
+        outputs, a draft source that emits more per round. Schemes whose times leave a cost
+        out are suggested only when no fully priced scheme is left."""
+        results = [r for r in results if not r.unpriced] or results
         out = []
         on_time = [r for r in results if not any(b.limit == "deadline" for b in r.broken)]
         if on_time:
@@ -581,6 +523,8 @@ class Planner:
                 "batch": n, "context": ctx,
                 "roofline": self.decode_step(n, ctx, timing="roofline"),
                 "fit": self.decode_step(n, ctx, timing="fit") if self.fit else None,
+                "measured": self.decode_step(n, ctx, timing="measured")
+                if self.measured is not None else None,
             },
             "weight_bytes_read_per_step": self.model.matrix_weight_bytes,
         }

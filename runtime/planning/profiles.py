@@ -191,6 +191,13 @@ class ModelProfile:
     group_bytes: dict[str, int] = field(default_factory=dict)
     """Matrix bytes per weight group (`attn`, `ffn`, `head`): from the GGUF's tensors, or
     the profile's `[weight_groups]` table; empty when a profile gives none."""
+    prefill_mfu: dict[str, float] = field(default_factory=dict)
+    """Measured prefill efficiency by hardware name (the measured step model prices a
+    step's matmuls and attention at it; `step_time.py`)."""
+    kv_convert_s_per_byte: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Measured extra time per byte of KV read in each format, by hardware name: what
+    converting that format in attention costs beyond the bytes it saves. A format missing
+    here has no measured conversion cost on that card."""
 
     @functools.cached_property
     def group_shares(self) -> dict[str, float]:
@@ -309,17 +316,7 @@ class ModelProfile:
                                _number(f, "per_pair_ns", where, positive=False, table=t) / 1e9,
                                _number(f, "per_sample_us", where, default=0.0, positive=False,
                                        table=t) / 1e6)
-        decode_times = {}
-        for hw, table in d.get("decode", {}).items():
-            points = table.get("points") if isinstance(table, dict) else None
-            if not isinstance(points, list) or not points or not all(
-                    isinstance(p, list) and len(p) == 3 and all(
-                        isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
-                        for x in p) for p in points):
-                raise ConfigError(f"Profile {where}: decode.{hw}.points must be a list of "
-                                  "[batch, context, milliseconds] triples of positive "
-                                  f"numbers, got {points!r}.")
-            decode_times[hw] = tuple((int(b), int(c), ms / 1e3) for b, c, ms in points)
+        decode_times, prefill_mfu, kv_convert = _decode_tables(d, where)
         kv_dtype = str(d.get("kv_dtype", "bf16"))
         if kv_dtype not in KV_FORMATS:
             raise ConfigError(f"Profile {where}: kv_dtype must be one of "
@@ -354,7 +351,38 @@ class ModelProfile:
             source=where,
             decode_times=decode_times,
             group_bytes=_weight_groups(d, where),
+            prefill_mfu=prefill_mfu,
+            kv_convert_s_per_byte=kv_convert,
         )
+
+
+def _decode_tables(d: dict, where: str) -> tuple[dict, dict, dict]:
+    """A model profile's `[decode.<hardware>]` tables: the measured decode steps
+    (`points`), the measured prefill efficiency (`prefill_mfu`) and the measured cost of
+    reading KV in another format (`[decode.<hardware>.convert_ms_per_gb]`), each by
+    hardware name."""
+    points_by, mfu_by, convert_by = {}, {}, {}
+    for hw, table in d.get("decode", {}).items():
+        points = table.get("points") if isinstance(table, dict) else None
+        if not isinstance(points, list) or not points or not all(
+                isinstance(p, list) and len(p) == 3 and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+                    for x in p) for p in points):
+            raise ConfigError(f"Profile {where}: decode.{hw}.points must be a list of "
+                              "[batch, context, milliseconds] triples of positive "
+                              f"numbers, got {points!r}.")
+        points_by[hw] = tuple((int(b), int(c), ms / 1e3) for b, c, ms in points)
+        t = f"decode.{hw}"
+        if "prefill_mfu" in table:
+            mfu_by[hw] = _number(table, "prefill_mfu", where, most=1.0, table=t)
+        convert = table.get("convert_ms_per_gb", {})
+        if not isinstance(convert, dict) or not set(convert) <= set(KV_FORMATS):
+            raise ConfigError(f"Profile {where}: {t}.convert_ms_per_gb must be a table of KV "
+                              f"formats ({', '.join(KV_FORMATS)}), got {convert!r}.")
+        convert_by[hw] = {f: _number(convert, f, where, positive=False,
+                                     table=f"{t}.convert_ms_per_gb") / 1e3 / 1e9
+                          for f in convert}
+    return points_by, mfu_by, convert_by
 
 
 def _weight_groups(d: dict, where: str) -> dict[str, int]:

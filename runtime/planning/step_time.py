@@ -1,17 +1,36 @@
 """The step-time model behind the sim executor and the planner, in one place so that the two
 agree by construction (docs/architecture.md, "Step time").
 
+- **Measured** (where a model profile has measured decode steps on the card,
+  `[decode.<hardware>]`, as the reference card's table or `kvdeck calibrate` writes them):
+  a step costs `max(curve(D), F / (P·MFU_prefill), D / β)`. `curve` interpolates the
+  measured steps in the bytes each one read (`D = D_w + b·L·k` of its batch and context), so
+  a step is priced by the bytes *it* reads along the card's own curve — the way the source
+  chapter prices its schemes: with CUDA graphs off a decode step is nearly a fixed cost,
+  and one more GB read adds what the measured points say (0.15 ms on the reference card),
+  not `1 GB / (β·MBU)`. `F` counts the matmuls of the new tokens (the output head only on
+  sampled rows, which the decode curve already holds) and attention over the causal pairs.
+  A KV format other than the measured one changes `D`, plus its measured conversion cost
+  per byte read where the profile has one (`Measured.convert_known`).
 - **Roofline:** `max(F / (P·MFU), D / (β·MBU))`, with `F = 2·matrix_params·n_new +
   4·pairs·heads·head_dim·layers` (matmuls, then attention's QKᵀ and PV over the causal
   query–key pairs) and `D = D_w + context·k` (weights once, the batch's KV once).
 - **Fitted:** `fixed + per_token·n_new + per_pair·pairs`, measured with the profile's own
   weight and KV formats; other formats change the bytes a step reads, priced at the card's
-  bandwidth (`extra / (β·MBU)`, never below a tenth of the fitted time).
+  bandwidth (`extra / (β·MBU)`, never below a tenth of the fitted time). Used where no
+  measured steps exist.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, StepFit
+
+
+def attention_flops(model: ModelProfile, num_pairs: float) -> float:
+    """QKᵀ and PV over `num_pairs` causal query–key pairs, every head and layer."""
+    return 4.0 * num_pairs * model.num_heads * model.head_dim * model.num_layers
 
 
 def roofline_seconds(model: ModelProfile, hw: HardwareProfile, weight_bytes: float,
@@ -19,8 +38,7 @@ def roofline_seconds(model: ModelProfile, hw: HardwareProfile, weight_bytes: flo
                      num_context: int) -> float:
     """One step by the roofline: `num_new` new tokens, `num_pairs` causal pairs and
     `num_context` KV positions read, with `weight_bytes` of matrices read once."""
-    flops = 2.0 * model.matrix_params * num_new \
-        + 4.0 * num_pairs * model.num_heads * model.head_dim * model.num_layers
+    flops = 2.0 * model.matrix_params * num_new + attention_flops(model, num_pairs)
     bytes_read = weight_bytes + num_context * kv_bytes_per_token
     return max(flops / (hw.peak_flops * hw.mfu), bytes_read / (hw.bandwidth_bytes_per_s * hw.mbu))
 
@@ -32,3 +50,67 @@ def fitted_seconds(fit: StepFit, hw: HardwareProfile, extra_bytes: float, num_ne
     per-sample term where it has one."""
     seconds = fit.seconds(num_new, num_pairs, num_sampled)
     return max(seconds + extra_bytes / (hw.bandwidth_bytes_per_s * hw.mbu), seconds * 0.1)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A card's measured decode steps as a curve in the bytes a step reads, with the
+    measured prefill efficiency and KV conversion costs (`ModelProfile`'s `[decode.<hw>]`)."""
+
+    points: tuple[tuple[float, float], ...]
+    """(bytes read, seconds), ascending in both; steps that read the same bytes averaged."""
+    prefill_mfu: float
+    convert_s_per_byte: dict[str, float]
+    measured_format: str
+    """The KV format the steps were measured with (the profile's `kv_dtype`)."""
+
+    @classmethod
+    def of(cls, model: ModelProfile, hw: HardwareProfile) -> Measured | None:
+        """The curve of `model` on `hw`, or None when the profile has no measured steps
+        there. Prefill efficiency: the profile's measured one, else the card's MFU."""
+        steps = model.decode_times.get(hw.name)
+        if not steps:
+            return None
+        k = model.kv_bytes_per_token()
+        by_bytes: dict[float, list[float]] = {}
+        for batch, context, seconds in steps:
+            by_bytes.setdefault(model.matrix_weight_bytes + batch * context * k, []).append(
+                seconds)
+        points, most = [], 0.0
+        for b, s in sorted(by_bytes.items()):
+            # Non-decreasing: a step that reads more is never cheaper on the curve (a CPU's
+            # wider batch at a shorter context reads less and yet takes longer).
+            most = max(most, sum(s) / len(s))
+            points.append((b, most))
+        return cls(tuple(points), model.prefill_mfu.get(hw.name, hw.mfu),
+                   model.kv_convert_s_per_byte.get(hw.name, {}), model.kv_dtype)
+
+    def seconds_at(self, nbytes: float) -> float:
+        """The step that reads `nbytes`, interpolated linearly between the measured points;
+        past either end the nearest segment's slope carries on (never downward)."""
+        pts = self.points
+        if len(pts) == 1:
+            return pts[0][1]
+        i = next((j for j in range(1, len(pts) - 1) if nbytes <= pts[j][0]), len(pts) - 1)
+        (b0, s0), (b1, s1) = pts[i - 1], pts[i]
+        slope = max((s1 - s0) / (b1 - b0), 0.0)
+        return max(s0 + slope * (nbytes - b0), 0.0)
+
+    def convert_known(self, kv_format: str) -> bool:
+        """Whether a step in `kv_format` is fully priced: the measured format, or one whose
+        conversion cost was measured on this card."""
+        return kv_format == self.measured_format or kv_format in self.convert_s_per_byte
+
+    def seconds(self, model: ModelProfile, hw: HardwareProfile, weight_bytes: float,
+                kv_bytes: float, kv_format: str, num_new: float, num_pairs: float) -> float:
+        """One step reading `weight_bytes` of matrices and `kv_bytes` of KV in `kv_format`,
+        computing `num_new` new tokens over `num_pairs` causal pairs: the larger of the
+        curve at the bytes it reads and its matmuls and attention at the measured prefill
+        efficiency, never below the bandwidth floor; plus the format's measured conversion
+        cost (none where unmeasured: `convert_known` says so)."""
+        head = model.group_shares["head"] * model.matrix_params
+        flops = 2.0 * (model.matrix_params - head) * num_new + attention_flops(model, num_pairs)
+        read = weight_bytes + kv_bytes
+        step = max(self.seconds_at(read), flops / (hw.peak_flops * self.prefill_mfu),
+                   read / hw.bandwidth_bytes_per_s)
+        return step + kv_bytes * self.convert_s_per_byte.get(kv_format, 0.0)

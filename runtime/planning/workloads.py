@@ -24,6 +24,13 @@ def _whole(d: dict, key: str, where: str, **kw) -> int:
     return int(value)
 
 
+def _flag(d: dict, key: str, where: str) -> bool:
+    value = d.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"Profile {where}: {key} must be true or false, got {value!r}.")
+    return value
+
+
 def _choice(d: dict, key: str, where: str, allowed: tuple[str, ...]) -> str:
     value = d.get(key, allowed[0])
     if value not in allowed:
@@ -49,6 +56,9 @@ class Workload:
     num_requests: int
     rate_per_s: float = 0.0
     source: str = ""
+    prefix_cached: bool = False
+    """The shared prefix is in the prefix cache before the requests come (a warm server):
+    a scheme that shares it computes only each prompt past it."""
 
     @classmethod
     def load(cls, name: str) -> Workload:
@@ -65,7 +75,7 @@ class Workload:
                    arrival=arrival, num_requests=_whole(d, "num_requests", where, default=1,
                                                       most=100_000),
                    rate_per_s=_number(d, "rate_per_s", where) if arrival == "poisson" else 0.0,
-                   source=where)
+                   source=where, prefix_cached=_flag(d, "prefix_cached", where))
 
 
 def expected_outputs(acceptance: tuple[float, ...]) -> float:
@@ -100,11 +110,20 @@ class DraftSource:
     """One draft pass, as a fraction of a plain decode step at the same batch."""
     acceptance: tuple[float, ...]
     """Conditional acceptance per draft position: the chance position i is kept given
-    position i − 1 was."""
+    position i − 1 was (empty when only `tokens_per_round` was measured)."""
     source: str = ""
+    tokens_per_round: float = 0.0
+    """Measured mean tokens a round emits at `draft_length` (0: derive them from
+    `acceptance`). A measurement wins over a per-position model of it."""
 
     def expected_outputs(self, length: int | None = None) -> float:
-        """Expected tokens one round emits with `length` drafts (default: all)."""
+        """Expected tokens one round emits with `length` drafts (default: all): the
+        measured mean at the full length, else `1 + Σ Π a_i` over the acceptance."""
+        if self.tokens_per_round and (length is None or length >= self.draft_length):
+            return self.tokens_per_round
+        if not self.acceptance:
+            raise ConfigError(f"Draft source {self.name} gives tokens per round only at "
+                              f"{self.draft_length} drafts, not at {length}.")
         return expected_outputs(self.acceptance[:self.draft_length if length is None
                                                 else length])
 
@@ -119,13 +138,19 @@ class DraftSource:
     def load(cls, name: str) -> DraftSource:
         d, where = _load("drafts", name)
         length = _whole(d, "draft_length", where)
-        acceptance = d.get("acceptance")
-        if not isinstance(acceptance, list) or len(acceptance) < length or not all(
-                isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 1
-                for a in acceptance):
+        per_round = _number(d, "tokens_per_round", where, default=0.0, positive=False,
+                            most=length + 1.0)
+        if per_round and per_round < 1:
+            raise ConfigError(f"Profile {where}: tokens_per_round must be from 1 to "
+                              f"draft_length + 1 ({length + 1}), got {per_round:g}.")
+        acceptance = d.get("acceptance", [] if per_round else None)
+        if not isinstance(acceptance, list) or (acceptance or not per_round) and (
+                len(acceptance) < length or not all(
+                    isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 1
+                    for a in acceptance)):
             raise ConfigError(f"Profile {where}: acceptance must be a list of at least "
-                              f"draft_length ({length}) chances from 0 to 1, got "
-                              f"{acceptance!r}.")
+                              f"draft_length ({length}) chances from 0 to 1 (or give a "
+                              f"measured tokens_per_round), got {acceptance!r}.")
         return cls(name=name, description=str(d.get("description", name)),
                    target=str(d.get("target", "*")),
                    drafting=_choice(d, "drafting", where, DRAFTING), draft_length=length,
@@ -135,7 +160,8 @@ class DraftSource:
                    ttft_overhead=_number(d, "ttft_overhead", where, default=0.0,
                                          positive=False),
                    draft_cost=_number(d, "draft_cost", where, default=0.0, positive=False),
-                   acceptance=tuple(float(a) for a in acceptance[:length]), source=where)
+                   acceptance=tuple(float(a) for a in acceptance[:length]), source=where,
+                   tokens_per_round=per_round)
 
 
 def draft_sources(model: ModelProfile) -> list[DraftSource]:

@@ -71,7 +71,7 @@ def test_bad_input_gets_one_sentence() -> None:
         (("--hardware", "h900"), "Unknown hardware profile 'h900'; available: "),
         (("--workload", "nope"), "Unknown workloads profile 'nope'; available: "),
         (("--kv-budget", "-3"), "--kv-budget must be a number from"),
-        (("--timing", "magic"), "--timing must be auto, fit or roofline, got 'magic'."),
+        (("--timing", "magic"), "--timing must be auto, measured, fit or roofline, got 'magic'."),
         (("--draft", "ngram", "--draft", "nope"), "Unknown drafts profile 'nope'"),
         (("--hardware", "h200", "--timing", "fit"),
          "Model profile qwen3-8b has no fitted step model for h200"),

@@ -56,5 +56,7 @@ def test_across_deadlines_no_admitted_request_misses_and_forecasts_hold(deadline
     for r in admitted:
         span = r["finish"] - r["arrival"]
         assert abs(r["finish"] - r["predicted_finish"]) <= 0.05 * span
-    if deadline_s >= 9.0:  # room for more than the first few
+    if deadline_s <= 7.0:  # 255 decode steps alone take about 6.97 s (the chapter's point)
+        assert not admitted
+    if deadline_s >= 10.0:  # room for more than the first few
         assert len(admitted) > 10

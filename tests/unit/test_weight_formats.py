@@ -121,8 +121,9 @@ def test_kernel_table_rules() -> None:
     assert t.fastest("ffn", ("fp32", "bf16", "int8"), 1) == "int8"
 
 
-def test_sim_prices_weight_and_kv_formats_by_their_bytes() -> None:
-    ex = SimExecutor(SimConfig())
+@pytest.mark.parametrize("timing", ["measured", "fit"])
+def test_sim_prices_weight_and_kv_formats_by_their_bytes(timing: str) -> None:
+    ex = SimExecutor(SimConfig(timing=timing))
     ex.bind_kv(1000, 16, "bf16")
     base = ex.estimate_step_seconds(1, 2048, 2048)
     conv = ex.set_weight_formats(ex.resolve_weight_formats("int8"))
@@ -130,8 +131,14 @@ def test_sim_prices_weight_and_kv_formats_by_their_bytes() -> None:
     assert ex.weight_bytes == int(ex.model.matrix_weight_bytes * 1.0 / per)
     hw = ex.hardware
     saved = ex.model.matrix_weight_bytes - ex.weight_bytes
-    assert ex.estimate_step_seconds(1, 2048, 2048) == pytest.approx(
-        base - saved / (hw.bandwidth_bytes_per_s * hw.mbu))
+    if timing == "measured":  # along the card's measured curve, by the bytes read
+        k = ex.kv_bytes_per_token("bf16")
+        step = ex.estimate_step_seconds(1, 2048, 2048)
+        assert step == pytest.approx(ex.measured.seconds_at(ex.weight_bytes + 2048 * k))
+        assert step < base
+    else:  # the fit, at the card's bandwidth
+        assert ex.estimate_step_seconds(1, 2048, 2048) == pytest.approx(
+            base - saved / (hw.bandwidth_bytes_per_s * hw.mbu))
     assert conv.bytes_read > conv.bytes_written and conv.seconds > 0
     mixed = ex.resolve_weight_formats("attn=int4,ffn=int8,head=dense")
     ex.set_weight_formats(mixed)
