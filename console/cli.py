@@ -24,6 +24,7 @@ from kvdeck.console.commands import (
     plan,
     quality,
     runs,
+    scenario,
     serve,
 )
 
@@ -42,6 +43,7 @@ app.command()(quality.quality)
 app.command()(calibrate.calibrate)
 app.command()(plan.plan)
 app.command()(plan.sweep)
+app.add_typer(scenario.app, name="scenario")
 app.command(help=serve.HELP)(serve.serve)
 app.command()(bench.bench)
 app.command()(attach.attach)

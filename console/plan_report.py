@@ -10,6 +10,7 @@ from rich.table import Table
 
 from kvdeck.console.plane import Point, marks, render_text
 from kvdeck.runtime.planning.planner import Plan, Planner
+from kvdeck.runtime.planning.schemes import SchemeResult
 
 GIB = 2**30
 
@@ -77,10 +78,11 @@ def render_plan(out: Console, planner: Planner, plan: Plan, plane: bool = True) 
     for r, m in zip(plan.results, marks(plane_points(plan)), strict=True):
         style = "green" if r.feasible else "red"
         chosen = " [bold](chosen)[/]" if r is plan.choice else ""
-        bound = "≥" if r.unpriced else ""  # a cost left out: the times are lower bounds
-        table.add_row(m, r.scheme.name, f"{r.memory_bytes / GIB:.2f}",
-                      bound + _seconds(r.ttft_s), bound + _seconds(r.completion_s),
-                      bound + _seconds(r.accelerator_s_per_good),
+        def bound(x: float, r: SchemeResult = r) -> str:  # a cost left out: lower bounds
+            return ("≥" if r.unpriced and math.isfinite(x) else "") + _seconds(x)
+
+        table.add_row(m, r.scheme.name, f"{r.memory_bytes / GIB:.2f}", bound(r.ttft_s),
+                      bound(r.completion_s), bound(r.accelerator_s_per_good),
                       _joules(r.energy_j_per_good),
                       f"[{style}]{r.verdict()}[/]{chosen}")
     out.print(table)

@@ -12,6 +12,14 @@ RecomputeCost = Callable[[int, int], float]
 """(tokens before the block, tokens in the block) -> seconds to recompute it."""
 
 
+def break_even_hit_rate(t_recompute: float, t_fetch: float, t_upkeep: float) -> float:
+    """The hit probability above which keeping a prefix saves time: `V_h = p_h·(T_r − T_f)
+    − T_m > 0` exactly when `p_h > T_m / (T_r − T_f)` (docs/architecture.md, "Prefix
+    retention"); infinite when a hit saves nothing."""
+    gain = t_recompute - t_fetch
+    return t_upkeep / gain if gain > 0 else float("inf")
+
+
 def default_recompute_cost(num_prior: int, num_new: int) -> float:
     pairs = num_new * num_prior + num_new * (num_new + 1) // 2
     return 1e-4 * num_new + 1e-9 * pairs

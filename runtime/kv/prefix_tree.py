@@ -50,6 +50,7 @@ from kvdeck.runtime.kv.events import Cache, Demote, Evict, KVEvent, WinEvict
 from kvdeck.runtime.kv.prefix_node import (
     PrefixNode,
     RecomputeCost,
+    break_even_hit_rate,
     default_recompute_cost,
     pop_oldest,
 )
@@ -319,6 +320,14 @@ class PrefixTree:
             return p_hit * t_recompute / self.bytes_per_block
         t_link = self.link_seconds(self.bytes_per_block)
         return (p_hit * (t_recompute - t_link) - t_link) / self.bytes_per_block
+
+    def break_even(self, node: PrefixNode) -> float:
+        """The hit probability above which keeping `node` on the host tier saves time
+        (`T_f = T_m` = one copy over the link)."""
+        t_link = self.link_seconds(self.bytes_per_block)
+        return break_even_hit_rate(
+            self.recompute_cost(node.depth_tokens - self.block_size, self.block_size),
+            t_link, t_link)
 
     def _can_demote(self) -> bool:
         return self.demote and self.host.num_blocks > 0

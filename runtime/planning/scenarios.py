@@ -1,0 +1,232 @@
+"""The source chapters' worked examples as scenarios kvdeck runs (`kvdeck scenario`).
+
+A scenario is a TOML file under `profiles/scenarios/` (a user's own first, as profiles are):
+its setup — which profiles, budgets and schemes the example takes — and, in `[chapter]`,
+the figures the chapter states, with the relative tolerance they are held to. Running it
+computes kvdeck's own figures through the real planner, step model, KV arithmetic and sim
+executor (`KINDS`); the chapter's figures are never an input to that computation, only what
+it is set beside. A scenario whose chapter is inconsistent says so, with the arithmetic, in
+its `note`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.planning.profiles import (
+    HardwareProfile,
+    ModelProfile,
+    _load,
+    _number,
+    available_profiles,
+)
+
+GIB, MIB = 2**30, 2**20
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of a scenario: the chapter's and kvdeck's."""
+
+    name: str
+    chapter: float | str
+    kvdeck: float | str
+    tolerance: float
+    """Relative; figures that are words (a chosen scheme) must be equal."""
+
+    @property
+    def holds(self) -> bool:
+        if isinstance(self.chapter, str) or isinstance(self.kvdeck, str):
+            return self.chapter == self.kvdeck
+        if math.isinf(self.chapter) or math.isinf(self.kvdeck):
+            return self.chapter == self.kvdeck
+        return abs(self.kvdeck - self.chapter) <= self.tolerance * abs(self.chapter)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A worked example: its source, setup and the chapter's figures."""
+
+    name: str
+    title: str
+    source: str
+    """Chapter and section, e.g. `000 §8.7, comprehensive example`."""
+    kind: str
+    setup: dict[str, Any]
+    chapter: dict[str, float | str]
+    tolerance: float
+    note: str = ""
+    tolerances: dict[str, float] = field(default_factory=dict)
+    """Per-figure tolerances where one figure is held looser, with the reason in `note`."""
+
+    @classmethod
+    def load(cls, name: str) -> Scenario:
+        d, where = _load("scenarios", name)
+        kind = d.get("kind")
+        if kind not in KINDS:
+            raise ConfigError(f"Scenario {where}: kind must be one of {', '.join(KINDS)}, got "
+                              f"{kind!r}.")
+        chapter = d.get("chapter")
+        if not isinstance(chapter, dict) or not chapter:
+            raise ConfigError(f"Scenario {where}: [chapter] must give the chapter's figures.")
+        tolerances = d.get("tolerances", {})
+        return cls(name, str(d.get("title", name)), str(d.get("source", "")), kind,
+                   dict(d.get("setup", {})), chapter,
+                   _number(d, "tolerance", where, default=0.01, most=1.0), str(d.get("note", "")),
+                   {k: _number(tolerances, k, where, most=1.0, table="tolerances")
+                    for k in tolerances})
+
+    def run(self) -> list[Figure]:
+        """kvdeck's figures beside the chapter's, in the chapter's order; a figure kvdeck
+        did not compute is an error in the scenario."""
+        ours = KINDS[self.kind](self.setup)
+        missing = [k for k in self.chapter if k not in ours]
+        if missing:
+            raise ConfigError(f"Scenario {self.name}: kvdeck computes no {', '.join(missing)} "
+                              f"for a {self.kind} scenario; it computes {', '.join(ours)}.")
+        return [Figure(k, v, ours[k], self.tolerances.get(k, self.tolerance))
+                for k, v in self.chapter.items()]
+
+
+def scenario_names() -> list[str]:
+    return available_profiles("scenarios")
+
+
+# -- kinds: each computes figures from a setup through kvdeck's own mechanisms -----------------
+
+def _plan(setup: dict) -> dict[str, float | str]:
+    """The planner on the setup's profiles and budget, over its lettered schemes: each
+    scheme's memory (GiB), TTFT and completion (s) and steps after the first token, and the
+    letter of the chosen one (`none` when nothing is feasible)."""
+    from kvdeck.runtime.planning.planner import Planner
+    from kvdeck.runtime.planning.schemes import parse_scheme
+    from kvdeck.runtime.planning.workloads import DraftSource, Workload
+
+    hw = HardwareProfile.load(setup.get("hardware", "rtx-pro-6000"))
+    model = ModelProfile.load(setup.get("model", "qwen3-8b"))
+    workload = Workload.load(setup.get("workload", "long-burst"))
+    if "output_tokens" in setup:
+        workload = replace(workload, output_tokens=int(setup["output_tokens"]))
+    drafts = [DraftSource.load(n) for n in setup.get("drafts", [])]
+    letters = dict(setup["schemes"])
+    planner = Planner(hw, model, workload, float(setup["kv_budget_gib"]) * GIB,
+                      setup.get("deadline_s"), drafts)
+    schemes = [parse_scheme(text, drafts) for text in letters.values()]
+    plan = planner.plan(only=schemes)
+    out: dict[str, float | str] = {}
+    for letter, r in zip(letters, plan.results, strict=True):
+        out[f"{letter}.memory_gib"] = r.memory_bytes / GIB
+        out[f"{letter}.ttft_s"] = r.ttft_s
+        out[f"{letter}.completion_s"] = r.completion_s
+        out[f"{letter}.steps"] = r.steps
+        out[f"{letter}.feasible"] = "yes" if r.feasible else "no"
+    out["choice"] = "none" if plan.choice is None else \
+        list(letters)[plan.results.index(plan.choice)]
+    return out
+
+
+def _retention(setup: dict) -> dict[str, float]:
+    """Keeping a prefix on the host tier: its KV (MiB), the time to recompute it (a batch-1
+    prefill by the step model, ms), the copy over each link (ms) and the hit probability
+    above which keeping it saves time on each."""
+    from kvdeck.runtime.core.step_data import causal_pairs
+    from kvdeck.runtime.kv.prefix_node import break_even_hit_rate
+    from kvdeck.runtime.planning.planner import Planner
+    from kvdeck.runtime.planning.workloads import Workload
+
+    hw = HardwareProfile.load(setup.get("hardware", "rtx-pro-6000"))
+    model = ModelProfile.load(setup.get("model", "qwen3-8b"))
+    tokens = int(setup["prefix_tokens"])
+    planner = Planner(hw, model, Workload.load("long-burst"), GIB)
+    nbytes = tokens * model.kv_bytes_per_token()
+    recompute = planner.step_seconds(tokens, causal_pairs(tokens, 0), tokens)
+    out = {"kv_mib": nbytes / MIB, "recompute_ms": recompute * 1e3}
+    for link, bandwidth in setup["links"].items():
+        copy = nbytes / float(bandwidth)
+        out[f"{link}.copy_ms"] = copy * 1e3
+        out[f"{link}.break_even_pct"] = 100 * break_even_hit_rate(recompute, copy, copy)
+    return out
+
+
+def _offload(setup: dict) -> dict[str, float]:
+    """Offloading FFN layers with the sim executor's own accounting: one layer's FFN
+    (MiB), what moving `layers` of them frees, and the net gain with one and two prefetch
+    buffers."""
+    from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+
+    ex = SimExecutor(SimConfig(model_profile=setup.get("model", "qwen3-8b"),
+                               hardware=setup.get("hardware", "rtx-pro-6000")))
+    layers = int(setup["layers"])
+    out = {"ffn_layer_mib": ex.ffn_layer_bytes / MIB,
+           "freed_mib": layers * ex.ffn_layer_bytes / MIB}
+    for buffers in (1, 2):
+        ex.set_offload(layers, buffers)
+        out[f"net_mib.{buffers}_buffer"] = ex.offload_gain_bytes / MIB
+    return out
+
+
+def _capacity(setup: dict) -> dict[str, float]:
+    """The planner's KV arithmetic for the setup's workload: per-token KV, one request's
+    blocks and bytes at full length, requests the budget holds with and without sharing,
+    and the batch at which KV reads overtake weight reads, per format."""
+    from kvdeck.runtime.planning.planner import PLAN_KV_FORMATS, Planner
+    from kvdeck.runtime.planning.workloads import Workload
+
+    hw = HardwareProfile.load(setup.get("hardware", "rtx-pro-6000"))
+    model = ModelProfile.load(setup.get("model", "qwen3-8b"))
+    workload = Workload.load(setup.get("workload", "long-burst"))
+    planner = Planner(hw, model, workload, float(setup["kv_budget_gib"]) * GIB)
+    out: dict[str, float] = {"blocks_after_prefill": planner.blocks(workload.prompt_tokens),
+                             "blocks_after_output": planner.blocks(planner.final_tokens)}
+    for fmt in PLAN_KV_FORMATS:
+        one = planner.seq_bytes(planner.final_tokens, fmt)
+        out[f"{fmt}.kv_bytes_per_token"] = planner.kv_bytes_per_token(fmt)
+        out[f"{fmt}.request_mib"] = one / MIB
+        out[f"{fmt}.burst_gib"] = planner.kv_for(workload.num_requests, fmt, False) / GIB
+        out[f"{fmt}.burst_shared_gib"] = planner.kv_for(workload.num_requests, fmt, True) / GIB
+        out[f"{fmt}.capacity"] = planner.capacity(fmt, False)
+        out[f"{fmt}.capacity_shared"] = planner.capacity(fmt, True)
+        for context in setup.get("crossover_contexts", []):
+            out[f"{fmt}.crossover_at_{context}"] = planner.crossover_batch(int(context), fmt)
+    return out
+
+
+def _decode_mbu(setup: dict) -> dict[str, float]:
+    """The sim engine on the reference card: one decode step per batch with every row at
+    the setup's context; its step time (ms) and the MBU its own bytes read and time give."""
+    from kvdeck.runtime.core.config import EngineConfig, Knobs
+    from kvdeck.runtime.core.engine import Engine
+    from kvdeck.runtime.core.request import SamplingParams
+    from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+
+    context = int(setup["context"])
+    out = {}
+    for batch in setup["batches"]:
+        engine = Engine(EngineConfig(kv_memory_bytes=40 * GIB, knobs=Knobs(
+            max_num_batched_tokens=8192, chunk_size=8192, max_num_seqs=max(batch, 1),
+            enable_prefix_caching=False)),
+            SimExecutor(SimConfig(hardware=setup.get("hardware", "rtx-pro-6000"))))
+        for i in range(batch):
+            engine.add_request([3 + (i * 7 + j) % 30_000 for j in range(context - 1)],
+                               SamplingParams(max_tokens=64, ignore_eos=True))
+        engine.step()
+        while any(not r.is_decoding for r in engine.scheduler.running) or \
+                engine.scheduler.waiting:
+            engine.step()
+        record = engine.step()
+        engine.check_integrity()
+        bandwidth = engine.executor.hardware.bandwidth_bytes_per_s
+        out[f"b{batch}.step_ms"] = record.dt * 1e3
+        out[f"b{batch}.read_gb"] = record.bytes_read / 1e9
+        out[f"b{batch}.mbu_pct"] = 100 * record.bytes_read / record.dt / bandwidth
+    return out
+
+
+KINDS: dict[str, Callable[[dict], dict[str, Any]]] = {
+    "plan": _plan, "retention": _retention, "offload": _offload, "capacity": _capacity,
+    "decode-mbu": _decode_mbu}
+"""How each kind of scenario computes kvdeck's figures."""

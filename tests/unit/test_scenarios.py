@@ -1,0 +1,59 @@
+"""The chapters' worked examples as scenarios: each one's figures, computed by kvdeck's
+planner, step model, KV arithmetic and sim, hold against the chapter's within the
+tolerance the scenario states (its note says why where a figure is held looser)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.planning.scenarios import KINDS, Scenario, scenario_names
+from kvdeck.runtime.planning.schemes import Scheme, parse_scheme
+from kvdeck.runtime.planning.workloads import DraftSource
+
+
+@pytest.mark.parametrize("name", scenario_names())
+def test_every_scenario_holds_against_its_chapter(name: str) -> None:
+    scenario = Scenario.load(name)
+    figures = scenario.run()
+    assert figures and scenario.source
+    missed = [(f.name, f.chapter, f.kvdeck) for f in figures if not f.holds]
+    assert not missed, missed
+    # A figure held looser than the scenario's tolerance is explained in its note.
+    assert not scenario.tolerances or scenario.note
+
+
+def test_the_comprehensive_example_chooses_speculation_on_the_shared_prefix() -> None:
+    figures = {f.name: f.kvdeck for f in Scenario.load("comprehensive").run()}
+    assert figures["choice"] == "D"
+    assert figures["A.memory_gib"] > 12 and figures["B.completion_s"] > 7
+    assert figures["C.completion_s"] > 7 and figures["D.completion_s"] < 7
+
+
+def test_scenarios_cover_every_kind() -> None:
+    assert {Scenario.load(n).kind for n in scenario_names()} == set(KINDS)
+
+
+def test_a_figure_kvdeck_does_not_compute_is_named(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
+    folder = tmp_path / "profiles" / "scenarios"
+    folder.mkdir(parents=True)
+    (folder / "odd.toml").write_text('kind = "offload"\n[setup]\nlayers = 1\n'
+                                     '[chapter]\nwatts = 3\n')
+    with pytest.raises(ConfigError, match="kvdeck computes no watts for a offload scenario"):
+        Scenario.load("odd").run()
+    (folder / "odd.toml").write_text('kind = "magic"\n[chapter]\nx = 1\n')
+    with pytest.raises(ConfigError, match="kind must be one of"):
+        Scenario.load("odd")
+
+
+def test_schemes_parse_from_their_parts() -> None:
+    d = DraftSource("dflash", "", "*", "parallel", 7, 0, 0, 0.0, 0.0, (), tokens_per_round=3.0)
+    assert parse_scheme("baseline", [d]) == Scheme()
+    assert parse_scheme("shared + q8_0 + dflash", [d]) == Scheme(True, "q8_0", d)
+    assert parse_scheme("offload", []).offload
+    with pytest.raises(ConfigError, match="Unknown scheme part 'fp8'"):
+        parse_scheme("shared+fp8", [d])
+    assert d.expected_outputs() == 3.0
+    with pytest.raises(ConfigError, match="tokens per round only at 7 drafts"):
+        d.expected_outputs(3)
