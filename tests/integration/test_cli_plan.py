@@ -79,3 +79,16 @@ def test_bad_input_gets_one_sentence() -> None:
         r = kvdeck("plan", *args)
         assert r.returncode == 2, (args, r.stdout)
         assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_scenarios_run_from_the_command_line() -> None:
+    listed = json.loads(kvdeck("scenario", "list", "--json").stdout)
+    assert {"comprehensive", "retention-break-even"} <= {s["name"] for s in listed}
+    r = kvdeck("scenario", "run", "comprehensive")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"│ choice +│ +D │ +D │.*holds", r.stdout)
+    data = json.loads(kvdeck("scenario", "run", "comprehensive", "--json").stdout)
+    assert all(f["holds"] for f in data["figures"]) and data["note"]
+    bad = kvdeck("scenario", "run", "nope")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: No scenario 'nope';")
+    assert "Traceback" not in bad.stderr
