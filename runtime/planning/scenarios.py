@@ -76,8 +76,8 @@ class Scenario:
         tolerances = d.get("tolerances", {})
         return cls(name, str(d.get("title", name)), str(d.get("source", "")), kind,
                    dict(d.get("setup", {})), chapter,
-                   _number(d, "tolerance", where, default=0.01, most=1.0), str(d.get("note", "")),
-                   {k: _number(tolerances, k, where, most=1.0, table="tolerances")
+                   _number(d, "tolerance", where, default=0.01, positive=False, most=1.0), str(d.get("note", "")),
+                   {k: _number(tolerances, k, where, positive=False, most=1.0, table="tolerances")
                     for k in tolerances})
 
     def run(self) -> list[Figure]:
@@ -226,7 +226,138 @@ def _decode_mbu(setup: dict) -> dict[str, float]:
     return out
 
 
+def _batching(setup: dict) -> dict[str, float]:
+    """The sim engine on the setup's arrivals under each scheduling mode's knobs: the time
+    the last request finishes and the longest gap between two outputs of a request (ms)."""
+    from kvdeck.runtime.core.config import EngineConfig, Knobs
+    from kvdeck.runtime.core.engine import Engine
+    from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+    from kvdeck.runtime.runs.runner import run_arrivals
+    from kvdeck.runtime.runs.trace import Arrival
+
+    arrivals = [Arrival(ms / 1e3, prompt, output) for ms, prompt, output in setup["requests"]]
+    out = {}
+    for mode, knobs in setup["modes"].items():
+        engine = Engine(EngineConfig(kv_memory_bytes=8 * GIB, knobs=Knobs(**knobs)),
+                        SimExecutor(SimConfig(timing=setup.get("timing", "auto"))))
+        requests = run_arrivals(engine, arrivals, vocab_size=32_000)["requests"]
+        engine.check_integrity()
+        out[f"{mode}.total_ms"] = 1e3 * max(r["finish"] for r in requests)
+        out[f"{mode}.max_gap_ms"] = 1e3 * max(x for r in requests for x in r["itls"])
+    return out
+
+
+def _speculation(setup: dict) -> dict[str, float]:
+    """Speculative rounds at batch 1: tokens a round emits for each draft's conditional
+    acceptance (`1 + Σ Π a_i`), the round (verifying `m + 1` positions at the setup's
+    context by the step model, plus the draft's own time) and the time per output token."""
+    from kvdeck.runtime.core.step_data import causal_pairs
+    from kvdeck.runtime.planning.planner import Planner
+    from kvdeck.runtime.planning.workloads import Workload, expected_outputs
+
+    planner = Planner(HardwareProfile.load(setup.get("hardware", "rtx-pro-6000")),
+                      ModelProfile.load(setup.get("model", "qwen3-8b")),
+                      Workload.load("long-burst"), GIB)
+    m, ctx = int(setup["draft_length"]), int(setup["context"])
+    verify = planner.step_seconds(m + 1, causal_pairs(m + 1, ctx), ctx + m + 1,
+                                  num_sampled=m + 1)
+    round_ms = 1e3 * verify + float(setup.get("draft_ms", 0.0))
+    out = {"round_ms": round_ms}
+    for name, a in setup["acceptance"].items():
+        tokens = expected_outputs((float(a),) * m)
+        out[f"{name}.tokens_per_round"] = tokens
+        out[f"{name}.ms_per_token"] = round_ms / tokens
+    return out
+
+
+def _format_time(setup: dict) -> dict[str, float]:
+    """What reading one context in another KV format saves per step: the bytes (MiB), the
+    time by the roofline's bandwidth quotient (`ΔD/(β·MBU)`) and along the measured curve,
+    and the net saving after each conversion cost given (ms)."""
+    from kvdeck.runtime.planning.planner import Planner
+    from kvdeck.runtime.planning.workloads import Workload
+
+    planner = Planner(HardwareProfile.load(setup.get("hardware", "rtx-pro-6000")),
+                      ModelProfile.load(setup.get("model", "qwen3-8b")),
+                      Workload.load("long-burst"), GIB)
+    ctx, fmt = int(setup["context"]), setup["format"]
+    out = {"saved_mib": ctx * (planner.kv_bytes_per_token("bf16")
+                               - planner.kv_bytes_per_token(fmt)) / MIB}
+    for timing in ("roofline", "measured"):
+        out[f"saved_ms.{timing}"] = 1e3 * (planner.decode_step(1, ctx, "bf16", timing)
+                                           - planner.decode_step(1, ctx, fmt, timing))
+    for convert_ms in setup.get("convert_ms", []):
+        out[f"net_ms.roofline.{convert_ms}"] = out["saved_ms.roofline"] - float(convert_ms)
+    return out
+
+
+def _paging(setup: dict) -> dict[str, float]:
+    """The KV manager holding requests of the setup's lengths, each allowed `max_tokens`
+    in all: tokens of KV allocated with the whole range reserved, paged (blocks as
+    needed), and paged with the requests that share a prefix sharing its full blocks."""
+    from kvdeck.runtime.core.request import Request, SamplingParams
+    from kvdeck.runtime.kv.manager import BlockManager
+
+    p, most = int(setup["block_size"]), int(setup["max_tokens"])
+    shared = int(setup.get("shared_prefix", 0))
+
+    def held(lengths: dict, reserve: bool, share: tuple) -> int:
+        kv = BlockManager(256, p, enable_caching=bool(share))
+        for name, n in lengths.items():
+            prompt = list(range(1, shared + 1)) if name in share else []
+            prompt += [1000 * (ord(name[0]) + 1) + i for i in range(n - len(prompt))]
+            req = Request(name, prompt, SamplingParams(max_tokens=most - n + 1))
+            kv.admit(req, n - kv.peek_prefix(req), reserve)  # past a cached prefix
+            req.num_computed_tokens = n
+            kv.cache_computed(req)
+        kv.check_integrity()
+        return (kv.pool.num_used + (kv.num_reserved if reserve else 0)) * p
+
+    lengths = dict(setup["lengths"])
+    stored = sum(lengths.values())
+    full, paged = held(lengths, True, ()), held(lengths, False, ())
+    return {"stored_tokens": stored, "reserved_tokens": full, "paged_tokens": paged,
+            "unused_reserved": full - stored, "unused_paged": paged - stored,
+            "paged_shared_tokens": held(lengths, False, tuple(setup.get("sharing", ())))}
+
+
+def _amdahl(setup: dict) -> dict[str, float]:
+    """A task's time and speed-up when its decode phase is sped up (`amdahl.py`), for
+    each split of the task the setup gives."""
+    from kvdeck.runtime.planning.amdahl import task_seconds, task_speedup
+
+    out = {}
+    speedup = float(setup["speedup"])
+    for name, phases in setup["tasks"].items():
+        total = sum(phases.values())
+        out[f"{name}.task_s"] = task_seconds(phases, {"decode": speedup})
+        out[f"{name}.speedup"] = task_speedup(phases["decode"] / total, speedup)
+    return out
+
+
+def _fits_memory(setup: dict) -> dict[str, float]:
+    """Weight files on a card: the memory left after a reserve (GiB), what each file leaves
+    (negative: over by), the model's KV per context length, and requests of the first
+    context each file still holds."""
+    hw = HardwareProfile.load(setup["hardware"])
+    model = ModelProfile.load(setup["model"])
+    available = hw.memory_bytes - float(setup["reserve_gib"]) * GIB
+    out = {"available_gib": available / GIB}
+    contexts = [int(c) for c in setup["contexts"]]
+    for c in contexts:
+        out[f"kv_gib.{c}"] = c * model.kv_bytes_per_token() / GIB
+    for name, size_gib in setup["files_gib"].items():
+        left = available - float(size_gib) * GIB
+        out[f"{name}.left_gib"] = left / GIB
+        one = contexts[0] * model.kv_bytes_per_token()
+        out[f"{name}.requests"] = max(int(left // one), 0)
+        out[f"{name}.spare_gib"] = (left - out[f"{name}.requests"] * one) / GIB
+    return out
+
+
 KINDS: dict[str, Callable[[dict], dict[str, Any]]] = {
     "plan": _plan, "retention": _retention, "offload": _offload, "capacity": _capacity,
-    "decode-mbu": _decode_mbu}
+    "decode-mbu": _decode_mbu, "batching": _batching, "speculation": _speculation,
+    "format-time": _format_time, "paging": _paging, "amdahl": _amdahl,
+    "fits-memory": _fits_memory}
 """How each kind of scenario computes kvdeck's figures."""

@@ -57,3 +57,13 @@ def test_schemes_parse_from_their_parts() -> None:
     assert d.expected_outputs() == 3.0
     with pytest.raises(ConfigError, match="tokens per round only at 7 drafts"):
         d.expected_outputs(3)
+
+
+def test_a_task_s_time_with_a_sped_up_phase_and_added_work() -> None:
+    from kvdeck.runtime.planning.amdahl import task_seconds, task_speedup
+
+    task = {"prefill": 20.0, "decode": 50.0, "tools": 30.0}
+    assert task_seconds(task, {"decode": 4.0}, added_s=8.0) == pytest.approx(20 + 12.5 + 30 + 8)
+    assert task_speedup(0.5, 4.0) == pytest.approx(100 / 62.5)
+    with pytest.raises(ValueError, match="no phase draft"):
+        task_seconds(task, {"draft": 2.0})
