@@ -74,9 +74,9 @@ class Scenario:
         if not isinstance(chapter, dict) or not chapter:
             raise ConfigError(f"Scenario {where}: [chapter] must give the chapter's figures.")
         tolerances = d.get("tolerances", {})
+        tolerance = _number(d, "tolerance", where, default=0.01, positive=False, most=1.0)
         return cls(name, str(d.get("title", name)), str(d.get("source", "")), kind,
-                   dict(d.get("setup", {})), chapter,
-                   _number(d, "tolerance", where, default=0.01, positive=False, most=1.0), str(d.get("note", "")),
+                   dict(d.get("setup", {})), chapter, tolerance, str(d.get("note", "")),
                    {k: _number(tolerances, k, where, positive=False, most=1.0, table="tolerances")
                     for k in tolerances})
 
