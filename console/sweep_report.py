@@ -120,3 +120,36 @@ def sweep_svg(result: SweepResult, title: str) -> str:
                    f'{escape(label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def render_batches(out: Console, title: str, points: list) -> None:
+    """`kvdeck sweep --batch`: one row per batch size."""
+    table = Table(title=title)
+    for col in ("batch", "tok/s", "TTFT mean s", "ITL mean ms", "decode step ms",
+                "GB read/step", "MBU"):
+        table.add_column(col, justify="right")
+    for p in points:
+        table.add_row(str(p.batch), f"{p.throughput_tps:,.1f}", f"{p.ttft_mean_s:.3f}",
+                      f"{p.itl_mean_s * 1e3:.1f}",
+                      "—" if p.decode_step_s is None else f"{p.decode_step_s * 1e3:.2f}",
+                      "—" if p.bytes_per_step is None else f"{p.bytes_per_step / 1e9:.2f}",
+                      "—" if p.mbu is None else f"{100 * p.mbu:.0f} %")
+    out.print(table)
+
+
+def render_modes(out: Console, title: str, result: dict) -> None:
+    """`kvdeck sweep --admission`: goodput (and completions) per rate, one column per mode."""
+    modes = list(result)
+    table = Table(title=f"{title}: goodput rps (completion rps) by admission mode")
+    table.add_column("rate rps", justify="right")
+    for mode in modes:
+        table.add_column(mode, justify="right")
+    for i, first in enumerate(result[modes[0]]):
+        table.add_row(f"{first.rate_rps:.3g}", *(
+            f"{result[m][i].goodput_rps:.3f} ({result[m][i].completion_rps:.3f})"
+            for m in modes))
+    out.print(table)
+    for mode in modes:
+        best = max(result[mode], key=lambda p: p.goodput_rps)
+        out.print(f"{mode}: best goodput {best.goodput_rps:.3f} rps at {best.rate_rps:.3g} "
+                  "rps offered", highlight=False)

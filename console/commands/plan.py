@@ -159,16 +159,37 @@ def sweep(
                             "base URL) instead of an engine in this process."),
     hash_block_tokens: int = typer.Option(512, "--hash-block-tokens",
                                           help="Tokens per Mooncake hash id."),
+    batch: str = typer.Option(None, "--batch",
+                              help="Sweep batch sizes instead (e.g. 1,4,16,64): each many "
+                                   "--prompt-len/--output-len requests at once; throughput, "
+                                   "TTFT, ITL, bytes and MBU of a full decode step."),
+    admission: str = typer.Option(None, "--admission",
+                                  help="Sweep each admission mode over the rates (e.g. "
+                                       "one-at-a-time,continuous,all-at-once): goodput per "
+                                       "mode and rate."),
     as_json: bool = typer.Option(False, "--json", help="Print every point as JSON."),
     svg: Path = typer.Option(None, "--svg", help="Write the goodput chart here."),
     settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
     """Run one workload at increasing arrival rates (sim executor by default) and report
     completion throughput and goodput per rate, the knee where goodput peaks, and the cap on
-    requests in the engine (--max-waiting) that holds goodput past it."""
+    requests in the engine (--max-waiting) that holds goodput past it. --batch and
+    --admission run the chapter's batch-size and admission-mode sweeps instead."""
+    from kvdeck.console.commands import sweep_modes
     from kvdeck.console.sweep_report import render_sweep, sweep_svg
     from kvdeck.runtime.planning.sweep import sweep as run_sweep
     from kvdeck.runtime.stats.metrics import SLO
+
+    if (batch or admission) and (url or svg is not None or (batch and admission)):
+        fail("--batch and --admission run in this process, one at a time, without --url or "
+             "--svg.")
+    if batch:
+        guarded(lambda: setup_logging(log_level))
+        guarded(lambda: check_int("--prompt-len", prompt_len, 1, 1 << 20))
+        guarded(lambda: check_int("--output-len", output_len, 1, 1 << 20))
+        sweep_modes.run_batches(guarded(lambda: sweep_modes.parse_batches(batch)), prompt_len,
+                                output_len, settings, as_json)
+        return
 
     def inputs():
         setup_logging(log_level)
@@ -182,6 +203,11 @@ def sweep(
 
     arrivals, chosen = guarded(inputs)
     slo = guarded(lambda: SLO(slo_ttft, slo_tpot, slo_e2e))
+    if admission:
+        modes = guarded(lambda: sweep_modes.parse_modes(admission))
+        sweep_modes.run_modes(modes, arrivals, chosen, settings, slo, hash_block_tokens,
+                              f"sweep of {trace or 'synthetic Poisson arrivals'}", as_json)
+        return
     # Both runners take what one run needs; a remote one also the server's URL.
     where = {"settings": settings, "slo": slo, "hash_block_tokens": hash_block_tokens}
     run = functools.partial(_run_remote, url=url, **where) if url else \

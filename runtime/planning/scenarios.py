@@ -355,9 +355,38 @@ def _fits_memory(setup: dict) -> dict[str, float]:
     return out
 
 
+def _batch_sweep(setup: dict) -> dict[str, float]:
+    """`kvdeck sweep --batch` on the sim engine (`batch_sweep.py`): per batch size, output
+    tokens per second, mean TTFT (s), mean gap between outputs (ms)."""
+    from kvdeck.runtime.core.config import EngineConfig, Knobs
+    from kvdeck.runtime.core.engine import Engine
+    from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+    from kvdeck.runtime.planning.batch_sweep import batch_sweep
+    from kvdeck.runtime.runs.runner import run_arrivals
+
+    def run(arrivals: list) -> tuple:
+        ex = SimExecutor(SimConfig(hardware=setup.get("hardware", "rtx-pro-6000")))
+        engine = Engine(EngineConfig(
+            kv_memory_bytes=int(float(setup["kv_memory_gib"]) * GIB),
+            knobs=Knobs(max_num_seqs=len(arrivals), **setup.get("knobs", {}))), ex)
+        records: list = []
+        engine.recorder = records.append
+        requests = run_arrivals(engine, arrivals, vocab_size=32_000)["requests"]
+        engine.check_integrity()
+        return requests, records, ex.hardware.bandwidth_bytes_per_s
+
+    out = {}
+    for p in batch_sweep(run, setup["batches"], int(setup["prompt_len"]),
+                         int(setup["output_len"])):
+        out[f"b{p.batch}.tok_s"] = p.throughput_tps
+        out[f"b{p.batch}.ttft_s"] = p.ttft_mean_s
+        out[f"b{p.batch}.itl_ms"] = p.itl_mean_s * 1e3
+    return out
+
+
 KINDS: dict[str, Callable[[dict], dict[str, Any]]] = {
     "plan": _plan, "retention": _retention, "offload": _offload, "capacity": _capacity,
     "decode-mbu": _decode_mbu, "batching": _batching, "speculation": _speculation,
     "format-time": _format_time, "paging": _paging, "amdahl": _amdahl,
-    "fits-memory": _fits_memory}
+    "fits-memory": _fits_memory, "batch-sweep": _batch_sweep}
 """How each kind of scenario computes kvdeck's figures."""

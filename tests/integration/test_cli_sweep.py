@@ -49,3 +49,31 @@ def test_bad_rates_get_one_sentence() -> None:
                            ("1,1", "--rates needs at least two different rates")]:
         r = kvdeck("sweep", "--rates", rates)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_batch_sweep_trades_first_token_time_for_throughput() -> None:
+    r = kvdeck("sweep", "--batch", "1,16", "--prompt-len", "2048", "--output-len", "32",
+               "--kv-memory-gib", "16", "--chunk-size", "2048",
+               "--max-num-batched-tokens", "8192", "--json")
+    assert r.returncode == 0, r.stderr
+    one, sixteen = json.loads(r.stdout)["points"]
+    assert (one["batch"], sixteen["batch"]) == (1, 16)
+    assert sixteen["throughput_tps"] > 4 * one["throughput_tps"]
+    assert sixteen["ttft_mean_s"] > 4 * one["ttft_mean_s"]
+    # The sim's reference card: a full batch-16 decode step reads D_w + 16·L·k, 41 % MBU.
+    assert 0.38 < sixteen["mbu"] < 0.44 and 0.31 < one["mbu"] < 0.35
+    bad = kvdeck("sweep", "--batch", "4")
+    assert bad.returncode == 2 and "--batch needs at least two different batch sizes" in \
+        bad.stderr
+
+
+def test_continuous_admission_keeps_goodput_one_at_a_time_loses() -> None:
+    r = kvdeck("sweep", "--admission", "one-at-a-time,continuous,all-at-once", "--rates",
+               "1,8", "--num-requests", "30", "--prompt-len", "512", "--output-len", "64",
+               "--json")
+    assert r.returncode == 0, r.stderr
+    modes = json.loads(r.stdout)
+    at8 = {m: points[-1]["goodput_rps"] for m, points in modes.items()}
+    assert at8["continuous"] > at8["all-at-once"] > at8["one-at-a-time"]
+    bad = kvdeck("sweep", "--admission", "greedy")
+    assert bad.returncode == 2 and "--admission takes one-at-a-time, continuous" in bad.stderr
