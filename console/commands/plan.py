@@ -138,6 +138,14 @@ def _write_svg(path: Path, render: Callable[[], str]) -> None:
         fail(f"Cannot write the SVG to {path}: {e.strerror}.")
 
 
+BATCH_OPTION = typer.Option(
+    None, "--batch", help="Sweep batch sizes instead (e.g. 1,4,16,64): each many --prompt-len/"
+    "--output-len requests at once; throughput, TTFT, ITL, bytes and MBU of a full decode step.")
+ADMISSION_OPTION = typer.Option(
+    None, "--admission", help="Sweep each admission mode over the rates (e.g. one-at-a-time,"
+    "continuous,all-at-once): goodput per mode and rate.")
+
+
 @with_settings
 def sweep(
     trace: str = typer.Argument(None, help="Arrival trace (JSONL/CSV) or a sample's name; "
@@ -159,14 +167,8 @@ def sweep(
                             "base URL) instead of an engine in this process."),
     hash_block_tokens: int = typer.Option(512, "--hash-block-tokens",
                                           help="Tokens per Mooncake hash id."),
-    batch: str = typer.Option(None, "--batch",
-                              help="Sweep batch sizes instead (e.g. 1,4,16,64): each many "
-                                   "--prompt-len/--output-len requests at once; throughput, "
-                                   "TTFT, ITL, bytes and MBU of a full decode step."),
-    admission: str = typer.Option(None, "--admission",
-                                  help="Sweep each admission mode over the rates (e.g. "
-                                       "one-at-a-time,continuous,all-at-once): goodput per "
-                                       "mode and rate."),
+    batch: str = BATCH_OPTION,
+    admission: str = ADMISSION_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print every point as JSON."),
     svg: Path = typer.Option(None, "--svg", help="Write the goodput chart here."),
     settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
@@ -185,10 +187,7 @@ def sweep(
              "--svg.")
     if batch:
         guarded(lambda: setup_logging(log_level))
-        guarded(lambda: check_int("--prompt-len", prompt_len, 1, 1 << 20))
-        guarded(lambda: check_int("--output-len", output_len, 1, 1 << 20))
-        sweep_modes.run_batches(guarded(lambda: sweep_modes.parse_batches(batch)), prompt_len,
-                                output_len, settings, as_json)
+        sweep_modes.run_batches(batch, prompt_len, output_len, settings, as_json)
         return
 
     def inputs():

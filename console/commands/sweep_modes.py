@@ -35,11 +35,17 @@ def parse_modes(text: str) -> list[str]:
     return modes
 
 
-def run_batches(batches: list[int], prompt_len: int, output_len: int,
-                settings: SettingsRequest, as_json: bool) -> None:
-    """Each batch size through a fresh engine; a table (or JSON) of the points."""
+def run_batches(text: str, prompt_len: int, output_len: int, settings: SettingsRequest,
+                as_json: bool) -> None:
+    """Each batch size `--batch` names through a fresh engine; a table (or JSON) of the
+    points."""
     from kvdeck.console.sweep_report import render_batches
+    from kvdeck.runtime.core.config import check_int
     from kvdeck.runtime.planning.batch_sweep import batch_sweep
+
+    batches = guarded(lambda: parse_batches(text))
+    guarded(lambda: check_int("--prompt-len", prompt_len, 1, 1 << 20))
+    guarded(lambda: check_int("--output-len", output_len, 1, 1 << 20))
 
     def run(arrivals: list) -> tuple:
         from kvdeck.runtime.executors.base import Modelled, has

@@ -56,6 +56,17 @@ class QueuePanel(SnapshotPanel):
                             f"{(b.predicted_s or 0) * 1e3:.1f} · measured "
                             f"{b.seconds * 1e3:.1f} ms",
                             style="red" if b.seconds > b.itl_target_s * 1.05 else "")
+            r = snap.roofline
+            if r is not None:  # the step against the machine's roofline
+                style = {"overhead": "yellow", "memory": "cyan", "compute": "magenta"}[r.bound]
+                if narrow:  # one line of 24 columns
+                    head.append(f"\n{r.bytes_read / 1e9:.1f} GB MBU {100 * r.mbu:.0f}% ")
+                    head.append(r.bound, style=style)
+                else:
+                    head.append(f"\nread {r.bytes_read / 1e9:.2f} GB · floor "
+                                f"{r.floor_s * 1e3:.1f} ms · MBU {100 * r.mbu:.0f}% · MFU "
+                                f"{100 * r.mfu:.0f}% · gap {r.gap_s * 1e3:.1f} ms · ")
+                    head.append(f"{r.bound}-bound", style=style)
         else:
             head.append("no iteration yet")
         if b is not None and b.limit and snap.waiting:

@@ -28,13 +28,17 @@ from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.kv.formats import blocks_for_tokens
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
-from kvdeck.runtime.planning.schemes import Broken, Plan, Scheme, SchemeResult
+from kvdeck.runtime.planning.schemes import (
+    PLAN_KV_FORMATS,
+    Broken,
+    Plan,
+    Scheme,
+    SchemeResult,
+)
 from kvdeck.runtime.planning.step_time import Measured, fitted_seconds, roofline_seconds
 from kvdeck.runtime.planning.workloads import DraftSource, Workload, expected_outputs
 
 TIMINGS = ("auto", "measured", "fit", "roofline")
-PLAN_KV_FORMATS = ("bf16", "q8_0", "q4_0")
-"""The KV formats the planner compares (bf16 stands for any 2-byte float format)."""
 OFFLOAD_BUFFERS = 2
 """Prefetch buffers for offloaded layers: two overlap copy and compute."""
 

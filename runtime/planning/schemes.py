@@ -7,7 +7,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.planning.workloads import DraftSource
+
+PLAN_KV_FORMATS = ("bf16", "q8_0", "q4_0")
+"""The KV formats the planner compares (bf16 stands for any 2-byte float format)."""
 
 
 @dataclass(frozen=True)
@@ -144,9 +148,6 @@ def parse_scheme(text: str, drafts: list[DraftSource]) -> Scheme:
     """A scheme from its parts joined by `+`: `baseline`, `shared`, a KV format (`q8_0`,
     `q4_0`, `bf16`), `offload`, or a draft source's name among `drafts`; one sentence
     naming the part and what is allowed otherwise."""
-    from kvdeck.runtime.errors import ConfigError
-    from kvdeck.runtime.planning.planner import PLAN_KV_FORMATS
-
     by_name = {d.name: d for d in drafts}
     scheme = Scheme()
     for part in (p.strip() for p in text.split("+")):

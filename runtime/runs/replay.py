@@ -28,6 +28,7 @@ from kvdeck.runtime.kv.events import Hit, Unswap
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.state import KVState
 from kvdeck.runtime.kv.transfers import TransferLog, TransfersView
+from kvdeck.runtime.planning.roofline import Peaks
 from kvdeck.runtime.spec.stats import SpecStats
 from kvdeck.runtime.stats.figures import RunFigures, kv_summary, step_figures, summarize
 from kvdeck.runtime.stats.metrics import SLO, RequestMetrics, request_metrics
@@ -63,6 +64,9 @@ class TraceState:
         self.knobs: dict = dict(header.get("config", {}).get("knobs", {}))
         self.knob_changes: list[tuple[int, dict]] = []
         self.last_batch: BatchView | None = None
+        self.last_ran: StepRecord | None = None
+        """The last record of a step that ran (the roofline readout's)."""
+        self.peaks = _peaks(header)
         self.figures = RunFigures()
         self.num_preemptions = 0
         self.num_cow = 0
@@ -245,6 +249,7 @@ class TraceState:
         if rec.dt is not None:
             k = Knobs(**self.knobs) if self.knobs else Knobs()
             self.last_batch = BatchView.of(rec, k.max_num_batched_tokens, k.max_num_seqs)
+            self.last_ran = rec
             self.figures.on_step(step_figures(rec, self.usage,
                                               self.pool.num_cached_only / self.num_blocks,
                                               self.tree.hit_rate))
@@ -307,6 +312,7 @@ class TraceState:
             switches=tuple(self.switches), transfers=self.transfers_view(),
             speculation=self.spec.view(knobs.speculative_method, knobs.num_speculative_tokens,
                                        h.get("draft_model", "")),
+            roofline=self.peaks.step(self.last_ran) if self.peaks is not None else None,
         )
 
     def transfers_view(self) -> TransfersView:
@@ -381,3 +387,17 @@ def summarize_run(run_dir, slo: SLO = SLO()) -> dict:
                               state.num_cow))
     summary.update(truncated=replay.truncated, unfinished=len(state.requests))
     return summary
+
+
+def _peaks(header: dict) -> Peaks | None:
+    """The recorded roofline peaks (a sim run's), or None; a malformed entry is a bad run."""
+    data = header.get("peaks")
+    if data is None:
+        return None
+    try:
+        return Peaks(**{k: float(data[k]) for k in ("bandwidth", "peak_flops",
+                                                    "flops_per_token", "flops_per_pair")})
+    except (TypeError, KeyError, ValueError):
+        raise RunFormatError(f"The run header's peaks must give bandwidth, peak_flops, "
+                             f"flops_per_token and flops_per_pair as numbers, got {data!r}."
+                             ) from None

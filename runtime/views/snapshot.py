@@ -25,9 +25,11 @@ from kvdeck.runtime.core.request import Request, RequestStatus
 from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.core.switch import Switch
 from kvdeck.runtime.executors.base import (
+    Modelled,
     WeightsView,
     auto_choice,
     draft_kv_bytes_per_token,
+    has,
     offload_of,
 )
 from kvdeck.runtime.kv.block_pool import (
@@ -41,6 +43,7 @@ from kvdeck.runtime.kv.block_pool import (
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.transfers import TransfersView
 from kvdeck.runtime.kv.window import held_by_group
+from kvdeck.runtime.planning.roofline import Peaks, StepRoofline
 from kvdeck.runtime.spec.stats import SpeculationView
 from kvdeck.runtime.stats.figures import FiguresView
 from kvdeck.runtime.text.tokenizer import Tokenizer, forced_runs
@@ -238,6 +241,9 @@ class EngineSnapshot:
     """The host tier, the link and what crossed it (`runtime/kv/transfers.py`)."""
     speculation: SpeculationView | None = None
     """Speculative decoding's method and acceptance (`runtime/spec/stats.py`)."""
+    roofline: StepRoofline | None = None
+    """The last step against the machine's roofline (`runtime/planning/roofline.py`): on
+    the sim, its card's; elsewhere None until this machine's peaks are measured."""
 
 
 def tracked_output(req: Request, tokenizer: Tokenizer | None) -> TrackedOutput:
@@ -373,7 +379,16 @@ class SnapshotBuilder:
             speculation=sched.spec.view(sched.knobs.speculative_method,
                                         sched.knobs.num_speculative_tokens,
                                         e.executor.info.draft_model_name),
+            roofline=self._roofline(),
         )
+
+    def _roofline(self) -> StepRoofline | None:
+        """The last step on the sim's card (its profiles); other executors have no peaks
+        known without measuring this machine, which a snapshot does not do."""
+        e = self.engine
+        if not e.last_step or not has(e.executor, Modelled):
+            return None
+        return Peaks.of(e.executor.model, e.executor.hardware).step(e.last_step[0])
 
 
 _BUILDERS: weakref.WeakKeyDictionary[Engine, SnapshotBuilder] = weakref.WeakKeyDictionary()

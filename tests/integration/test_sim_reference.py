@@ -15,6 +15,7 @@ from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
 from kvdeck.runtime.runs.runner import run_arrivals
 from kvdeck.runtime.runs.trace import Arrival
+from kvdeck.runtime.views.snapshot import snapshot_of
 
 # vLLM on the RTX PRO 6000, Qwen3-8B BF16, 2K context: decode step by batch size.
 MEASURED_DECODE_MS = {1: 26.26, 4: 26.62, 16: 27.44, 64: 29.63}
@@ -54,6 +55,15 @@ def test_a_simulated_step_reads_and_takes_what_the_card_measured(batch: int) -> 
     assert record.bytes_read / record.dt / hw.bandwidth_bytes_per_s == pytest.approx(
         MEASURED_MBU[batch], abs=0.005)
     assert record.dt * 1e3 == pytest.approx(MEASURED_DECODE_MS[batch], rel=2e-3)
+    # The console's roofline readout is that record against the card's peaks.
+    roof = snapshot_of(engine).roofline
+    assert (roof.step, roof.seconds, roof.bytes_read) == (record.step, record.dt,
+                                                          record.bytes_read)
+    assert roof.mbu == pytest.approx(MEASURED_MBU[batch], abs=0.005)
+    assert roof.floor_s == pytest.approx(record.bytes_read / hw.bandwidth_bytes_per_s)
+    assert roof.gap_s == pytest.approx(record.dt - roof.floor_s) and roof.mfu < 0.1
+    # A fixed cost dominates small batches (CUDA graphs off); batch 64 is read-bound.
+    assert roof.bound == ("memory" if batch == 64 else "overhead")
     engine.check_integrity()
 
 

@@ -1,0 +1,94 @@
+"""One executed step against the machine's roofline: what it read and computed, the floor
+those set at the machine's peak bandwidth and compute, the time it took, MBU and MFU, the
+gap between the two, and which limit bound it (docs/architecture.md, "The roofline
+readout"). The bytes are the executor's own `bytes_read`; the FLOPs follow the step's plan
+(`2·matrix_params` per new token and attention over its causal pairs), as the roofline step
+model counts them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvdeck.runtime.core.step_data import causal_pairs
+from kvdeck.runtime.core.step_record import StepRecord
+from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
+from kvdeck.runtime.planning.step_time import attention_flops
+
+OVERHEAD = 2.0
+"""A step taking more than this many times its floor is bound by neither limit: by fixed
+costs (kernel launches, the host's own work)."""
+
+
+@dataclass(frozen=True)
+class StepRoofline:
+    """One step against the roofline."""
+
+    step: int
+    seconds: float
+    bytes_read: float
+    flops: float
+    bandwidth: float
+    """The machine's peak read bandwidth, bytes/s."""
+    peak_flops: float
+
+    @property
+    def memory_s(self) -> float:
+        """The bandwidth floor: the step's bytes at peak bandwidth."""
+        return self.bytes_read / self.bandwidth
+
+    @property
+    def compute_s(self) -> float:
+        return self.flops / self.peak_flops
+
+    @property
+    def floor_s(self) -> float:
+        return max(self.memory_s, self.compute_s)
+
+    @property
+    def mbu(self) -> float:
+        return self.memory_s / self.seconds
+
+    @property
+    def mfu(self) -> float:
+        return self.compute_s / self.seconds
+
+    @property
+    def gap_s(self) -> float:
+        """Time beyond the floor."""
+        return self.seconds - self.floor_s
+
+    @property
+    def bound(self) -> str:
+        """`memory` or `compute` (the larger floor), or `overhead` when the step took more
+        than `OVERHEAD` times its floor."""
+        if self.seconds > OVERHEAD * self.floor_s:
+            return "overhead"
+        return "memory" if self.memory_s >= self.compute_s else "compute"
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """What a roofline needs of a machine and a model: peak read bandwidth (bytes/s) and
+    compute (FLOP/s), and what a new token's matmuls and one causal query–key pair's
+    attention cost in FLOPs. A recording keeps them (a replay draws the same readout)."""
+
+    bandwidth: float
+    peak_flops: float
+    flops_per_token: float
+    flops_per_pair: float
+
+    @classmethod
+    def of(cls, model: ModelProfile, hw: HardwareProfile) -> Peaks:
+        return cls(hw.bandwidth_bytes_per_s, hw.peak_flops, 2.0 * model.matrix_params,
+                   attention_flops(model, 1))
+
+    def step(self, record: StepRecord | None) -> StepRoofline | None:
+        """`record` (a step that ran) against these peaks; None for a step that did not run
+        or read nothing."""
+        if record is None or not record.dt or not record.bytes_read:
+            return None
+        new = sum(e.num_new_tokens for e in record.plan)
+        pairs = sum(causal_pairs(e.num_new_tokens, e.start) for e in record.plan)
+        return StepRoofline(record.step, record.dt, record.bytes_read,
+                            self.flops_per_token * new + self.flops_per_pair * pairs,
+                            self.bandwidth, self.peak_flops)
