@@ -87,6 +87,7 @@ class MetricsPanel(SnapshotPanel):
                  f"resident {resident} now · mean {mean} vs λ·T {predicted} · "
                  f"t = {snap.time:,.1f} s"),
             *self._model_lines(r, narrow, self.size.width < 28),
+            *self._waste_lines(snap, narrow),
             Text("KV used  ").append_text(sparkline([b.kv_usage for b in history], marks,
                                                     width))
             .append(f" {snap.kv.usage:.0%}"),
@@ -113,6 +114,25 @@ class MetricsPanel(SnapshotPanel):
                      f"answers correct {passed:,} of {n:,} checked "
                      f"({f.num_check_failures:,} failed)",
                      style="yellow" if f.num_check_failures else "")]
+
+    @staticmethod
+    def _waste_lines(snap: EngineSnapshot, narrow: bool) -> list[Text]:
+        """Computed against useful tokens, and what the rest was wasted on (no line while
+        nothing was wasted: the panel is short)."""
+        w = snap.figures.waste if snap.figures is not None else None
+        causes = {c: n for c, n in w.wasted.items() if n} if w is not None else {}
+        if not causes:
+            return []
+        if narrow:  # 20 columns: the useful share and the largest cause
+            short = {"preemption": "preempt", "format switch": "switch", "lost KV": "lost",
+                     "rejected drafts": "drafts"}
+            text = Text(f"useful {w.useful / w.computed:.0%}")
+            text.append(f" ({short[max(causes, key=causes.get)]})", style="yellow")
+            return [text]
+        text = Text(f"computed {w.computed:,} tok · useful {w.useful / w.computed:.1%}")
+        for name, n in causes.items():
+            text.append(f" · {name} {n:,}", style="yellow")
+        return [text]
 
     @staticmethod
     def _model_lines(r: dict, narrow: bool, tiny: bool) -> list[Text]:

@@ -334,7 +334,7 @@ class Engine:
             kv = self.kv
             self.figures.on_step(step_figures(record, kv.usage,
                                               kv.tree.num_evictable / kv.num_blocks,
-                                              kv.tree.hit_rate))
+                                              kv.tree.hit_rate), record)
         if self.recorder is not None:
             self.recorder(record)
         for callback in self.after_step:

@@ -252,7 +252,7 @@ class TraceState:
             self.last_ran = rec
             self.figures.on_step(step_figures(rec, self.usage,
                                               self.pool.num_cached_only / self.num_blocks,
-                                              self.tree.hit_rate))
+                                              self.tree.hit_rate), rec)
 
     def _preempted(self, rid: str, rec: StepRecord) -> None:
         r = self._request(rid, rec)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from kvdeck.runtime.stats.metrics import SLO, Distribution, RequestMetrics, good
+from kvdeck.runtime.stats.waste import Waste, WasteView
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 """Upper bounds (seconds) of the latency histograms, as vLLM's exporter uses."""
@@ -168,6 +169,8 @@ class RunFigures:
         self.recent_steps: deque[tuple[float, float]] = deque()
         """(predicted, measured) seconds of the latest `window` steps that took time: how
         honest the timing model that admission, the ITL target and speculation rely on is."""
+        self.waste = Waste()
+        """Computed against useful tokens, by cause (`stats/waste.py`)."""
         self._step_sums = [0.0, 0.0, 0.0]
         """Σ predicted, Σ measured, Σ |predicted − measured| / measured over them (kept as
         steps come and go, so a snapshot does not walk the window)."""
@@ -200,7 +203,10 @@ class RunFigures:
             h["queue"].observe(m.queue_time)
         self.num_finished_seen += 1
 
-    def on_step(self, s: StepFigures) -> None:
+    def on_step(self, s: StepFigures, record=None) -> None:
+        """One executed step's figures; `record` (its `StepRecord`) feeds the waste count."""
+        if record is not None:
+            self.waste.on_record(record)
         self.num_steps += 1
         self.busy_seconds += s.dt
         self.sum_batch_size += s.num_seqs
@@ -278,7 +284,8 @@ class RunFigures:
             num_good=self.num_good, num_checked=self.num_checked,
             num_check_failures=self.num_check_failures, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, busy_seconds=self.busy_seconds,
-            num_steps=self.num_steps, history=tuple(self.buckets), bucket_s=self.bucket_s)
+            num_steps=self.num_steps, history=tuple(self.buckets), bucket_s=self.bucket_s,
+            waste=self.waste.view())
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -297,6 +304,7 @@ class RunFigures:
             "sum_batch_tokens": self.sum_batch_tokens, "first_time": self.first_time,
             "last_time": self.last_time, "buckets": [asdict(b) for b in self.buckets],
             "recent_steps": [list(x) for x in self.recent_steps],
+            "waste": self.waste.to_json(),
         }
 
     def load(self, d: dict) -> None:
@@ -318,6 +326,8 @@ class RunFigures:
         self.buckets.extend(Bucket(**b) for b in d["buckets"])
         for p, m in d.get("recent_steps", ()):
             self._observe_step(p, m)
+        if "waste" in d:
+            self.waste.load(d["waste"])
         self.num_finished_seen += 1
 
 
@@ -336,6 +346,7 @@ class FiguresView:
     num_steps: int
     history: tuple[Bucket, ...]
     bucket_s: float
+    waste: WasteView | None = None
 
 
 def forecast_error(ms: Sequence[RequestMetrics]) -> tuple[float, int] | None:
@@ -401,6 +412,8 @@ def summarize(ms: Sequence[RequestMetrics], stats: RunFigures | None = None,
             "prefill_tokens": stats.prompt_tokens,
             "decode_tokens": stats.decode_tokens,
             "generated_tokens": stats.generation_tokens,
+            "computed_tokens": stats.waste.computed,
+            "wasted_tokens": dict(stats.waste.wasted),
         },
         "accelerator_s_per_good_result": stats.busy_seconds / len(good_ones) if good_ones
         else None,

@@ -1,0 +1,76 @@
+"""Computed against useful tokens, and why the difference was computed: a token is wasted
+when a step computes a position a request had already computed (its KV was thrown away by a
+preemption that recomputes, a KV-format switch, or an executor that lost it) or scores a
+draft position verification rejects. Read from step records only, so the live engine and
+its replay count the same (docs/architecture.md, "Waste")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CAUSES = ("preemption", "format switch", "lost KV", "rejected drafts")
+"""Why a computed token was wasted. `lost KV`: recomputed with no recorded cause (an
+executor that recycled the KV's memory)."""
+
+
+@dataclass(frozen=True)
+class WasteView:
+    """Tokens computed, those wasted by cause, and the rest (useful)."""
+
+    computed: int
+    wasted: dict[str, int]
+
+    @property
+    def useful(self) -> int:
+        return self.computed - sum(self.wasted.values())
+
+
+class Waste:
+    """Counts a run's computed and wasted tokens from its step records (`on_record`)."""
+
+    def __init__(self):
+        self.computed = 0
+        self.wasted = dict.fromkeys(CAUSES, 0)
+        self._high: dict[str, int] = {}
+        """Per request: positions whose KV it has computed at some point."""
+        self._cause: dict[str, str] = {}
+        """Per request that lost its KV: why (until it has recomputed it)."""
+
+    def on_record(self, record) -> None:
+        """One step's record (`StepRecord`): its preemptions and switches say why KV went,
+        its plan what was computed again."""
+        swapped = set(record.swapped)
+        cause = "format switch" if record.switches else "preemption"
+        for rid in record.preempted:
+            if rid not in swapped:  # swapped out: its KV comes back, nothing recomputed
+                self._cause[rid] = cause
+        for e in record.plan:
+            rid, end = e.request_id, e.start + e.num_new_tokens
+            self.computed += e.num_new_tokens
+            high = self._high.get(rid, 0)
+            again = max(0, min(end, high) - e.start)
+            if again:
+                self.wasted[self._cause.get(rid, "lost KV")] += again
+            if e.draft:  # positions past the emitted ones hold rejected drafts' KV
+                rejected = max(e.num_new_tokens - max(e.sampled, 1), 0)
+                self.wasted["rejected drafts"] += rejected
+                end -= rejected
+            if end >= high:
+                self._high[rid] = end
+                self._cause.pop(rid, None)
+        for f in record.finished:
+            self._high.pop(f.request_id, None)
+            self._cause.pop(f.request_id, None)
+
+    def view(self) -> WasteView:
+        return WasteView(self.computed, dict(self.wasted))
+
+    def to_json(self) -> dict:
+        return {"computed": self.computed, "wasted": self.wasted, "high": self._high,
+                "cause": self._cause}
+
+    def load(self, d: dict) -> None:
+        """Continue from a checkpoint's counts (runs recorded before them start at 0)."""
+        self.computed = d["computed"]
+        self.wasted.update(d["wasted"])
+        self._high, self._cause = dict(d["high"]), dict(d["cause"])

@@ -1,0 +1,61 @@
+"""Computed against useful tokens (`runtime/stats/waste.py`) on the sim: with prefix caching
+off every position of a request is usefully computed exactly once, so what was computed
+beyond `prompt + output − 1` per request is waste — recomputation after preemption, or
+draft positions verification rejected — and the counter attributes all of it, live and in
+replay alike."""
+
+from __future__ import annotations
+
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+from kvdeck.runtime.runs.recording import record_headless
+from kvdeck.runtime.runs.replay import summarize_run
+from kvdeck.runtime.runs.runner import run_arrivals
+from kvdeck.runtime.runs.trace import Arrival
+
+
+def run(engine: Engine, tmp_path) -> dict:
+    rec = record_headless(engine, tmp_path)
+    arrivals = [Arrival(0.01 * i, 300 + 37 * (i % 7), 40 + 11 * (i % 5)) for i in range(24)]
+    result = run_arrivals(engine, arrivals, vocab_size=32_000)
+    rec.close()
+    engine.check_integrity()
+    return result
+
+
+def useful_tokens(result: dict) -> int:
+    return sum(r["prompt_tokens"] + r["output_tokens"] - 1 for r in result["requests"])
+
+
+def test_recomputation_after_preemption_is_the_waste(tmp_path) -> None:
+    ex = SimExecutor(SimConfig(timing="fit"), seed=3)
+    per_block = 16 * ex.kv_bytes_per_token("bf16")
+    engine = Engine(EngineConfig(kv_memory_bytes=160 * per_block, seed=3, knobs=Knobs(
+        enable_prefix_caching=False, preemption="recompute", max_num_batched_tokens=1024,
+        chunk_size=256)), ex)
+    result = run(engine, tmp_path)
+    s = result["summary"]
+    assert s["num_preemptions"] > 0 and s["statuses"] == {"finished_length": 24}
+    waste = engine.figures.waste.view()
+    assert waste.computed == s["steps"]["prefill_tokens"] + s["steps"]["decode_tokens"]
+    assert waste.useful == useful_tokens(result)
+    assert waste.wasted["preemption"] == waste.computed - waste.useful > 0
+    assert summarize_run(tmp_path)["steps"]["wasted_tokens"] == s["steps"]["wasted_tokens"]
+
+
+def test_rejected_draft_positions_are_the_waste(tmp_path) -> None:
+    ex = SimExecutor(SimConfig(timing="fit", draft_cost=0.1, spec_acceptance=0.6), seed=5)
+    engine = Engine(EngineConfig(kv_memory_bytes=8 << 30, seed=5, knobs=Knobs(
+        enable_prefix_caching=False, speculative_method="draft", num_speculative_tokens=4)),
+        ex)
+    result = run(engine, tmp_path)
+    waste = engine.figures.waste.view()
+    spec = engine.scheduler.spec
+    rejected = spec.num_draft_tokens - spec.num_accepted_tokens
+    assert waste.wasted["rejected drafts"] == rejected > 0
+    assert waste.useful == useful_tokens(result)
+    assert sum(waste.wasted.values()) == rejected  # nothing else was computed twice
+    summary = summarize_run(tmp_path)["steps"]
+    assert summary["computed_tokens"] == waste.computed
+    assert summary["wasted_tokens"] == waste.wasted
