@@ -204,7 +204,10 @@ def sweep(
     slo = guarded(lambda: SLO(slo_ttft, slo_tpot, slo_e2e))
     if admission:
         modes = guarded(lambda: sweep_modes.parse_modes(admission))
-        sweep_modes.run_modes(modes, arrivals, chosen, settings, slo, hash_block_tokens,
+        in_process = functools.partial(_run_in_process, settings=settings, slo=slo,
+                                       hash_block_tokens=hash_block_tokens)
+        sweep_modes.run_modes(modes, arrivals, chosen,
+                              lambda items, knobs: in_process(items, None, knobs=knobs),
                               f"sweep of {trace or 'synthetic Poisson arrivals'}", as_json)
         return
     # Both runners take what one run needs; a remote one also the server's URL.
@@ -265,13 +268,13 @@ def _parse_rates(rates: str) -> tuple[float, ...]:
 
 
 def _run_in_process(items: list, cap: int | None, *, settings: SettingsRequest, slo,
-                    hash_block_tokens: int) -> dict:
+                    hash_block_tokens: int, knobs: dict | None = None) -> dict:
     """The summary of `items` through a fresh engine in this process (sim by default),
-    holding at most `cap` requests when one is given."""
+    holding at most `cap` requests when one is given, with `knobs` over the settings'."""
     from kvdeck.runtime.runs.runner import run_arrivals
     from kvdeck.runtime.session import build_session
 
-    fixed = {"max_waiting": cap} if cap else {}
+    fixed = {**(knobs or {}), **({"max_waiting": cap} if cap else {})}
     session = build_session(settings.resolve("sim", **fixed), with_tokenizer=False)
     try:
         return run_arrivals(session.engine, items, vocab_size=session.vocab_size, slo=slo,

@@ -84,22 +84,12 @@ def run_batches(text: str, prompt_len: int, output_len: int, settings: SettingsR
                    points)
 
 
-def run_modes(modes: list[str], arrivals: list, rates: tuple, settings: SettingsRequest, slo,
-              hash_block_tokens: int, title: str, as_json: bool) -> None:
-    """Each admission mode's rate sweep; a table (or JSON) of goodput per mode and rate."""
+def run_modes(modes: list[str], arrivals: list, rates: tuple, run, title: str,
+              as_json: bool) -> None:
+    """Each admission mode's rate sweep, `run(arrivals, the mode's knobs)` giving a run's
+    summary; a table (or JSON) of goodput per mode and rate."""
     from kvdeck.console.sweep_report import render_modes
     from kvdeck.runtime.planning.batch_sweep import admission_sweep
-
-    def run(items: list, knobs: dict) -> dict:
-        from kvdeck.runtime.runs.runner import run_arrivals
-        from kvdeck.runtime.session import build_session
-
-        session = build_session(settings.resolve("sim", **knobs), with_tokenizer=False)
-        try:
-            return run_arrivals(session.engine, items, vocab_size=session.vocab_size, slo=slo,
-                                hash_block_tokens=hash_block_tokens)["summary"]
-        finally:
-            session.close()
 
     say = (lambda msg: None) if as_json else (lambda msg: err.print(msg, highlight=False))
     result = guarded(lambda: admission_sweep(run, modes, arrivals, rates, progress=say))
