@@ -59,13 +59,14 @@ class QueuePanel(SnapshotPanel):
             r = snap.roofline
             if r is not None:  # the step against the machine's roofline
                 style = {"overhead": "yellow", "memory": "cyan", "compute": "magenta"}[r.bound]
+                mbu, mfu = r.utilisation()
                 if narrow:  # one line of 24 columns
-                    head.append(f"\n{r.bytes_read / 1e9:.1f} GB MBU {100 * r.mbu:.0f}% ")
+                    head.append(f"\n{r.bytes_read / 1e9:.1f} GB MBU {100 * mbu:.0f}% ")
                     head.append(r.bound, style=style)
                 else:
                     head.append(f"\nread {r.bytes_read / 1e9:.2f} GB · floor "
-                                f"{r.floor_s * 1e3:.1f} ms · MBU {100 * r.mbu:.0f}% · MFU "
-                                f"{100 * r.mfu:.0f}% · gap {r.gap_s * 1e3:.1f} ms · ")
+                                f"{r.floor_s * 1e3:.1f} ms · MBU {100 * mbu:.0f}% · MFU "
+                                f"{100 * mfu:.0f}% · gap {r.gap_s * 1e3:.1f} ms · ")
                     head.append(f"{r.bound}-bound", style=style)
         else:
             head.append("no iteration yet")

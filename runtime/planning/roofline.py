@@ -21,36 +21,20 @@ costs (kernel launches, the host's own work)."""
 
 @dataclass(frozen=True)
 class StepRoofline:
-    """One step against the roofline."""
+    """One step against the roofline (`Peaks.step` makes it)."""
 
     step: int
     seconds: float
     bytes_read: float
     flops: float
-    bandwidth: float
-    """The machine's peak read bandwidth, bytes/s."""
-    peak_flops: float
-
-    @property
-    def memory_s(self) -> float:
-        """The bandwidth floor: the step's bytes at peak bandwidth."""
-        return self.bytes_read / self.bandwidth
-
-    @property
-    def compute_s(self) -> float:
-        return self.flops / self.peak_flops
+    memory_s: float
+    """The bandwidth floor: the step's bytes at peak bandwidth."""
+    compute_s: float
+    """Its FLOPs at peak compute."""
 
     @property
     def floor_s(self) -> float:
         return max(self.memory_s, self.compute_s)
-
-    @property
-    def mbu(self) -> float:
-        return self.memory_s / self.seconds
-
-    @property
-    def mfu(self) -> float:
-        return self.compute_s / self.seconds
 
     @property
     def gap_s(self) -> float:
@@ -64,6 +48,10 @@ class StepRoofline:
         if self.seconds > OVERHEAD * self.floor_s:
             return "overhead"
         return "memory" if self.memory_s >= self.compute_s else "compute"
+
+    def utilisation(self) -> tuple[float, float]:
+        """(MBU, MFU): the floors over the time taken."""
+        return self.memory_s / self.seconds, self.compute_s / self.seconds
 
 
 @dataclass(frozen=True)
@@ -89,6 +77,6 @@ class Peaks:
             return None
         new = sum(e.num_new_tokens for e in record.plan)
         pairs = sum(causal_pairs(e.num_new_tokens, e.start) for e in record.plan)
-        return StepRoofline(record.step, record.dt, record.bytes_read,
-                            self.flops_per_token * new + self.flops_per_pair * pairs,
-                            self.bandwidth, self.peak_flops)
+        flops = self.flops_per_token * new + self.flops_per_pair * pairs
+        return StepRoofline(record.step, record.dt, record.bytes_read, flops,
+                            record.bytes_read / self.bandwidth, flops / self.peak_flops)
