@@ -93,6 +93,13 @@ def render_plan(out: Console, planner: Planner, plan: Plan, plane: bool = True) 
         out.print(f"[bold green]choice:[/] {c.scheme.name} — {c.memory_bytes / GIB:.2f} GiB, "
                   f"completion {c.completion_s:.2f} s, {c.accelerator_s_per_good:.3f} "
                   f"accelerator-s{energy} per good result", highlight=False)
+    elif any(r.feasible for r in plan.results):  # feasible only before an unpriced cost
+        names = ", ".join(f"'{r.scheme.name}'" for r in plan.results if r.feasible)
+        out.print(f"[bold yellow]no fully priced scheme is feasible;[/] {names} would be, "
+                  "before a conversion cost not measured on this card (measure it, or see "
+                  "below):", highlight=False)
+        for s in plan.suggestions:
+            out.print(f"  • {s}", highlight=False)
     else:
         out.print("[bold red]no scheme is feasible.[/] What would make one feasible:")
         for s in plan.suggestions:

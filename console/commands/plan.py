@@ -182,9 +182,7 @@ def sweep(
     from kvdeck.runtime.planning.sweep import sweep as run_sweep
     from kvdeck.runtime.stats.metrics import SLO
 
-    if (batch or admission) and (url or svg is not None or (batch and admission)):
-        fail("--batch and --admission run in this process, one at a time, without --url or "
-             "--svg.")
+    sweep_modes.refuse_mixed(batch, admission, trace, rates, url, svg)
     if batch:
         guarded(lambda: setup_logging(log_level))
         sweep_modes.run_batches(batch, prompt_len, output_len, settings, as_json)

@@ -4,6 +4,8 @@ examples, computed by kvdeck and set beside the chapter's figures
 
 from __future__ import annotations
 
+import math
+
 import typer
 
 from kvdeck.console.commands.common import fail, guarded, out, print_json
@@ -52,7 +54,8 @@ def run_scenario(
     if as_json:
         print_json({"name": scenario.name, "source": scenario.source, "note": scenario.note,
                     "figures": [{"name": f.name, "chapter": f.chapter, "kvdeck": f.kvdeck,
-                                 "tolerance": f.tolerance, "holds": f.holds}
+                                 "tolerance": f.tolerance, "holds": f.holds,
+                                 "calibration": f.calibration}
                                 for f in figures]})
     else:
         out.print(f"[bold]{scenario.title}[/] [dim]({scenario.source})[/]", highlight=False)
@@ -60,13 +63,17 @@ def run_scenario(
         for col in ("figure", "chapter", "kvdeck", "off by", "tolerance", ""):
             table.add_column(col, justify="left" if col in ("figure", "") else "right")
         for f in figures:
-            words = isinstance(f.chapter, str)
-            off = "" if words or not f.chapter else \
+            words = isinstance(f.chapter, str) or isinstance(f.kvdeck, str)
+            off = "" if words or not f.chapter or not math.isfinite(f.kvdeck) else \
                 f"{100 * (f.kvdeck - f.chapter) / abs(f.chapter):+.1f} %"
+            verdict = "[green]holds[/]" if f.holds else "[red]misses[/]"
             table.add_row(f.name, _show(f.chapter), _show(f.kvdeck), off,
                           "equal" if words else f"{100 * f.tolerance:g} %",
-                          "[green]holds[/]" if f.holds else "[red]misses[/]")
+                          verdict + (" [dim](calibration)[/]" if f.calibration else ""))
         out.print(table)
+        if any(f.calibration for f in figures):
+            out.print("calibration: a figure a profile's measurement was taken from, "
+                      "reproduced rather than predicted.", highlight=False)
         if scenario.note:
             out.print(" ".join(scenario.note.split()), highlight=False)
     if not all(f.holds for f in figures):
@@ -76,4 +83,6 @@ def run_scenario(
 def _show(value: float | str) -> str:
     if isinstance(value, str):
         return value
+    if not math.isfinite(value):
+        return "∞" if value > 0 else "−∞" if value < 0 else "—"
     return f"{value:,.0f}" if value == int(value) and abs(value) >= 100 else f"{value:,.4g}"

@@ -4,9 +4,20 @@ chapter's batch-size and admission-mode sweeps, run in this process
 
 from __future__ import annotations
 
-from kvdeck.console.commands.common import err, guarded, out, print_json
+from kvdeck.console.commands.common import err, fail, guarded, out, print_json
 from kvdeck.console.options import SettingsRequest
 from kvdeck.runtime.errors import ConfigError
+
+
+def refuse_mixed(batch, admission, trace, rates, url, svg) -> None:
+    """One sentence and exit 2 where `--batch` or `--admission` is given with what it does
+    not take."""
+    if (batch or admission) and (url or svg is not None or (batch and admission)):
+        fail("--batch and --admission run in this process, one at a time, without --url or "
+             "--svg.")
+    if batch and (trace is not None or rates is not None):
+        fail("--batch sends its own requests (--prompt-len, --output-len, all at once): it "
+             "takes no trace and no --rates.")
 
 
 def parse_batches(text: str) -> list[int]:

@@ -23,7 +23,7 @@ from kvdeck.console.widgets.knobs import KnobsPanel
 from kvdeck.console.widgets.scrubber import Scrubber
 from kvdeck.runtime.errors import RunFormatError
 from kvdeck.runtime.runs.replay import TraceState, load_replay
-from kvdeck.runtime.views.snapshot import BatchView, EngineSnapshot
+from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 CHECKPOINT = 200
 SPEEDS = (0.25, 0.5, 1, 2, 4, 8, 16, 32)
@@ -69,13 +69,13 @@ class ReplayApp(ConsoleApp):
         self.sub_title = f"{self.run_dir.name} · {self.header.get('model', '?')}"
 
     def _save(self) -> tuple:
-        return self.state.checkpoint(), self.state.last_batch
+        return self.state.checkpoint(), self.state.last_batch, self.state.last_ran
 
-    def _load(self, saved: tuple[object, BatchView | None]) -> TraceState:
-        checkpoint, batch = saved
+    def _load(self, saved: tuple) -> TraceState:
+        checkpoint, batch, ran = saved
         state = TraceState(self.header)
         state.restore(checkpoint)
-        state.last_batch = batch
+        state.last_batch, state.last_ran = batch, ran
         return state
 
     def compose(self) -> ComposeResult:

@@ -160,7 +160,8 @@ class SimExecutor:
 
     def _resolve_timing(self) -> str:
         """The step model: `auto` is measured where the profile has measured steps on the
-        card and no fitted-model value is overridden, else the fit."""
+        card and no fitted-model value is overridden, else the fit where there is one (or
+        values are given), else the roofline — as the planner chooses."""
         c = self.config
         has_measured = bool(self.model.decode_times.get(self.hardware.name))
         if c.timing == "measured" and not has_measured:
@@ -169,7 +170,9 @@ class SimExecutor:
         if c.timing != "auto":
             return c.timing
         overridden = (c.fixed_ms, c.per_token_us, c.per_pair_ns) != (None, None, None)
-        return "measured" if has_measured and not overridden else "fit"
+        if has_measured and not overridden:
+            return "measured"
+        return "fit" if overridden or self.hardware.name in self.model.fits else "roofline"
 
     def _resolve_fit(self) -> StepFit:
         c = self.config

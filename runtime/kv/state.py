@@ -129,6 +129,7 @@ class KVState:
 
     def take_events(self) -> list[KVEvent]:
         """The events applied since the last call."""
+        assert self.events is not None, "take_events on a state that does not record"
         events, self.events = self.events, []
         return events
 

@@ -17,8 +17,8 @@ from kvdeck.runtime.planning.sweep import SweepPoint, sweep
 from kvdeck.runtime.runs.trace import Arrival
 
 ADMISSION_MODES: dict[str, dict] = {
-    "one-at-a-time": {"max_num_seqs": 1},
-    "continuous": {},
+    "one-at-a-time": {"max_num_seqs": 1, "scheduling": "continuous"},
+    "continuous": {"scheduling": "continuous"},
     "all-at-once": {"scheduling": "static"},
 }
 """Each admission mode as the engine knobs that make it."""

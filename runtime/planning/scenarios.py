@@ -2,7 +2,10 @@
 
 A scenario is a TOML file under `profiles/scenarios/` (a user's own first, as profiles are):
 its setup — which profiles, budgets and schemes the example takes — and, in `[chapter]`,
-the figures the chapter states, with the relative tolerance they are held to. Running it
+the figures the chapter states, with the relative tolerance they are held to. Figures a
+profile's own measurements were taken from (the reference card's decode steps, its prefill
+efficiency, the draft's tokens per round) go in `[calibration]` instead: kvdeck reproduces
+them, which shows the profile is read right, not that the model predicts. Running it
 computes kvdeck's own figures through the real planner, step model, KV arithmetic and sim
 executor (`KINDS`); the chapter's figures are never an input to that computation, only what
 it is set beside. A scenario whose chapter is inconsistent says so, with the arithmetic, in
@@ -37,6 +40,8 @@ class Figure:
     kvdeck: float | str
     tolerance: float
     """Relative; figures that are words (a chosen scheme) must be equal."""
+    calibration: bool = False
+    """A figure a profile was calibrated on: reproduced, not predicted."""
 
     @property
     def holds(self) -> bool:
@@ -62,6 +67,8 @@ class Scenario:
     note: str = ""
     tolerances: dict[str, float] = field(default_factory=dict)
     """Per-figure tolerances where one figure is held looser, with the reason in `note`."""
+    calibration: dict[str, float | str] = field(default_factory=dict)
+    """The chapter's figures a profile's measurements came from (see the module docstring)."""
 
     @classmethod
     def load(cls, name: str) -> Scenario:
@@ -70,26 +77,27 @@ class Scenario:
         if kind not in KINDS:
             raise ConfigError(f"Scenario {where}: kind must be one of {', '.join(KINDS)}, got "
                               f"{kind!r}.")
-        chapter = d.get("chapter")
-        if not isinstance(chapter, dict) or not chapter:
-            raise ConfigError(f"Scenario {where}: [chapter] must give the chapter's figures.")
+        chapter, calibration = d.get("chapter"), d.get("calibration", {})
+        if not isinstance(chapter, dict) or not chapter or not isinstance(calibration, dict):
+            raise ConfigError(f"Scenario {where}: [chapter] must give the chapter's figures "
+                              "(and [calibration], if there, a table of them too).")
         tolerances = d.get("tolerances", {})
         tolerance = _number(d, "tolerance", where, default=0.01, positive=False, most=1.0)
         return cls(name, str(d.get("title", name)), str(d.get("source", "")), kind,
                    dict(d.get("setup", {})), chapter, tolerance, str(d.get("note", "")),
                    {k: _number(tolerances, k, where, positive=False, most=1.0, table="tolerances")
-                    for k in tolerances})
+                    for k in tolerances}, calibration)
 
     def run(self) -> list[Figure]:
         """kvdeck's figures beside the chapter's, in the chapter's order; a figure kvdeck
         did not compute is an error in the scenario."""
         ours = KINDS[self.kind](self.setup)
-        missing = [k for k in self.chapter if k not in ours]
+        missing = [k for k in (*self.chapter, *self.calibration) if k not in ours]
         if missing:
             raise ConfigError(f"Scenario {self.name}: kvdeck computes no {', '.join(missing)} "
                               f"for a {self.kind} scenario; it computes {', '.join(ours)}.")
-        return [Figure(k, v, ours[k], self.tolerances.get(k, self.tolerance))
-                for k, v in self.chapter.items()]
+        return [Figure(k, v, ours[k], self.tolerances.get(k, self.tolerance), k in self.calibration)
+                for k, v in (*self.chapter.items(), *self.calibration.items())]
 
 
 def scenario_names() -> list[str]:
@@ -125,7 +133,8 @@ def _plan(setup: dict) -> dict[str, float | str]:
         out[f"{letter}.steps"] = r.steps
         out[f"{letter}.feasible"] = "yes" if r.feasible else "no"
     out["choice"] = "none" if plan.choice is None else \
-        list(letters)[plan.results.index(plan.choice)]
+        next(letter for letter, r in zip(letters, plan.results, strict=True)
+             if r is plan.choice)
     return out
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CAUSES = ("preemption", "format switch", "lost KV", "rejected drafts")
-"""Why a computed token was wasted. `lost KV`: recomputed with no recorded cause (an
-executor that recycled the KV's memory)."""
+CAUSES = ("preemption", "format switch", "offload switch", "lost KV", "rejected drafts")
+"""Why a computed token was wasted. A switch's cause: it re-laid the pool smaller and
+preempted requests to fit, or emptied the host tier under swapped ones. `lost KV`:
+recomputed with no recorded cause (an executor that recycled the KV's memory)."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,12 @@ class Waste:
         """One step's record (`StepRecord`): its preemptions and switches say why KV went,
         its plan what was computed again."""
         swapped = set(record.swapped)
-        cause = "format switch" if record.switches else "preemption"
         for rid in record.preempted:
             if rid not in swapped:  # swapped out: its KV comes back, nothing recomputed
+                self._cause[rid] = "preemption"
+        for sw in record.switches:  # their preemptions are the switch's own, not the plan's
+            cause = "offload switch" if sw.knob == "offload_layers" else "format switch"
+            for rid in (*sw.preempted, *sw.unswapped):
                 self._cause[rid] = cause
         for e in record.plan:
             rid, end = e.request_id, e.start + e.num_new_tokens
@@ -66,8 +70,9 @@ class Waste:
         return WasteView(self.computed, dict(self.wasted))
 
     def to_json(self) -> dict:
-        return {"computed": self.computed, "wasted": self.wasted, "high": self._high,
-                "cause": self._cause}
+        # Copies: a replay keeps checkpoints in memory while this goes on counting.
+        return {"computed": self.computed, "wasted": dict(self.wasted),
+                "high": dict(self._high), "cause": dict(self._cause)}
 
     def load(self, d: dict) -> None:
         """Continue from a checkpoint's counts (runs recorded before them start at 0)."""

@@ -115,3 +115,11 @@ def test_8b_on_96_gb_with_hundreds_of_8k_requests() -> None:
     assert s["statuses"] == {"finished_length": 300}
     assert s["prefix_hit_rate"] > 0.7  # 6144 of 8191 reusable tokens, after the first
     assert peak < 600 * 2**20  # tokens and bookkeeping only
+
+
+def test_auto_timing_falls_back_as_the_planner_does() -> None:
+    # Qwen3-8B has measured steps and a fit on the reference card, neither on an H200.
+    assert SimExecutor().timing == "measured"
+    assert SimExecutor(SimConfig(fixed_ms=20.0, per_token_us=30.0, per_pair_ns=3.0)
+                       ).timing == "fit"  # given values: the fit they make
+    assert SimExecutor(SimConfig(hardware="h200")).timing == "roofline"

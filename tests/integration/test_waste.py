@@ -59,3 +59,26 @@ def test_rejected_draft_positions_are_the_waste(tmp_path) -> None:
     summary = summarize_run(tmp_path)["steps"]
     assert summary["computed_tokens"] == waste.computed
     assert summary["wasted_tokens"] == waste.wasted
+
+
+def test_a_switch_s_own_preemptions_are_its_waste_and_checkpoints_stand_still() -> None:
+    from kvdeck.runtime.core.step_record import Finished, PlanEntry, StepRecord
+    from kvdeck.runtime.core.switch import Switch
+    from kvdeck.runtime.stats.waste import Waste
+
+    waste = Waste()
+    waste.on_record(StepRecord(0, dt=0.1, plan=[PlanEntry("a", 0, 64, 1),
+                                                PlanEntry("b", 0, 32, 1)]))
+    saved = waste.to_json()
+    # A smaller pool preempts `a` (the switch's list, not the plan's); `b` is preempted to
+    # make room in the same step: each recomputes for its own reason.
+    shrink = Switch("kv_format", "bf16", "q8_0", 0.01, False, 0, preempted=("a",))
+    waste.on_record(StepRecord(1, dt=0.1, plan=[PlanEntry("c", 0, 16, 1)], preempted=["b"],
+                               switches=[shrink]))
+    waste.on_record(StepRecord(2, dt=0.1, plan=[PlanEntry("a", 0, 64, 1),
+                                                PlanEntry("b", 0, 32, 1)],
+                               finished=[Finished("a", "finished_length", None, 0.3)]))
+    view = waste.view()
+    assert view.wasted["format switch"] == 64 and view.wasted["preemption"] == 32
+    assert view.computed == 64 + 32 + 16 + 64 + 32 and view.useful == 64 + 32 + 16
+    assert saved["wasted"] == dict.fromkeys(saved["wasted"], 0) and saved["computed"] == 96
