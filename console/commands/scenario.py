@@ -55,7 +55,8 @@ def run_scenario(
         print_json({"name": scenario.name, "source": scenario.source, "note": scenario.note,
                     "figures": [{"name": f.name, "chapter": f.chapter, "kvdeck": f.kvdeck,
                                  "tolerance": f.tolerance, "holds": f.holds,
-                                 "calibration": f.calibration}
+                                 "calibration": f.calibration,
+                                 "inconsistent": f.inconsistent}
                                 for f in figures]})
     else:
         out.print(f"[bold]{scenario.title}[/] [dim]({scenario.source})[/]", highlight=False)
@@ -66,7 +67,8 @@ def run_scenario(
             words = isinstance(f.chapter, str) or isinstance(f.kvdeck, str)
             off = "" if words or not f.chapter or not math.isfinite(f.kvdeck) else \
                 f"{100 * (f.kvdeck - f.chapter) / abs(f.chapter):+.1f} %"
-            verdict = "[green]holds[/]" if f.holds else "[red]misses[/]"
+            verdict = "[yellow]chapter inconsistent[/]" if f.inconsistent and not f.holds \
+                else "[green]holds[/]" if f.holds else "[red]misses[/]"
             table.add_row(f.name, _show(f.chapter), _show(f.kvdeck), off,
                           "equal" if words else f"{100 * f.tolerance:g} %",
                           verdict + (" [dim](calibration)[/]" if f.calibration else ""))
@@ -76,7 +78,7 @@ def run_scenario(
                       "reproduced rather than predicted.", highlight=False)
         if scenario.note:
             out.print(" ".join(scenario.note.split()), highlight=False)
-    if not all(f.holds for f in figures):
+    if not all(f.holds != f.inconsistent for f in figures):
         raise typer.Exit(1)
 
 

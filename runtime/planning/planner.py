@@ -201,7 +201,7 @@ class Planner:
         w = self.workload
         prefix = self._prefix(scheme)
         own = w.prompt_tokens - prefix
-        new = self._prefill_tokens(n, scheme)
+        new = self.prefill_tokens(n, scheme)
         warm = self._warm(scheme)
         first = own if warm else w.prompt_tokens  # tokens until the first prompt is in
         pairs = (n if warm else n - 1) * causal_pairs(own, prefix) \
@@ -286,7 +286,7 @@ class Planner:
             decode = decode if math.isinf(decode) else \
                 sum(max(step, copy) for _ in range(steps)) if decode else 0.0
             step = max(step, copy)
-            ttft += copy * max(1, math.ceil(self._prefill_tokens(n, scheme)
+            ttft += copy * max(1, math.ceil(self.prefill_tokens(n, scheme)
                                             / self.max_batched_tokens))
         completion = ttft + decode
         if w.arrival == "burst":
@@ -317,7 +317,7 @@ class Planner:
         blocks when it shares, else none."""
         return self.shared_blocks * self.block_size if scheme.shared else 0
 
-    def _prefill_tokens(self, n: int, scheme: Scheme) -> int:
+    def prefill_tokens(self, n: int, scheme: Scheme) -> int:
         """Prompt tokens `n` requests compute: the first all of its prompt (none of the
         prefix when it was cached before they came), the others their prompt past the
         shared prefix."""

@@ -42,6 +42,9 @@ class Figure:
     """Relative; figures that are words (a chosen scheme) must be equal."""
     calibration: bool = False
     """A figure a profile was calibrated on: reproduced, not predicted."""
+    inconsistent: bool = False
+    """A figure the chapter states wrongly (its scenario's note gives the arithmetic):
+    kvdeck's is expected to differ."""
 
     @property
     def holds(self) -> bool:
@@ -69,6 +72,8 @@ class Scenario:
     """Per-figure tolerances where one figure is held looser, with the reason in `note`."""
     calibration: dict[str, float | str] = field(default_factory=dict)
     """The chapter's figures a profile's measurements came from (see the module docstring)."""
+    inconsistent: dict[str, float | str] = field(default_factory=dict)
+    """Figures the chapter states inconsistently with its own facts (see `note`)."""
 
     @classmethod
     def load(cls, name: str) -> Scenario:
@@ -78,7 +83,9 @@ class Scenario:
             raise ConfigError(f"Scenario {where}: kind must be one of {', '.join(KINDS)}, got "
                               f"{kind!r}.")
         chapter, calibration = d.get("chapter"), d.get("calibration", {})
-        if not isinstance(chapter, dict) or not chapter or not isinstance(calibration, dict):
+        inconsistent = d.get("inconsistent", {})
+        if not isinstance(chapter, dict) or not chapter or not isinstance(calibration, dict) \
+                or not isinstance(inconsistent, dict):
             raise ConfigError(f"Scenario {where}: [chapter] must give the chapter's figures "
                               "(and [calibration], if there, a table of them too).")
         tolerances = d.get("tolerances", {})
@@ -86,18 +93,21 @@ class Scenario:
         return cls(name, str(d.get("title", name)), str(d.get("source", "")), kind,
                    dict(d.get("setup", {})), chapter, tolerance, str(d.get("note", "")),
                    {k: _number(tolerances, k, where, positive=False, most=1.0, table="tolerances")
-                    for k in tolerances}, calibration)
+                    for k in tolerances}, calibration, inconsistent)
 
     def run(self) -> list[Figure]:
         """kvdeck's figures beside the chapter's, in the chapter's order; a figure kvdeck
         did not compute is an error in the scenario."""
         ours = KINDS[self.kind](self.setup)
-        missing = [k for k in (*self.chapter, *self.calibration) if k not in ours]
+        missing = [k for k in (*self.chapter, *self.calibration, *self.inconsistent)
+                   if k not in ours]
         if missing:
             raise ConfigError(f"Scenario {self.name}: kvdeck computes no {', '.join(missing)} "
                               f"for a {self.kind} scenario; it computes {', '.join(ours)}.")
-        return [Figure(k, v, ours[k], self.tolerances.get(k, self.tolerance), k in self.calibration)
-                for k, v in (*self.chapter.items(), *self.calibration.items())]
+        return [Figure(k, v, ours[k], self.tolerances.get(k, self.tolerance),
+                       k in self.calibration, k in self.inconsistent)
+                for k, v in (*self.chapter.items(), *self.calibration.items(),
+                             *self.inconsistent.items())]
 
 
 def scenario_names() -> list[str]:
@@ -132,6 +142,15 @@ def _plan(setup: dict) -> dict[str, float | str]:
         out[f"{letter}.completion_s"] = r.completion_s
         out[f"{letter}.steps"] = r.steps
         out[f"{letter}.feasible"] = "yes" if r.feasible else "no"
+        out[f"{letter}.acc_s_per_good"] = r.accelerator_s_per_good
+        out[f"{letter}.joules_per_good"] = r.energy_j_per_good
+        # The chapter's per-request accounting: prefill and decode rates, and the
+        # accelerator time one request takes at them (its prompt past the cache, its output).
+        prefill = planner.prefill_tokens(r.concurrency, r.scheme)
+        r_p, r_d = prefill / r.ttft_s, r.concurrency / r.decode_step_s
+        out[f"{letter}.r_p"], out[f"{letter}.r_d"] = r_p, r_d
+        out[f"{letter}.gpu_s_per_request"] = prefill / r.concurrency / r_p \
+            + (workload.output_tokens - 1) / r_d
     out["choice"] = "none" if plan.choice is None else \
         next(letter for letter, r in zip(letters, plan.results, strict=True)
              if r is plan.choice)
@@ -158,6 +177,7 @@ def _retention(setup: dict) -> dict[str, float]:
         copy = nbytes / float(bandwidth)
         out[f"{link}.copy_ms"] = copy * 1e3
         out[f"{link}.break_even_pct"] = 100 * break_even_hit_rate(recompute, copy, copy)
+        out[f"{link}.value_ms_at_50pct"] = (0.5 * (recompute - copy) - copy) * 1e3  # V_h
     return out
 
 
@@ -191,8 +211,14 @@ def _capacity(setup: dict) -> dict[str, float]:
     planner = Planner(hw, model, workload, float(setup["kv_budget_gib"]) * GIB)
     out: dict[str, float] = {"blocks_after_prefill": planner.blocks(workload.prompt_tokens),
                              "blocks_after_output": planner.blocks(planner.final_tokens)}
+    values = 2 * model.num_layers * model.num_kv_heads * model.head_dim  # per token
+    prompt_bf16 = planner.seq_bytes(workload.prompt_tokens, "bf16")
     for fmt in PLAN_KV_FORMATS:
         one = planner.seq_bytes(planner.final_tokens, fmt)
+        prompt = planner.seq_bytes(workload.prompt_tokens, fmt)
+        out[f"{fmt}.prompt_mib"] = prompt / MIB
+        out[f"{fmt}.saved_mib"] = (prompt_bf16 - prompt) / MIB
+        out[f"{fmt}.bits_per_value"] = 8 * planner.kv_bytes_per_token(fmt) / values
         out[f"{fmt}.kv_bytes_per_token"] = planner.kv_bytes_per_token(fmt)
         out[f"{fmt}.request_mib"] = one / MIB
         out[f"{fmt}.burst_gib"] = planner.kv_for(workload.num_requests, fmt, False) / GIB
@@ -393,9 +419,157 @@ def _batch_sweep(setup: dict) -> dict[str, float]:
     return out
 
 
+def _static_vs_continuous(setup: dict) -> dict[str, float]:
+    """The sim engine at a fixed step time over outputs drawn as the chapter's script draws
+    them (`random.seed`, `randint`), static against continuous batching: output tokens per
+    second each, and the speed-up."""
+    import random
+
+    from kvdeck.runtime.core.config import EngineConfig, Knobs
+    from kvdeck.runtime.core.engine import Engine
+    from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+    from kvdeck.runtime.runs.runner import run_arrivals
+    from kvdeck.runtime.runs.trace import Arrival
+
+    rng = random.Random(int(setup["seed"]))
+    lo, hi = setup["output_range"]
+    outputs = [rng.randint(lo, hi) for _ in range(int(setup["requests"]))]
+    out = {}
+    for mode in ("static", "continuous"):
+        engine = Engine(EngineConfig(kv_memory_bytes=GIB, knobs=Knobs(
+            scheduling=mode, max_num_seqs=int(setup["batch"]), enable_prefix_caching=False)),
+            SimExecutor(SimConfig(timing="fit", fixed_ms=float(setup["step_ms"]),
+                                  per_token_us=0.0, per_pair_ns=0.0)))
+        arrivals = [Arrival(0.0, 1, n) for n in outputs]  # no prefill work: a 1-token prompt
+        s = run_arrivals(engine, arrivals, vocab_size=32_000)["summary"]
+        engine.check_integrity()
+        out[f"{mode}.tok_s"] = s["output_tokens_per_s"]
+    out["speedup"] = out["continuous.tok_s"] / out["static.tok_s"]
+    return out
+
+
+def _paged_memory(setup: dict) -> dict[str, float]:
+    """KV held by requests reserving their whole length against paged ones (the block
+    manager, per case), in GB at the setup's bytes per token, with the waste of each; and
+    the model profile's own bytes per token, which a chapter may state otherwise."""
+    from kvdeck.runtime.core.request import Request, SamplingParams
+    from kvdeck.runtime.kv.manager import BlockManager
+
+    k, p = float(setup["kv_bytes_per_token"]), int(setup["block_size"])
+    out: dict[str, float] = {}
+    for name, (n, most, mean) in setup["cases"].items():
+        held = {}
+        for reserve in (True, False):
+            kv = BlockManager(n * -(-most // p), p, enable_caching=False)
+            for i in range(n):
+                req = Request(f"r{i}", [1] * mean, SamplingParams(max_tokens=most - mean + 1))
+                kv.admit(req, mean, reserve)
+            kv.check_integrity()
+            held[reserve] = (kv.pool.num_used + (kv.num_reserved if reserve else 0)) * p
+        out[f"{name}.preallocated_gb"] = held[True] * k / 1e9
+        out[f"{name}.paged_gb"] = held[False] * k / 1e9
+        out[f"{name}.waste_preallocated"] = (held[True] - n * mean) / held[True]
+        out[f"{name}.waste_paged"] = (held[False] - n * mean) / held[False]
+        out[f"{name}.ratio"] = held[True] / held[False]
+    if "model" in setup:
+        out["model_kv_bytes_per_token"] = ModelProfile.load(setup["model"]).kv_bytes_per_token()
+    return out
+
+
+def _drafting(setup: dict) -> dict[str, float]:
+    """A draft network's pass at the batch-1 read rate of the card's measured curve (its
+    first point: bytes over time), drafting one pass per token against one for all, and
+    the time per output token of each with the verification round."""
+    from kvdeck.runtime.planning.step_time import Measured
+
+    measured = Measured.of(ModelProfile.load(setup.get("model", "qwen3-8b")),
+                           HardwareProfile.load(setup.get("hardware", "rtx-pro-6000")))
+    read, verify = measured.points[0]
+    rate = read / verify
+    one = float(setup["draft_bytes"]) / rate
+    m, per_round = int(setup["draft_tokens"]), float(setup["tokens_per_round"])
+    return {"read_rate_gbs": rate / 1e9, "pass_ms": one * 1e3, "sequential_ms": m * one * 1e3,
+            "sequential.ms_per_token": (m * one + verify) / per_round * 1e3,
+            "parallel.ms_per_token": (one + verify) / per_round * 1e3}
+
+
+def _spec_latency(setup: dict) -> dict[str, float]:
+    """Speculative rounds fed to kvdeck's speculation counters: their time per output
+    token (`ΣT/ΣN`, as the panel shows it) against the mean of the rounds' own ratios."""
+    from kvdeck.runtime.spec.stats import SpecStats
+
+    stats, ratios = SpecStats(), []
+    for ms, emitted in setup["rounds"]:
+        stats.on_round(emitted - 1, emitted - 1, emitted, ms / 1e3)
+        ratios.append(ms / emitted)
+    view = stats.view("draft", max(e for _, e in setup["rounds"]) - 1)
+    return {"ms_per_token": view.seconds_per_token * 1e3,
+            "mean_of_ratios_ms": sum(ratios) / len(ratios)}
+
+
+def _chunk_pairs(setup: dict) -> dict[str, float]:
+    """Causal query–key pairs of a prompt's first and last chunk (`causal_pairs`)."""
+    from kvdeck.runtime.core.step_data import causal_pairs
+
+    c, prompt = int(setup["chunk"]), int(setup["prompt"])
+    first, last = causal_pairs(c, 0), causal_pairs(c, prompt - c)
+    return {"first_pairs": first, "last_pairs": last, "ratio": last / first}
+
+
+def _branches(setup: dict) -> dict[str, float]:
+    """A request forked into branches in the block manager, each growing past the shared
+    prefix: the block-table references they hold, the physical blocks, and the saving."""
+    from kvdeck.runtime.core.request import Request, SamplingParams
+    from kvdeck.runtime.kv.manager import BlockManager
+
+    p, shared, own, n = (int(setup[k]) for k in ("block_size", "shared_blocks", "own_blocks",
+                                                 "branches"))
+    kv = BlockManager(shared + n * own + 8, p, enable_caching=False)
+    parent = Request("parent", [1] * (shared * p), SamplingParams(max_tokens=own * p + 1))
+    kv.admit(parent, shared * p, False)
+    parent.num_computed_tokens = shared * p
+    branches = [Request(f"b{i}", list(parent.prompt_token_ids),
+                        SamplingParams(max_tokens=own * p + 1)) for i in range(n)]
+    for b in branches:
+        kv.fork(parent, b)
+    kv.release(parent)
+    for b in branches:
+        kv.allocate(b, own * p)
+    kv.check_integrity()
+    refs = sum(len(kv.table(b.request_id)) for b in branches)
+    return {"references": refs, "physical_blocks": kv.pool.num_used,
+            "saving": 1 - kv.pool.num_used / refs}
+
+
+def _verify_cost(setup: dict) -> dict[str, float]:
+    """A speculative round's verification by the step model: the matmul and attention
+    FLOPs its extra rows add over a plain decode step (GFLOP), their time at the measured
+    prefill efficiency (ms), and the round (ms) — the larger of that and the bytes it reads
+    along the measured curve."""
+    from kvdeck.runtime.core.step_data import causal_pairs
+    from kvdeck.runtime.planning.planner import Planner
+    from kvdeck.runtime.planning.step_time import attention_flops
+    from kvdeck.runtime.planning.workloads import Workload
+
+    model = ModelProfile.load(setup.get("model", "qwen3-8b"))
+    hw = HardwareProfile.load(setup.get("hardware", "rtx-pro-6000"))
+    planner = Planner(hw, model, Workload.load("long-burst"), GIB)
+    b, rows, ctx = (int(setup[k]) for k in ("batch", "rows", "context"))
+    pairs = b * causal_pairs(rows, ctx)
+    flops = 2.0 * model.matrix_params * b * rows + attention_flops(model, pairs)
+    if setup.get("extra_only"):  # the rows beyond a plain decode step's
+        flops -= 2.0 * model.matrix_params * b + attention_flops(model, b * causal_pairs(1, ctx))
+    return {"gflop": flops / 1e9,
+            "compute_ms": flops / (hw.peak_flops * planner.measured.prefill_mfu) * 1e3,
+            "round_ms": planner.step_seconds(b * rows, pairs, b * (ctx + rows)) * 1e3}
+
+
 KINDS: dict[str, Callable[[dict], dict[str, Any]]] = {
     "plan": _plan, "retention": _retention, "offload": _offload, "capacity": _capacity,
     "decode-mbu": _decode_mbu, "batching": _batching, "speculation": _speculation,
     "format-time": _format_time, "paging": _paging, "amdahl": _amdahl,
-    "fits-memory": _fits_memory, "batch-sweep": _batch_sweep}
+    "fits-memory": _fits_memory, "batch-sweep": _batch_sweep,
+    "static-vs-continuous": _static_vs_continuous, "paged-memory": _paged_memory,
+    "drafting": _drafting, "spec-latency": _spec_latency, "chunk-pairs": _chunk_pairs,
+    "branches": _branches, "verify-cost": _verify_cost}
 """How each kind of scenario computes kvdeck's figures."""

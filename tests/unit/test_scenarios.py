@@ -17,8 +17,9 @@ def test_every_scenario_holds_against_its_chapter(name: str) -> None:
     scenario = Scenario.load(name)
     figures = scenario.run()
     assert figures and scenario.source
-    missed = [(f.name, f.chapter, f.kvdeck) for f in figures if not f.holds]
-    assert not missed, missed
+    missed = [(f.name, f.chapter, f.kvdeck) for f in figures if f.holds == f.inconsistent]
+    assert not missed, missed  # an inconsistent figure must differ, the others hold
+    assert not any(f.inconsistent for f in figures) or scenario.note
     # Each scenario predicts something: not every figure is one a profile was measured on.
     assert any(not f.calibration for f in figures)
     # A figure held looser than the scenario's tolerance is explained in its note.
