@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.executors.base import Modelled, has
 from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
+from kvdeck.runtime.stats.energy import EnergyMeter
 from kvdeck.runtime.stats.figures import kv_summary, summarize
 from kvdeck.runtime.stats.metrics import SLO, RequestMetrics, request_metrics
 
@@ -39,6 +41,8 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
     """Feed `arrivals` at their times, step until all are done, and return
     `{"summary": ..., "requests": [...]}` (requests as RequestMetrics dicts, arrival order)."""
     metrics: list[RequestMetrics] = []
+    # Real executors: the machine's energy counters over the run; the sim models it.
+    meter = None if engine.executor.info.virtual_time else EnergyMeter.probe()
     engine.on_finish.append(lambda req: metrics.append(request_metrics(req)))
     i = 0
     while True:
@@ -70,7 +74,26 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
     metrics.sort(key=lambda m: order.get(m.request_id, len(order)))
     summary = summarize(metrics, engine.figures, slo)
     summary.update(run_summary_extras(engine))
+    summary["energy"] = energy_summary(engine, meter, summary["num_good"])
     return {"summary": summary, "requests": [m.to_dict() for m in metrics]}
+
+
+def energy_summary(engine: Engine, meter: EnergyMeter | None, num_good: int) -> dict:
+    """Joules over the run and per good result: read from the machine's counters
+    (`meter`), or, on the sim, modelled as its busy time at the card profile's power limit
+    (an upper bound, as the planner prices it); `source` says which, or why there is none."""
+    if meter is None:
+        ex = engine.executor
+        watts = ex.hardware.power_watts if has(ex, Modelled) else 0.0
+        if not watts:
+            return {"source": "not measured: simulated time, and no power figure",
+                    "joules": None, "joules_per_good": None}
+        joules = engine.figures.busy_seconds * watts
+        source = f"modelled: busy time at {ex.hardware.name}'s {watts:g} W limit"
+    else:
+        joules, source = meter.joules(), meter.source
+    per_good = joules / num_good if joules is not None and num_good else None
+    return {"source": source, "joules": joules, "joules_per_good": per_good}
 
 
 def run_summary_extras(engine: Engine) -> dict:
