@@ -226,6 +226,8 @@ FLAGS: tuple[Flag, ...] = (
          "as a fraction of the target's (default 0).", SIM),
     Flag("drafting", ("--drafting",), str, "sequential (one draft pass per position) or "
          "parallel (one pass for all; default sequential).", SIM),
+    Flag("graph_buckets", ("--graph-buckets",), str, "Execution shapes: CUDA-graph batch "
+         "sizes, like 1,2,4,8,16,32; a step pads its rows to the next (default none).", SIM),
     Flag("fail_at_step", ("--fail-at-step",), int, "Fault injection: the simulated executor "
          "fails for good on this step.", SIM),
 )

@@ -41,6 +41,9 @@ def plan(
                                help="auto (the card's measured decode steps where the model "
                                     "profile has them, else its fitted step model, else the "
                                     "roofline), measured, fit or roofline."),
+    graph_buckets: str = typer.Option("", "--graph-buckets",
+                                      help="Execution shapes: CUDA-graph batch sizes, like "
+                                           "1,2,4,8,16,32; a step pads its rows to the next."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     svg: Path = typer.Option(None, "--svg", help="Write the memory-vs-completion plane here."),
     log_level: str = "warning",
@@ -58,8 +61,10 @@ def plan(
     budget = _kv_budget(kv_budget, hw, mp)
     if deadline is not None:
         guarded(lambda: check_float("--deadline", deadline, 1e-6, 1e6))
+    from kvdeck.runtime.planning.step_time import parse_buckets
+
     planner = Planner(hw, mp, wl, budget, deadline, _drafts(draft, mp), block_size,
-                      max_batched_tokens, timing)
+                      max_batched_tokens, timing, guarded(lambda: parse_buckets(graph_buckets)))
     result = planner.plan()
     if svg is not None:
         title = f"{mp.name} on {hw.name}, {wl.name}: memory vs completion"

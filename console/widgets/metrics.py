@@ -124,10 +124,12 @@ class MetricsPanel(SnapshotPanel):
         if not causes:
             return []
         if narrow:  # 20 columns: the useful share and the largest cause
-            short = {"preemption": "preempt", "format switch": "switch", "lost KV": "lost",
-                     "rejected drafts": "drafts"}
+            short = {"preemption": "preempt", "format switch": "switch",
+                     "offload switch": "offload", "lost KV": "lost",
+                     "rejected drafts": "drafts", "padding": "padding"}
             text = Text(f"useful {w.useful / w.computed:.0%}")
-            text.append(f" ({short[max(causes, key=causes.get)]})", style="yellow")
+            top = max(causes, key=causes.get)
+            text.append(f" ({short.get(top, top)})", style="yellow")
             return [text]
         text = Text(f"computed {w.computed:,} tok · useful {w.useful / w.computed:.1%}")
         for name, n in causes.items():

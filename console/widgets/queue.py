@@ -50,6 +50,11 @@ class QueuePanel(SnapshotPanel):
                 head.append(f" {b.num_decode_tokens}+{b.num_prefill_tokens}/{b.token_budget} "
                             f"tok ({b.unused_budget} unused) {b.num_seqs}/{b.max_num_seqs} "
                             f"seqs {b.seconds * 1e3:.1f} ms")
+            if b.padding:  # an execution shape: the graph the rows ran in
+                rows = b.num_decode_tokens + b.num_prefill_tokens
+                head.append(f"\n{rows} → {rows + b.padding}-row graph (+{b.padding})" if narrow
+                            else f"\n{rows} rows → {rows + b.padding}-row graph "
+                            f"({b.padding} padding)", style="dim")
             if b.itl_target_s:
                 # The ITL target's step: what it allowed, what the model predicted, what ran.
                 head.append(f"\nITL target {b.itl_target_s * 1e3:.0f} ms · predicted "

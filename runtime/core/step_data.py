@@ -141,6 +141,8 @@ class StepTiming:
     num_pairs: int
     bytes_read: int = 0
     """Weight and KV bytes the step read (modelled), for roofline comparisons."""
+    padded_rows: int = 0
+    """Rows the step ran beyond its tokens to fill an execution shape (a CUDA graph)."""
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,8 @@ class StepRecord:
     """Step duration (modelled under `sim`, measured otherwise)."""
     measured: bool = False
     bytes_read: int = 0
+    padding: int = 0
+    """Rows run beyond the step's tokens to fill an execution shape (a CUDA graph)."""
     num_decode: int = 0
     """Plan entries that were decodes (one token each); the rest of the plan is prefill."""
     resident: int = 0
@@ -116,6 +118,7 @@ class StepRecord:
         timing = result.timing
         self.dt, self.measured, self.bytes_read = timing.seconds, timing.measured, \
             timing.bytes_read
+        self.padding = timing.padded_rows
         if t1 != self.t0 + timing.seconds:
             self.end = t1
         self.predicted_s, self.itl_target_s = plan.predicted_s, plan.itl_target_s
@@ -167,6 +170,8 @@ class StepRecord:
                 d["predicted_s"] = self.predicted_s
             if self.itl_target_s:
                 d["itl_target_s"] = self.itl_target_s
+            if self.padding:
+                d["padding"] = self.padding
         if self.plan:
             d["plan"] = [list(e) if e.draft else list(e[:4]) for e in self.plan]
         for name in ("tokens", "errors", "admitted", "preempted", "rejected",
@@ -193,7 +198,8 @@ class StepRecord:
         try:
             return cls(
                 step=d["step"], t0=d["t0"], dt=d.get("dt"), measured=d.get("measured", False),
-                bytes_read=d.get("bytes", 0), num_decode=d.get("decode", 0),
+                bytes_read=d.get("bytes", 0), padding=d.get("padding", 0),
+                num_decode=d.get("decode", 0),
                 resident=d.get("resident", 0), limit=d.get("limit"), end=d.get("t1"),
                 plan=[PlanEntry(*x) for x in d.get("plan", [])],
                 tokens=[(rid, tok) for rid, tok in d.get("tokens", [])],

@@ -29,7 +29,13 @@ from kvdeck.runtime.models.weight_formats import (
     parse_weight_format,
 )
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, StepFit
-from kvdeck.runtime.planning.step_time import Measured, fitted_seconds, roofline_seconds
+from kvdeck.runtime.planning.step_time import (
+    Measured,
+    fitted_seconds,
+    padded_rows,
+    parse_buckets,
+    roofline_seconds,
+)
 
 TIMING_MODES = ("auto", "measured", "fit", "roofline")
 DRAFTING = ("sequential", "parallel")
@@ -76,6 +82,9 @@ class SimConfig:
     drafting: str = "sequential"
     """`sequential`: k draft passes per step, each one token per speculating request;
     `parallel`: one pass drafts all k positions (a parallel-draft network)."""
+    graph_buckets: str = ""
+    """Execution shapes: CUDA-graph batch sizes, comma-separated (empty: none). A step of at
+    most the largest runs padded to the next one, and the padding rows are priced."""
     fail_at_step: int | None = None
     """Fault injection: the executor fails for good (as a lost device would) on its n-th
     executed step, so clients, dashboards and the console can be tested against a dying
@@ -94,6 +103,7 @@ class SimConfig:
         check_float("draft_cost", self.draft_cost, 0.0, 100.0)
         check_float("draft_kv_ratio", self.draft_kv_ratio, 0.0, 100.0)
         check_choice("drafting", self.drafting, DRAFTING)
+        parse_buckets(self.graph_buckets)
         if not self.draft_cost and (self.drafting != "sequential" or self.draft_kv_ratio):
             raise ConfigError("drafting and draft_kv_ratio describe a modelled draft model; "
                               "give it a cost with --draft-cost C too.")
@@ -134,6 +144,7 @@ class SimExecutor:
         self.measured = Measured.of(self.model, self.hardware) \
             if self.timing == "measured" else None
         self._kv_format = self.model.kv_dtype
+        self.buckets = parse_buckets(config.graph_buckets)
         self._kv_bytes_per_token = self.model.kv_bytes_per_token()
         self._fitted_kv_bytes_per_token = self._kv_bytes_per_token
         """KV bytes per token the fitted timing was measured with (the profile's kv_dtype)."""
@@ -294,6 +305,9 @@ class SimExecutor:
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
                               num_context_tokens: int) -> float:
+        """Priced with its padding under execution shapes (padding rows attend nothing and
+        read no KV: they cost matmul rows)."""
+        num_new_tokens = padded_rows(num_new_tokens, self.buckets)
         if self.measured is not None:
             return self.measured.seconds(self.model, self.hardware, self.weight_bytes,
                                          num_context_tokens * self._kv_bytes_per_token,
@@ -385,6 +399,7 @@ class SimExecutor:
             num_decode_tokens=plan.num_decode_tokens,
             num_pairs=num_pairs,
             bytes_read=self.weight_bytes + context * self._kv_bytes_per_token,
+            padded_rows=padded_rows(num_new, self.buckets) - num_new,
         )
         return StepResult(sampled, timing, transfers=transfers, draft_seconds=draft_seconds,
                           spec=spec)

@@ -35,7 +35,12 @@ from kvdeck.runtime.planning.schemes import (
     Scheme,
     SchemeResult,
 )
-from kvdeck.runtime.planning.step_time import Measured, fitted_seconds, roofline_seconds
+from kvdeck.runtime.planning.step_time import (
+    Measured,
+    fitted_seconds,
+    padded_rows,
+    roofline_seconds,
+)
 from kvdeck.runtime.planning.workloads import DraftSource, Workload, expected_outputs
 
 TIMINGS = ("auto", "measured", "fit", "roofline")
@@ -49,11 +54,13 @@ class Planner:
     def __init__(self, hardware: HardwareProfile, model: ModelProfile, workload: Workload,
                  kv_budget_bytes: float, deadline_s: float | None = None,
                  drafts: list[DraftSource] | None = None, block_size: int = 16,
-                 max_batched_tokens: int = 8192, timing: str = "auto"):
+                 max_batched_tokens: int = 8192, timing: str = "auto",
+                 graph_buckets: tuple[int, ...] = ()):
         """`timing`: `measured` (the card's measured decode steps as a curve in the bytes a
         step reads, `step_time.Measured`), `fit` (the model profile's fitted step for this
         card), `roofline`, or `auto` (measured, else the fit, else the roofline, as the
-        profiles allow)."""
+        profiles allow). `graph_buckets`: execution shapes (CUDA-graph batch sizes): a step
+        of at most the largest runs padded to the next, the padding priced as rows."""
         self.hw, self.model, self.workload = hardware, model, workload
         self.budget = float(kv_budget_bytes)
         self.deadline = workload.deadline_s if deadline_s is None else deadline_s
@@ -77,6 +84,7 @@ class Planner:
                               f"{hardware.name}; use another timing, or kvdeck calibrate on "
                               "that card.")
         self.timing = timing
+        self.graph_buckets = tuple(graph_buckets)
 
     # -- memory -------------------------------------------------------------------------
 
@@ -147,6 +155,8 @@ class Planner:
         `num_context` KV positions read, `num_sampled` rows through the output head."""
         k = self.kv_bytes_per_token(kv_format)
         timing = timing or self.timing
+        if self.graph_buckets:  # the rows the step's execution shape runs
+            num_new = padded_rows(math.ceil(num_new), self.graph_buckets)
         if timing == "measured" and self.measured is not None:
             return self.measured.seconds(self.model, self.hw, self.model.matrix_weight_bytes,
                                          num_context * k, kv_format, num_new, num_pairs)
@@ -438,7 +448,7 @@ class Planner:
     def _with(self, **changes) -> Planner:
         return Planner(self.hw, self.model, replace(self.workload, **changes), self.budget,
                        self.deadline, self.drafts, self.block_size, self.max_batched_tokens,
-                       self.timing)
+                       self.timing, self.graph_buckets)
 
     def _longest_output(self, scheme: Scheme) -> int | None:
         """The most output tokens with which `scheme` is feasible (None: not even one)."""

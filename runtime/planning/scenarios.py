@@ -564,6 +564,31 @@ def _verify_cost(setup: dict) -> dict[str, float]:
             "round_ms": planner.step_seconds(b * rows, pairs, b * (ctx + rows)) * 1e3}
 
 
+def _graph_padding(setup: dict) -> dict[str, float]:
+    """Decode steps of each row count on the sim engine with execution shapes: the graph
+    the step ran in (rows + the padding its record counts)."""
+    from kvdeck.runtime.core.config import EngineConfig, Knobs
+    from kvdeck.runtime.core.engine import Engine
+    from kvdeck.runtime.core.request import SamplingParams
+    from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+
+    buckets = ",".join(str(b) for b in setup["buckets"])
+    out = {}
+    for rows in setup["rows"]:
+        engine = Engine(EngineConfig(kv_memory_bytes=GIB, knobs=Knobs(
+            max_num_seqs=rows, enable_prefix_caching=False)),
+            SimExecutor(SimConfig(graph_buckets=buckets)))
+        for i in range(rows):
+            engine.add_request([3 + i] * 16, SamplingParams(max_tokens=8, ignore_eos=True))
+        while True:
+            record = engine.step()
+            if record is not None and record.dt and record.num_decode == rows:
+                break
+        out[f"rows{rows}.graph"] = rows + record.padding
+        out[f"rows{rows}.padding"] = record.padding
+    return out
+
+
 KINDS: dict[str, Callable[[dict], dict[str, Any]]] = {
     "plan": _plan, "retention": _retention, "offload": _offload, "capacity": _capacity,
     "decode-mbu": _decode_mbu, "batching": _batching, "speculation": _speculation,
@@ -571,5 +596,5 @@ KINDS: dict[str, Callable[[dict], dict[str, Any]]] = {
     "fits-memory": _fits_memory, "batch-sweep": _batch_sweep,
     "static-vs-continuous": _static_vs_continuous, "paged-memory": _paged_memory,
     "drafting": _drafting, "spec-latency": _spec_latency, "chunk-pairs": _chunk_pairs,
-    "branches": _branches, "verify-cost": _verify_cost}
+    "branches": _branches, "verify-cost": _verify_cost, "graph-padding": _graph_padding}
 """How each kind of scenario computes kvdeck's figures."""

@@ -25,7 +25,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, StepFit
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    """Execution shapes (CUDA-graph batch sizes) as an ascending tuple: comma-separated
+    row counts from 1 to 65,536, each once; an empty text is none."""
+    if not text.strip():
+        return ()
+    try:
+        buckets = tuple(sorted(int(x) for x in text.split(",")))
+    except ValueError:
+        buckets = (0,)
+    if any(not 1 <= b <= 65_536 for b in buckets) or len(set(buckets)) != len(buckets):
+        raise ConfigError(f"graph_buckets must be comma-separated row counts from 1 to 65536, "
+                          f"each once, like 1,2,4,8,16,32; got {text!r}.")
+    return buckets
+
+
+def padded_rows(num_new: int, buckets: tuple[int, ...]) -> int:
+    """The rows a step runs with execution shapes: the smallest bucket that holds its
+    `num_new` rows (the rest is padding), or the rows themselves past the largest bucket
+    or without buckets (run eagerly, no graph)."""
+    if not buckets or num_new > buckets[-1]:
+        return num_new
+    return next(b for b in buckets if b >= num_new)
 
 
 def attention_flops(model: ModelProfile, num_pairs: float) -> float:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CAUSES = ("preemption", "format switch", "offload switch", "lost KV", "rejected drafts")
+CAUSES = ("preemption", "format switch", "offload switch", "lost KV", "rejected drafts",
+          "padding")
 """Why a computed token was wasted. A switch's cause: it re-laid the pool smaller and
 preempted requests to fit, or emptied the host tier under swapped ones. `lost KV`:
 recomputed with no recorded cause (an executor that recycled the KV's memory)."""
@@ -62,6 +63,9 @@ class Waste:
             if end >= high:
                 self._high[rid] = end
                 self._cause.pop(rid, None)
+        # Rows run to fill an execution shape: computed, and useful to nobody.
+        self.computed += record.padding
+        self.wasted["padding"] += record.padding
         for f in record.finished:
             self._high.pop(f.request_id, None)
             self._cause.pop(f.request_id, None)

@@ -94,13 +94,15 @@ class BatchView:
     """The timing model's prediction of `seconds`, made when the step was planned."""
     itl_target_s: float = 0.0
     """The ITL target the step was planned under (0: none)."""
+    padding: int = 0
+    """Rows run beyond the step's tokens to fill an execution shape (a CUDA graph)."""
 
     @classmethod
     def of(cls, rec: StepRecord, token_budget: int, max_num_seqs: int) -> BatchView:
         """The batch of step record `rec` (one that ran), planned under these limits."""
         return cls(rec.step, rec.num_decode, rec.num_prefill, len(rec.plan), token_budget,
                    max_num_seqs, rec.dt or 0.0, len(rec.preempted), rec.limit,
-                   rec.predicted_s, rec.itl_target_s)
+                   rec.predicted_s, rec.itl_target_s, rec.padding)
 
     @property
     def unused_budget(self) -> int:

@@ -123,3 +123,30 @@ def test_auto_timing_falls_back_as_the_planner_does() -> None:
     assert SimExecutor(SimConfig(fixed_ms=20.0, per_token_us=30.0, per_pair_ns=3.0)
                        ).timing == "fit"  # given values: the fit they make
     assert SimExecutor(SimConfig(hardware="h200")).timing == "roofline"
+
+
+def test_execution_shapes_pad_a_step_and_price_the_padding() -> None:
+    from kvdeck.runtime.errors import ConfigError
+    from kvdeck.runtime.planning.step_time import padded_rows, parse_buckets
+
+    assert parse_buckets("32,16") == (16, 32) and parse_buckets("") == ()
+    assert [padded_rows(n, (16, 32)) for n in (1, 16, 17, 32, 33)] == [16, 16, 32, 32, 33]
+    with pytest.raises(ConfigError, match="graph_buckets must be comma-separated row counts"):
+        SimConfig(graph_buckets="16,x")
+    plain = SimExecutor(SimConfig(timing="fit"))
+    shaped = SimExecutor(SimConfig(timing="fit", graph_buckets="16,32"))
+    # 17 decode rows run as 32: 15 more rows at the fit's 30.4 µs each.
+    extra = shaped.estimate_step_seconds(17, 17 * 2049, 17 * 2049) - \
+        plain.estimate_step_seconds(17, 17 * 2049, 17 * 2049)
+    assert extra == pytest.approx(15 * 30.4e-6)
+    engine = Engine(EngineConfig(kv_memory_bytes=1 << 30, knobs=Knobs(
+        enable_prefix_caching=False)), SimExecutor(SimConfig(graph_buckets="16,32")))
+    for i in range(17):
+        engine.add_request([3 + i] * 16, SamplingParams(max_tokens=4, ignore_eos=True))
+    records = [r for r in (engine.step() for _ in range(6)) if r is not None and r.dt]
+    decode = records[-1]
+    assert decode.num_decode == 17 and decode.padding == 15
+    assert decode.dt == pytest.approx(decode.predicted_s)  # the scheduler priced it so
+    assert snapshot_of(engine).batch.padding == 15
+    assert engine.figures.waste.wasted["padding"] == sum(r.padding for r in records)
+    engine.check_integrity()
