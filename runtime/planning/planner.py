@@ -7,13 +7,15 @@ out, with the formulas of docs/architecture.md ("The model behind the numbers"):
   output (block-rounded; sliding-window layers counted as their window), and how many
   requests fit the KV budget at once, with and without prefix sharing;
 - bytes read per decode step `D(b, L) = D_w + b·L·k` and the batch at which KV reads overtake
-  weight reads, `ceil(D_w / (L·k))`; step time by the roofline and by the fitted model;
+  weight reads, `ceil(D_w / (L·k))`; step time along the card's measured decode curve, by
+  the fitted model or by the roofline (`step_time.py`);
 - for every scheme (baseline, shared prefix, q8_0 / q4_0 KV, speculative decoding per draft
   source, weight offload over the host link, and their combinations): device memory, TTFT
   and completion time for the workload, whether it fits the budget and meets the deadline
   (and by how much it misses), and accelerator-seconds and energy per good result;
-- the verdict: the cheapest feasible scheme, and when none is feasible, what would make one
-  feasible (more memory, a later deadline, shorter outputs, a better draft source).
+- the verdict: the cheapest feasible scheme whose times leave no cost out (a KV format's
+  unmeasured conversion), and when none is feasible, what would make one feasible (more
+  memory, a later deadline, shorter outputs, a better draft source).
 
 Time runs on `runtime/planning/step_time.py`, the sim executor's own step model, so a plan and a sim
 run of the same workload agree by construction; docs/planner.md says where they differ.
