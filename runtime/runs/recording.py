@@ -59,6 +59,9 @@ def engine_header(engine: Engine) -> dict:
         # The sim's card and model peaks: a replay draws the same roofline readout.
         "peaks": dataclasses.asdict(Peaks.of(ex.model, ex.hardware))
         if has(ex, Modelled) else None,
+        # The sim's card and power: a replayed summary models the same energy.
+        "modelled_power": [ex.hardware.name, ex.hardware.power_watts]
+        if has(ex, Modelled) else None,
     }
 
 

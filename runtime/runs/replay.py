@@ -30,6 +30,7 @@ from kvdeck.runtime.kv.state import KVState
 from kvdeck.runtime.kv.transfers import TransferLog, TransfersView
 from kvdeck.runtime.planning.roofline import Peaks
 from kvdeck.runtime.spec.stats import SpecStats
+from kvdeck.runtime.stats.energy import energy_figures, modelled_energy
 from kvdeck.runtime.stats.figures import RunFigures, kv_summary, step_figures, summarize
 from kvdeck.runtime.stats.metrics import SLO, RequestMetrics, request_metrics
 from kvdeck.runtime.views.prefix import summarize_tree
@@ -386,7 +387,22 @@ def summarize_run(run_dir, slo: SLO = SLO()) -> dict:
                               state.block_size, h.get("bytes_per_block", 0), state.tree,
                               state.num_cow))
     summary.update(truncated=replay.truncated, unfinished=len(state.requests))
+    summary["energy"] = _energy(h.get("modelled_power"), state.figures.busy_seconds,
+                                summary["num_good"])
     return summary
+
+
+def _energy(power, busy_s: float, num_good: int) -> dict:
+    """A replayed summary's energy: a sim run's modelled again from its card's power (the
+    header's `modelled_power`, [card, watts]); a real run's counters were read live only."""
+    if power is None:
+        return energy_figures(None, "not recorded: a run's energy counters are read while it "
+                                    "runs", 0)
+    if not (isinstance(power, list) and len(power) == 2 and isinstance(power[0], str)
+            and isinstance(power[1], (int, float))):
+        raise RunFormatError(f"The run header's modelled_power must be [card, watts], got "
+                             f"{power!r}.")
+    return modelled_energy(busy_s, power[0], float(power[1]), num_good)
 
 
 def _peaks(header: dict) -> Peaks | None:

@@ -18,7 +18,7 @@ from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.errors import KvdeckError
 from kvdeck.runtime.executors.base import Modelled, has
 from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
-from kvdeck.runtime.stats.energy import EnergyMeter
+from kvdeck.runtime.stats.energy import EnergyMeter, energy_figures, modelled_energy
 from kvdeck.runtime.stats.figures import kv_summary, summarize
 from kvdeck.runtime.stats.metrics import SLO, RequestMetrics, request_metrics
 
@@ -82,18 +82,11 @@ def energy_summary(engine: Engine, meter: EnergyMeter | None, num_good: int) -> 
     """Joules over the run and per good result: read from the machine's counters
     (`meter`), or, on the sim, modelled as its busy time at the card profile's power limit
     (an upper bound, as the planner prices it); `source` says which, or why there is none."""
-    if meter is None:
-        ex = engine.executor
-        watts = ex.hardware.power_watts if has(ex, Modelled) else 0.0
-        if not watts:
-            return {"source": "not measured: simulated time, and no power figure",
-                    "joules": None, "joules_per_good": None}
-        joules = engine.figures.busy_seconds * watts
-        source = f"modelled: busy time at {ex.hardware.name}'s {watts:g} W limit"
-    else:
-        joules, source = meter.joules(), meter.source
-    per_good = joules / num_good if joules is not None and num_good else None
-    return {"source": source, "joules": joules, "joules_per_good": per_good}
+    if meter is not None:
+        return energy_figures(meter.joules(), meter.source, num_good)
+    ex = engine.executor
+    card, watts = (ex.hardware.name, ex.hardware.power_watts) if has(ex, Modelled) else ("", 0.0)
+    return modelled_energy(engine.figures.busy_seconds, card, watts, num_good)
 
 
 def run_summary_extras(engine: Engine) -> dict:

@@ -41,6 +41,22 @@ class _Nvml:
         return sum(b - a for a, b in zip(self.start, now, strict=True)) / 1e3
 
 
+def energy_figures(joules: float | None, source: str, num_good: int) -> dict:
+    """A run summary's `energy`: joules, joules per good result, and where they come from."""
+    per_good = joules / num_good if joules is not None and num_good else None
+    return {"source": source, "joules": joules, "joules_per_good": per_good}
+
+
+def modelled_energy(busy_s: float, card: str, watts: float, num_good: int) -> dict:
+    """The sim's energy: its busy time at the card profile's power limit (an upper bound,
+    as the planner prices it), or no figure where the profile has no power."""
+    if not watts:
+        return energy_figures(None, "not measured: simulated time, and no power figure",
+                              num_good)
+    return energy_figures(busy_s * watts, f"modelled: busy time at {card}'s {watts:g} W "
+                                          "limit", num_good)
+
+
 class EnergyMeter:
     """The energy counters this machine exposes, read together (see the module docstring).
     `source` names them, or says why there are none."""

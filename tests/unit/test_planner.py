@@ -215,6 +215,6 @@ def test_unknown_profiles_list_the_known_ones(monkeypatch, tmp_path) -> None:
                                           r"long-burst, long-context, short-chat"):
         Workload.load("nope")
     with pytest.raises(ConfigError, match=r"^Unknown model profile 'nope'; available: "
-                                          r"qwen3-235b-a22b, qwen3-8b, or a model name or "
-                                          r"GGUF path"):
+                                          r"llama-70b, qwen3-235b-a22b, qwen3-8b, or a model "
+                                          r"name or GGUF path"):
         ModelProfile.load("nope")
