@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
 from kvdeck.runtime.planning.step_time import attention_flops
@@ -75,8 +74,9 @@ class Peaks:
         or read nothing."""
         if record is None or not record.dt or not record.bytes_read:
             return None
-        new = sum(e.num_new_tokens for e in record.plan)
-        pairs = sum(causal_pairs(e.num_new_tokens, e.start) for e in record.plan)
+        plan = record.plan
+        new = sum(e[2] for e in plan)  # num_new_tokens; `causal_pairs` inlined: every row
+        pairs = sum(n * s + n * (n + 1) // 2 for _, s, n, _, _ in plan)
         flops = self.flops_per_token * new + self.flops_per_pair * pairs
         return StepRoofline(record.step, record.dt, record.bytes_read, flops,
                             record.bytes_read / self.bandwidth, flops / self.peak_flops)

@@ -49,20 +49,24 @@ class Waste:
             cause = "offload switch" if sw.knob == "offload_layers" else "format switch"
             for rid in (*sw.preempted, *sw.unswapped):
                 self._cause[rid] = cause
-        for e in record.plan:
-            rid, end = e.request_id, e.start + e.num_new_tokens
-            self.computed += e.num_new_tokens
-            high = self._high.get(rid, 0)
-            again = max(0, min(end, high) - e.start)
-            if again:
-                self.wasted[self._cause.get(rid, "lost KV")] += again
-            if e.draft:  # positions past the emitted ones hold rejected drafts' KV
-                rejected = max(e.num_new_tokens - max(e.sampled, 1), 0)
-                self.wasted["rejected drafts"] += rejected
+        # Every request, every step: one lookup and one store for the common decode row.
+        high, causes, wasted = self._high, self._cause, self.wasted
+        computed = 0
+        for rid, start, n, sampled, draft in record.plan:
+            computed += n
+            end = start + n
+            h = high.get(rid, 0)
+            if start < h:  # computed before: again (up to where it had got)
+                wasted[causes.get(rid, "lost KV")] += min(end, h) - start
+            if draft:  # positions past the emitted ones hold rejected drafts' KV
+                rejected = max(n - max(sampled, 1), 0)
+                wasted["rejected drafts"] += rejected
                 end -= rejected
-            if end >= high:
-                self._high[rid] = end
-                self._cause.pop(rid, None)
+            if end >= h:
+                high[rid] = end
+                if causes:
+                    causes.pop(rid, None)
+        self.computed += computed
         # Rows run to fill an execution shape: computed, and useful to nobody.
         self.computed += record.padding
         self.wasted["padding"] += record.padding
