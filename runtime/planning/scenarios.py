@@ -548,17 +548,18 @@ def _verify_cost(setup: dict) -> dict[str, float]:
     along the measured curve."""
     from kvdeck.runtime.core.step_data import causal_pairs
     from kvdeck.runtime.planning.planner import Planner
-    from kvdeck.runtime.planning.step_time import attention_flops
+    from kvdeck.runtime.planning.roofline import Peaks
     from kvdeck.runtime.planning.workloads import Workload
 
     model = ModelProfile.load(setup.get("model", "qwen3-8b"))
     hw = HardwareProfile.load(setup.get("hardware", "rtx-pro-6000"))
     planner = Planner(hw, model, Workload.load("long-burst"), GIB)
+    peaks = Peaks.of(model, hw)  # the roofline's FLOPs per new token and per causal pair
     b, rows, ctx = (int(setup[k]) for k in ("batch", "rows", "context"))
     pairs = b * causal_pairs(rows, ctx)
-    flops = 2.0 * model.matrix_params * b * rows + attention_flops(model, pairs)
+    flops = peaks.flops_per_token * b * rows + peaks.flops_per_pair * pairs
     if setup.get("extra_only"):  # the rows beyond a plain decode step's
-        flops -= 2.0 * model.matrix_params * b + attention_flops(model, b * causal_pairs(1, ctx))
+        flops -= peaks.flops_per_token * b + peaks.flops_per_pair * b * causal_pairs(1, ctx)
     return {"gflop": flops / 1e9,
             "compute_ms": flops / (hw.peak_flops * planner.measured.prefill_mfu) * 1e3,
             "round_ms": planner.step_seconds(b * rows, pairs, b * (ctx + rows)) * 1e3}

@@ -206,7 +206,7 @@ class RunFigures:
     def on_step(self, s: StepFigures, record=None) -> None:
         """One executed step's figures; `record` (its `StepRecord`) feeds the waste count."""
         if record is not None:
-            self.waste.on_record(record)
+            self.waste.on_record(record, s.prefill_tokens + s.decode_tokens)
         self.num_steps += 1
         self.busy_seconds += s.dt
         self.sum_batch_size += s.num_seqs

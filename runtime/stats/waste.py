@@ -38,9 +38,10 @@ class Waste:
         self._cause: dict[str, str] = {}
         """Per request that lost its KV: why (until it has recomputed it)."""
 
-    def on_record(self, record) -> None:
-        """One step's record (`StepRecord`): its preemptions and switches say why KV went,
-        its plan what was computed again."""
+    def on_record(self, record, num_tokens: int) -> None:
+        """One step's record (`StepRecord`) and the tokens its plan computed (the figures
+        have the sum): its preemptions and switches say why KV went, its plan what was
+        computed again."""
         swapped = set(record.swapped)
         for rid in record.preempted:
             if rid not in swapped:  # swapped out: its KV comes back, nothing recomputed
@@ -51,9 +52,7 @@ class Waste:
                 self._cause[rid] = cause
         # Every request, every step: one lookup and one store for the common decode row.
         high, causes, wasted = self._high, self._cause, self.wasted
-        computed = 0
         for rid, start, n, sampled, draft in record.plan:
-            computed += n
             end = start + n
             h = high.get(rid, 0)
             if start < h:  # computed before: again (up to where it had got)
@@ -66,7 +65,7 @@ class Waste:
                 high[rid] = end
                 if causes:
                     causes.pop(rid, None)
-        self.computed += computed
+        self.computed += num_tokens
         # Rows run to fill an execution shape: computed, and useful to nobody.
         self.computed += record.padding
         self.wasted["padding"] += record.padding

@@ -274,6 +274,8 @@ class SnapshotBuilder:
         a strong reference back would keep every engine (and its model) alive."""
         self._views: dict[str, tuple[tuple, RequestView]] = {}
         self._prefix: tuple[tuple[int, int, int], tuple[NodeSummary, ...]] | None = None
+        ex = engine.executor  # an engine keeps its executor: its peaks are worked out once
+        self._peaks = Peaks.of(ex.model, ex.hardware) if has(ex, Modelled) else None
 
     @property
     def engine(self) -> Engine:
@@ -387,10 +389,8 @@ class SnapshotBuilder:
     def _roofline(self) -> StepRoofline | None:
         """The last step on the sim's card (its profiles); other executors have no peaks
         known without measuring this machine, which a snapshot does not do."""
-        e = self.engine
-        if not e.last_step or not has(e.executor, Modelled):
-            return None
-        return Peaks.of(e.executor.model, e.executor.hardware).step(e.last_step[0])
+        last = self.engine.last_step
+        return self._peaks.step(last[0]) if self._peaks is not None and last else None
 
 
 _BUILDERS: weakref.WeakKeyDictionary[Engine, SnapshotBuilder] = weakref.WeakKeyDictionary()

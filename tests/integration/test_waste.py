@@ -68,16 +68,16 @@ def test_a_switch_s_own_preemptions_are_its_waste_and_checkpoints_stand_still() 
 
     waste = Waste()
     waste.on_record(StepRecord(0, dt=0.1, plan=[PlanEntry("a", 0, 64, 1),
-                                                PlanEntry("b", 0, 32, 1)]))
+                                                PlanEntry("b", 0, 32, 1)]), 96)
     saved = waste.to_json()
     # A smaller pool preempts `a` (the switch's list, not the plan's); `b` is preempted to
     # make room in the same step: each recomputes for its own reason.
     shrink = Switch("kv_format", "bf16", "q8_0", 0.01, False, 0, preempted=("a",))
     waste.on_record(StepRecord(1, dt=0.1, plan=[PlanEntry("c", 0, 16, 1)], preempted=["b"],
-                               switches=[shrink]))
+                               switches=[shrink]), 16)
     waste.on_record(StepRecord(2, dt=0.1, plan=[PlanEntry("a", 0, 64, 1),
                                                 PlanEntry("b", 0, 32, 1)],
-                               finished=[Finished("a", "finished_length", None, 0.3)]))
+                               finished=[Finished("a", "finished_length", None, 0.3)]), 96)
     view = waste.view()
     assert view.wasted["format switch"] == 64 and view.wasted["preemption"] == 32
     assert view.computed == 64 + 32 + 16 + 64 + 32 and view.useful == 64 + 32 + 16
