@@ -315,8 +315,9 @@ class Engine:
         aborts happened."""
         self.state_end = None
         self._collect(record)
-        if plan is not None:
+        if plan is not None:  # a plan may preempt and still schedule nothing
             record.rejected = list(plan.rejected)
+            record.preempted, record.swapped = list(plan.preempted), list(plan.swapped)
         record.kv = self.kv.take_events()
         if record.is_empty:
             self._switch_recorder()
@@ -330,11 +331,14 @@ class Engine:
         record.kv += self.kv.take_events()
         sched = self.scheduler
         record.queue = (sched.num_waiting, sched.num_running)
+        record.dropped = sched.take_dropped()
         if record.dt is not None:
             kv = self.kv
             self.figures.on_step(step_figures(record, kv.usage,
                                               kv.tree.num_evictable / kv.num_blocks,
                                               kv.tree.hit_rate), record)
+        else:
+            self.figures.waste.on_idle(record)
         if self.recorder is not None:
             self.recorder(record)
         for callback in self.after_step:

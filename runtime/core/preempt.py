@@ -90,7 +90,7 @@ def preempt_now(sched: Scheduler, req: Request, now: float,
     else:
         sched.kv.release(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        _dropped(sched, req)
     req.num_preemptions += 1
     req.events.append((now, f"preempted: {why}"))
     sched.num_preemptions += 1
@@ -105,10 +105,18 @@ def unswap_all(sched: Scheduler, now: float, why: str) -> list[str]:
         if req.status is RequestStatus.SWAPPED:
             sched.kv.unswap(req)
             req.status = RequestStatus.PREEMPTED
-            req.num_computed_tokens = 0
+            _dropped(sched, req)
             req.events.append((now, f"host copy dropped ({why}): to be recomputed"))
             out.append(req.request_id)
     return out
+
+
+def _dropped(sched: Scheduler, req: Request) -> None:
+    """`req`'s KV is gone: note how far it had got (recomputing that much is waste), then
+    start it over."""
+    had = sched.dropped.get(req.request_id, 0)
+    sched.dropped[req.request_id] = max(had, req.num_computed_tokens)
+    req.num_computed_tokens = 0
 
 
 def preempt_to_fit(sched: Scheduler, num_blocks: int, now: float, why: str) -> list[str]:

@@ -67,6 +67,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped = 0
         """Preemptions that swapped the victim's KV out (the rest recomputed)."""
+        self.dropped: dict[str, int] = {}
+        """Requests whose KV went for good since the engine last took them (preempted to
+        recompute, or their host copy dropped), and the positions each had computed."""
         self.propose: Proposer | None = None
         """Drafts for speculative decoding (set by the engine from its executor)."""
         self.spec = SpecStats()
@@ -566,6 +569,12 @@ class Scheduler:
         """Samples (`n` > 1) that ended with their request before they started."""
         ended, self.unstarted = self.unstarted, []
         return ended
+
+    def take_dropped(self) -> dict[str, int]:
+        """Requests whose KV went since the last call, with the positions each had
+        computed (`preempt.py`; the step record keeps them for the waste count)."""
+        dropped, self.dropped = self.dropped, {}
+        return dropped
 
     def take_finished(self) -> list[Request]:
         done, self.finished = self.finished, []

@@ -101,6 +101,10 @@ class StepRecord:
     swapped: list[str] = field(default_factory=list)
     """Of `preempted`, the requests whose KV was swapped out to the host (the rest
     recompute)."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Requests whose KV went for good since the last record — preempted to recompute (by
+    the plan or a switch) or their host copy lost — and the positions each had computed:
+    recomputing those is waste (`stats/waste.py`)."""
     draft_s: float = 0.0
     """Of `dt`, the time a draft model spent drafting (speculative decoding)."""
     predicted_s: float | None = None
@@ -153,7 +157,8 @@ class StepRecord:
     def is_empty(self) -> bool:
         """Nothing happened: no record is written for such a step."""
         return not (self.plan or self.knobs or self.arrived or self.finished or self.rejected
-                    or self.forked or self.kv or self.switches or self.transfers)
+                    or self.forked or self.kv or self.switches or self.transfers
+                    or self.preempted or self.dropped)
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"kind": self.kind, "step": self.step, "t0": self.t0}
@@ -176,7 +181,7 @@ class StepRecord:
             d["plan"] = [list(e) if e.draft else list(e[:4]) for e in self.plan]
         for name in ("tokens", "errors", "admitted", "preempted", "rejected",
                      "finished", "cow", "knobs", "forked", "switches", "transfers", "swapped",
-                     "forecasts"):
+                     "forecasts", "dropped"):
             value = getattr(self, name)
             if value:
                 d[name] = [list(x) for x in value] if isinstance(value, list) and \
@@ -216,7 +221,7 @@ class StepRecord:
                 transfers=[Transfer(*x) for x in d.get("transfers", [])],
                 swapped=list(d.get("swapped", [])), draft_s=d.get("draft_s", 0.0),
                 predicted_s=d.get("predicted_s"), itl_target_s=d.get("itl_target_s", 0.0),
-                forecasts=dict(d.get("forecasts", {})),
+                forecasts=dict(d.get("forecasts", {})), dropped=dict(d.get("dropped", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise RunFormatError(f"{where} is not a valid step record ({type(e).__name__}: "

@@ -254,6 +254,8 @@ class TraceState:
             self.figures.on_step(step_figures(rec, self.usage,
                                               self.pool.num_cached_only / self.num_blocks,
                                               self.tree.hit_rate), rec)
+        else:
+            self.figures.waste.on_idle(rec)
 
     def _preempted(self, rid: str, rec: StepRecord) -> None:
         r = self._request(rid, rec)

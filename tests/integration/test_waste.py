@@ -74,7 +74,7 @@ def test_a_switch_s_own_preemptions_are_its_waste_and_checkpoints_stand_still() 
     # make room in the same step: each recomputes for its own reason.
     shrink = Switch("kv_format", "bf16", "q8_0", 0.01, False, 0, preempted=("a",))
     waste.on_record(StepRecord(1, dt=0.1, plan=[PlanEntry("c", 0, 16, 1)], preempted=["b"],
-                               switches=[shrink]), 16)
+                               switches=[shrink], dropped={"a": 64, "b": 32}), 16)
     waste.on_record(StepRecord(2, dt=0.1, plan=[PlanEntry("a", 0, 64, 1),
                                                 PlanEntry("b", 0, 32, 1)],
                                finished=[Finished("a", "finished_length", None, 0.3)]), 96)
@@ -82,3 +82,23 @@ def test_a_switch_s_own_preemptions_are_its_waste_and_checkpoints_stand_still() 
     assert view.wasted["format switch"] == 64 and view.wasted["preemption"] == 32
     assert view.computed == 64 + 32 + 16 + 64 + 32 and view.useful == 64 + 32 + 16
     assert saved["wasted"] == dict.fromkeys(saved["wasted"], 0) and saved["computed"] == 96
+
+
+def test_kv_dropped_with_no_preemption_or_switch_is_lost_kv_and_counted_once() -> None:
+    """A failed step that had copied KV out drops the swapped requests' host copies: the
+    record names them in `dropped` only. A switch in a step that ran nothing still counts.
+    A request recomputing in chunks wastes exactly what it had, once."""
+    from kvdeck.runtime.core.step_record import PlanEntry, StepRecord
+    from kvdeck.runtime.core.switch import Switch
+    from kvdeck.runtime.stats.waste import Waste
+
+    waste = Waste()
+    waste.on_record(StepRecord(0, dt=0.1, dropped={"a": 40}), 0)
+    off = Switch("offload_layers", "0", "4", 0.01, False, 0, unswapped=("b",))
+    waste.on_idle(StepRecord(1, switches=[off], dropped={"b": 10}))
+    for step, start in enumerate((0, 16, 32), start=2):  # `a` in chunks of 16; `b` whole
+        plan = [PlanEntry("a", start, 16, 0)] + ([PlanEntry("b", 0, 12, 1)] if start == 0
+                                                  else [])
+        waste.on_record(StepRecord(step, dt=0.1, plan=plan), 16 + 12 * (start == 0))
+    assert waste.wasted["lost KV"] == 40 and waste.wasted["offload switch"] == 10
+    assert waste.computed == 48 + 12 and waste.view().useful == 10
