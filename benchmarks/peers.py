@@ -191,7 +191,7 @@ def vllm(gguf: Path, alias: str, threads: int) -> Server:
              "HF_HUB_OFFLINE": "1"})
 
 
-def kvdeck(executor: str, alias: str, threads: int) -> Server:
+def kvdeck(executor: str, alias: str, threads: int, *flags: str) -> Server:
     from importlib.metadata import version
 
     import llama_cpp
@@ -202,5 +202,5 @@ def kvdeck(executor: str, alias: str, threads: int) -> Server:
         else f"torch {torch.__version__}"
     return Server(f"kvdeck ({executor})", [
         sys.executable, "-m", "kvdeck.console.cli", "serve", "--executor", executor, "--threads",
-        str(threads), "--port", str(port), "--served-model-name", alias],
+        str(threads), "--port", str(port), "--served-model-name", alias, *flags],
         f"http://127.0.0.1:{port}/v1", f"kvdeck {version('kvdeck')}, {kernels}")

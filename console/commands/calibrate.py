@@ -13,7 +13,20 @@ from kvdeck.runtime.logs import setup_logging
 
 @with_log_level
 def calibrate(
-    model: str = typer.Argument(..., help="Model name or GGUF path."),
+    model: str = typer.Argument(..., help="Model name or GGUF path (with --url: the model "
+                                "the server serves)."),
+    url: str = typer.Option(None, "--url", help="Fit a live OpenAI-compatible server "
+                            "(its base URL) from outside instead, by probing it with "
+                            "requests and reading its token timings."),
+    api_key: str = typer.Option(None, "--api-key", help="--url: bearer key, if needed."),
+    model_profile: str = typer.Option(None, "--model-profile", help="--url: the model's "
+                                      "shape (a profile, model name or GGUF; default the "
+                                      "model)."),
+    like: str = typer.Option("local", "--like", help="--url: the hardware profile whose "
+                             "memory and peaks the server's card has (a client cannot "
+                             "measure them; local: this machine, measured)."),
+    hardware: str = typer.Option(None, "--hardware", help="--url: the hardware profile to "
+                                 "write (default server-<host>-<port>)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option(None, "--dtype", help="Compute dtype (default per device)."),
     threads: int = typer.Option(None, "--threads", help="CPU threads."),
@@ -22,9 +35,11 @@ def calibrate(
     as_json: bool = typer.Option(False, "--json", help="Print points and fit as JSON."),
     log_level: str = "warning",
 ) -> None:
-    """Time a sweep of steps on a real model, fit the sim executor's step model, save it."""
-    from rich.table import Table
-
+    """Time a sweep of steps on a real model (or, with --url, probe a live server), fit the
+    sim executor's step model, save it as profiles run-trace and plan use."""
+    if url is not None:
+        _from_server(url, model, api_key, model_profile, like, hardware, name, quick, as_json)
+        return
     from kvdeck.runtime.executors.link import measure_link
     from kvdeck.runtime.planning.calibrate import (
         fit_step_model,
@@ -53,19 +68,38 @@ def calibrate(
     hw = hardware_name(ex)
     model_file, hw_file = write_profiles(ex, fit, profile, hw, bandwidth, flops, points, link)
     measured = HardwareProfile.load(hw)
-    rows = [{"point": p.label, "measured_ms": p.seconds * 1e3,
-             "fit_ms": fit.seconds(p.new_tokens, p.pairs, p.sampled) * 1e3} for p in points]
-    for r in rows:
-        r["error_pct"] = 100 * (r["fit_ms"] - r["measured_ms"]) / r["measured_ms"]
+    rows = _rows(points, fit)
     if as_json:
-        print_json({"fit": {"fixed_ms": fit.fixed_s * 1e3, "per_token_us": fit.per_token_s * 1e6,
-                            "per_pair_ns": fit.per_pair_s * 1e9,
-                            "per_sample_us": fit.per_sample_s * 1e6}, "points": rows,
+        print_json({"fit": _fit_json(fit), "points": rows,
                     "model_profile": str(model_file), "hardware_profile": str(hw_file),
                     "mfu": measured.mfu, "mbu": measured.mbu,
                     "bandwidth_bytes_per_s": bandwidth, "peak_flops": flops,
                     "link_bytes_per_s": link})
         return
+    _table(rows, fit)
+    out.print(f"peaks measured here: {bandwidth / 1e9:.1f} GB/s read, {flops / 1e9:.1f} GFLOP/s "
+              f"matmul, link {link / 1e9:.1f} GB/s; this model reached MFU {measured.mfu:.3f} "
+              f"and MBU {measured.mbu:.3f}", highlight=False)
+    out.print(f"wrote {model_file} and {hw_file}; use them with the sim executor: "
+              f'model_profile = "{profile}", hardware = "{hw}"')
+
+
+def _rows(points, fit) -> list[dict]:
+    rows = [{"point": p.label, "measured_ms": p.seconds * 1e3,
+             "fit_ms": fit.seconds(p.new_tokens, p.pairs, p.sampled) * 1e3} for p in points]
+    for r in rows:
+        r["error_pct"] = 100 * (r["fit_ms"] - r["measured_ms"]) / r["measured_ms"]
+    return rows
+
+
+def _fit_json(fit) -> dict:
+    return {"fixed_ms": fit.fixed_s * 1e3, "per_token_us": fit.per_token_s * 1e6,
+            "per_pair_ns": fit.per_pair_s * 1e9, "per_sample_us": fit.per_sample_s * 1e6}
+
+
+def _table(rows: list[dict], fit) -> None:
+    from rich.table import Table
+
     table = Table(title=f"step = {fit.fixed_s * 1e3:.3f} ms + {fit.per_token_s * 1e6:.2f} µs × "
                         f"tokens + {fit.per_pair_s * 1e9:.4f} ns × pairs + "
                         f"{fit.per_sample_s * 1e6:.2f} µs × sampled rows")
@@ -75,8 +109,36 @@ def calibrate(
         table.add_row(r["point"], f"{r['measured_ms']:.2f}", f"{r['fit_ms']:.2f}",
                       f"{r['error_pct']:+.1f}%")
     out.print(table)
-    out.print(f"peaks measured here: {bandwidth / 1e9:.1f} GB/s read, {flops / 1e9:.1f} GFLOP/s "
-              f"matmul, link {link / 1e9:.1f} GB/s; this model reached MFU {measured.mfu:.3f} "
-              f"and MBU {measured.mbu:.3f}", highlight=False)
-    out.print(f"wrote {model_file} and {hw_file}; use them with the sim executor: "
-              f'model_profile = "{profile}", hardware = "{hw}"')
+
+
+def _from_server(url: str, model: str, api_key: str | None, model_profile: str | None,
+                 like: str, hardware: str | None, name: str | None, quick: bool,
+                 as_json: bool) -> None:
+    """`calibrate --url`: probe the server, fit, write a model and a hardware profile."""
+    from kvdeck.runtime.planning.calibrate import fit_step_model
+    from kvdeck.runtime.planning.probe import (
+        FULL,
+        QUICK,
+        probe,
+        server_name,
+        write_server_profiles,
+    )
+    from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
+
+    base = guarded(lambda: ModelProfile.load(model_profile or model))
+    card = guarded(lambda: HardwareProfile.load(like))
+    hw = hardware or server_name(url)
+    profile = name or f"{base.name}-{hw}"
+    say = (lambda msg: None) if as_json else out.print
+    say(f"probing {url} ({model}) from outside")
+    points = guarded(lambda: probe(url, model, QUICK if quick else FULL, api_key, say))
+    fit = fit_step_model(points)
+    model_file, hw_file = write_server_profiles(url, base, profile, hw, fit, points, card)
+    rows = _rows(points, fit)
+    if as_json:
+        print_json({"fit": _fit_json(fit), "points": rows, "model_profile": str(model_file),
+                    "hardware_profile": str(hw_file), "url": url})
+        return
+    _table(rows, fit)
+    out.print(f"wrote {model_file} and {hw_file}; predict a trace with them: kvdeck run-trace "
+              f"TRACE --model-profile {profile} --hardware {hw} --timing fit", highlight=False)

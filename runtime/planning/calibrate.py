@@ -14,6 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
@@ -22,13 +23,15 @@ from kvdeck.runtime.core.config import EngineConfig, Knobs
 from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.core.step_data import causal_pairs
-from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.planning.machine import local_name
 from kvdeck.runtime.planning.profiles import (
     ModelProfile,
     StepFit,
     user_profiles_dir,
 )
+
+if TYPE_CHECKING:  # torch is imported only by those who time an executor
+    from kvdeck.runtime.executors.torch import TorchExecutor
 
 FULL_SWEEP = {"prefill": [(c, h) for c in (16, 64, 256) for h in (0, 256, 1024)],
               "decode": [(b, ctx) for b in (1, 4, 16) for ctx in (128, 512, 1024)]}
@@ -158,6 +161,47 @@ def hardware_name(ex: TorchExecutor) -> str:
     return local_name(str(ex.device))
 
 
+def model_toml(m: ModelProfile) -> str:
+    """A model profile's shape and weight groups, as its TOML file states them."""
+    return (f'name = "{m.name}"\narchitecture = "{m.architecture}"\n'
+            f"num_layers = {m.num_layers}\nnum_heads = {m.num_heads}\n"
+            f"num_kv_heads = {m.num_kv_heads}\nhead_dim = {m.head_dim}\n"
+            f'kv_dtype = "{m.kv_dtype}"\nweight_bytes = {m.weight_bytes}\n'
+            f"matrix_weight_bytes = {m.matrix_weight_bytes}\n"
+            f"context_length = {m.context_length}\nbytes_per_weight = {m.bytes_per_weight:.3f}\n"
+            f"sliding_window = {m.sliding_window}\nnum_local_layers = {m.num_local_layers}\n\n"
+            + ("# Matrix bytes per weight group, from the GGUF's tensors.\n[weight_groups]\n"
+               + "".join(f"{g} = {b}\n" for g, b in m.group_bytes.items()) + "\n"
+               if m.group_bytes else ""))
+
+
+def fit_toml(fit: StepFit, hw: str, points: list[Point]) -> str:
+    """`[fit.<hw>]` and, where decode steps were measured, `[decode.<hw>]`."""
+    decode = [p for p in points if p.kind == "decode"]
+    return (f"[fit.{hw}]\nfixed_ms = {fit.fixed_s * 1e3:.6f}\n"
+            f"per_token_us = {fit.per_token_s * 1e6:.6f}\n"
+            f"per_pair_ns = {fit.per_pair_s * 1e9:.6f}\n"
+            f"per_sample_us = {fit.per_sample_s * 1e6:.6f}\n"
+            + (f"\n# Measured decode steps, [batch, context, ms]: kvdeck plan interpolates them.\n"
+               f"[decode.{hw}]\npoints = [" + ", ".join(
+                   f"[{p.new_tokens}, {p.context // p.new_tokens - 1}, {p.seconds * 1e3:.3f}]"
+                   for p in decode) + "]\n" if decode else ""))
+
+
+def hardware_toml(name: str, description: str, memory: int, bandwidth: float, flops: float,
+                  link: float, mfu: float, mbu: float, model: str, source: str) -> str:
+    """A hardware profile: `source` says where its peaks came from."""
+    return (f'name = "{name}"\ndescription = "{description}"\n'
+            f"memory_bytes = {memory}\n"
+            f"bandwidth_bytes_per_s = {bandwidth:.6g}  # {source}\n"
+            f"peak_flops = {flops:.6g}\n\n"
+            + (f"[link]\nbandwidth_bytes_per_s = {link:.6g}  # measured copy, slower way\n\n"
+               if link else "")
+            + f"# What {model}'s steps reached against those peaks: the best prefill point's\n"
+            "# FLOP rate (MFU) and the best decode point's bytes read per second (MBU).\n"
+            f"[efficiency]\nmfu = {mfu:.4f}\nmbu = {mbu:.4f}\n")
+
+
 def write_profiles(ex: TorchExecutor, fit: StepFit, name: str, hw: str,
                    bandwidth: float, flops: float, points: list[Point] | None = None,
                    link: float = 0.0) -> tuple[Path, Path]:
@@ -168,41 +212,22 @@ def write_profiles(ex: TorchExecutor, fit: StepFit, name: str, hw: str,
     (d / "models").mkdir(parents=True, exist_ok=True)
     (d / "hardware").mkdir(parents=True, exist_ok=True)
     model_path = d / "models" / f"{name}.toml"
-    bpw = ex.model.matrix_weight_bytes / max(ex.model.matrix_params, 1)
+    model = ModelProfile(
+        name, info.architecture, info.num_layers, info.num_heads, info.num_kv_heads,
+        info.head_dim, ex.kv_format, info.weight_bytes, ex.model.matrix_weight_bytes,
+        info.context_length, ex.model.matrix_weight_bytes / max(ex.model.matrix_params, 1),
+        sliding_window=info.sliding_window or 0,
+        num_local_layers=len(info.sliding_window_layers) if info.sliding_window else 0,
+        group_bytes=dict(info.group_bytes))
     model_path.write_text(
         f'# Written by kvdeck calibrate on {platform.node()} ({time.strftime("%Y-%m-%d")}).\n'
-        f'name = "{name}"\narchitecture = "{info.architecture}"\n'
-        f"num_layers = {info.num_layers}\nnum_heads = {info.num_heads}\n"
-        f"num_kv_heads = {info.num_kv_heads}\nhead_dim = {info.head_dim}\n"
-        f'kv_dtype = "{ex.kv_format}"\nweight_bytes = {info.weight_bytes}\n'
-        f"matrix_weight_bytes = {ex.model.matrix_weight_bytes}\n"
-        f"context_length = {info.context_length}\nbytes_per_weight = {bpw:.3f}\n"
-        f"sliding_window = {info.sliding_window or 0}\n"
-        f"num_local_layers = {len(info.sliding_window_layers) if info.sliding_window else 0}\n\n"
-        "# Matrix bytes per weight group, from the GGUF's tensors.\n[weight_groups]\n"
-        + "".join(f"{g} = {b}\n" for g, b in info.group_bytes) + "\n"
-        f"[fit.{hw}]\nfixed_ms = {fit.fixed_s * 1e3:.6f}\n"
-        f"per_token_us = {fit.per_token_s * 1e6:.6f}\nper_pair_ns = {fit.per_pair_s * 1e9:.6f}\n"
-        f"per_sample_us = {fit.per_sample_s * 1e6:.6f}\n"
-        + (f"\n# Measured decode steps, [batch, context, ms]: kvdeck plan interpolates them.\n"
-           f"[decode.{hw}]\npoints = [" + ", ".join(
-               f"[{p.new_tokens}, {p.context // p.new_tokens - 1}, {p.seconds * 1e3:.3f}]"
-               for p in points or [] if p.kind == "decode") + "]\n"
-           if any(p.kind == "decode" for p in points or []) else "")
-    )
+        + model_toml(model) + fit_toml(fit, hw, points or []))
     mfu, mbu = efficiencies(points or [], ModelProfile.load(name), bandwidth, flops) \
         if points else (0.5, 0.5)
     hw_path = d / "hardware" / f"{hw}.toml"
     hw_path.write_text(
-        f'# Written by kvdeck calibrate: this machine as measured.\nname = "{hw}"\n'
-        f'description = "{platform.processor() or platform.machine()}, {ex.device.type}"\n'
-        f"memory_bytes = {psutil.virtual_memory().total}\n"
-        f"bandwidth_bytes_per_s = {bandwidth:.6g}  # a 512 MiB matrix-vector product\n"
-        f"peak_flops = {flops:.6g}  # a 2048³ matrix product\n\n"
-        + (f"[link]\nbandwidth_bytes_per_s = {link:.6g}  # measured copy, slower way\n\n"
-           if link else "")
-        + f"# What {name}'s steps reached against those peaks: the best prefill point's\n"
-        "# FLOP rate (MFU) and the best decode point's bytes read per second (MBU).\n"
-        f"[efficiency]\nmfu = {mfu:.4f}\nmbu = {mbu:.4f}\n"
-    )
+        "# Written by kvdeck calibrate: this machine as measured.\n"
+        + hardware_toml(hw, f"{platform.processor() or platform.machine()}, {ex.device.type}",
+                        psutil.virtual_memory().total, bandwidth, flops, link, mfu, mbu, name,
+                        "a 512 MiB matrix-vector product; peak_flops: a 2048³ matrix product"))
     return model_path, hw_path

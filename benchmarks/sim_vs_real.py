@@ -1,0 +1,170 @@
+"""The simulator against real servers: predicted beside measured, on the same traces.
+
+    python -m benchmarks.sim_vs_real            # kvdeck serve, llama_cpp and torch executors
+    python -m benchmarks.sim_vs_real --peers    # llama-server and vLLM's CPU build too
+
+For each server: start it on Gemma 3 270M (8 sequences at most), fit the step model to it
+from outside (`kvdeck calibrate --url`'s probes, `runtime/planning/probe.py`), then run two
+traces twice — through the sim executor with the fitted profile (`kvdeck run-trace
+--timing fit`: the prediction) and against the server (`kvdeck bench`: the measurement) —
+and set the medians of TTFT and TPOT and the output throughput side by side.
+
+The traces, with token ids written out so both sides see the same prompts:
+- **Mooncake excerpt:** the shipped Mooncake conversation sample's first 16 requests, prompts
+  cut to 768 tokens (their hash blocks kept, so shared blocks stay shared) and outputs to
+  32, arrivals rescaled to this machine (below).
+- **Shared prefix:** 16 requests of a 512-token common prefix and 64 tokens of their own,
+  32 outputs, Poisson arrivals.
+
+Both arrive at half the rate one request alone would take through the fitted model (its
+prefill, then its outputs one step at a time): busy enough that requests batch, not so busy
+that the queue alone sets the figures. The rate comes from the fit, never from a measurement
+of the traces.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from benchmarks import peers
+from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
+from kvdeck.runtime.planning.calibrate import fit_step_model
+from kvdeck.runtime.planning.probe import FULL, probe, server_name, write_server_profiles
+from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, StepFit
+from kvdeck.runtime.runs.loadgen import cap_arrivals
+from kvdeck.runtime.runs.trace import load_arrivals, synthesize_tokens
+
+THREADS = 2
+MAX_SEQS = 8
+REQUESTS = 16
+PROMPT_CAP, OUTPUTS, PREFIX, OWN = 768, 32, 512, 64
+VOCAB = 32_000
+"""Token ids are drawn below this (every modern vocabulary has them)."""
+TOLERANCE = {"kvdeck (llama_cpp)": 0.15, "kvdeck (torch)": 0.15, "llama-server": 0.15,
+             "vLLM (CPU, bf16)": 0.25}
+"""The issue's bounds on |predicted / measured − 1| for the TTFT and TPOT medians."""
+
+
+def alone_seconds(fit: StepFit, prompt: int, outputs: int) -> float:
+    """One request alone through the fitted model: its prefill, then one step per output."""
+    from kvdeck.runtime.core.step_data import causal_pairs
+
+    prefill = fit.seconds(prompt, causal_pairs(prompt, 0), 1)
+    decode = sum(fit.seconds(1, causal_pairs(1, prompt + i), 1) for i in range(outputs - 1))
+    return prefill + decode
+
+
+def write_traces(folder: Path, fit: StepFit) -> dict[str, Path]:
+    rng = random.Random(0)
+    moon = cap_arrivals(load_arrivals("mooncake-conversation", limit=REQUESTS), PROMPT_CAP,
+                        OUTPUTS)
+    mean_prompt = sum(a.prompt_len for a in moon) / len(moon)
+    gap = alone_seconds(fit, int(mean_prompt), OUTPUTS) * 2  # half the rate of one alone
+    span = moon[-1].arrival_s or 1.0
+    moon = [replace(a, arrival_s=a.arrival_s / span * gap * (len(moon) - 1),
+                    prompt_tokens=tuple(synthesize_tokens(a, i, VOCAB)), hash_ids=None)
+            for i, a in enumerate(moon)]
+    prefix = [rng.randrange(100, VOCAB) for _ in range(PREFIX)]
+    gap = alone_seconds(fit, PREFIX + OWN, OUTPUTS) * 2
+    t, shared = 0.0, []
+    for _ in range(REQUESTS):
+        own = [rng.randrange(100, VOCAB) for _ in range(OWN)]
+        shared.append({"arrival_s": t, "output_len": OUTPUTS, "prompt_tokens": prefix + own})
+        t += rng.expovariate(1 / gap)
+    paths = {"Mooncake excerpt": folder / "mooncake.jsonl",
+             "shared prefix": folder / "shared.jsonl"}
+    paths["Mooncake excerpt"].write_text("".join(json.dumps(a.to_json()) + "\n" for a in moon))
+    paths["shared prefix"].write_text("".join(json.dumps(o) + "\n" for o in shared))
+    return paths
+
+
+def kvdeck_cli(*args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "kvdeck.console.cli", *args, "--json"],
+                       capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"kvdeck {args[0]} failed: {r.stderr.strip()[-500:]}")
+    return json.loads(r.stdout)["summary"]
+
+
+def figures(summary: dict) -> dict[str, float]:
+    return {"ttft_p50_s": summary["ttft_s"]["p50"], "tpot_p50_s": summary["tpot_s"]["p50"],
+            "output_tokens_per_s": summary["output_tokens_per_s"]}
+
+
+def compare(server: peers.Server, folder: Path) -> list[dict]:
+    """Calibrate against `server` from outside, then predict and measure both traces."""
+    hw = server_name(server.url)
+    points = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None)
+    fit = fit_step_model(points)
+    profile = f"{DEFAULT_MODEL}-{hw}"
+    write_server_profiles(server.url, ModelProfile.load(DEFAULT_MODEL), profile, hw, fit,
+                          points, HardwareProfile.load("local"))
+    rows = []
+    for trace, path in write_traces(folder, fit).items():
+        predicted = figures(kvdeck_cli(
+            "run-trace", str(path), "--executor", "sim", "--model-profile", profile,
+            "--hardware", hw, "--timing", "fit", "--max-num-seqs", str(MAX_SEQS)))
+        measured = figures(kvdeck_cli("bench", str(path), "--url", server.url, "--model",
+                                      DEFAULT_MODEL))
+        rows.append({"server": server.name, "trace": trace, "predicted": predicted,
+                     "measured": measured,
+                     "ratio": {k: predicted[k] / measured[k] for k in predicted},
+                     "fit": {"fixed_ms": fit.fixed_s * 1e3, "per_token_us": fit.per_token_s * 1e6,
+                             "per_pair_ns": fit.per_pair_s * 1e9,
+                             "per_sample_us": fit.per_sample_s * 1e6}})
+    return rows
+
+
+def servers(with_peers: bool) -> list[peers.Server]:
+    own = [peers.kvdeck(ex, DEFAULT_MODEL, THREADS, "--max-num-seqs", str(MAX_SEQS))
+           for ex in ("llama_cpp", "torch")]
+    if not with_peers:
+        return own
+    gguf = resolve_model(DEFAULT_MODEL)
+    return [*own, peers.llama_server(gguf, DEFAULT_MODEL, THREADS, repack=False),
+            peers.vllm(gguf, DEFAULT_MODEL, THREADS)]
+
+
+def show(rows: list[dict]) -> None:
+    print(f"{'server':<20} {'trace':<17} {'TTFT p50 pred/meas':>22} {'TPOT p50 pred/meas':>22} "
+          f"{'tok/s pred/meas':>18}")
+    for r in rows:
+        p, m, q = r["predicted"], r["measured"], r["ratio"]
+        bound = TOLERANCE.get(r["server"], 0.15)
+        held = all(abs(q[k] - 1) <= bound for k in ("ttft_p50_s", "tpot_p50_s"))
+        ttft = f"{p['ttft_p50_s'] * 1e3:7.0f}/{m['ttft_p50_s'] * 1e3:<5.0f} ms"
+        tpot = f"{p['tpot_p50_s'] * 1e3:6.1f}/{m['tpot_p50_s'] * 1e3:<5.1f} ms"
+        rate = f"{p['output_tokens_per_s']:6.0f}/{m['output_tokens_per_s']:<5.0f}"
+        print(f"{r['server']:<20} {r['trace']:<17} {ttft} {q['ttft_p50_s']:5.2f} "
+              f"{tpot} {q['tpot_p50_s']:5.2f} {rate} {q['output_tokens_per_s']:4.2f}  "
+              f"{'within' if held else 'MISSES'} ±{bound:.0%}")
+
+
+def main(with_peers: bool = False, out_dir: Path = Path("bench-results")) -> list[dict]:
+    print("The simulator against real servers: the step model fitted to each from outside "
+          "(kvdeck calibrate --url), then each trace predicted by the sim and measured on "
+          "the server (ratio = predicted / measured)", flush=True)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for server in servers(with_peers):
+            try:
+                server.start(DEFAULT_MODEL)
+                rows += compare(server, Path(tmp))
+            except peers.ServerDied as e:
+                print(f"{server.name}: {e}; left out", flush=True)
+            finally:
+                server.stop()
+    show(rows)
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "sim_vs_real.json").write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main("--peers" in sys.argv[1:])

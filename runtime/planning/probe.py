@@ -1,0 +1,180 @@
+"""`kvdeck calibrate --url`: the step model fitted to a live server, from outside.
+
+No server lets a client time its steps, but its token stream shows them:
+
+- **Prefill.** One request at a time, `c` prompt tokens and one output token: the time from
+  sending it to its first token is a step that computes `c` tokens (plus the request's way
+  through HTTP, which the fit's fixed term takes).
+- **Decode.** `b` requests of `L` prompt tokens sent at once, `M` outputs each: from the
+  moment the last of them has its first token until the first of them ends, all `b` decode
+  together, and the gaps between one request's streamed tokens are steps of `b` rows at
+  about context `L + M/2` (their median is the point).
+
+The points go through the same fit as an executor's sweep (`calibrate.fit_step_model`), and
+the measured decode steps become the profile's `[decode.<hw>]` table. Prompts are random
+token ids below 32,000 (in every modern vocabulary), new for every request, so no probe
+hits the server's prefix cache. Requests ask for exact lengths with `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import re
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from kvdeck.runtime.core.step_data import causal_pairs
+from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.planning.calibrate import (
+    Point,
+    efficiencies,
+    fit_toml,
+    hardware_toml,
+    model_toml,
+)
+from kvdeck.runtime.planning.profiles import (
+    HardwareProfile,
+    ModelProfile,
+    StepFit,
+    user_profiles_dir,
+)
+from kvdeck.runtime.runs.loadgen import RequestShape, run_bench
+from kvdeck.runtime.runs.trace import Arrival
+
+
+@dataclass(frozen=True)
+class Probes:
+    """What to send: prefill lengths, (batch, prompt length) decode cases, outputs per
+    decode request, and repeats of each prefill."""
+
+    prefill: tuple[int, ...]
+    decode: tuple[tuple[int, int], ...]
+    outputs: int
+    repeats: int
+
+
+FULL = Probes((64, 256, 512), tuple((b, n) for b in (1, 4, 8) for n in (64, 384)), 24, 3)
+QUICK = Probes((32, 128), ((1, 32), (4, 32)), 12, 2)
+
+
+class ProbeError(KvdeckError):
+    """The server did not answer a probe as asked (one sentence says how)."""
+
+
+def _prompts(rng: random.Random, n: int, length: int) -> list[tuple[int, ...]]:
+    return [tuple(rng.randrange(100, 32_000) for _ in range(length)) for _ in range(n)]
+
+
+def _send(url: str, model: str, arrivals: list[Arrival], api_key: str | None,
+          concurrency: int | None) -> list[dict]:
+    """Send `arrivals` (token-id prompts, exact output lengths); every request's figures,
+    each of which must have finished."""
+    out = asyncio.run(run_bench(url, model, arrivals, shape=RequestShape(),
+                                api_key=api_key, concurrency=concurrency, warmup=False))
+    bad = [r for r in out["requests"] if not r["status"].startswith("finished")]
+    if bad:
+        raise ProbeError(f"The server at {url} did not finish a probe request "
+                         f"({bad[0]['status']}: {bad[0]['reason']}).")
+    short = [r for r in out["requests"] if r["output_tokens"] < arrivals[0].output_len]
+    if short:
+        raise ProbeError(f"The server at {url} streamed {short[0]['output_tokens']} tokens "
+                         f"where {arrivals[0].output_len} were asked with ignore_eos; a probe "
+                         "needs exact lengths.")
+    return out["requests"]
+
+
+def prefill_point(requests: list[dict], c: int) -> Point:
+    """A prefill of `c` tokens: the median time from send to first token."""
+    seconds = statistics.median(r["ttft"] - r["queue_time"] for r in requests)
+    return Point("prefill", c, causal_pairs(c, 0), f"prefill {c}", seconds, c)
+
+
+def decode_point(requests: list[dict], b: int, prompt: int, outputs: int) -> Point | None:
+    """Steps of `b` rows: the median gap between streamed tokens while all `b` decode (the
+    window from the last first token to the first last token); None when no gap falls in
+    it (the server ran them one after another)."""
+    streams = []
+    for r in requests:
+        t = [r["first_token"]]
+        for gap in r["itls"]:
+            t.append(t[-1] + gap)
+        streams.append(t)
+    start = max(t[0] for t in streams)
+    end = min(t[-1] for t in streams)
+    gaps = [b_ - a for t in streams for a, b_ in zip(t, t[1:], strict=False)
+            if a >= start and b_ <= end]
+    if not gaps:
+        return None
+    context = prompt + outputs // 2
+    return Point("decode", b, b * causal_pairs(1, context), f"decode {b} at {context}",
+                 statistics.median(gaps), b * (context + 1), b)
+
+
+def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = None,
+          progress: Callable[[str], None] = print, seed: int = 0) -> list[Point]:
+    """Probe the server at `url` (an OpenAI-compatible base URL serving `model`): its
+    prefill and decode points, as `calibrate.sweep` gives them for an executor."""
+    rng = random.Random(seed)
+    _send(url, model, [Arrival(0.0, 16, 2, prompt_tokens=_prompts(rng, 1, 16)[0])],
+          api_key, 1)  # warm-up: first-request costs land on no point
+    points = []
+    for c in probes.prefill:
+        arrivals = [Arrival(0.0, c, 1, prompt_tokens=p)
+                    for p in _prompts(rng, probes.repeats, c)]
+        points.append(prefill_point(_send(url, model, arrivals, api_key, 1), c))
+        progress(f"  {points[-1].label}: {points[-1].seconds * 1e3:.1f} ms")
+    for b, n in probes.decode:
+        arrivals = [Arrival(0.0, n, probes.outputs, prompt_tokens=p)
+                    for p in _prompts(rng, b, n)]
+        point = decode_point(_send(url, model, arrivals, api_key, None), b, n, probes.outputs)
+        if point is None:
+            progress(f"  decode {b} at {n}: the server never decoded all {b} together; "
+                     "no point")
+            continue
+        points.append(point)
+        progress(f"  {point.label}: {point.seconds * 1e3:.1f} ms")
+    if not any(p.kind == "decode" for p in points):
+        raise ProbeError(f"The server at {url} decoded no probe's requests together; "
+                         "nothing to fit a decode step to.")
+    return points
+
+
+def server_name(url: str) -> str:
+    """A hardware profile name for the server at `url`: `server-<host>-<port>`, in the
+    letters a TOML table name takes bare."""
+    parts = urlsplit(url)
+    where = parts.hostname or "server"
+    if parts.port:
+        where += f"-{parts.port}"
+    return "server-" + re.sub(r"[^A-Za-z0-9_-]", "-", where)
+
+
+def write_server_profiles(url: str, base: ModelProfile, name: str, hw: str, fit: StepFit,
+                          points: list[Point], like: HardwareProfile) -> tuple[Path, Path]:
+    """models/<name>.toml (`base`'s shape, the fit and decode table for `hw`) and
+    hardware/<hw>.toml (the server's card: `like`'s memory and peaks, which a client cannot
+    measure, with the efficiencies the probes reached against them)."""
+    d = user_profiles_dir()
+    (d / "models").mkdir(parents=True, exist_ok=True)
+    (d / "hardware").mkdir(parents=True, exist_ok=True)
+    model = dataclasses.replace(base, name=name)
+    model_path = d / "models" / f"{name}.toml"
+    model_path.write_text(
+        f"# Written by kvdeck calibrate --url {url} ({time.strftime('%Y-%m-%d')}): "
+        f"{base.name}'s shape, the server's steps as its token stream showed them.\n"
+        + model_toml(model) + fit_toml(fit, hw, points))
+    mfu, mbu = efficiencies(points, model, like.bandwidth_bytes_per_s, like.peak_flops)
+    hw_path = d / "hardware" / f"{hw}.toml"
+    hw_path.write_text(
+        f"# Written by kvdeck calibrate --url: the server at {url}.\n"
+        + hardware_toml(hw, f"the server at {url}, on {like.description}", like.memory_bytes,
+                        like.bandwidth_bytes_per_s, like.peak_flops,
+                        like.link_bandwidth_bytes_per_s, mfu, mbu, name,
+                        f"memory and peaks: the {like.name} profile's"))
+    return model_path, hw_path

@@ -1,0 +1,104 @@
+"""`kvdeck calibrate --url`: the step model fitted to a live server from outside, by its token
+stream. Against a real `kvdeck serve` of the paced sim (its steps take their modelled time on
+the wall clock), the probes must find the steps the sim executor prices."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvdeck.runtime.planning.probe import (
+    QUICK,
+    ProbeError,
+    decode_point,
+    prefill_point,
+    probe,
+    server_name,
+)
+from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
+from tests.servers import sim_process
+
+
+def stream(first: float, gaps: list[float], queue: float = 0.0, ttft: float = 0.0) -> dict:
+    return {"first_token": first, "itls": tuple(gaps), "ttft": ttft, "queue_time": queue}
+
+
+def test_decode_points_take_only_the_gaps_while_every_request_decodes() -> None:
+    # `a` starts alone (gaps of 10), `b` joins at 1.03; both end after 1.10: the window is
+    # [1.03, 1.09], where the gaps are 20 — the two-row steps.
+    a = stream(1.00, [0.01, 0.01, 0.01, 0.02, 0.02, 0.02, 0.02])
+    b = stream(1.03, [0.02, 0.02, 0.02, 0.02])
+    p = decode_point([a, b], 2, 100, 8)
+    assert p is not None and p.kind == "decode" and p.new_tokens == 2 and p.sampled == 2
+    assert p.seconds == pytest.approx(0.02)
+    assert p.context == 2 * (104 + 1)
+    # One after the other: no moment when both decode, so no point.
+    assert decode_point([stream(1.0, [0.01] * 3), stream(2.0, [0.01] * 3)], 2, 100, 4) is None
+
+
+def test_a_prefill_point_is_the_time_from_send_to_first_token() -> None:
+    reqs = [stream(0, [], queue=q, ttft=t) for q, t in ((0.0, 0.05), (0.1, 0.16), (0.0, 0.07))]
+    p = prefill_point(reqs, 256)
+    assert p.kind == "prefill" and p.new_tokens == 256 and p.seconds == pytest.approx(0.06)
+
+
+def test_server_profile_names_are_bare_toml_keys() -> None:
+    assert server_name("http://127.0.0.1:8080/v1") == "server-127-0-0-1-8080"
+    assert server_name("https://gpu.example.com/v1") == "server-gpu-example-com"
+
+
+def test_probing_the_paced_sim_finds_the_steps_it_prices(tmp_path) -> None:
+    """The sim prices each step and its pacing makes the step take that long; the probes,
+    through HTTP and the token stream only, must see those steps."""
+    with sim_process("--pace", "1", "--served-model-name", "sim") as srv:
+        points = probe(srv.url, "sim", QUICK, progress=lambda m: None)
+    hw, model = HardwareProfile.load("rtx-pro-6000"), ModelProfile.load("qwen3-8b")
+    from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+
+    sim = SimExecutor(SimConfig())
+    assert sim.hardware == hw and sim.model.name == model.name
+    decode = [p for p in points if p.kind == "decode"]
+    assert {p.new_tokens for p in decode} == {b for b, _ in QUICK.decode}
+    for p in decode:
+        priced = sim.estimate_step_seconds(p.new_tokens, p.pairs, p.context)
+        assert p.seconds == pytest.approx(priced, rel=0.2), p.label
+    prefill = [p for p in points if p.kind == "prefill"]
+    assert len(prefill) == len(QUICK.prefill)
+    for p in prefill:  # the step, plus the request's way in and out: never less
+        assert p.seconds >= 0.9 * sim.estimate_step_seconds(p.new_tokens, p.pairs, p.context)
+
+
+def test_calibrate_url_writes_profiles_the_sim_runs_with(tmp_path) -> None:
+    env = {**os.environ, "KVDECK_CACHE": str(tmp_path)}
+
+    def kvdeck(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvdeck.console.cli", *args],
+                              capture_output=True, text=True, timeout=600, env=env)
+
+    with sim_process("--pace", "1", "--served-model-name", "sim") as srv:
+        r = kvdeck("calibrate", "sim", "--url", srv.url, "--model-profile", "qwen3-8b",
+                   "--like", "rtx-pro-6000", "--quick", "--name", "probed", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    hw = server_name(srv.url)
+    assert out["hardware_profile"].endswith(f"{hw}.toml") and len(out["points"]) >= 3
+    text = (tmp_path / "profiles" / "models" / "probed.toml").read_text()
+    assert f"[fit.{hw}]" in text and f"[decode.{hw}]" in text
+    t = kvdeck("run-trace", "azure-conv", "--limit", "4", "--model-profile", "probed",
+               "--hardware", hw, "--timing", "fit", "--json")
+    assert t.returncode == 0, t.stderr
+    assert sum(json.loads(t.stdout)["summary"]["statuses"].values()) == 4
+    # Nothing answers there: one sentence, no traceback.
+    bad = kvdeck("calibrate", "sim", "--url", "http://127.0.0.1:9/v1", "--model-profile",
+                 "qwen3-8b", "--quick")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "did not finish a probe request" in bad.stderr + bad.stdout
+
+
+def test_no_server_there_is_one_sentence_not_a_fit() -> None:
+    with pytest.raises(ProbeError, match="did not finish"):
+        probe("http://127.0.0.1:9/v1", "sim", QUICK, progress=lambda m: None)
