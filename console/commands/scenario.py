@@ -39,6 +39,11 @@ def list_scenarios(as_json: bool = typer.Option(False, "--json", help="Print JSO
 def run_scenario(
     name: str = typer.Argument(..., help="A scenario's name (kvdeck scenario list)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    console: bool = typer.Option(False, "--console", help="Then run the plan's chosen scheme "
+                                 "in the sim, recorded, and open the run in the console "
+                                 "(plan scenarios)."),
+    record: str = typer.Option(None, "--record", help="Record that run here (default: a "
+                               "temporary folder; implies the run, not the console)."),
 ) -> None:
     """Compute one scenario's figures and set them beside the chapter's; exit 1 when a
     figure is outside its tolerance."""
@@ -78,8 +83,31 @@ def run_scenario(
                       "reproduced rather than predicted.", highlight=False)
         if scenario.note:
             out.print(" ".join(scenario.note.split()), highlight=False)
+    if console or record:
+        _run_recorded(scenario, record, console, as_json)
     if not all(f.holds != f.inconsistent for f in figures):
         raise typer.Exit(1)
+
+
+def _run_recorded(scenario, record: str | None, console: bool, as_json: bool) -> None:
+    """Run the scenario's chosen scheme in the sim, recorded; open it in the console."""
+    import tempfile
+
+    from kvdeck.runtime.planning.scenario_run import record_scenario
+
+    folder = record or tempfile.mkdtemp(prefix=f"kvdeck-{scenario.name}-")
+    scheme, summary = guarded(lambda: record_scenario(scenario.kind, scenario.setup, folder))
+    if not as_json:
+        out.print(f"ran {scheme} in the sim: TTFT p50 {summary['ttft_s']['p50']:.2f} s, "
+                  f"completion {summary['makespan_s']:.2f} s; recorded in {folder}",
+                  highlight=False)
+    if console:
+        from kvdeck.console.screens.replay import ReplayApp
+
+        app = guarded(lambda: ReplayApp(folder))
+        app.run()
+        if app.problem is not None:
+            fail(app.problem)
 
 
 def _show(value: float | str) -> str:

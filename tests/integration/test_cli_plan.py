@@ -92,3 +92,13 @@ def test_scenarios_run_from_the_command_line() -> None:
     bad = kvdeck("scenario", "run", "nope")
     assert bad.returncode == 2 and bad.stderr.startswith("error: No scenario 'nope';")
     assert "Traceback" not in bad.stderr
+
+
+def test_a_scenario_s_chosen_scheme_runs_recorded_for_the_console(tmp_path) -> None:
+    r = kvdeck("scenario", "run", "comprehensive", "--record", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    assert "ran shared prefix + spec dflash-qwen3-8b in the sim" in " ".join(r.stdout.split())
+    replayed = kvdeck("replay", str(tmp_path / "run"), "--summary", "--json")
+    assert json.loads(replayed.stdout)["statuses"] == {"finished_length": 16}
+    other = kvdeck("scenario", "run", "retention-break-even", "--record", str(tmp_path / "x"))
+    assert other.returncode == 2 and "without an engine run to open" in other.stderr

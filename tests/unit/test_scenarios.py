@@ -70,3 +70,25 @@ def test_a_task_s_time_with_a_sped_up_phase_and_added_work() -> None:
     assert task_speedup(0.5, 4.0) == pytest.approx(100 / 62.5)
     with pytest.raises(ValueError, match="no phase draft"):
         task_seconds(task, {"draft": 2.0})
+
+
+def test_a_plan_scenario_runs_its_chosen_scheme_in_the_sim_recorded(tmp_path) -> None:
+    """`scenario run comprehensive --console` runs scheme D (shared prefix + DFlash) in the
+    sim and records it; the recording replays to the same figures."""
+    from kvdeck.runtime.planning.scenario_run import constant_acceptance, record_scenario
+    from kvdeck.runtime.planning.workloads import expected_outputs
+    from kvdeck.runtime.runs.replay import summarize_run
+
+    a = constant_acceptance(3.0, 7)
+    assert expected_outputs((a,) * 7) == pytest.approx(3.0)
+    s = Scenario.load("comprehensive")
+    scheme, summary = record_scenario(s.kind, s.setup, tmp_path / "run")
+    assert scheme == "shared prefix + spec dflash-qwen3-8b"
+    assert summary["statuses"] == {"finished_length": 16}
+    replayed = summarize_run(tmp_path / "run")
+    assert replayed["ttft_s"] == summary["ttft_s"] and replayed["e2e_s"] == summary["e2e_s"]
+    # The run speculated at DFlash's measured rate: about 3 tokens a round.
+    spec = replayed["steps"]
+    assert spec["computed_tokens"] > spec["wasted_tokens"]["rejected drafts"] > 0
+    with pytest.raises(ConfigError, match="computes its figures without an engine run"):
+        record_scenario("retention", {}, tmp_path / "no")
