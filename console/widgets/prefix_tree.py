@@ -1,5 +1,7 @@
 """Prefix tree panel: the shared-prefix structure as a collapsible tree of token spans with
-users, hits, last access and evictability. The snapshot already folds single-child chains
+users, hits, the retention value (estimated hit chance `p`, `V_h = p·T_r` in ms of
+recompute saved, and `p*`, the hit chance above which keeping it on the host tier pays;
+live engines only), last access and evictability. The snapshot already folds single-child chains
 into segments. The tree is rebuilt from each snapshot, keeping the segments the operator
 collapsed and the cursor's segment."""
 
@@ -10,6 +12,11 @@ from textual import events
 from textual.widgets import Tree
 
 from kvdeck.runtime.views.snapshot import EngineSnapshot
+
+
+def _p(p: float) -> str:
+    """A break-even probability: above 1 (or infinite) no hit rate makes the host pay."""
+    return f"{p:.2g}" if p <= 1 else "never"
 
 
 class PrefixTreePanel(Tree[int]):
@@ -63,7 +70,11 @@ class PrefixTreePanel(Tree[int]):
                          style="bold yellow" if on_path else "bold")
             if n.num_blocks > 1:
                 label.append(f" {n.num_blocks} blocks", style="dim")
-            label.append(f" users {n.num_users} hits {n.hits} last step {n.last_access}")
+            label.append(f" users {n.num_users} hits {n.hits}")
+            if n.value_ms is not None:  # V_h = p·T_r; on the host it pays above p*
+                label.append(f" p {n.p_hit:.2f} V {n.value_ms:.2g} ms p* "
+                             f"{_p(n.break_even)}", style="cyan")
+            label.append(f" last step {n.last_access}")
             if n.on_host:
                 label.append(" on host (demoted)", style="yellow")
             elif n.evictable:

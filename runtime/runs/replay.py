@@ -307,7 +307,8 @@ class TraceState:
             knobs=knobs,
             waiting=tuple(self._view(r) for r in live if r.status is not RequestStatus.RUNNING),
             running=tuple(self._view(r) for r in live if r.status is RequestStatus.RUNNING),
-            batch=self.last_batch, kv=kv, prefix_nodes=tuple(summarize_tree(tree)),
+            batch=self.last_batch, kv=kv,
+            prefix_nodes=tuple(summarize_tree(tree, values=False)),  # its cost is not the engine's
             num_finished=counts.get("finished_stopped", 0) + counts.get("finished_length", 0),
             num_rejected=counts.get("rejected", 0), num_aborted=counts.get("aborted", 0),
             num_preemptions=self.num_preemptions,

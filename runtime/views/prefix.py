@@ -31,13 +31,30 @@ class NodeSummary:
     evictable: bool
     on_host: bool = False
     """The segment is demoted to the host tier."""
+    p_hit: float | None = None
+    """Estimated chance a lookup hits the segment's first block: `(hits + 1) / (lookups since
+    it was made + 2)` (the prefix tree's own estimate, `PrefixTree.retention_value`)."""
+    value_ms: float | None = None
+    """`V_h` of that block on the device: `p_hit × T_r`, the recompute time a lookup is
+    expected to save by its being kept (ms). None where the recompute cost is not the
+    engine's (a replay)."""
+    break_even: float | None = None
+    """The hit probability above which keeping it on the host tier saves time
+    (`PrefixTree.break_even`); None as `value_ms`."""
 
 
-def summarize_tree(tree: PrefixTree, limit: int = 256, max_nodes: int = 2048
-                   ) -> list[NodeSummary]:
+VALUED = 32
+"""Segments a snapshot prices the retention value of (the rest show none)."""
+
+
+def summarize_tree(tree: PrefixTree, limit: int = 256, max_nodes: int = 2048,
+                   values: bool = True) -> list[NodeSummary]:
     """Up to `limit` segments, depth first, the most used and most hit siblings first,
     visiting at most `max_nodes` nodes: the shared parts of a large tree come first, and
-    a snapshot stays cheap when hundreds of requests hold long private chains."""
+    a snapshot stays cheap when hundreds of requests hold long private chains. `values`:
+    the retention value and break-even of the first `VALUED` segments — the shared ones
+    come first; each costs a step-time estimate (the tree's recompute cost must be the
+    engine's: a replay's is not)."""
     out: list[NodeSummary] = []
     rc = tree.pool.refcount
     p = tree.block_size
@@ -65,9 +82,17 @@ def summarize_tree(tree: PrefixTree, limit: int = 256, max_nodes: int = 2048
         budget -= n
         # A lookup touches a whole chain from the root, so hits never grow along a
         # chain: the segment's first node has the most.
+        value = _value(tree, first) if values and len(out) < VALUED else (None, None, None)
         out.append(NodeSummary(first.node_id, parent_id, first.block,
                                first.depth_tokens - p, last.depth_tokens, n,
                                max(count - 1, 0), first.hits, access, count <= 1,
-                               first.on_host))
+                               first.on_host, *value))
         stack.extend((c, first.node_id) for c in reversed(order(children.values())))
     return out
+
+
+def _value(tree: PrefixTree, node: PrefixNode) -> tuple[float, float, float]:
+    """(p_hit, V_h in ms, host break-even) of `node`, as the tree's value policy weighs it."""
+    p_hit = (node.hits + 1) / (tree.num_lookups - node.created_lookup + 2)
+    return p_hit, tree.retention_value(node) * tree.bytes_per_block * 1e3, \
+        tree.break_even(node)

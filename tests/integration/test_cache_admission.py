@@ -79,3 +79,27 @@ def test_the_window_forgets_old_sightings() -> None:
     # Another namespace (another KV format) is another prefix.
     a.on_admit("r6", "other", blocks, first=True)
     assert not a.allows("r6", 0, blocks[0], "other")
+
+
+def test_the_prefix_panel_prices_each_segment_as_the_value_policy_does() -> None:
+    """A prefix shared by every request is more likely hit, and worth more, than the private
+    tails; on the reference card's PCIe link keeping it on the host pays above a small
+    break-even hit chance."""
+    from kvdeck.runtime.core.config import EngineConfig, Knobs
+    from kvdeck.runtime.core.engine import Engine
+    from kvdeck.runtime.executors.sim import SimExecutor
+    from kvdeck.runtime.runs.runner import run_arrivals
+    from kvdeck.runtime.runs.trace import Arrival
+    from kvdeck.runtime.views.snapshot import snapshot_of
+
+    engine = Engine(EngineConfig(knobs=Knobs(max_num_batched_tokens=4096, chunk_size=4096)),
+                    SimExecutor())
+    run_arrivals(engine, [Arrival(0.1 * i, 2048 + 256, 8, prefix_group="sys", prefix_len=2048)
+                          for i in range(6)], vocab_size=32_000)
+    engine.check_integrity()
+    nodes = snapshot_of(engine).prefix_nodes
+    shared = next(n for n in nodes if n.start_token == 0)
+    tails = [n for n in nodes if n.start_token > 0]
+    assert shared.hits == 5 and tails
+    assert all(shared.p_hit > t.p_hit and shared.value_ms > t.value_ms for t in tails)
+    assert 0 < shared.break_even < 0.1

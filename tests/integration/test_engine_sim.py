@@ -4,6 +4,7 @@ and the executor-failure contract."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,10 @@ def view_of(snap: EngineSnapshot) -> dict:
     window = (bytes(g if s else 0 for s, g in zip(snap.kv.states, w.page_groups,
                                                    strict=True)),
               w.full_pages, w.window_pages) if w else None
-    return {"states": snap.kv.states, "prefix": snap.prefix_nodes, "window": window,
+    # A segment's retention value is the live engine's (its recompute cost): not replayed.
+    prefix = tuple(replace(n, p_hit=None, value_ms=None, break_even=None)
+                   for n in snap.prefix_nodes)
+    return {"states": snap.kv.states, "prefix": prefix, "window": window,
             "running": requests(snap.running), "waiting": requests(snap.waiting),
             "recent": {k: v for k, v in snap.recent.items()},
             "counts": (snap.num_finished, snap.num_rejected, snap.num_aborted,
