@@ -43,7 +43,11 @@ from kvdeck.runtime.planning.step_time import (
     padded_rows,
     roofline_seconds,
 )
-from kvdeck.runtime.planning.workloads import DraftSource, Workload, expected_outputs
+from kvdeck.runtime.planning.workloads import (
+    DraftSource,
+    Workload,
+    constant_acceptance,
+)
 
 TIMINGS = ("auto", "measured", "fit", "roofline")
 OFFLOAD_BUFFERS = 2
@@ -489,7 +493,7 @@ class Planner:
         base = scheme.draft
         for tenths in range(11, 161):
             target = tenths / 10
-            rate = self._rate_for(target, 15)
+            rate = constant_acceptance(target, 15)
             d = DraftSource("needed", "", "*", "parallel", 15,
                             base.weight_bytes if base else 0,
                             base.extra_memory_bytes if base else 0,
@@ -497,18 +501,6 @@ class Planner:
             if self.evaluate(replace(scheme, draft=d)).feasible:
                 return target
         return None
-
-    @staticmethod
-    def _rate_for(target: float, m: int) -> float:
-        """The constant conditional acceptance `a` with `1 + a + … + a^m = target`."""
-        lo, hi = 0.0, 1.0
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            if expected_outputs((mid,) * m) < target:
-                lo = mid
-            else:
-                hi = mid
-        return hi
 
     def figures(self) -> dict:
         """The plan's worked numbers (per format): KV bytes per token, blocks per request,

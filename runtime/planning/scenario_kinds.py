@@ -8,7 +8,6 @@ never reach these functions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
@@ -20,21 +19,11 @@ def _plan(setup: dict) -> dict[str, float | str]:
     """The planner on the setup's profiles and budget, over its lettered schemes: each
     scheme's memory (GiB), TTFT and completion (s) and steps after the first token, and the
     letter of the chosen one (`none` when nothing is feasible)."""
-    from kvdeck.runtime.planning.planner import Planner
-    from kvdeck.runtime.planning.schemes import parse_scheme
-    from kvdeck.runtime.planning.workloads import DraftSource, Workload
+    from kvdeck.runtime.planning.scenario_run import planner_of
 
-    hw = HardwareProfile.load(setup.get("hardware", "rtx-pro-6000"))
-    model = ModelProfile.load(setup.get("model", "qwen3-8b"))
-    workload = Workload.load(setup.get("workload", "long-burst"))
-    if "output_tokens" in setup:
-        workload = replace(workload, output_tokens=int(setup["output_tokens"]))
-    drafts = [DraftSource.load(n) for n in setup.get("drafts", [])]
-    letters = dict(setup["schemes"])
-    planner = Planner(hw, model, workload, float(setup["kv_budget_gib"]) * GIB,
-                      setup.get("deadline_s"), drafts)
-    schemes = [parse_scheme(text, drafts) for text in letters.values()]
-    plan = planner.plan(only=schemes)
+    planner, letters = planner_of(setup)
+    workload = planner.workload
+    plan = planner.plan(only=list(letters.values()))
     out: dict[str, float | str] = {}
     for letter, r in zip(letters, plan.results, strict=True):
         out[f"{letter}.memory_gib"] = r.memory_bytes / GIB

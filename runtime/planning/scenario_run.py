@@ -30,25 +30,16 @@ from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.planning.planner import Planner
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
 from kvdeck.runtime.planning.schemes import Scheme, parse_scheme
-from kvdeck.runtime.planning.workloads import DraftSource, Workload, expected_outputs
+from kvdeck.runtime.planning.workloads import (
+    DraftSource,
+    Workload,
+    constant_acceptance,
+)
 from kvdeck.runtime.runs.recording import record_headless
 from kvdeck.runtime.runs.runner import run_arrivals
 from kvdeck.runtime.runs.trace import Arrival
 
 GIB = 2**30
-
-
-def constant_acceptance(tokens_per_round: float, length: int) -> float:
-    """The per-position acceptance `a` at which a round of `length` drafts emits
-    `tokens_per_round` tokens on average (`1 + a + … + a^length`), by bisection."""
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if expected_outputs((mid,) * length) < tokens_per_round:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 def _speculation(draft: DraftSource) -> tuple[dict, dict]:
@@ -63,19 +54,28 @@ def _speculation(draft: DraftSource) -> tuple[dict, dict]:
     return sim, knobs
 
 
-def chosen_scheme(setup: dict) -> tuple[Scheme, Workload, bool]:
-    """The setup's plan: the chosen scheme (else the first), the workload, and whether
-    anything was feasible."""
+def planner_of(setup: dict) -> tuple[Planner, dict[str, Scheme]]:
+    """A plan scenario's planner (its profiles, workload, budget, deadline and draft
+    sources) and its schemes by letter."""
     hw = HardwareProfile.load(setup.get("hardware", "rtx-pro-6000"))
     model = ModelProfile.load(setup.get("model", "qwen3-8b"))
     workload = Workload.load(setup.get("workload", "long-burst"))
     if "output_tokens" in setup:
         workload = replace(workload, output_tokens=int(setup["output_tokens"]))
     drafts = [DraftSource.load(n) for n in setup.get("drafts", [])]
-    schemes = [parse_scheme(text, drafts) for text in dict(setup["schemes"]).values()]
-    plan = Planner(hw, model, workload, float(setup["kv_budget_gib"]) * GIB,
-                   setup.get("deadline_s"), drafts).plan(only=schemes)
-    return (plan.choice.scheme if plan.choice is not None else schemes[0]), workload, \
+    schemes = {letter: parse_scheme(text, drafts)
+               for letter, text in dict(setup["schemes"]).items()}
+    return Planner(hw, model, workload, float(setup["kv_budget_gib"]) * GIB,
+                   setup.get("deadline_s"), drafts), schemes
+
+
+def chosen_scheme(setup: dict) -> tuple[Scheme, Workload, bool]:
+    """The setup's plan: the chosen scheme (else the first), the workload, and whether
+    anything was feasible."""
+    planner, schemes = planner_of(setup)
+    plan = planner.plan(only=list(schemes.values()))
+    first = next(iter(schemes.values()))
+    return (plan.choice.scheme if plan.choice is not None else first), planner.workload, \
         plan.choice is not None
 
 

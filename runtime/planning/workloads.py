@@ -89,6 +89,19 @@ def expected_outputs(acceptance: tuple[float, ...]) -> float:
     return total
 
 
+def constant_acceptance(target: float, m: int) -> float:
+    """The constant conditional acceptance `a` with `1 + a + … + a^m = target` (by
+    bisection): a measured mean tokens per round as a per-position rate."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_outputs((mid,) * m) < target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
 @dataclass(frozen=True)
 class DraftSource:
     """A speculative-decoding draft source as the planner prices it."""
