@@ -173,7 +173,7 @@ def llama_server(gguf: Path, alias: str, threads: int, repack: bool = True) -> S
         f"llama-server {line.split(':', 1)[-1].strip()} ({LLAMA_SERVER_SPEC})")
 
 
-def vllm(gguf: Path, alias: str, threads: int) -> Server:
+def vllm(gguf: Path, alias: str, threads: int, *flags: str) -> Server:
     """vLLM's CPU build in bf16 with prefix caching, eager (no graph capture on CPU),
     its OpenMP threads bound to the first `threads` cores."""
     py = vllm_python()
@@ -185,7 +185,7 @@ def vllm(gguf: Path, alias: str, threads: int) -> Server:
         str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
         "--served-model-name", alias, "--host", "127.0.0.1", "--port", str(port),
         "--enforce-eager", "--max-model-len", "4096", "--dtype", "bfloat16",
-        "--enable-prefix-caching"], f"http://127.0.0.1:{port}/v1",
+        "--enable-prefix-caching", *flags], f"http://127.0.0.1:{port}/v1",
         f"vLLM {version} ({VLLM_SPEC})",
         env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
              "HF_HUB_OFFLINE": "1"})

@@ -100,8 +100,9 @@ def figures(summary: dict) -> dict[str, float]:
             "output_tokens_per_s": summary["output_tokens_per_s"]}
 
 
-def compare(server: peers.Server, folder: Path) -> list[dict]:
-    """Calibrate against `server` from outside, then predict and measure both traces."""
+def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[dict]:
+    """Calibrate against `server` from outside, then predict (the sim run with `sim_flags`,
+    the server's own batching settings) and measure both traces."""
     hw = server_name(server.url)
     points = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None)
     fit = fit_step_model(points)
@@ -112,7 +113,7 @@ def compare(server: peers.Server, folder: Path) -> list[dict]:
     for trace, path in write_traces(folder, fit).items():
         predicted = figures(kvdeck_cli(
             "run-trace", str(path), "--executor", "sim", "--model-profile", profile,
-            "--hardware", hw, "--timing", "fit", "--max-num-seqs", str(MAX_SEQS)))
+            "--hardware", hw, "--timing", "fit", *sim_flags))
         measured = figures(kvdeck_cli("bench", str(path), "--url", server.url, "--model",
                                       DEFAULT_MODEL))
         rows.append({"server": server.name, "trace": trace, "predicted": predicted,
@@ -124,16 +125,22 @@ def compare(server: peers.Server, folder: Path) -> list[dict]:
     return rows
 
 
-def servers(with_peers: bool) -> list[peers.Server]:
+def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
     """kvdeck's own executors, or (`with_peers`) the servers users would pick instead:
     llama-server with 8 slots (`--no-repack`: the one start that works on every CPU here)
-    and vLLM's CPU build."""
+    and vLLM's CPU build; each with the batching settings the sim runs its prediction with
+    (the server's own: kvdeck's real executors' token budget of 512 and chunk of 256,
+    llama-server's batch of 2,048, vLLM told 2,048)."""
+    seqs = ["--max-num-seqs", str(MAX_SEQS)]
     if not with_peers:
-        return [peers.kvdeck(ex, DEFAULT_MODEL, THREADS, "--max-num-seqs", str(MAX_SEQS))
+        return [(peers.kvdeck(ex, DEFAULT_MODEL, THREADS, *seqs),
+                 [*seqs, "--max-num-batched-tokens", "512", "--chunk-size", "256"])
                 for ex in ("llama_cpp", "torch")]
     gguf = resolve_model(DEFAULT_MODEL)
-    return [peers.llama_server(gguf, DEFAULT_MODEL, THREADS, repack=False),
-            peers.vllm(gguf, DEFAULT_MODEL, THREADS)]
+    wide = [*seqs, "--max-num-batched-tokens", "2048", "--chunk-size", "2048"]
+    return [(peers.llama_server(gguf, DEFAULT_MODEL, THREADS, repack=False), wide),
+            (peers.vllm(gguf, DEFAULT_MODEL, THREADS, *seqs, "--max-num-batched-tokens",
+                        "2048"), wide)]
 
 
 def show(rows: list[dict]) -> None:
@@ -157,10 +164,10 @@ def main(with_peers: bool = False, out_dir: Path = Path("bench-results")) -> lis
           "the server (ratio = predicted / measured)", flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for server in servers(with_peers):
+        for server, sim_flags in servers(with_peers):
             try:
                 server.start(DEFAULT_MODEL)
-                rows += compare(server, Path(tmp))
+                rows += compare(server, sim_flags, Path(tmp))
             except peers.ServerDied as e:
                 print(f"{server.name}: {e}; left out", flush=True)
             finally:

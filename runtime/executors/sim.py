@@ -304,9 +304,11 @@ class SimExecutor:
         return t, out
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
-                              num_context_tokens: int) -> float:
+                              num_context_tokens: int, num_sampled: int = 0) -> float:
         """Priced with its padding under execution shapes (padding rows attend nothing and
-        read no KV: they cost matmul rows)."""
+        read no KV: they cost matmul rows). `num_sampled`: rows through the output head,
+        which a fit with a per-sample term prices (`execute` knows them; the scheduler's
+        estimates, which do not, leave them out)."""
         num_new_tokens = padded_rows(num_new_tokens, self.buckets)
         if self.measured is not None:
             return self.measured.seconds(self.model, self.hardware, self.weight_bytes,
@@ -318,7 +320,8 @@ class SimExecutor:
             extra = (self.weight_bytes - self.model.matrix_weight_bytes
                      + num_context_tokens * (self._kv_bytes_per_token
                                              - self._fitted_kv_bytes_per_token))
-            return fitted_seconds(self.fit, self.hardware, extra, num_new_tokens, num_pairs)
+            return fitted_seconds(self.fit, self.hardware, extra, num_new_tokens, num_pairs,
+                                  num_sampled)
         return roofline_seconds(self.model, self.hardware, self.weight_bytes,
                                 self._kv_bytes_per_token, num_new_tokens, num_pairs,
                                 num_context_tokens)
@@ -360,7 +363,7 @@ class SimExecutor:
         self.num_steps += 1
         if self.num_steps == self.config.fail_at_step:
             raise RuntimeError(f"injected failure at step {self.num_steps} (fail_at_step)")
-        num_new = num_pairs = context = 0
+        num_new = num_pairs = context = rows_sampled = 0
         sampled: dict[str, int] = {}
         spec: dict[str, list[int]] = {}
         token = self._token
@@ -372,7 +375,9 @@ class SimExecutor:
             context += start + n
             if chunk.num_draft:
                 spec[chunk.request.request_id] = self._verify(chunk)
+                rows_sampled += n  # verification scores every position
             elif chunk.sample:
+                rows_sampled += 1
                 for req in (chunk.request, *chunk.branches):
                     tok = token(req.request_id, start + n)
                     if len(req.output_token_ids) < req.sampling.min_tokens and (
@@ -383,7 +388,8 @@ class SimExecutor:
                         while tok in req.sampling.stop_token_ids:
                             tok = (tok + 1) % self.config.vocab_size
                     sampled[req.request_id] = tok
-        seconds = self.estimate_step_seconds(num_new, num_pairs, context) if plan.chunks else 0.0
+        seconds = self.estimate_step_seconds(num_new, num_pairs, context, rows_sampled) \
+            if plan.chunks else 0.0
         transfers: list[Transfer] = []
         if plan.transfers:
             copy_seconds, transfers = self._price_transfers(plan.transfers)
