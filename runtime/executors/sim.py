@@ -363,7 +363,7 @@ class SimExecutor:
         self.num_steps += 1
         if self.num_steps == self.config.fail_at_step:
             raise RuntimeError(f"injected failure at step {self.num_steps} (fail_at_step)")
-        num_new = num_pairs = context = rows_sampled = 0
+        num_new = num_pairs = context = verify_rows = 0
         sampled: dict[str, int] = {}
         spec: dict[str, list[int]] = {}
         token = self._token
@@ -375,9 +375,8 @@ class SimExecutor:
             context += start + n
             if chunk.num_draft:
                 spec[chunk.request.request_id] = self._verify(chunk)
-                rows_sampled += n  # verification scores every position
+                verify_rows += n  # verification scores every position
             elif chunk.sample:
-                rows_sampled += 1
                 for req in (chunk.request, *chunk.branches):
                     tok = token(req.request_id, start + n)
                     if len(req.output_token_ids) < req.sampling.min_tokens and (
@@ -388,7 +387,11 @@ class SimExecutor:
                         while tok in req.sampling.stop_token_ids:
                             tok = (tok + 1) % self.config.vocab_size
                     sampled[req.request_id] = tok
-        seconds = self.estimate_step_seconds(num_new, num_pairs, context, rows_sampled) \
+        # Rows through the output head: one per sampled token (a prompt's first samples,
+        # n > 1, share one row and count once each: a few rows, once) and every verified
+        # position; counted outside the hot loop.
+        seconds = self.estimate_step_seconds(num_new, num_pairs, context,
+                                             len(sampled) + verify_rows) \
             if plan.chunks else 0.0
         transfers: list[Transfer] = []
         if plan.transfers:

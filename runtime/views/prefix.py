@@ -4,16 +4,16 @@ parts first (`PrefixTree` keeps blocks; this reads it)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvdeck.runtime.kv.prefix_node import PrefixNode
 from kvdeck.runtime.kv.prefix_tree import PrefixTree
 
 
-@dataclass(frozen=True)
-class NodeSummary:
+class NodeSummary(NamedTuple):
     """What the snapshot shows of the tree: one segment, a chain of blocks in which every
-    block but the last has exactly one child and all have the same users (radix-style)."""
+    block but the last has exactly one child and all have the same users (radix-style).
+    A tuple: a snapshot builds hundreds, up to ten times a second."""
 
     node_id: int
     """Id of the segment's first node."""
@@ -44,7 +44,8 @@ class NodeSummary:
 
 
 VALUED = 32
-"""Segments a snapshot prices the retention value of (the rest show none)."""
+"""Shared or unused segments a snapshot prices the retention value of (the rest, and a
+running request's own tail, show none)."""
 
 
 def summarize_tree(tree: PrefixTree, limit: int = 256, max_nodes: int = 2048,
@@ -52,13 +53,14 @@ def summarize_tree(tree: PrefixTree, limit: int = 256, max_nodes: int = 2048,
     """Up to `limit` segments, depth first, the most used and most hit siblings first,
     visiting at most `max_nodes` nodes: the shared parts of a large tree come first, and
     a snapshot stays cheap when hundreds of requests hold long private chains. `values`:
-    the retention value and break-even of the first `VALUED` segments — the shared ones
-    come first; each costs a step-time estimate (the tree's recompute cost must be the
-    engine's: a replay's is not)."""
+    the retention value and break-even of the first `VALUED` segments that are shared or
+    cached with no user — the shared ones come first; each costs a step-time estimate (the
+    tree's recompute cost must be the engine's: a replay's is not)."""
     out: list[NodeSummary] = []
     rc = tree.pool.refcount
     p = tree.block_size
     budget = max_nodes
+    valued = 0
 
     def order(nodes: Iterable[PrefixNode]) -> list[PrefixNode]:
         return sorted(nodes, key=lambda n: (-users(n), -n.hits, n.node_id))
@@ -82,7 +84,11 @@ def summarize_tree(tree: PrefixTree, limit: int = 256, max_nodes: int = 2048,
         budget -= n
         # A lookup touches a whole chain from the root, so hits never grow along a
         # chain: the segment's first node has the most.
-        value = _value(tree, first) if values and len(out) < VALUED else (None, None, None)
+        # Priced where eviction or retention is a question: blocks shared by several
+        # requests, or cached with none (a running request's own tail cannot be evicted).
+        priced = values and valued < VALUED and (count > 2 or count <= 1)
+        value = _value(tree, first) if priced else (None, None, None)
+        valued += priced
         out.append(NodeSummary(first.node_id, parent_id, first.block,
                                first.depth_tokens - p, last.depth_tokens, n,
                                max(count - 1, 0), first.hits, access, count <= 1,

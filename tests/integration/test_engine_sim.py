@@ -4,7 +4,6 @@ and the executor-failure contract."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -75,7 +74,7 @@ def view_of(snap: EngineSnapshot) -> dict:
                                                    strict=True)),
               w.full_pages, w.window_pages) if w else None
     # A segment's retention value is the live engine's (its recompute cost): not replayed.
-    prefix = tuple(replace(n, p_hit=None, value_ms=None, break_even=None)
+    prefix = tuple(n._replace(p_hit=None, value_ms=None, break_even=None)
                    for n in snap.prefix_nodes)
     return {"states": snap.kv.states, "prefix": prefix, "window": window,
             "running": requests(snap.running), "waiting": requests(snap.waiting),

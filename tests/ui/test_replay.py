@@ -119,7 +119,7 @@ async def replay_equals_live(run: Path, live: dict[int, EngineSnapshot]) -> None
                 # A segment's retention value is the live engine's (its recompute cost,
                 # an online fit on a real executor): a replay shows none.
                 shown = replace(live[step], prefix_nodes=tuple(
-                    replace(n, p_hit=None, value_ms=None, break_even=None)
+                    n._replace(p_hit=None, value_ms=None, break_even=None)
                     for n in live[step].prefix_nodes))
                 for panel in SNAPSHOT_PANELS:
                     app.query_one(panel).show(shown)
