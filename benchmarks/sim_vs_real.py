@@ -2,6 +2,7 @@
 
     python -m benchmarks.sim_vs_real            # kvdeck serve, llama_cpp and torch executors
     python -m benchmarks.sim_vs_real --peers    # llama-server and vLLM's CPU build instead
+    python -m benchmarks.sim_vs_real --peers --only llama-server    # one of them
 
 `make bench` runs the first, `make clients` the second (the peers install into
 `.venv-clients/` on first use, as for `make bench-serve`).
@@ -130,7 +131,9 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
     llama-server with 8 slots (`--no-repack`: the one start that works on every CPU here)
     and vLLM's CPU build; each with the batching settings the sim runs its prediction with
     (the server's own: kvdeck's real executors' token budget of 512 and chunk of 256,
-    llama-server's batch of 2,048, vLLM told 2,048)."""
+    llama-server's batch of 2,048, vLLM told 2,048). llama-server's slots share no prefix
+    with each other (a slot reuses only its own previous prompt), so its prediction runs
+    with prefix caching off."""
     seqs = ["--max-num-seqs", str(MAX_SEQS)]
     if not with_peers:
         return [(peers.kvdeck(ex, DEFAULT_MODEL, THREADS, *seqs),
@@ -138,7 +141,8 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
                 for ex in ("llama_cpp", "torch")]
     gguf = resolve_model(DEFAULT_MODEL)
     wide = [*seqs, "--max-num-batched-tokens", "2048", "--chunk-size", "2048"]
-    return [(peers.llama_server(gguf, DEFAULT_MODEL, THREADS, repack=False), wide),
+    return [(peers.llama_server(gguf, DEFAULT_MODEL, THREADS, repack=False),
+             [*wide, "--no-enable-prefix-caching"]),
             (peers.vllm(gguf, DEFAULT_MODEL, THREADS, *seqs, "--max-num-batched-tokens",
                         "2048"), wide)]
 
@@ -158,13 +162,17 @@ def show(rows: list[dict]) -> None:
               f"{'within' if held else 'MISSES'} ±{bound:.0%}")
 
 
-def main(with_peers: bool = False, out_dir: Path = Path("bench-results")) -> list[dict]:
+def main(with_peers: bool = False, out_dir: Path = Path("bench-results"),
+         only: str = "") -> list[dict]:
+    """Every server's rows (`only`: the servers whose name contains it)."""
     print("The simulator against real servers: the step model fitted to each from outside "
           "(kvdeck calibrate --url), then each trace predicted by the sim and measured on "
           "the server (ratio = predicted / measured)", flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for server, sim_flags in servers(with_peers):
+            if only and only not in server.name:
+                continue
             try:
                 server.start(DEFAULT_MODEL)
                 rows += compare(server, sim_flags, Path(tmp))
@@ -179,4 +187,5 @@ def main(with_peers: bool = False, out_dir: Path = Path("bench-results")) -> lis
 
 
 if __name__ == "__main__":
-    main("--peers" in sys.argv[1:])
+    args = sys.argv[1:]
+    main("--peers" in args, only=args[args.index("--only") + 1] if "--only" in args else "")
