@@ -387,9 +387,9 @@ class SimExecutor:
                         while tok in req.sampling.stop_token_ids:
                             tok = (tok + 1) % self.config.vocab_size
                     sampled[req.request_id] = tok
-        # Rows through the output head: one per sampled token (a prompt's first samples,
-        # n > 1, share one row and count once each: a few rows, once) and every verified
-        # position; counted outside the hot loop.
+        # Rows through the output head, counted outside the hot loop: one per sampled token
+        # and every verified position (the n > 1 samples of one prompt share its last row
+        # but count one each: a few rows too many, at one step).
         seconds = self.estimate_step_seconds(num_new, num_pairs, context,
                                              len(sampled) + verify_rows) \
             if plan.chunks else 0.0
