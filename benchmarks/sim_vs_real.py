@@ -37,6 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks import peers
+from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 from kvdeck.runtime.planning.calibrate import fit_step_model
 from kvdeck.runtime.planning.probe import FULL, probe, server_name, write_server_profiles
@@ -57,8 +58,6 @@ TOLERANCE = {"kvdeck (llama_cpp)": 0.15, "kvdeck (torch)": 0.15, "llama-server":
 
 def alone_seconds(fit: StepFit, prompt: int, outputs: int) -> float:
     """One request alone through the fitted model: its prefill, then one step per output."""
-    from kvdeck.runtime.core.step_data import causal_pairs
-
     prefill = fit.seconds(prompt, causal_pairs(prompt, 0), 1)
     decode = sum(fit.seconds(1, causal_pairs(1, prompt + i), 1) for i in range(outputs - 1))
     return prefill + decode
@@ -120,9 +119,7 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
         rows.append({"server": server.name, "trace": trace, "predicted": predicted,
                      "measured": measured,
                      "ratio": {k: predicted[k] / measured[k] for k in predicted},
-                     "fit": {"fixed_ms": fit.fixed_s * 1e3, "per_token_us": fit.per_token_s * 1e6,
-                             "per_pair_ns": fit.per_pair_s * 1e9,
-                             "per_sample_us": fit.per_sample_s * 1e6}})
+                     "fit": fit.to_json()})
     return rows
 
 

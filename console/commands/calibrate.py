@@ -70,7 +70,7 @@ def calibrate(
     measured = HardwareProfile.load(hw)
     rows = _rows(points, fit)
     if as_json:
-        print_json({"fit": _fit_json(fit), "points": rows,
+        print_json({"fit": fit.to_json(), "points": rows,
                     "model_profile": str(model_file), "hardware_profile": str(hw_file),
                     "mfu": measured.mfu, "mbu": measured.mbu,
                     "bandwidth_bytes_per_s": bandwidth, "peak_flops": flops,
@@ -90,11 +90,6 @@ def _rows(points, fit) -> list[dict]:
     for r in rows:
         r["error_pct"] = 100 * (r["fit_ms"] - r["measured_ms"]) / r["measured_ms"]
     return rows
-
-
-def _fit_json(fit) -> dict:
-    return {"fixed_ms": fit.fixed_s * 1e3, "per_token_us": fit.per_token_s * 1e6,
-            "per_pair_ns": fit.per_pair_s * 1e9, "per_sample_us": fit.per_sample_s * 1e6}
 
 
 def _table(rows: list[dict], fit) -> None:
@@ -136,7 +131,7 @@ def _from_server(url: str, model: str, api_key: str | None, model_profile: str |
     model_file, hw_file = write_server_profiles(url, base, profile, hw, fit, points, card)
     rows = _rows(points, fit)
     if as_json:
-        print_json({"fit": _fit_json(fit), "points": rows, "model_profile": str(model_file),
+        print_json({"fit": fit.to_json(), "points": rows, "model_profile": str(model_file),
                     "hardware_profile": str(hw_file), "url": url})
         return
     _table(rows, fit)

@@ -158,7 +158,7 @@ class StepRecord:
         """Nothing happened: no record is written for such a step."""
         return not (self.plan or self.knobs or self.arrived or self.finished or self.rejected
                     or self.forked or self.kv or self.switches or self.transfers
-                    or self.preempted or self.dropped)
+                    or self.preempted)
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"kind": self.kind, "step": self.step, "t0": self.t0}

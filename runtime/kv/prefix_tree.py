@@ -310,11 +310,14 @@ class PrefixTree:
         """Cached blocks no request uses; all of them can be evicted, leaves first."""
         return self.pool.num_cached_only
 
+    def hit_chance(self, node: PrefixNode) -> float:
+        """`p_h`: (hits + 1) / (lookups since `node` was cached + 2)."""
+        return (node.hits + 1) / (self.num_lookups - node.created_lookup + 2)
+
     def retention_value(self, node: PrefixNode, tier: str = "device") -> float:
         """`V_h = p_h·(T_r − T_f) − T_m` per byte of keeping `node` on `tier`: on the device
         `T_f = T_m = 0`; on the host both are one copy over the link."""
-        lookups = self.num_lookups - node.created_lookup
-        p_hit = (node.hits + 1) / (lookups + 2)
+        p_hit = self.hit_chance(node)
         t_recompute = self.recompute_cost(node.depth_tokens - self.block_size, self.block_size)
         if tier == "device":
             return p_hit * t_recompute / self.bytes_per_block

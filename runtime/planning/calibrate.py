@@ -178,10 +178,7 @@ def model_toml(m: ModelProfile) -> str:
 def fit_toml(fit: StepFit, hw: str, points: list[Point]) -> str:
     """`[fit.<hw>]` and, where decode steps were measured, `[decode.<hw>]`."""
     decode = [p for p in points if p.kind == "decode"]
-    return (f"[fit.{hw}]\nfixed_ms = {fit.fixed_s * 1e3:.6f}\n"
-            f"per_token_us = {fit.per_token_s * 1e6:.6f}\n"
-            f"per_pair_ns = {fit.per_pair_s * 1e9:.6f}\n"
-            f"per_sample_us = {fit.per_sample_s * 1e6:.6f}\n"
+    return (f"[fit.{hw}]\n" + "".join(f"{k} = {v:.6f}\n" for k, v in fit.to_json().items())
             + (f"\n# Measured decode steps, [batch, context, ms]: kvdeck plan interpolates them.\n"
                f"[decode.{hw}]\npoints = [" + ", ".join(
                    f"[{p.new_tokens}, {p.context // p.new_tokens - 1}, {p.seconds * 1e3:.3f}]"
@@ -202,16 +199,22 @@ def hardware_toml(name: str, description: str, memory: int, bandwidth: float, fl
             f"[efficiency]\nmfu = {mfu:.4f}\nmbu = {mbu:.4f}\n")
 
 
+def profile_paths(name: str, hw: str) -> tuple[Path, Path]:
+    """Where calibration writes model profile `name` and hardware profile `hw` (the user
+    profiles directory, made if missing)."""
+    d = user_profiles_dir()
+    (d / "models").mkdir(parents=True, exist_ok=True)
+    (d / "hardware").mkdir(parents=True, exist_ok=True)
+    return d / "models" / f"{name}.toml", d / "hardware" / f"{hw}.toml"
+
+
 def write_profiles(ex: TorchExecutor, fit: StepFit, name: str, hw: str,
                    bandwidth: float, flops: float, points: list[Point] | None = None,
                    link: float = 0.0) -> tuple[Path, Path]:
     """Write models/<name>.toml (shape, sliding-window layers, fit for `hw`) and
     hardware/<hw>.toml (measured peaks, link, and the MFU and MBU the points reached)."""
     info = ex.cfg.info
-    d = user_profiles_dir()
-    (d / "models").mkdir(parents=True, exist_ok=True)
-    (d / "hardware").mkdir(parents=True, exist_ok=True)
-    model_path = d / "models" / f"{name}.toml"
+    model_path, hw_path = profile_paths(name, hw)
     model = ModelProfile(
         name, info.architecture, info.num_layers, info.num_heads, info.num_kv_heads,
         info.head_dim, ex.kv_format, info.weight_bytes, ex.model.matrix_weight_bytes,
@@ -224,7 +227,6 @@ def write_profiles(ex: TorchExecutor, fit: StepFit, name: str, hw: str,
         + model_toml(model) + fit_toml(fit, hw, points or []))
     mfu, mbu = efficiencies(points or [], ModelProfile.load(name), bandwidth, flops) \
         if points else (0.5, 0.5)
-    hw_path = d / "hardware" / f"{hw}.toml"
     hw_path.write_text(
         "# Written by kvdeck calibrate: this machine as measured.\n"
         + hardware_toml(hw, f"{platform.processor() or platform.machine()}, {ex.device.type}",

@@ -37,12 +37,12 @@ from kvdeck.runtime.planning.calibrate import (
     fit_toml,
     hardware_toml,
     model_toml,
+    profile_paths,
 )
 from kvdeck.runtime.planning.profiles import (
     HardwareProfile,
     ModelProfile,
     StepFit,
-    user_profiles_dir,
 )
 from kvdeck.runtime.runs.loadgen import RequestShape, run_bench
 from kvdeck.runtime.runs.trace import Arrival
@@ -160,17 +160,13 @@ def write_server_profiles(url: str, base: ModelProfile, name: str, hw: str, fit:
     """models/<name>.toml (`base`'s shape, the fit and decode table for `hw`) and
     hardware/<hw>.toml (the server's card: `like`'s memory and peaks, which a client cannot
     measure, with the efficiencies the probes reached against them)."""
-    d = user_profiles_dir()
-    (d / "models").mkdir(parents=True, exist_ok=True)
-    (d / "hardware").mkdir(parents=True, exist_ok=True)
     model = dataclasses.replace(base, name=name)
-    model_path = d / "models" / f"{name}.toml"
+    model_path, hw_path = profile_paths(name, hw)
     model_path.write_text(
         f"# Written by kvdeck calibrate --url {url} ({time.strftime('%Y-%m-%d')}): "
         f"{base.name}'s shape, the server's steps as its token stream showed them.\n"
         + model_toml(model) + fit_toml(fit, hw, points))
     mfu, mbu = efficiencies(points, model, like.bandwidth_bytes_per_s, like.peak_flops)
-    hw_path = d / "hardware" / f"{hw}.toml"
     hw_path.write_text(
         f"# Written by kvdeck calibrate --url: the server at {url}.\n"
         + hardware_toml(hw, f"the server at {url}, on {like.description}", like.memory_bytes,

@@ -147,6 +147,11 @@ class StepFit:
         return self.fixed_s + self.per_token_s * num_new_tokens + self.per_pair_s * num_pairs \
             + self.per_sample_s * num_sampled
 
+    def to_json(self) -> dict[str, float]:
+        """In the units a profile's `[fit.<hw>]` table and `calibrate --json` give."""
+        return {"fixed_ms": self.fixed_s * 1e3, "per_token_us": self.per_token_s * 1e6,
+                "per_pair_ns": self.per_pair_s * 1e9, "per_sample_us": self.per_sample_s * 1e6}
+
 
 def matrix_params(info) -> int:
     """Weights in the matrices a decode step reads, from a dense model's shape (`ModelInfo`):

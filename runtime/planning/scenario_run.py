@@ -20,6 +20,7 @@ its KV map and prefix tree, its speculation. How a scheme becomes the sim's sett
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 from pathlib import Path
 
@@ -69,20 +70,18 @@ def planner_of(setup: dict) -> tuple[Planner, dict[str, Scheme]]:
                    setup.get("deadline_s"), drafts), schemes
 
 
-def chosen_scheme(setup: dict) -> tuple[Scheme, Workload, bool]:
-    """The setup's plan: the chosen scheme (else the first), the workload, and whether
-    anything was feasible."""
+def chosen_scheme(setup: dict) -> tuple[Scheme, Planner, bool]:
+    """The setup's plan: the chosen scheme (else the first), the planner that chose it, and
+    whether anything was feasible."""
     planner, schemes = planner_of(setup)
     plan = planner.plan(only=list(schemes.values()))
     first = next(iter(schemes.values()))
-    return (plan.choice.scheme if plan.choice is not None else first), planner.workload, \
+    return (plan.choice.scheme if plan.choice is not None else first), planner, \
         plan.choice is not None
 
 
 def arrivals(workload: Workload, shared: bool) -> list[Arrival]:
     """The workload's requests: a burst at once, or Poisson arrivals at its rate."""
-    import random
-
     rng, t, out = random.Random(0), 0.0, []
     for _ in range(workload.num_requests):
         out.append(Arrival(t, workload.prompt_tokens, workload.output_tokens,
@@ -102,20 +101,20 @@ def record_scenario(kind: str, setup: dict, run_dir: str | Path) -> tuple[str, d
         raise ConfigError(f"A {kind} scenario computes its figures without an engine run to "
                           "open; --console opens plan scenarios (kvdeck scenario list shows "
                           "their kind with --json).")
-    scheme, workload, feasible = chosen_scheme(setup)
+    scheme, planner, feasible = chosen_scheme(setup)
     if scheme.offload:
         raise ConfigError("The chosen scheme offloads weights, which the sim runs by layer "
                           "count and not as the planner prices it; no run to open.")
     sim, knobs = _speculation(scheme.draft) if scheme.draft is not None else ({}, {})
-    executor = SimExecutor(SimConfig(model_profile=setup.get("model", "qwen3-8b"),
-                                     hardware=setup.get("hardware", "rtx-pro-6000"), **sim))
+    executor = SimExecutor(SimConfig(model_profile=planner.model.name,
+                                     hardware=planner.hw.name, **sim))
     engine = Engine(EngineConfig(
-        kv_memory_bytes=int(float(setup["kv_budget_gib"]) * GIB),
+        kv_memory_bytes=int(planner.budget),
         knobs=Knobs(kv_format=scheme.kv_format, enable_prefix_caching=scheme.shared,
                     max_num_batched_tokens=8192, chunk_size=8192, **knobs)), executor)
     recorder = record_headless(engine, run_dir)
     try:
-        result = run_arrivals(engine, arrivals(workload, scheme.shared),
+        result = run_arrivals(engine, arrivals(planner.workload, scheme.shared),
                               vocab_size=executor.info.vocab_size,
                               on_arrival=recorder.arrival)
     finally:

@@ -58,10 +58,9 @@ class Waste:
         have the sum): what KV went and why, and what the plan computed again."""
         if record.dropped:
             self._drops(record)
-        wasted = self.wasted
+        plan, wasted = record.plan, self.wasted
         if self._pending:
-            self._recomputed(record.plan)
-        plan = record.plan
+            self._recomputed(plan)
         # C-level filter: a step without drafts is not walked row by row.
         for _, _, n, sampled, _d in compress(plan, map(_draft, plan)):
             wasted["rejected drafts"] += max(n - max(sampled, 1), 0)

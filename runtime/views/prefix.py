@@ -33,7 +33,7 @@ class NodeSummary(NamedTuple):
     """The segment is demoted to the host tier."""
     p_hit: float | None = None
     """Estimated chance a lookup hits the segment's first block: `(hits + 1) / (lookups since
-    it was made + 2)` (the prefix tree's own estimate, `PrefixTree.retention_value`)."""
+    it was made + 2)` (the prefix tree's own estimate, `PrefixTree.hit_chance`)."""
     value_ms: float | None = None
     """`V_h` of that block on the device: `p_hit × T_r`, the recompute time a lookup is
     expected to save by its being kept (ms). None where the recompute cost is not the
@@ -99,6 +99,5 @@ def summarize_tree(tree: PrefixTree, limit: int = 256, max_nodes: int = 2048,
 
 def _value(tree: PrefixTree, node: PrefixNode) -> tuple[float, float, float]:
     """(p_hit, V_h in ms, host break-even) of `node`, as the tree's value policy weighs it."""
-    p_hit = (node.hits + 1) / (tree.num_lookups - node.created_lookup + 2)
-    return p_hit, tree.retention_value(node) * tree.bytes_per_block * 1e3, \
+    return tree.hit_chance(node), tree.retention_value(node) * tree.bytes_per_block * 1e3, \
         tree.break_even(node)

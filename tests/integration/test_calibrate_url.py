@@ -51,7 +51,7 @@ def test_server_profile_names_are_bare_toml_keys() -> None:
     assert server_name("https://gpu.example.com/v1") == "server-gpu-example-com"
 
 
-def test_probing_the_paced_sim_finds_the_steps_it_prices(tmp_path) -> None:
+def test_probing_the_paced_sim_finds_the_steps_it_prices() -> None:
     """The sim prices each step and its pacing makes the step take that long; the probes,
     through HTTP and the token stream only, must see those steps."""
     with sim_process("--pace", "1", "--served-model-name", "sim") as srv:
