@@ -29,6 +29,7 @@ of the traces.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -87,9 +88,9 @@ def write_traces(folder: Path, fit: StepFit) -> dict[str, Path]:
     return paths
 
 
-def kvdeck_cli(*args: str) -> dict:
+def kvdeck_cli(*args: str, env: dict | None = None) -> dict:
     r = subprocess.run([sys.executable, "-m", "kvdeck.console.cli", *args, "--json"],
-                       capture_output=True, text=True, timeout=3600)
+                       capture_output=True, text=True, timeout=3600, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"kvdeck {args[0]} failed: {r.stderr.strip()[-500:]}")
     return json.loads(r.stdout)["summary"]
@@ -104,16 +105,27 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
     """Calibrate against `server` from outside, then predict (the sim run with `sim_flags`,
     the server's own batching settings) and measure both traces."""
     hw = server_name(server.url)
+    base, card = ModelProfile.load(DEFAULT_MODEL), HardwareProfile.load("local")
     points = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None)
     fit = fit_step_model(points)
     profile = f"{DEFAULT_MODEL}-{hw}"
-    write_server_profiles(server.url, ModelProfile.load(DEFAULT_MODEL), profile, hw, fit,
-                          points, HardwareProfile.load("local"))
+    # The fitted profiles go to the run's own folder, not the user's profiles: each server
+    # runs on a new port, and its profile means nothing after the run.
+    env = {**os.environ, "KVDECK_CACHE": str(folder / "cache")}
+    saved = os.environ.get("KVDECK_CACHE")
+    os.environ["KVDECK_CACHE"] = env["KVDECK_CACHE"]
+    try:
+        write_server_profiles(server.url, base, profile, hw, fit, points, card)
+    finally:
+        if saved is None:
+            del os.environ["KVDECK_CACHE"]
+        else:
+            os.environ["KVDECK_CACHE"] = saved
     rows = []
     for trace, path in write_traces(folder, fit).items():
         predicted = figures(kvdeck_cli(
             "run-trace", str(path), "--executor", "sim", "--model-profile", profile,
-            "--hardware", hw, "--timing", "fit", *sim_flags))
+            "--hardware", hw, "--timing", "fit", *sim_flags, env=env))
         measured = figures(kvdeck_cli("bench", str(path), "--url", server.url, "--model",
                                       DEFAULT_MODEL))
         rows.append({"server": server.name, "trace": trace, "predicted": predicted,
