@@ -1,6 +1,7 @@
-"""The charts screen (`c`): request rate, prompt and generation tokens/s, step time and KV
-usage over the engine's whole kept history (an hour of engine time), with axes and knob-change
-marks. Drawn from snapshots only (`figures.history`), so live and replay draw the same charts.
+"""The charts screen (`c`): request rate, prompt and generation tokens/s, step time, KV
+usage and the read bandwidth steps reached (against the peak where known) over the engine's
+whole kept history (an hour of engine time), with axes and knob-change marks. Drawn from
+snapshots only (`figures.history`), so live and replay draw the same charts.
 """
 
 from __future__ import annotations
@@ -32,14 +33,21 @@ def _kv(g: list[Bucket], _: float) -> float:
     return max(b.kv_usage for b in g) * 100
 
 
+def _read_gb_s(g: list[Bucket], _: float) -> float | None:
+    busy = sum(b.busy_s for b in g)
+    return sum(b.bytes_read for b in g) / busy / 1e9 if busy else None
+
+
 CHARTS = (
     ("requests/s arriving", _rate("arrivals"), None),
     ("prompt tokens/s computed", _rate("prefill_tokens"), None),
     ("generation tokens/s", _rate("generated_tokens"), None),
     ("step time, ms (mean)", _step_ms, None),
     ("KV usage, % of the pool held by requests (peak)", _kv, 100.0),
+    ("read GB/s while stepping", _read_gb_s, None),
 )
-"""Title, value per column, fixed top (None: scaled to the data)."""
+"""Title, value per column, fixed top (None: scaled to the data). The read-bandwidth chart's
+top is the machine's peak where the roofline knows it, so its height is the MBU."""
 
 
 def latest(values: list[float | None]) -> str:
@@ -48,7 +56,7 @@ def latest(values: list[float | None]) -> str:
 
 
 class ChartsScreen(Screen):
-    """Five charts over the history of the latest snapshot; the app feeds `show(snapshot)`."""
+    """Six charts over the history of the latest snapshot; the app feeds `show(snapshot)`."""
 
     DEFAULT_CSS = "ChartsScreen #charts { height: 1fr; padding: 0 1; }"
     BINDINGS = [Binding("escape,c", "app.pop_screen", "Back", id="charts.back")]
@@ -81,8 +89,16 @@ class ChartsScreen(Screen):
         # Each chart: a title line, its bar rows, the axis and the time labels.
         height = max((pane.size.height or 30) // len(CHARTS) - 3, 1)
         parts: list[Text] = []
+        r = snap.roofline
+        peak_gb_s = r.bytes_read / r.memory_s / 1e9 if r is not None and r.memory_s else None
         for title, value, top in CHARTS:
             values = cols.series(value)
+            if value is _read_gb_s:
+                if not any(values):
+                    continue  # an executor that reports no bytes read
+                if peak_gb_s:
+                    top = peak_gb_s
+                    title = f"{title} (top: peak {peak_gb_s:,.0f}, height = MBU)"
             parts.append(Text.assemble((title, "bold"), f"  now {latest(values)}",
                                        (f"  · a bar sums {cols.column_s:g} s", "dim")))
             parts.extend(plot(values, cols.marks, height, cols.start, cols.column_s, top,

@@ -20,7 +20,11 @@ from kvdeck.console.widgets.footer import KeysFooter
 from kvdeck.runtime.views.snapshot import EngineSnapshot, RequestView
 
 FILTERS = ("all", "running", "waiting", "finished")
-COLUMNS = ("id", "state", "prompt", "out", "cached", "waited s", "prio", "preempt")
+COLUMNS = ("id", "state", "prompt", "out", "cached", "waited s", "prio", "preempt", "acc s",
+           "r_P tok/s", "r_D /s")
+"""`acc s`: accelerator seconds the request occupied (each step's time shared among its
+rows by tokens); `r_P`: its prefill tokens per such second; `r_D`: its decode calls per
+such second (the chapter's `t_GPU = L/r_P + (G − 1)/r_D`)."""
 SORTS = ("state", "arrival", "prompt", "out", "prio")
 STATE_ORDER = {"running": 0, "preempted": 1, "swapped": 1, "waiting": 2}
 """Sorting by state puts the live requests first, finished ones last."""
@@ -29,6 +33,20 @@ LIVE = ("running", "waiting", "preempted", "swapped")
 STATE_STYLE = {"running": "green", "waiting": "yellow", "preempted": "red", "swapped": "magenta",
                "finished_stopped": "dim", "finished_length": "dim", "aborted": "red",
                "rejected": "red"}
+
+
+def rate(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}"
+
+
+def occupancy(v: RequestView) -> str:
+    """`t_GPU = L/r_P + (G − 1)/r_D` with this request's own figures."""
+    text = f"accelerator {v.accelerator_s:.3f} s"
+    if v.r_P is not None:
+        text += f" = {v.prefill_new:,} prefill tokens / r_P {v.r_P:,.0f} tok/s"
+    if v.r_D is not None:
+        text += f" + {v.decode_calls:,} decode calls / r_D {v.r_D:,.0f} /s"
+    return text
 
 
 def in_filter(view: RequestView, which: str) -> bool:
@@ -100,6 +118,7 @@ class RequestsScreen(Screen):
                           f"{min(v.computed_tokens, v.prompt_tokens):,}/{v.prompt_tokens:,}",
                           f"{v.output_tokens}/{v.max_tokens}", f"{v.cached_tokens:,}",
                           f"{waited:.1f}", str(v.priority), str(v.num_preemptions),
+                          f"{v.accelerator_s:.3f}", rate(v.r_P), rate(v.r_D),
                           key=v.request_id)
         self.shown_ids = [v.request_id for v in rows]
         # The cursor follows the request opened with Enter (its row moves as it finishes);
@@ -127,6 +146,9 @@ class RequestsScreen(Screen):
         text.append(f"\nprompt {d.num_prompt_tokens:,} tokens ({d.num_cached_tokens:,} from "
                     f"the prefix cache) · output {d.num_output_tokens:,} · priority "
                     f"{d.priority}")
+        view = self.views.get(d.request_id)
+        if view is not None and view.accelerator_s:
+            text.append("\n" + occupancy(view))
         if d.block_table:
             blocks = set(d.block_table)
             path = [n for n in snap.prefix_nodes if n.block in blocks]

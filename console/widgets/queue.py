@@ -73,6 +73,9 @@ class QueuePanel(SnapshotPanel):
                                 f"{r.floor_s * 1e3:.1f} ms · MBU {100 * mbu:.0f}% · MFU "
                                 f"{100 * mfu:.0f}% · gap {r.gap_s * 1e3:.1f} ms · ")
                     head.append(f"{r.bound}-bound", style=style)
+            elif not narrow and b.seconds:
+                head.append("\nroofline: this machine's peaks are not measured yet "
+                            "(kvdeck calibrate)", style="dim")
         else:
             head.append("no iteration yet")
         if b is not None and b.limit and snap.waiting:

@@ -136,6 +136,26 @@ class Progress:
     correct: bool | None = None
     """Whether the finished answer passed the request's check (`runtime/text/checks.py`); None
     when it carried none or did not finish with an answer."""
+    prefill_s: float = 0.0
+    """Accelerator seconds charged to its prefill chunks (recomputation included): each step's
+    time is shared among its rows by the tokens each computed, so a batch's occupancy counts
+    once, as the chapter counts it (`t_GPU = L/r_P + (G − 1)/r_D`)."""
+    prefill_new: int = 0
+    """Tokens its prefill chunks computed (the `L` of `L/r_P`)."""
+    decode_s: float = 0.0
+    """Accelerator seconds charged to its decode calls (a speculating call: all its rows)."""
+    decode_calls: int = 0
+    """Decode calls it took part in (one per step that fed it one known token)."""
+
+    def charge(self, num_prompt: int, start: int, n: int, draft: int, per_token: float) -> None:
+        """Charge one plan row (`n` tokens from `start`, `draft` of them drafts) its share of
+        a step that cost `per_token` seconds per token computed."""
+        if n - draft == 1 and start >= num_prompt:
+            self.decode_s += n * per_token
+            self.decode_calls += 1
+        else:
+            self.prefill_s += n * per_token
+            self.prefill_new += n
 
 
 @dataclass(eq=False)

@@ -469,6 +469,8 @@ class Scheduler:
         errors = result.errors
         p = self.kv.block_size
         emitted = 0
+        tokens = plan.num_decode_tokens + plan.num_prefill_tokens
+        per_token = result.timing.seconds / tokens if tokens else 0.0
         for chunk in plan.chunks:
             req = chunk.request
             if errors and req.request_id in errors:
@@ -480,6 +482,8 @@ class Scheduler:
             start = chunk.start
             end = start + chunk.num_new_tokens
             req.num_computed_tokens = end
+            req.charge(req.num_prompt_tokens, start, chunk.num_new_tokens, chunk.num_draft,
+                       per_token)
             if result.prompt_logprobs:
                 req.prompt_logprobs_out.extend(result.prompt_logprobs.get(req.request_id, ()))
             status = None

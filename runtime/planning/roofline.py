@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvdeck.runtime.core.step_record import StepRecord
-from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
+from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.executors.base import Executor, Modelled, has
+from kvdeck.runtime.planning.machine import local_name
+from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, user_profiles_dir
 from kvdeck.runtime.planning.step_time import attention_flops
 
 OVERHEAD = 2.0
@@ -80,3 +83,22 @@ class Peaks:
         flops = self.flops_per_token * new + self.flops_per_pair * pairs
         return StepRoofline(record.step, record.dt, record.bytes_read, flops,
                             record.bytes_read / self.bandwidth, flops / self.peak_flops)
+
+
+def executor_peaks(ex: Executor) -> Peaks | None:
+    """The peaks an executor's steps are read against: the sim's card and model profiles;
+    a real executor's model (its GGUF's shape) on this machine's peaks as `kvdeck calibrate`
+    measured and kept them. None for a real executor on a machine not calibrated yet: a
+    snapshot never measures the machine (that would take the cores the engine runs on)."""
+    if has(ex, Modelled):
+        return Peaks.of(ex.model, ex.hardware)
+    info = ex.info
+    if info.device == "gpu":  # llama.cpp offloading to a GPU it names no further
+        return None
+    hw = local_name(info.device)
+    if not info.model_path or not (user_profiles_dir() / "hardware" / f"{hw}.toml").is_file():
+        return None
+    try:
+        return Peaks.of(ModelProfile.from_gguf(str(info.model_path)), HardwareProfile.load(hw))
+    except (KvdeckError, OSError, ValueError):
+        return None  # a profile or model file one cannot read: no readout, as uncalibrated

@@ -29,7 +29,7 @@ from kvdeck.runtime.core.request import Request
 from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.errors import ConfigError, RunFormatError
 from kvdeck.runtime.executors.base import Modelled, draft_kv_bytes_per_token, has, offload_of
-from kvdeck.runtime.planning.roofline import Peaks
+from kvdeck.runtime.planning.roofline import executor_peaks
 from kvdeck.runtime.runs.records import RUN_FORMAT, Record, Truncated, dumps, parse_record
 from kvdeck.runtime.runs.trace import Arrival
 
@@ -56,9 +56,8 @@ def engine_header(engine: Engine) -> dict:
         "max_model_len": engine.max_model_len,
         "layer_groups": dataclasses.asdict(engine.groups) if engine.groups else None,
         "config": dataclasses.asdict(engine.config),
-        # The sim's card and model peaks: a replay draws the same roofline readout.
-        "peaks": dataclasses.asdict(Peaks.of(ex.model, ex.hardware))
-        if has(ex, Modelled) else None,
+        # The roofline peaks the live readout used: a replay draws the same readout.
+        "peaks": dataclasses.asdict(peaks) if (peaks := executor_peaks(ex)) else None,
         # The sim's card and power: a replayed summary models the same energy.
         "modelled_power": [ex.hardware.name, ex.hardware.power_watts]
         if has(ex, Modelled) else None,

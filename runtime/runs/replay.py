@@ -162,7 +162,9 @@ class TraceState:
             parent = self._request(f.parent_id, rec)
             child = dataclasses.replace(
                 parent, request_id=f.request_id, max_tokens=f.max_tokens, num_cached_tokens=0,
-                num_preemptions=0, token_times=list(parent.token_times))
+                num_preemptions=0, token_times=list(parent.token_times),
+                # What ran before the fork occupied the accelerator once: the parent's.
+                prefill_s=0.0, prefill_new=0, decode_s=0.0, decode_calls=0)
             if f.branch:  # another sample: the prompt, and its first token from this step
                 child.token_times, child.num_output_tokens = [rec.t1], 1
                 child.first_token_time = rec.t1
@@ -211,8 +213,12 @@ class TraceState:
         t1 = rec.t1
         if rec.draft_s:
             self.spec.on_draft_step(rec.draft_s, rec.dt or 0.0)
+        tokens = rec.num_decode + rec.num_prefill
+        per_token = (rec.dt or 0.0) / tokens if tokens else 0.0
         for rid, start, n, sample, draft in rec.plan:
             r = self._request(rid, rec)
+            if rid not in rec.errors:  # the engine charges no row that failed
+                r.charge(r.num_prompt_tokens, start, n, draft, per_token)
             # A speculating entry keeps the KV of its input token and accepted drafts.
             r.num_computed_tokens = start + (sample if draft else n)
             if draft:
@@ -284,7 +290,8 @@ class TraceState:
                            r.num_computed_tokens, r.num_output_tokens, r.max_tokens,
                            r.num_cached_tokens, r.arrival_time, r.admitted_time, r.deadline,
                            r.priority, r.num_preemptions,
-                           tuple(self.tables.get(r.request_id, ())))
+                           tuple(self.tables.get(r.request_id, ())), r.prefill_s,
+                           r.prefill_new, r.decode_s, r.decode_calls)
 
     def snapshot(self) -> EngineSnapshot:
         """The console's view of the engine after the last applied record."""

@@ -47,7 +47,11 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
     i = 0
     while True:
         now = engine.clock.now()
-        while i < len(arrivals) and (arrivals[i].arrival_s <= now or not engine.has_work):
+        if i < len(arrivals) and not engine.has_work:
+            # Idle: the clock jumps to the next arrival, and everyone due by then comes in
+            # with it (requests that arrive together are planned together).
+            now = max(now, arrivals[i].arrival_s)
+        while i < len(arrivals) and arrivals[i].arrival_s <= now:
             a = arrivals[i]
             rid = a.request_id or f"r{i}"
             if on_arrival is not None:

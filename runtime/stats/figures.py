@@ -84,6 +84,8 @@ class Bucket:
     running: int = 0
     waiting: int = 0
     knob_change: bool = False
+    bytes_read: float = 0.0
+    """Weight and KV bytes its steps read (the executors' own `bytes_read`)."""
 
     def with_step(self, s: StepFigures) -> Bucket:
         return Bucket(self.start, self.steps + 1, self.busy_s + s.dt,
@@ -91,7 +93,8 @@ class Bucket:
                       self.decode_tokens + s.decode_tokens,
                       self.generated_tokens + s.sampled_tokens, self.finished + s.finished,
                       self.arrivals + s.arrivals, s.kv_usage, s.kv_cached, s.hit_rate,
-                      s.running, s.waiting, self.knob_change or s.knob_change)
+                      s.running, s.waiting, self.knob_change or s.knob_change,
+                      self.bytes_read + s.bytes_read)
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class StepFigures:
     knob_change: bool
     predicted: float | None = None
     """The timing model's prediction of `dt`, made when the step was planned."""
+    bytes_read: int = 0
 
 
 def step_figures(record, kv_usage: float, kv_cached: float, hit_rate: float) -> StepFigures:
@@ -125,7 +129,7 @@ def step_figures(record, kv_usage: float, kv_cached: float, hit_rate: float) -> 
                        record.num_decode, len(record.tokens),
                        len(record.finished), len(record.arrived), record.resident, kv_usage,
                        kv_cached, hit_rate, record.queue[1], record.queue[0],
-                       bool(record.knobs), record.predicted_s)
+                       bool(record.knobs), record.predicted_s, record.bytes_read)
 
 
 class RunFigures:

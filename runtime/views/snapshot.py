@@ -25,11 +25,9 @@ from kvdeck.runtime.core.request import Request, RequestStatus
 from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.core.switch import Switch
 from kvdeck.runtime.executors.base import (
-    Modelled,
     WeightsView,
     auto_choice,
     draft_kv_bytes_per_token,
-    has,
     offload_of,
 )
 from kvdeck.runtime.kv.block_pool import (
@@ -43,7 +41,7 @@ from kvdeck.runtime.kv.block_pool import (
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.transfers import TransfersView
 from kvdeck.runtime.kv.window import held_by_group
-from kvdeck.runtime.planning.roofline import Peaks, StepRoofline
+from kvdeck.runtime.planning.roofline import StepRoofline, executor_peaks
 from kvdeck.runtime.spec.stats import SpeculationView
 from kvdeck.runtime.stats.figures import FiguresView
 from kvdeck.runtime.text.tokenizer import Tokenizer, forced_runs
@@ -74,6 +72,26 @@ class RequestView:
     priority: int
     num_preemptions: int
     block_table: tuple[int, ...]
+    prefill_s: float = 0.0
+    """Accelerator seconds its prefill chunks occupied (`Progress.charge`)."""
+    prefill_new: int = 0
+    decode_s: float = 0.0
+    decode_calls: int = 0
+
+    @property
+    def accelerator_s(self) -> float:
+        """`t_GPU = L/r_P + (G − 1)/r_D`: the accelerator seconds it occupied so far."""
+        return self.prefill_s + self.decode_s
+
+    @property
+    def r_P(self) -> float | None:  # noqa: N802 - the chapter's name
+        """Its prefill rate: new tokens per accelerator second (None before any)."""
+        return self.prefill_new / self.prefill_s if self.prefill_s > 0 else None
+
+    @property
+    def r_D(self) -> float | None:  # noqa: N802 - the chapter's name
+        """Its decode rate: decode calls per accelerator second (None before any)."""
+        return self.decode_calls / self.decode_s if self.decode_s > 0 else None
 
 
 @dataclass(frozen=True)
@@ -275,7 +293,7 @@ class SnapshotBuilder:
         self._views: dict[str, tuple[tuple, RequestView]] = {}
         self._prefix: tuple[tuple[int, int, int], tuple[NodeSummary, ...]] | None = None
         ex = engine.executor  # an engine keeps its executor: its peaks are worked out once
-        self._peaks = Peaks.of(ex.model, ex.hardware) if has(ex, Modelled) else None
+        self._peaks = executor_peaks(ex)
 
     @property
     def engine(self) -> Engine:
@@ -298,7 +316,8 @@ class SnapshotBuilder:
                     rid, r.status.value, len(r.prompt_token_ids), r.num_computed_tokens,
                     len(r.output_token_ids), r.sampling.max_tokens, r.num_cached_tokens,
                     r.arrival_time, r.admitted_time, r.deadline, r.priority,
-                    r.num_preemptions, tuple(table) if table else ()))
+                    r.num_preemptions, tuple(table) if table else (), r.prefill_s,
+                    r.prefill_new, r.decode_s, r.decode_calls))
             fresh[rid] = hit
             out.append(hit[1])
         return tuple(out)
@@ -387,8 +406,7 @@ class SnapshotBuilder:
         )
 
     def _roofline(self) -> StepRoofline | None:
-        """The last step on the sim's card (its profiles); other executors have no peaks
-        known without measuring this machine, which a snapshot does not do."""
+        """The last step against the executor's peaks (`roofline.executor_peaks`)."""
         last = self.engine.last_step
         return self._peaks.step(last[0]) if self._peaks is not None and last else None
 

@@ -11,9 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from kvdeck.runtime.core.config import EngineConfig
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.core.step_data import causal_pairs
+from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.planning.calibrate import Point, efficiencies, fit_step_model
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
+from kvdeck.runtime.views.snapshot import snapshot_of
 
 
 def kvdeck(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -92,6 +97,20 @@ def test_calibrate_writes_profiles_the_sim_can_use(tiny_llama: Path, tmp_path: P
              if p["point"].startswith("decode")}
     assert {(f"decode {b} at {c}", round(s * 1e3, 3)) for b, c, s in decode} == steps
     assert measured.link_bandwidth_bytes_per_s == pytest.approx(data["link_bytes_per_s"], rel=1e-5)
+
+    # With the machine calibrated, a real executor's steps get the roofline readout: its
+    # own bytes read against the peaks calibration measured.
+    engine = Engine(EngineConfig(kv_memory_bytes=4 << 20),
+                    TorchExecutor(tiny_llama, device="cpu", dtype="fp32"))
+    engine.add_request(list(range(5, 45)), SamplingParams(max_tokens=3))
+    while engine.has_work:
+        engine.step()
+    last = engine.last_step[0]
+    roof = snapshot_of(engine).roofline
+    assert roof is not None and roof.step == last.step and roof.bytes_read == last.bytes_read
+    assert roof.memory_s == pytest.approx(last.bytes_read / measured.bandwidth_bytes_per_s)
+    assert roof.seconds == last.dt and roof.bound in ("memory", "compute", "overhead")
+    engine.close()
 
 
 def test_run_trace_on_the_torch_executor(tiny_llama: Path, tmp_path: Path) -> None:

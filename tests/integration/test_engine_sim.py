@@ -63,10 +63,12 @@ def test_same_seed_gives_byte_identical_traces(tmp_path: Path) -> None:
 
 def view_of(snap: EngineSnapshot) -> dict:
     """What must agree between a live snapshot and its replay: every block's state, the
-    prefix tree, each request's progress, and the figures computed from request timings."""
+    prefix tree, each request's progress and accelerator occupancy, and the figures computed
+    from request timings."""
     def requests(views):
         return sorted((v.request_id, v.status, v.computed_tokens, v.output_tokens,
-                       v.cached_tokens, v.admitted_time, v.num_preemptions, v.block_table)
+                       v.cached_tokens, v.admitted_time, v.num_preemptions, v.block_table,
+                       v.prefill_s, v.prefill_new, v.decode_s, v.decode_calls)
                       for v in views)
     f = snap.figures
     w = snap.kv.window  # layer groups: each page in use, full-attention or window
