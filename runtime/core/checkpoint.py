@@ -3,17 +3,18 @@ hundred steps), with its JSON form."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
-from kvdeck.runtime.core.request import Progress, Request, RequestStatus
+from kvdeck.runtime.core.request import Occupancy, Progress, Request, RequestStatus
 from kvdeck.runtime.core.switch import Switch
 from kvdeck.runtime.errors import RunFormatError
 from kvdeck.runtime.kv.state import KVState
 from kvdeck.runtime.kv.transfers import TransferLog, host_checkpoint
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RequestState(Progress):
     """A request as an iteration trace knows it: no tokens, every count and time.
 
@@ -35,6 +36,7 @@ class RequestState(Progress):
         """A live request's state, as a checkpoint keeps it."""
         progress = {f.name: getattr(req, f.name) for f in fields(Progress)}
         progress["token_times"] = list(req.token_times)
+        progress["occupancy"] = dataclasses.replace(req.occupancy)
         return cls(req.request_id, req.arrival_time, req.num_prompt_tokens,
                    req.sampling.max_tokens, req.deadline, req.priority,
                    num_output_tokens=req.num_output_tokens, **progress)
@@ -57,6 +59,8 @@ class RequestState(Progress):
     def from_json(cls, d: dict) -> RequestState:
         values = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         values["status"] = RequestStatus(values.get("status", "waiting"))
+        if "occupancy" in values:  # runs recorded before it have none
+            values["occupancy"] = Occupancy(**values["occupancy"])
         return cls(**values)
 
 

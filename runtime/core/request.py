@@ -112,7 +112,36 @@ class SamplingParams:
                                   f"to 100, got {token}: {bias}.")
 
 
-@dataclass(eq=False, kw_only=True)
+@dataclass(slots=True)
+class Occupancy:
+    """The accelerator time a request occupied, as chapter 000 counts it: each step's time is
+    shared among its rows by the tokens each computed, so a batch's occupancy counts once,
+    and `t_GPU = L/r_P + (G − 1)/r_D` for the request."""
+
+    prefill_s: float = 0.0
+    """Seconds charged to its prefill chunks (recomputation included)."""
+    prefill_new: int = 0
+    """Tokens those chunks computed (the `L` of `L/r_P`)."""
+    decode_s: float = 0.0
+    """Seconds charged to its decode calls (a speculating call: all its rows)."""
+    decode_calls: int = 0
+    """Decode calls it took part in (one per step that fed it one known token)."""
+
+    def charge(self, num_prompt: int, start: int, n: int, draft: int, per_token: float) -> None:
+        """Charge one plan row (`n` tokens from `start`, `draft` of them drafts) its share of
+        a step that cost `per_token` seconds per token computed."""
+        if n - draft == 1 and start >= num_prompt:
+            self.decode_s += n * per_token
+            self.decode_calls += 1
+        else:
+            self.prefill_s += n * per_token
+            self.prefill_new += n
+
+    def values(self) -> tuple[float, int, float, int]:
+        return self.prefill_s, self.prefill_new, self.decode_s, self.decode_calls
+
+
+@dataclass(eq=False, kw_only=True, slots=True)
 class Progress:
     """Where a request is and what happened to it, in engine-clock times — the part of a
     request an iteration trace also knows, so a live `Request` and a replayed
@@ -136,35 +165,22 @@ class Progress:
     correct: bool | None = None
     """Whether the finished answer passed the request's check (`runtime/text/checks.py`); None
     when it carried none or did not finish with an answer."""
-    prefill_s: float = 0.0
-    """Accelerator seconds charged to its prefill chunks (recomputation included): each step's
-    time is shared among its rows by the tokens each computed, so a batch's occupancy counts
-    once, as the chapter counts it (`t_GPU = L/r_P + (G − 1)/r_D`)."""
-    prefill_new: int = 0
-    """Tokens its prefill chunks computed (the `L` of `L/r_P`)."""
-    decode_s: float = 0.0
-    """Accelerator seconds charged to its decode calls (a speculating call: all its rows)."""
-    decode_calls: int = 0
-    """Decode calls it took part in (one per step that fed it one known token)."""
-
-    def charge(self, num_prompt: int, start: int, n: int, draft: int, per_token: float) -> None:
-        """Charge one plan row (`n` tokens from `start`, `draft` of them drafts) its share of
-        a step that cost `per_token` seconds per token computed."""
-        if n - draft == 1 and start >= num_prompt:
-            self.decode_s += n * per_token
-            self.decode_calls += 1
-        else:
-            self.prefill_s += n * per_token
-            self.prefill_new += n
+    occupancy: Occupancy = field(default_factory=Occupancy)
+    """Accelerator time it occupied so far."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request(Progress):
     """One generation request and everything that happened to it.
 
     Times are on the engine clock (virtual seconds under the sim executor). `arrival_time`
     is the scheduled arrival when the request comes from a trace, so queueing outside the
     engine counts towards TTFT.
+
+    Slotted, like `Progress`: with an instance dict, CPython 3.11 shares the dict's keys
+    between instances only below 30 attributes, and past that every attribute access of
+    every request slows down (measured: one field more made an engine iteration at 1,024
+    running requests 18 % slower). Slots have no such limit.
     """
 
     request_id: str

@@ -482,8 +482,14 @@ class Scheduler:
             start = chunk.start
             end = start + chunk.num_new_tokens
             req.num_computed_tokens = end
-            req.charge(req.num_prompt_tokens, start, chunk.num_new_tokens, chunk.num_draft,
-                       per_token)
+            # Its share of the step (`Occupancy.charge`, inlined: this loop runs per row).
+            occ, n = req.occupancy, chunk.num_new_tokens
+            if n - chunk.num_draft == 1 and start >= len(req.prompt_token_ids):
+                occ.decode_s += n * per_token
+                occ.decode_calls += 1
+            else:
+                occ.prefill_s += n * per_token
+                occ.prefill_new += n
             if result.prompt_logprobs:
                 req.prompt_logprobs_out.extend(result.prompt_logprobs.get(req.request_id, ()))
             status = None

@@ -19,7 +19,7 @@ import dataclasses
 
 from kvdeck.runtime.core.checkpoint import Checkpoint, RequestState, checkpoint_of
 from kvdeck.runtime.core.config import Knobs
-from kvdeck.runtime.core.request import RequestStatus
+from kvdeck.runtime.core.request import Occupancy, RequestStatus
 from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.core.switch import RECENT, Switch
 from kvdeck.runtime.errors import RunFormatError
@@ -115,14 +115,18 @@ class TraceState:
             self.kv.num_swap_outs = cp.host["counters"]["swap_outs"]
             self.kv.num_swap_ins = cp.host["counters"]["swap_ins"]
             self.transfer_log.load(cp.host["transfers"])
-        self.requests = {r.request_id: r for r in cp.requests}
+        # Copies: the checkpoint stays as it was (the replay console scrubs back to it).
+        self.requests = {r.request_id: dataclasses.replace(
+            r, token_times=list(r.token_times), occupancy=dataclasses.replace(r.occupancy))
+            for r in cp.requests}
         self.figures.load(cp.figures)
 
     def checkpoint(self) -> Checkpoint:
         """This state as a checkpoint (the replay console keeps some to scrub backwards)."""
         return checkpoint_of(
             self.kv, step=self.step + 1, time=self.time, knobs=dict(self.knobs),
-            requests=[dataclasses.replace(r, token_times=list(r.token_times))
+            requests=[dataclasses.replace(r, token_times=list(r.token_times),
+                                          occupancy=dataclasses.replace(r.occupancy))
                       for r in self.requests.values()],
             counters={"preemptions": self.num_preemptions, "cow": self.num_cow,
                       "swapped": self.num_swapped},
@@ -156,15 +160,15 @@ class TraceState:
             self.knob_changes.append((self.step, rec.knobs))
             self.knobs.update(rec.knobs)
         for a in rec.arrived:
-            self.requests[a.request_id] = dataclasses.replace(a, token_times=[])
+            self.requests[a.request_id] = dataclasses.replace(a, token_times=[],
+                                                              occupancy=Occupancy())
             self.figures.on_arrival(rec.t0 - a.arrival_time)
         for f in rec.forked:
             parent = self._request(f.parent_id, rec)
             child = dataclasses.replace(
                 parent, request_id=f.request_id, max_tokens=f.max_tokens, num_cached_tokens=0,
                 num_preemptions=0, token_times=list(parent.token_times),
-                # What ran before the fork occupied the accelerator once: the parent's.
-                prefill_s=0.0, prefill_new=0, decode_s=0.0, decode_calls=0)
+                occupancy=Occupancy())  # what ran before the fork was the parent's
             if f.branch:  # another sample: the prompt, and its first token from this step
                 child.token_times, child.num_output_tokens = [rec.t1], 1
                 child.first_token_time = rec.t1
@@ -218,7 +222,7 @@ class TraceState:
         for rid, start, n, sample, draft in rec.plan:
             r = self._request(rid, rec)
             if rid not in rec.errors:  # the engine charges no row that failed
-                r.charge(r.num_prompt_tokens, start, n, draft, per_token)
+                r.occupancy.charge(r.num_prompt_tokens, start, n, draft, per_token)
             # A speculating entry keeps the KV of its input token and accepted drafts.
             r.num_computed_tokens = start + (sample if draft else n)
             if draft:
@@ -290,8 +294,7 @@ class TraceState:
                            r.num_computed_tokens, r.num_output_tokens, r.max_tokens,
                            r.num_cached_tokens, r.arrival_time, r.admitted_time, r.deadline,
                            r.priority, r.num_preemptions,
-                           tuple(self.tables.get(r.request_id, ())), r.prefill_s,
-                           r.prefill_new, r.decode_s, r.decode_calls)
+                           tuple(self.tables.get(r.request_id, ())), r.occupancy.values())
 
     def snapshot(self) -> EngineSnapshot:
         """The console's view of the engine after the last applied record."""

@@ -72,26 +72,33 @@ class RequestView:
     priority: int
     num_preemptions: int
     block_table: tuple[int, ...]
-    prefill_s: float = 0.0
-    """Accelerator seconds its prefill chunks occupied (`Progress.charge`)."""
-    prefill_new: int = 0
-    decode_s: float = 0.0
-    decode_calls: int = 0
+    occupancy: tuple[float, int, float, int] = (0.0, 0, 0.0, 0)
+    """`Occupancy.values()`: prefill seconds and tokens, decode seconds and calls."""
 
     @property
     def accelerator_s(self) -> float:
         """`t_GPU = L/r_P + (G − 1)/r_D`: the accelerator seconds it occupied so far."""
-        return self.prefill_s + self.decode_s
+        return self.occupancy[0] + self.occupancy[2]
+
+    @property
+    def prefill_new(self) -> int:
+        return self.occupancy[1]
+
+    @property
+    def decode_calls(self) -> int:
+        return self.occupancy[3]
 
     @property
     def r_P(self) -> float | None:  # noqa: N802 - the chapter's name
         """Its prefill rate: new tokens per accelerator second (None before any)."""
-        return self.prefill_new / self.prefill_s if self.prefill_s > 0 else None
+        prefill_s, new = self.occupancy[:2]
+        return new / prefill_s if prefill_s > 0 else None
 
     @property
     def r_D(self) -> float | None:  # noqa: N802 - the chapter's name
         """Its decode rate: decode calls per accelerator second (None before any)."""
-        return self.decode_calls / self.decode_s if self.decode_s > 0 else None
+        decode_s, calls = self.occupancy[2:]
+        return calls / decode_s if decode_s > 0 else None
 
 
 @dataclass(frozen=True)
@@ -316,8 +323,8 @@ class SnapshotBuilder:
                     rid, r.status.value, len(r.prompt_token_ids), r.num_computed_tokens,
                     len(r.output_token_ids), r.sampling.max_tokens, r.num_cached_tokens,
                     r.arrival_time, r.admitted_time, r.deadline, r.priority,
-                    r.num_preemptions, tuple(table) if table else (), r.prefill_s,
-                    r.prefill_new, r.decode_s, r.decode_calls))
+                    r.num_preemptions, tuple(table) if table else (),
+                    r.occupancy.values()))
             fresh[rid] = hit
             out.append(hit[1])
         return tuple(out)

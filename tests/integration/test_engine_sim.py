@@ -68,7 +68,7 @@ def view_of(snap: EngineSnapshot) -> dict:
     def requests(views):
         return sorted((v.request_id, v.status, v.computed_tokens, v.output_tokens,
                        v.cached_tokens, v.admitted_time, v.num_preemptions, v.block_table,
-                       v.prefill_s, v.prefill_new, v.decode_s, v.decode_calls)
+                       v.occupancy)
                       for v in views)
     f = snap.figures
     w = snap.kv.window  # layer groups: each page in use, full-attention or window
