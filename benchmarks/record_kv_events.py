@@ -51,7 +51,8 @@ def record(int_hashes: bool) -> dict:
               "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}",
               "topic": TOPIC}
     server = peers.vllm(gguf, DEFAULT_MODEL, 2, "--kv-events-config", json.dumps(config),
-                        "--num-gpu-blocks-override", str(BLOCKS), "--max-num-seqs", "4")
+                        "--num-gpu-blocks-override", str(BLOCKS), "--max-num-seqs", "4",
+                        "--max-model-len", "1024")
     server.env.update(VLLM_SERVER_DEV_MODE="1", PYTHONHASHSEED="0",
                       VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1" if int_hashes else "0")
     ctx = zmq.Context()

@@ -41,9 +41,15 @@ def serve(
     metrics_require_key: bool = typer.Option(
         False, "--metrics-require-key", help="/metrics needs the API key too (it is open by "
         "default, as Prometheus scrapers expect).", rich_help_panel="Serving limits"),
+    kv_events_config: str = typer.Option(
+        None, "--kv-events-config", help="Publish the prefix cache's changes as vLLM's KV "
+        "events, with vLLM's JSON fields, e.g. '{\"enable_kv_cache_events\": true, "
+        "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+        "(docs/attach.md).", rich_help_panel="Serving limits"),
     settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
     """Serve a model through an OpenAI-compatible API."""
+    from kvdeck.runtime.fleet.publisher import EventPublisher, KVEventsConfig
     from kvdeck.runtime.server.app import ServeLimits
     from kvdeck.runtime.server.serve import ApiServer
     from kvdeck.runtime.session import build_session
@@ -58,8 +64,16 @@ def serve(
             check_float(name, value, 0.0, 1e6)
         if read_timeout <= 0:
             raise ConfigError(f"--read-timeout must be greater than 0, got {read_timeout}.")
+        events = KVEventsConfig.parse(kv_events_config) if kv_events_config else None
         session = build_session(settings.resolve("auto"), live=True)
         supervisor.record(executor=session.settings.executor, log=str(log_path))
+        if events is not None and events.publishes:
+            try:
+                publisher = EventPublisher(events, session.engine.kv.block_size).start()
+            except ConfigError:
+                session.close()
+                raise
+            publisher.attach(session.engine)
         return session
 
     session = guarded(build)

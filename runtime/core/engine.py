@@ -101,8 +101,7 @@ class Engine:
         self.scheduler.propose = lambda req, k: executor.propose(req, k, self.scheduler.knobs)
         if isinstance(executor, Drafting):
             self.scheduler.drafts.draft_estimate = executor.estimate_draft_seconds
-        self.stop_event = threading.Event()
-        """Set to cut a paced step's sleep short (shutdown)."""
+        self.stop_event = threading.Event()  # cuts a paced step's sleep short (shutdown)
         self.switcher = KnobSwitches(executor, self.kv, self.scheduler, self.clock, self.pool,
                                      self.stop_event, k.kv_format)
         self.switcher.check(k)
@@ -124,13 +123,13 @@ class Engine:
         """Called on the engine thread with each request that reaches a final state."""
         self.after_step: list[Callable[[Engine], None]] = []
         """Called on the engine thread after every iteration that did something."""
-        self.recorder: Callable[..., None] | None = None
-        """Receives each step's `StepRecord` (see runtime/runs/recording.py)."""
+        self.recorder: Callable[..., None] | None = None  # gets each StepRecord (runs/)
         self._recorder_actions: list[object | None] = []
         """Recorders to attach (a Recorder) or a detach (None), in the order asked."""
         self.last_step: tuple[StepRecord, int, int] | None = None
         """The last step that ran, with its token budget and sequence limit (the
         snapshot's batch view)."""
+        self.last_record: StepRecord | None = None  # the last one finished, ran or idle
         self.state_end: float | None = None
         """End time of the step that produced the current state; None once the engine has
         idled since (snapshots then show the clock's time). Live and replayed snapshots of
@@ -329,6 +328,7 @@ class Engine:
         """Complete the record, update the figures, write the record, tell `after_step`
         listeners (output streams), then attach or detach a recorder if asked."""
         record.kv += self.kv.take_events()
+        self.last_record = record
         sched = self.scheduler
         record.queue = (sched.num_waiting, sched.num_running)
         record.dropped = sched.take_dropped()

@@ -1,0 +1,185 @@
+"""vLLM's KV-cache events decoded from real payloads (`tests/data/vllm_kv_events/`, recorded
+from vLLM 0.32's CPU build by `benchmarks/record_kv_events.py`; its README says how) and
+applied to a replica's cache: token for token against the prompts sent, both hash
+encodings, sliding-window groups, the older positional form, gaps, and garbage."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from kvdeck.runtime.fleet.kv_events import (
+    STORED_FIELDS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Decoder,
+    EventFormatError,
+    fold,
+)
+from kvdeck.runtime.fleet.replica_cache import ReplicaCache
+
+DATA = Path(__file__).parents[1] / "data" / "vllm_kv_events"
+BLOCK = 128
+"""vLLM's CPU build stores KV in 128-token blocks."""
+
+
+def recording(name: str) -> dict:
+    return json.loads((DATA / f"vllm_{name}_hashes.json").read_text())
+
+
+def frames(rec: dict, key: str = "frames") -> list[tuple[int, bytes]]:
+    return [(f["seq"], base64.b64decode(f["payload"])) for f in rec[key]]
+
+
+def full_chains(cache: ReplicaCache) -> set[tuple[int, ...]]:
+    """Every cached full-attention path from a root, as its tokens."""
+    kids = cache.children()
+    out: set[tuple[int, ...]] = set()
+
+    def walk(parent, tokens):
+        for b in kids.get(parent, ()):
+            if 5 in b.residency:  # Gemma 3's full-attention group
+                path = tokens + b.tokens
+                out.add(path)
+                walk(b.block_hash, path)
+    walk(None, ())
+    return out
+
+
+@pytest.mark.parametrize("name", ["int", "bytes"])
+def test_real_events_rebuild_the_prompts_block_for_block(name: str) -> None:
+    rec = recording(name)
+    prompts = rec["prompts"]
+    dec, cache = Decoder(), ReplicaCache()
+    batches = [dec.batch(seq, payload) for seq, payload in frames(rec)]
+    assert dec.unknown == {} and [b.seq for b in batches] == list(range(len(batches)))
+    # The first step stores prompt 0's two full blocks in each of Gemma 3's six groups:
+    # five sliding-window groups (window 512), then the full-attention one.
+    first = batches[0].events
+    assert [(e.group, e.kind, e.window) for e in first] == \
+        [(g, "sliding_window", 512) for g in range(5)] + [(5, "full_attention", None)]
+    assert all(e.token_ids == tuple(prompts[0][:2 * BLOCK]) for e in first)
+    # One hash per block, the same in every group.
+    assert len({e.block_hashes for e in first}) == 1
+    seen: set[tuple[int, ...]] = set()
+    for b in batches[:-1]:
+        cache.apply(b)
+        seen |= full_chains(cache)
+    # Every prompt's full blocks were cached at some point (the shared prefix once), and
+    # nothing else was: a prefix-cache hit publishes nothing.
+    want = {tuple(p[:k * BLOCK]) for p in prompts for k in range(1, len(p) // BLOCK + 1)}
+    assert seen == want
+    # The small pool evicted: early prompts' blocks are gone by the end.
+    assert tuple(prompts[3][:BLOCK]) not in full_chains(cache)
+    assert any(isinstance(e, BlockRemoved) for b in batches for e in b.events)
+    # The reset: the last message clears everything, then prompt 0 is stored again.
+    last = batches[-1]
+    assert isinstance(last.events[0], AllBlocksCleared)
+    cache.apply(last)
+    assert full_chains(cache) == {tuple(prompts[0][:BLOCK]), tuple(prompts[0][:2 * BLOCK])}
+    assert cache.clears == 1 and cache.gaps == [] and cache.resident() == 2
+
+
+def test_sliding_window_groups_leave_out_what_slid_out() -> None:
+    """A 640-token prompt in 128-token blocks: the full-attention group lists 5 hashes, each
+    window group (512 tokens) only the last 4; the cache still knows every parent."""
+    rec = recording("int")
+    dec, cache = Decoder(), ReplicaCache()
+    for seq, payload in frames(rec)[:2]:
+        cache.apply(dec.batch(seq, payload))
+    window, full = dec.batch(*frames(rec)[1]).events[0], dec.batch(*frames(rec)[1]).events[5]
+    assert len(window.token_ids) == 5 * BLOCK and len(window.block_hashes) == 4
+    assert window.block_hashes == full.block_hashes[1:]
+    assert [t for _, t in window.blocks] == [t for _, t in full.blocks][1:]
+    chain = [cache.blocks[h] for h in full.block_hashes]
+    assert all(b.parent_known for b in chain)
+    assert [b.parent for b in chain] == [None, *full.block_hashes[:-1]]
+    assert all(sorted(b.residency) == list(range(6)) for b in chain[1:])
+    assert sorted(chain[0].residency) == [5]  # slid out of every window group
+
+
+def test_both_hash_encodings_name_a_block_alike() -> None:
+    """The two recordings ran the same prompts with the same PYTHONHASHSEED: the 32-byte
+    digests, folded, are the integer hashes."""
+    hashes = {}
+    for name in ("int", "bytes"):
+        dec = Decoder()
+        hashes[name] = [h for seq, p in frames(recording(name)) for e in dec.batch(seq, p).events
+                        if isinstance(e, BlockStored) for h in e.block_hashes]
+    raw = msgpack.unpackb(frames(recording("bytes"))[0][1], raw=False)
+    assert isinstance(raw[1][0]["block_hashes"][0], bytes)
+    assert len(raw[1][0]["block_hashes"][0]) == 32
+    assert hashes["int"] == hashes["bytes"] and len(hashes["int"]) > 100
+    assert fold(b"\x01" * 24 + (5).to_bytes(8, "big")) == 5
+
+
+def positional(event: dict) -> list:
+    """An event map in the older servers' positional form (vLLM's field order, trailing
+    defaults left out) — written here, since no such server is installed to record one."""
+    kind = event["type"]
+    names = STORED_FIELDS if kind == "BlockStored" else ("block_hashes", "medium", "group_idx") \
+        if kind == "BlockRemoved" else ()
+    row = [kind] + [event.get(n) for n in names]
+    while len(row) > 1 and row[-1] is None:
+        row.pop()
+    return row
+
+
+def test_the_positional_form_decodes_as_the_map_form() -> None:
+    for seq, payload in frames(recording("int")):
+        ts, events, *rank = msgpack.unpackb(payload, raw=False)
+        as_arrays = msgpack.packb([ts, [positional(e) for e in events], *rank])
+        as_map = msgpack.packb({"ts": ts, "events": events})
+        want = Decoder().batch(seq, payload)
+        assert Decoder().batch(seq, as_arrays).events == want.events
+        assert Decoder().batch(seq, as_map).events == want.events
+
+
+def test_gaps_are_marked_and_refilled_and_old_messages_dropped() -> None:
+    batches = [Decoder().batch(s, p) for s, p in frames(recording("int"))]
+    cache = ReplicaCache()
+    cache.apply(batches[0])
+    cache.apply(batches[3])  # 1 and 2 lost
+    assert cache.gaps == [(1, 2)]
+    assert not cache.apply(batches[2])  # too late: older than the next expected
+    cache.refilled(1, 2)
+    assert cache.gaps == []
+    # The replay endpoint's answer is the live stream, message for message.
+    rec = recording("int")
+    assert frames(rec, "replay") == frames(rec)
+
+
+def test_unknown_types_and_fields_are_counted_and_garbage_named() -> None:
+    dec = Decoder()
+    payload = msgpack.packb([1.0, [{"type": "BlockMoved", "x": 1},
+                                   {"type": "BlockRemoved", "block_hashes": [7], "tier": 2},
+                                   ["AllBlocksCleared"]]])
+    b = dec.batch((9).to_bytes(8, "big"), payload)
+    assert b.seq == 9 and b.events == (BlockRemoved((7,)), AllBlocksCleared())
+    assert dec.unknown == {"BlockMoved": 1, "tier": 1}
+    for bad, said in ((b"\xc1", "not msgpack"), (msgpack.packb("hello"), "not an event batch"),
+                      (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1],
+                                             "token_ids": [1], "block_size": 16}]]),
+                       "1 blocks of 16 tokens but 1 token ids")):
+        with pytest.raises(EventFormatError, match=said):
+            dec.batch(1, bad)
+    with pytest.raises(EventFormatError, match="8 bytes"):
+        dec.batch(b"\x00", payload)
+
+
+def test_a_late_subscriber_gets_placeholders_for_what_it_missed() -> None:
+    batches = [Decoder().batch(s, p) for s, p in frames(recording("int"))]
+    cache = ReplicaCache()
+    stored = next(e for e in batches[1].events if e.kind == "full_attention")
+    tail = BlockStored(stored.block_hashes[2:], stored.block_hashes[1],
+                       stored.token_ids[2 * BLOCK:], BLOCK, group=5, kind="full_attention")
+    cache.apply(type(batches[1])(1, 0.0, (tail,)))
+    placeholder = cache.blocks[stored.block_hashes[1]]
+    assert placeholder.placeholder and placeholder.tokens is None
+    assert cache.key(stored.block_hashes[2]) is None  # its prefix is unknown
+    assert cache.roots() == [placeholder]
