@@ -156,8 +156,10 @@ class ReplicaCache:
         return self._keys.get(block_hash)
 
     def roots(self) -> list[Block]:
-        """Blocks with no parent, and placeholders (stored before we connected)."""
-        return [b for b in self.blocks.values() if b.parent is None]
+        """Blocks with no parent here: the starts of sequences, placeholders (stored before
+        we connected), and blocks whose parent was removed first."""
+        return [b for b in self.blocks.values() if b.parent is None or b.parent not in
+                self.blocks]
 
     def children(self) -> dict[int | None, list[Block]]:
         out: dict[int | None, list[Block]] = {}

@@ -12,12 +12,14 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from kvdeck.runtime.fleet.fleet_tree import fleet_tree, router_scores, segments
 from kvdeck.runtime.fleet.kv_events import (
     STORED_FIELDS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     Decoder,
+    EventBatch,
     EventFormatError,
     fold,
 )
@@ -183,3 +185,44 @@ def test_a_late_subscriber_gets_placeholders_for_what_it_missed() -> None:
     assert placeholder.placeholder and placeholder.tokens is None
     assert cache.key(stored.block_hashes[2]) is None  # its prefix is unknown
     assert cache.roots() == [placeholder]
+
+
+def replica(name: str, upto: int | None = None) -> ReplicaCache:
+    cache, dec = ReplicaCache(), Decoder()
+    for seq, payload in frames(recording(name))[:upto]:
+        cache.apply(dec.batch(seq, payload))
+    return cache
+
+
+def test_segments_fold_chains_and_say_where_they_live() -> None:
+    prompts = recording("int")["prompts"]
+    segs = segments(replica("int", 3))
+    # Prompts 3 and 4 (5 blocks each), then prompt 0's two (the shared prefix).
+    heads = [s for s in segs if s.parent_id == 0]
+    assert [(s.start_token, s.num_blocks) for s in heads] == [(0, 1), (0, 1), (0, 2)]
+    first, rest = heads[0], next(s for s in segs if s.parent_id == heads[0].seg_id)
+    # A 640-token prompt's first block slid out of the five window groups.
+    assert first.groups == (5,) and rest.groups == (0, 1, 2, 3, 4, 5)
+    assert (rest.start_token, rest.end_token, rest.media) == (128, 640, ("GPU",))
+    assert first.tokens + rest.tokens == tuple(prompts[3][:640])
+    assert heads[2].tokens == tuple(prompts[0][:256])
+
+
+def test_the_fleet_tree_and_router_scores_go_by_content() -> None:
+    prompts = recording("int")["prompts"]
+    caches = {"a": replica("int", 3), "b": replica("bytes")}  # b: after its reset
+    tree = fleet_tree(caches)
+    both = [n for n in tree.values() if set(n.replicas) == {"a", "b"}]
+    assert sorted(len(n.tokens) for n in both) == [BLOCK, BLOCK]
+    assert {n.tokens for n in both} == {tuple(prompts[0][:BLOCK]),
+                                       tuple(prompts[0][BLOCK:2 * BLOCK])}
+    assert sum(1 for n in tree.values() if set(n.replicas) == {"a"}) == 10
+    scores = router_scores(caches, prompts[3])
+    assert scores["a"] == (5, 5.0, 640) and scores["b"] == (0, 0.0, 0)
+    scores = router_scores(caches, prompts[1])  # the shared 256 tokens, then its own
+    assert scores["a"].blocks == scores["b"].blocks == 2
+    # A block that lives only on the host tier counts 0.8 (llm-d's CPU weight).
+    host = ReplicaCache()
+    host.apply(EventBatch(0, 0.0, (BlockStored((7,), None, tuple(prompts[0][:BLOCK]), BLOCK,
+                                               medium="CPU", group=5),)))
+    assert router_scores({"host": host}, prompts[0])["host"] == (1, 0.8, BLOCK)
