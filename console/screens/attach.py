@@ -20,7 +20,11 @@ from textual.worker import get_current_worker
 from kvdeck.console.base_app import ConsoleApp
 from kvdeck.console.widgets.footer import KeysFooter
 from kvdeck.console.widgets.metrics import sparkline
+from kvdeck.console.widgets.remote_prefix import UNKNOWN, segment_text
 from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.fleet.fleet_tree import segments
+from kvdeck.runtime.fleet.replica_cache import ReplicaCache
+from kvdeck.runtime.fleet.subscriber import Subscriber, SubscriberStatus
 from kvdeck.runtime.runs.attach import Rates, RemoteStatus, metrics_url, parse_metrics, parse_slots
 
 
@@ -39,9 +43,16 @@ class AttachApp(ConsoleApp):
                 Binding("t", "next_theme", "Theme", id="attach.theme"),
                 Binding("f1", "help", "Help", id="attach.help")]
 
-    def __init__(self, url: str, interval_s: float = 1.0):
+    def __init__(self, url: str, interval_s: float = 1.0, kv_events: str | None = None,
+                 kv_replay: str | None = None, kv_topic: str = "", tokenizer=None):
+        """`kv_events`: the server's KV-events endpoint as it was told it (`--kv-events-config`'s
+        `endpoint`), `kv_replay` its replay endpoint; `tokenizer` decodes cached spans."""
         super().__init__()
         self.metrics_url = metrics_url(url)
+        self.subscriber = Subscriber(kv_events, replay=kv_replay, topic=kv_topic,
+                                     host=httpx.URL(url).host) if kv_events else None
+        self.tokenizer = tokenizer
+        self.events: tuple[list, SubscriberStatus, ReplicaCache] | None = None
         self.interval_s = interval_s
         self.status: RemoteStatus | None = None
         self.error: str | None = None
@@ -67,7 +78,19 @@ class AttachApp(ConsoleApp):
 
     def on_mount(self) -> None:
         self.setup_themes()
+        if self.subscriber is not None:
+            self.subscriber.start()
         self.run_worker(self._poll, thread=True, exclusive=True)
+
+    def on_unmount(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.stop()
+
+    def _read_events(self) -> None:
+        """Worker thread: the subscriber's cache as segments (the UI thread only draws)."""
+        if self.subscriber is not None:
+            cache, status = self.subscriber.snapshot()
+            self.events = (segments(cache), status, cache)
 
     def _poll(self) -> None:
         """Worker thread: scrape until the app cancels the worker on exit."""
@@ -86,6 +109,7 @@ class AttachApp(ConsoleApp):
                     status, error = None, f"{type(e).__name__}: {e}"
                 if worker.is_cancelled:
                     break
+                self._read_events()
                 self.call_from_thread(self.show, status, error)
                 time.sleep(self.interval_s)
 
@@ -139,10 +163,17 @@ class AttachApp(ConsoleApp):
         kv.append_text(sparkline(list(self.history["kv_usage"]), set(), 40))
         if st.kv_blocks:
             kv.append("\n" + " · ".join(f"{k} {int(v)}" for k, v in st.kv_blocks.items()))
+        prefix = Text(f"hit rate {st.hit_rate:.1%}" if st.hit_rate is not None
+                      else f"{st.engine} does not expose prefix-cache hits")
+        if self.events is not None:
+            kv.append_text(self._residency(st))
+            prefix.append("\n")
+            prefix.append_text(self._tree(self.query_one("#prefix", Static).size.width))
+        else:
+            prefix.append("\nthe tree needs the server's KV events: --kv-events ENDPOINT "
+                          "(docs/attach.md)", style="dim")
         self.query_one("#kv", Static).update(kv)
-        self.query_one("#prefix", Static).update(
-            f"hit rate {st.hit_rate:.1%}" if st.hit_rate is not None
-            else f"{st.engine} does not expose prefix-cache hits")
+        self.query_one("#prefix", Static).update(prefix)
         lines = []
         for name, h in (("TTFT", st.ttft), ("ITL", st.itl), ("E2E", st.e2e)):
             lines.append(f"{name:5} p50 {fmt_ms(h.quantile(0.5))} ms · p99 "
@@ -160,6 +191,33 @@ class AttachApp(ConsoleApp):
                if st.spec_acceptance_rate is not None else "")
             if st.spec_acceptance is not None
             else f"{st.engine} reports no speculative decoding")
+
+    def _residency(self, st: RemoteStatus) -> Text:
+        segs, status, cache = self.events
+        gpu, cpu = cache.resident("GPU"), cache.resident("CPU")
+        pool = f" of {st.num_gpu_blocks:,.0f}" if st.num_gpu_blocks else ""
+        return Text(f"\ncached blocks (events): {gpu:,} on GPU{pool}" +
+                    (f", {cpu:,} on CPU" if cpu else "") +
+                    (f" · {cache.block_size}-token blocks" if cache.block_size else ""))
+
+    def _tree(self, width: int) -> Text:
+        segs, status, cache = self.events
+        now = time.monotonic()
+        head = Text(f"KV events: {status.messages:,} messages"
+                    + (f", last {now - status.last_message_s:,.0f} s ago"
+                       if status.last_message_s is not None else ", none yet")
+                    + (f", {status.refilled} replayed" if status.refilled else ""))
+        if status.gaps:
+            missed = sum(b - a + 1 for a, b in status.gaps)
+            head.append(f" · {missed} lost (no replay endpoint)", style="yellow")
+        if status.error:
+            head.append(f"\n{status.error}", style="red")
+        if status.unknown:
+            head.append(f"\nskipped: {', '.join(f'{k} ×{v}' for k, v in status.unknown.items())}",
+                        style="dim")
+        head.append(f"\n{UNKNOWN}\n", style="dim")
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return head + segment_text(segs, decode, width)
 
     @staticmethod
     def _num(x: float | None) -> str:

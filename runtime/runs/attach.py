@@ -41,12 +41,19 @@ NAMES = {
         "itl": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
         "e2e": "sglang:e2e_request_latency_seconds",
         "requests_done": "sglang:num_requests_total",
+        "pool_tokens": "sglang:max_total_num_tokens",
         "prompt_tokens": "sglang:prompt_tokens_total",
         "generation_tokens": "sglang:generation_tokens_total",
     },
     "llama.cpp": {
         "running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred",
+        # Gone from current builds (kept for older ones); KV usage is then not exposed.
         "kv_usage": "llamacpp:kv_cache_usage_ratio",
+        "prompt_cached": "llamacpp:prompt_tokens_cached_total",
+        # Current builds count speculative decoding under vLLM's names.
+        "spec_drafts": "llamacpp:spec_decode_num_drafts_total",
+        "spec_accepted": "llamacpp:spec_decode_num_accepted_tokens_total",
+        "spec_draft_tokens": "llamacpp:spec_decode_num_draft_tokens_total",
         "prompt_tokens_per_s": "llamacpp:prompt_tokens_seconds",
         "generated_tokens_per_s": "llamacpp:predicted_tokens_seconds",
         "prompt_tokens": "llamacpp:prompt_tokens_total",
@@ -116,6 +123,13 @@ class RemoteStatus:
     """Counters since the server started; `Rates` turns two scrapes into per-second rates."""
     prompt_tokens: float | None = None
     generation_tokens: float | None = None
+    num_gpu_blocks: float | None = None
+    """The KV pool in blocks (vLLM's `cache_config_info`)."""
+    block_size: float | None = None
+    pool_tokens: float | None = None
+    """The KV pool in tokens (SGLang's `max_total_num_tokens`; vLLM: blocks × block size)."""
+    waiting_reasons: dict[str, float] | None = None
+    """Waiting requests by why they wait (vLLM's `num_requests_waiting_by_reason`)."""
 
     def missing(self) -> list[str]:
         return [LABELS[f.name] for f in fields(self)
@@ -127,6 +141,7 @@ def _collect(text: str) -> tuple[dict[str, float], dict[str, Histogram],
     scalars: dict[str, float] = {}
     hists: dict[str, Histogram] = {}
     labelled: dict[tuple[str, str], float] = {}
+    """(metric, its `state`, `source` or `reason` label) -> value."""
     try:
         families = list(text_string_to_metric_families(text))
     except ValueError as e:
@@ -144,8 +159,13 @@ def _collect(text: str) -> tuple[dict[str, float], dict[str, Histogram],
                     h.count += s.value
             else:
                 scalars[s.name] = scalars.get(s.name, 0.0) + s.value
-                if "state" in s.labels:
-                    labelled[(s.name, s.labels["state"])] = s.value
+                for label in ("state", "source", "reason"):
+                    if label in s.labels:
+                        key = (s.name, s.labels[label])
+                        labelled[key] = labelled.get(key, 0.0) + s.value
+                if s.name == "vllm:cache_config_info":  # an info gauge: its labels are data
+                    for label in ("num_gpu_blocks", "block_size"):
+                        labelled[(s.name, label)] = _number(s.labels.get(label))
     return scalars, hists, labelled
 
 
@@ -181,8 +201,24 @@ def parse_metrics(text: str) -> RemoteStatus:
     st.generation_tokens = pick("generation_tokens", scalars)
     queries, hits = pick("prefix_queries", scalars), pick("prefix_hits", scalars)
     st.hit_rate = pick("hit_rate", scalars)
-    if st.hit_rate is None and queries:
+    by_source = {src: v for (name, src), v in labelled.items()
+                 if name == "vllm:prompt_tokens_by_source_total"}
+    cached = pick("prompt_cached", scalars)
+    if st.hit_rate is None and sum(by_source.values()):
+        # Prompt tokens by where their KV came from: the figure vLLM keeps exact since it
+        # fixed an over-count in prefix_cache_hits_total.
+        st.hit_rate = by_source.get("local_cache_hit", 0.0) / sum(by_source.values())
+    elif st.hit_rate is None and cached is not None and st.prompt_tokens:
+        st.hit_rate = cached / st.prompt_tokens
+    elif st.hit_rate is None and queries:
         st.hit_rate = (hits or 0.0) / queries
+    info = {k: v for (name, k), v in labelled.items() if name == "vllm:cache_config_info"}
+    st.num_gpu_blocks, st.block_size = info.get("num_gpu_blocks"), info.get("block_size")
+    st.pool_tokens = pick("pool_tokens", scalars) or (
+        st.num_gpu_blocks * st.block_size if st.num_gpu_blocks and st.block_size else None)
+    reasons = {r: v for (name, r), v in labelled.items()
+               if name == "vllm:num_requests_waiting_by_reason"}
+    st.waiting_reasons = reasons or None
     drafts, accepted = pick("spec_drafts", scalars), pick("spec_accepted", scalars)
     if drafts:
         st.spec_acceptance = (accepted or 0.0) / drafts
@@ -193,6 +229,13 @@ def parse_metrics(text: str) -> RemoteStatus:
     blocks = {state: v for (name, state), v in labelled.items() if name == "kvdeck:kv_blocks"}
     st.kv_blocks = blocks or None
     return st
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None  # "None" and the like: not given
 
 
 @dataclass(frozen=True)

