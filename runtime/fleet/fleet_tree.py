@@ -144,3 +144,45 @@ def router_scores(caches: dict[str, ReplicaCache], prompt: list[int]) -> dict[st
             score += max(WEIGHTS.get(m, 0.0) for m in media)
         out[name] = Score(blocks, score, blocks * size)
     return out
+
+
+class FleetSegment(NamedTuple):
+    """A chain of fleet nodes held by the same replicas the same way, as one line."""
+
+    seg_id: int
+    parent_id: int
+    start_token: int
+    num_tokens: int
+    num_blocks: int
+    replicas: tuple[tuple[str, tuple[str, ...]], ...]
+    """(replica, media) for each replica holding it, by name."""
+    tokens: tuple[int, ...]
+
+
+def fleet_segments(nodes: dict[bytes, FleetNode], limit: int = 256) -> list[FleetSegment]:
+    """The fleet tree folded radix-style, depth first, the most widely held first."""
+    kids: dict[bytes | None, list[FleetNode]] = {}
+    for n in nodes.values():
+        kids.setdefault(n.parent if n.parent in nodes else None, []).append(n)
+
+    def held(n: FleetNode) -> tuple:
+        return tuple(sorted((r, tuple(sorted(m))) for r, m in n.replicas.items()))
+
+    def order(ns: list[FleetNode]) -> list[FleetNode]:
+        return sorted(ns, key=lambda n: (-len(n.replicas), n.tokens))
+
+    out: list[FleetSegment] = []
+    stack = [(n, 0, 0) for n in reversed(order(kids.get(None, [])))]
+    while stack and len(out) < limit:
+        first, parent_id, start = stack.pop()
+        chain = [first]
+        while len(kids.get(chain[-1].key, [])) == 1 and \
+                held(kids[chain[-1].key][0]) == held(first):
+            chain.append(kids[chain[-1].key][0])
+        tokens = tuple(t for n in chain for t in n.tokens)
+        seg = FleetSegment(len(out) + 1, parent_id, start, len(tokens), len(chain),
+                           held(first), tokens)
+        out.append(seg)
+        for child in reversed(order(kids.get(chain[-1].key, []))):
+            stack.append((child, seg.seg_id, start + len(tokens)))
+    return out

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kvdeck.runtime.fleet.fleet_tree import fleet_tree, router_scores, segments
+from kvdeck.runtime.fleet.fleet_tree import fleet_segments, fleet_tree, router_scores, segments
 from kvdeck.runtime.fleet.kv_events import (
     STORED_FIELDS,
     AllBlocksCleared,
@@ -226,3 +226,14 @@ def test_the_fleet_tree_and_router_scores_go_by_content() -> None:
     host.apply(EventBatch(0, 0.0, (BlockStored((7,), None, tuple(prompts[0][:BLOCK]), BLOCK,
                                                medium="CPU", group=5),)))
     assert router_scores({"host": host}, prompts[0])["host"] == (1, 0.8, BLOCK)
+
+
+def test_fleet_segments_mark_which_replicas_hold_what() -> None:
+    prompts = recording("int")["prompts"]
+    segs = fleet_segments(fleet_tree({"a": replica("int", 3), "b": replica("bytes")}))
+    shared = segs[0]  # held by both: first
+    assert shared.replicas == (("a", ("GPU",)), ("b", ("GPU",)))
+    assert (shared.start_token, shared.num_tokens, shared.num_blocks) == (0, 256, 2)
+    assert shared.tokens == tuple(prompts[0][:256])
+    only_a = [s for s in segs if s.replicas == (("a", ("GPU",)),)]
+    assert sorted(s.num_tokens for s in only_a) == [640, 640]
