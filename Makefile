@@ -87,7 +87,7 @@ $(CLIENTS)/gemma3-270m-tokenizer/tokenizer.json: $(CLIENTS)/guidellm/.installed
 # build from outside, predicted beside measured on two traces (benchmarks/sim_vs_real.py).
 clients: $(CLIENTS)/guidellm/.installed $(CLIENTS)/aiperf/.installed \
 		$(CLIENTS)/gemma3-270m-tokenizer/tokenizer.json
-	$(PY) -m pytest tests/clients
+	KVDECK_CLIENTS=1 $(PY) -m pytest tests/clients
 	$(PY) -m benchmarks.sim_vs_real --peers
 
 # SVGs of every console screen from seeded sim runs, for the README.

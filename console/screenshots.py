@@ -62,6 +62,65 @@ async def _shoot_replay(out: Path, run_dir: Path, name: str) -> None:
         app.save_screenshot(filename=name, path=str(out))
 
 
+async def _shoot_fleet(out: Path) -> None:
+    """The fleet screen on two sim servers publishing KV events and a URL where nothing
+    answers, after shared-prefix traffic, with a prompt scored by the router."""
+    import random
+    import socket
+
+    import httpx
+
+    from kvdeck.console.screens.fleet import FleetApp
+    from kvdeck.runtime.fleet.fleet import Fleet, ReplicaSpec
+    from kvdeck.runtime.fleet.publisher import EventPublisher, KVEventsConfig
+    from kvdeck.runtime.server.serve import ApiServer
+    from kvdeck.runtime.session import build_session
+    from kvdeck.runtime.settings import resolve
+
+    def port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    servers, publishers, specs = [], [], []
+    for name in ("replica-a", "replica-b"):
+        config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port()}",
+                                replay_endpoint=f"tcp://*:{port()}")
+        session = build_session(resolve({"executor": "sim", "served_model_name": "sim"}),
+                                live=True)
+        publishers.append(EventPublisher(config, 16).start().attach(session.engine))
+        servers.append(ApiServer(session, port=0).start())
+        specs.append(ReplicaSpec(name, f"http://127.0.0.1:{servers[-1].port}",
+                                 config.endpoint, config.replay_endpoint))
+    specs.append(ReplicaSpec("replica-c", f"http://127.0.0.1:{port()}"))
+    rng = random.Random(4)
+    system = [rng.randrange(100, 30_000) for _ in range(96)]
+    try:
+        for size, name in (((160, 48), "fleet-160x48.svg"), ((80, 24), "fleet-80x24.svg")):
+            app = FleetApp(Fleet(specs, 0.3), 0.3)
+            async with app.run_test(size=size) as pilot:
+                await pilot.pause(0.6)
+                async with httpx.AsyncClient(timeout=60) as client:
+                    for i in range(6):
+                        own = [rng.randrange(100, 30_000) for _ in range(24 + 8 * i)]
+                        await client.post(f"{specs[i % 2 if i < 4 else 0].url}/v1/completions",
+                                          json={"model": "sim", "prompt": system + own,
+                                                "max_tokens": 4})
+                await pilot.pause(2.0)
+                box = app.query_one("#router-prompt")
+                box.focus()
+                box.value = " ".join(map(str, system + [7] * 40))
+                await pilot.press("enter")
+                await pilot.pause(0.6)
+                app.save_screenshot(filename=name, path=str(out))
+            print(f"wrote {out / name}")
+    finally:
+        for srv in servers:
+            srv.stop()
+        for pub in publishers:
+            pub.close()
+
+
 def main(out: Path = Path("screenshots")) -> None:
     import tempfile
 
@@ -83,6 +142,7 @@ def main(out: Path = Path("screenshots")) -> None:
         recorder.close()
         asyncio.run(_shoot_replay(out, Path(tmp) / "run", "replay-160x48.svg"))
     print(f"wrote {out / 'replay-160x48.svg'}")
+    asyncio.run(_shoot_fleet(out))
 
 
 if __name__ == "__main__":
