@@ -1,5 +1,5 @@
-"""Metrics panel: latency percentiles, throughput and goodput, KV usage and prefix hit rate
-over time (sparklines, with knob changes marked), resident requests, and answer checks
+"""Metrics panel: latency percentiles, throughput and goodput, energy, KV usage and prefix
+hit rate over time (sparklines, with knob changes marked), resident requests, and answer checks
 passed where requests carried them.
 
 Every number and chart comes from the snapshot: the latency figures and the time-bucketed
@@ -88,6 +88,7 @@ class MetricsPanel(SnapshotPanel):
                  f"t = {snap.time:,.1f} s"),
             *self._model_lines(r, narrow, self.size.width < 28),
             *self._waste_lines(snap, narrow),
+            *self._energy_lines(snap, narrow),
             Text("KV used  ").append_text(sparkline([b.kv_usage for b in history], marks,
                                                     width))
             .append(f" {snap.kv.usage:.0%}"),
@@ -102,6 +103,23 @@ class MetricsPanel(SnapshotPanel):
             lines.append(Text(f"the simulation is {snap.lag_s:,.1f} s behind its pace",
                               style="bold yellow"))
         self.update(Group(*lines))
+
+    @staticmethod
+    def _energy_lines(snap: EngineSnapshot, narrow: bool) -> list[Text]:
+        """Joules so far and per good result, and where they come from (measured counters,
+        or the sim's model); where nothing is readable, the wide layout says why."""
+        e = snap.energy
+        if e is None or (e["joules"] is None and narrow):
+            return []
+        if e["joules"] is None:
+            return [Text(f"energy {e['source']}", style="dim")]
+        j, per = e["joules"], e["joules_per_good"]
+        total = f"{j / 1e3:,.1f} kJ" if j >= 1e4 else f"{j:,.0f} J"
+        good = "—" if per is None else f"{per:,.1f} J"
+        if narrow:  # one short line: per good result once there is one, else the total
+            return [Text(f"energy {good}/good" if per is not None else f"energy {total}")]
+        return [Text(f"energy {total} · {good} per good result ", style="").append(
+            f"({e['source']})", style="dim")]
 
     @staticmethod
     def _check_lines(snap: EngineSnapshot, narrow: bool) -> list[Text]:

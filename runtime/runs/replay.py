@@ -323,6 +323,8 @@ class TraceState:
             num_rejected=counts.get("rejected", 0), num_aborted=counts.get("aborted", 0),
             num_preemptions=self.num_preemptions,
             recent=self.figures.rolling(), figures=self.figures.view(),
+            energy=_energy(h.get("modelled_power"), self.figures.busy_seconds,
+                           self.figures.num_good),
             switches=tuple(self.switches), transfers=self.transfers_view(),
             speculation=self.spec.view(knobs.speculative_method, knobs.num_speculative_tokens,
                                        h.get("draft_model", "")),

@@ -25,9 +25,11 @@ from kvdeck.runtime.core.request import Request, RequestStatus
 from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.core.switch import Switch
 from kvdeck.runtime.executors.base import (
+    Modelled,
     WeightsView,
     auto_choice,
     draft_kv_bytes_per_token,
+    has,
     offload_of,
 )
 from kvdeck.runtime.kv.block_pool import (
@@ -43,6 +45,7 @@ from kvdeck.runtime.kv.transfers import TransfersView
 from kvdeck.runtime.kv.window import held_by_group
 from kvdeck.runtime.planning.roofline import StepRoofline, executor_peaks
 from kvdeck.runtime.spec.stats import SpeculationView
+from kvdeck.runtime.stats.energy import EnergyMeter, energy_figures, modelled_energy
 from kvdeck.runtime.stats.figures import FiguresView
 from kvdeck.runtime.text.tokenizer import Tokenizer, forced_runs
 from kvdeck.runtime.views.prefix import NodeSummary, summarize_tree
@@ -253,6 +256,8 @@ class EngineSnapshot:
     failure: EngineFailure | None = None
     lag_s: float = 0.0
     """Virtual seconds a paced sim is behind the wall clock (0 when keeping up)."""
+    energy: dict | None = None
+    """`stats.energy.energy_figures`: joules, joules per good result and their source."""
     pending_knobs: Knobs | None = None
     """Knobs submitted but not applied yet (they apply at the next iteration)."""
     tracked: tuple[TrackedOutput, ...] = ()
@@ -301,6 +306,9 @@ class SnapshotBuilder:
         self._prefix: tuple[tuple[int, int, int], tuple[NodeSummary, ...]] | None = None
         ex = engine.executor  # an engine keeps its executor: its peaks are worked out once
         self._peaks = executor_peaks(ex)
+        self._power = (ex.hardware.name, ex.hardware.power_watts) if has(ex, Modelled) \
+            else None
+        self._meter = None if self._power is not None else EnergyMeter.probe()
 
     @property
     def engine(self) -> Engine:
@@ -409,8 +417,17 @@ class SnapshotBuilder:
             speculation=sched.spec.view(sched.knobs.speculative_method,
                                         sched.knobs.num_speculative_tokens,
                                         e.executor.info.draft_model_name),
-            roofline=self._roofline(),
+            roofline=self._roofline(), energy=self._energy(e.figures),
         )
+
+    def _energy(self, figures) -> dict:
+        """`energy_figures` live: the sim's modelled from its busy time; a real executor's
+        from the machine's counters since this builder was made (its first snapshot)."""
+        good = figures.num_good
+        if self._power is not None:
+            return modelled_energy(figures.busy_seconds, *self._power, good)
+        return energy_figures(self._meter.joules(), self._meter.source + (
+            ", since the first snapshot" if self._meter.readable else ""), good)
 
     def _roofline(self) -> StepRoofline | None:
         """The last step against the executor's peaks (`roofline.executor_peaks`)."""

@@ -13,6 +13,7 @@ from kvdeck.runtime.executors.sim import SimExecutor
 from kvdeck.runtime.runs.runner import run_arrivals
 from kvdeck.runtime.runs.trace import Arrival
 from kvdeck.runtime.stats.energy import EnergyMeter
+from kvdeck.runtime.views.snapshot import snapshot_of
 
 
 def zone(root, name: str, energy: int, most: int = 1_000_000):
@@ -57,3 +58,19 @@ def test_a_sim_run_models_its_energy_at_the_card_s_power_limit() -> None:
     assert energy["source"] == "modelled: busy time at rtx-pro-6000's 600 W limit"
     assert energy["joules"] == pytest.approx(s["steps"]["busy_s"] * 600)
     assert energy["joules_per_good"] == pytest.approx(energy["joules"] / s["num_good"])
+    # The console shows the same figures live (the snapshot's `energy`).
+    assert snapshot_of(engine).energy == energy
+
+
+def test_a_real_executor_s_snapshot_says_what_it_can_read(tiny_llama) -> None:
+    from kvdeck.runtime.executors.torch import TorchExecutor
+
+    engine = Engine(EngineConfig(kv_memory_bytes=4 << 20),
+                    TorchExecutor(tiny_llama, device="cpu", dtype="fp32"))
+    energy = snapshot_of(engine).energy
+    meter = EnergyMeter.probe()
+    if meter.readable:
+        assert energy["joules"] is not None and energy["source"].endswith("first snapshot")
+    else:  # this machine: no NVML counter, no readable RAPL files — said, never made up
+        assert energy["joules"] is None and energy["source"] == meter.source
+    engine.close()
