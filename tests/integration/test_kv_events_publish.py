@@ -126,3 +126,59 @@ def test_serve_refuses_a_bad_config_in_one_sentence() -> None:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "hwm must be a positive integer" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_host_tier_publishes_cpu_blocks() -> None:
+    """Demoted blocks are `BlockStored` with medium CPU (after `BlockRemoved` GPU), promoted
+    ones the reverse: the subscriber's media equal the engine's tiers, block for block."""
+    from kvdeck.runtime.core.config import EngineConfig, Knobs
+    from kvdeck.runtime.core.engine import Engine
+    from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+    from kvdeck.runtime.runs.runner import run_arrivals
+    from kvdeck.runtime.runs.trace import Arrival
+
+    ex = SimExecutor(SimConfig(), seed=3)
+    per_block = 16 * ex.kv_bytes_per_token("bf16")
+    engine = Engine(EngineConfig(block_size=16, kv_memory_bytes=60 * per_block,
+                                 host_kv_memory_bytes=200 * per_block, seed=3,
+                                 knobs=Knobs(max_num_batched_tokens=512, max_num_seqs=4)), ex)
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{free_port()}")
+    publisher = EventPublisher(config, 16).start().attach(engine)
+    sub = Subscriber(config.endpoint).start()
+    time.sleep(0.3)
+    try:
+        # Groups of requests sharing prefixes, more than the device holds: the older
+        # prefixes are demoted to the host, and a later group brings one back.
+        arrivals = [Arrival(0.05 * i, 200, 4, prefix_group=f"g{i % 5}", prefix_len=160)
+                    for i in range(30)]
+        run_arrivals(engine, arrivals, vocab_size=32_000)
+        engine.check_integrity()
+        tree = engine.kv.tree
+        assert tree.num_demotions > 0
+        wait_for(sub, publisher.seq)
+        cache, status = sub.snapshot()
+        assert status.gaps == () and status.bad == 0
+
+        def chain(node):
+            tokens = ()
+            while node is not None and node.key:
+                tokens, node = node.key + tokens, node.parent
+            return tokens
+        device = {chain(n) for n in tree.nodes.values() if not n.on_host}
+        host = {chain(n) for n in tree.nodes.values() if n.on_host}
+        assert host and device
+
+        def on(medium):
+            out = set()
+            for b in cache.blocks.values():
+                if b.media == {medium}:
+                    tokens, cur = (), b
+                    while cur is not None:
+                        tokens = cur.tokens + tokens
+                        cur = cache.blocks.get(cur.parent) if cur.parent is not None else None
+                    out.add(tokens)
+            return out
+        assert on("GPU") == device and on("CPU") == host
+    finally:
+        sub.stop()
+        publisher.close()
