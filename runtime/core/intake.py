@@ -54,11 +54,13 @@ class Intake:
     def add(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None, *,
 request_id: str | None = None, arrival_time: float | None = None,
             deadline_s: float | None = None, priority: int = 0, track: bool = False,
-            check: AnswerCheck | None = None, branches: int = 1) -> Request:
+            check: AnswerCheck | None = None, branches: int = 1,
+            intake_s: float = 0.0) -> Request:
         """Validate and queue a request; returns it at once (it runs on the engine thread).
 
         `arrival_time` in the future (engine clock) schedules the arrival, as trace replay
-        does; `deadline_s` is relative to arrival; `track` puts the request's text in every
+        does; `intake_s` holds the request that long after its arrival before the engine
+        takes it in (`Request.intake_time`); `deadline_s` is relative to arrival; `track` puts the request's text in every
         snapshot (the console's prompt); `check` is what the answer must satisfy to count
         as correct (it needs a tokenizer: checks read text); `branches` > 1 (the API's `n`)
         samples the prompt
@@ -106,7 +108,8 @@ request_id: str | None = None, arrival_time: float | None = None,
         def make(request_id: str, params: SamplingParams) -> Request:
             r = Request(request_id, list(prompt_token_ids), params, arrival_time=arrival,
                         deadline=arrival + deadline_s if deadline_s is not None else None,
-                        priority=priority, check=check)
+                        priority=priority, check=check,
+                        intake_time=arrival + intake_s if intake_s > 0 else None)
             if self.tokenizer is not None:
                 r.detokenizer = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids,
                                                        params.stop)
@@ -153,7 +156,8 @@ request_id: str | None = None, arrival_time: float | None = None,
 
     def hold(self, req: Request) -> None:
         """File a submitted request by its arrival time."""
-        heapq.heappush(self.future, (req.arrival_time, next(self._ids), req))
+        due = req.arrival_time if req.intake_time is None else req.intake_time
+        heapq.heappush(self.future, (due, next(self._ids), req))
 
     @property
     def next_arrival(self) -> float | None:

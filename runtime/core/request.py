@@ -189,6 +189,9 @@ class Request(Progress):
     arrival_time: float = 0.0
     deadline: float | None = None
     """Absolute completion deadline on the engine clock, or None."""
+    intake_time: float | None = None
+    """When the engine takes it in, where later than its arrival (a sim fitted from outside a
+    server models the request's way through HTTP); its TTFT still counts from arrival."""
     priority: int = 0
     """Lower runs first under the `priority` policy (as in vLLM)."""
     num_arrival_preemptions: int = 0

@@ -12,6 +12,7 @@ model on a 96 GB card with hundreds of 8K-token requests runs on a laptop.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass
 
@@ -195,11 +196,19 @@ class SimExecutor:
                 "set fixed_ms, per_token_us and per_pair_ns, or use timing = 'roofline'."
             )
         base = base or StepFit(0.0, 0.0, 0.0)
-        return StepFit(
-            base.fixed_s if c.fixed_ms is None else c.fixed_ms / 1e3,
-            base.per_token_s if c.per_token_us is None else c.per_token_us / 1e6,
-            base.per_pair_s if c.per_pair_ns is None else c.per_pair_ns / 1e9,
+        # Overrides replace their terms; the profile's per-sample and overhead terms stay.
+        return dataclasses.replace(
+            base,
+            fixed_s=base.fixed_s if c.fixed_ms is None else c.fixed_ms / 1e3,
+            per_token_s=base.per_token_s if c.per_token_us is None else c.per_token_us / 1e6,
+            per_pair_s=base.per_pair_s if c.per_pair_ns is None else c.per_pair_ns / 1e9,
         )
+
+    @property
+    def request_overhead_s(self) -> float:
+        """A request's way through the server outside its steps, where the fit was made from
+        outside (`StepFit.overhead_s`); 0 otherwise."""
+        return self.fit.overhead_s if self.timing == "fit" else 0.0
 
     # -- protocol ---------------------------------------------------------------------------
 

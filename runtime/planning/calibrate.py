@@ -50,6 +50,9 @@ class Point:
     """KV positions the step reads (for the bytes behind MBU)."""
     sampled: int = 1
     """Rows whose logits the step computes (a prefill chunk's last, every decode row)."""
+    outside: bool = False
+    """Timed by a client from sending to the first token: the request's way through the
+    server is in it (`StepFit.overhead_s` takes it)."""
 
 
 def _engine(ex: TorchExecutor, blocks_needed: int) -> Engine:
@@ -123,20 +126,24 @@ def efficiencies(points: list[Point], model: ModelProfile, bandwidth: float, flo
 
 
 def fit_step_model(points: list[Point]) -> StepFit:
-    """Non-negative least squares over (1, new tokens, pairs, sampled rows) by dropping
-    negative terms. The sampled-rows term is left out when every point samples as many
-    rows as tokens or the same number (it would only repeat another column)."""
-    cols = [0, 1, 2, 3]
+    """Non-negative least squares over (1, new tokens, pairs, sampled rows, timed from
+    outside) by dropping negative terms. The sampled-rows term is left out when every point
+    samples as many rows as tokens or the same number (it would only repeat another column);
+    the outside term (a request's way through the server) only where some points, and not
+    all, were timed from a client."""
+    cols = [0, 1, 2, 3, 4]
     if len({p.sampled for p in points}) < 2 or all(p.sampled == p.new_tokens for p in points):
         cols.remove(3)
-    a = np.array([[1.0, p.new_tokens, p.pairs, p.sampled] for p in points])
+    if len({p.outside for p in points}) < 2:
+        cols.remove(4)
+    a = np.array([[1.0, p.new_tokens, p.pairs, p.sampled, float(p.outside)] for p in points])
     y = np.array([p.seconds for p in points])
     while True:
         coef, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
         if (coef >= 0).all():
             break
         cols.pop(int(np.argmin(coef)))
-    full = [0.0, 0.0, 0.0, 0.0]
+    full = [0.0, 0.0, 0.0, 0.0, 0.0]
     for c, v in zip(cols, coef, strict=True):
         full[c] = float(v)
     return StepFit(*full)

@@ -3,8 +3,9 @@
 No server lets a client time its steps, but its token stream shows them:
 
 - **Prefill.** One request at a time, `c` prompt tokens and one output token: the time from
-  sending it to its first token is a step that computes `c` tokens (plus the request's way
-  through HTTP, which the fit's fixed term takes).
+  sending it to its first token is a step that computes `c` tokens plus the request's way
+  through the server (HTTP in, tokenizing, the token streamed out), which the fit keeps
+  apart as `overhead_s` — the decode gaps have none of it.
 - **Decode.** `b` requests of `L` prompt tokens sent at once, `M` outputs each: from the
   moment the last of them has its first token until the first of them ends, all `b` decode
   together, and the gaps between one request's streamed tokens are steps of `b` rows at
@@ -92,7 +93,7 @@ def _send(url: str, model: str, arrivals: list[Arrival], api_key: str | None,
 def prefill_point(requests: list[dict], c: int) -> Point:
     """A prefill of `c` tokens: the median time from send to first token."""
     seconds = statistics.median(r["ttft"] - r["queue_time"] for r in requests)
-    return Point("prefill", c, causal_pairs(c, 0), f"prefill {c}", seconds, c)
+    return Point("prefill", c, causal_pairs(c, 0), f"prefill {c}", seconds, c, outside=True)
 
 
 def decode_point(requests: list[dict], b: int, prompt: int, outputs: int) -> Point | None:

@@ -141,6 +141,11 @@ class StepFit:
     per_token_s: float
     per_pair_s: float
     per_sample_s: float = 0.0
+    overhead_s: float = 0.0
+    """A request's way through the server outside its steps — HTTP in, tokenizing, the
+    first token streamed out — as `kvdeck calibrate --url` separates it from the steps it
+    times from outside (0: fitted inside an executor). Not part of a step: the sim's runs
+    take a request in this long after it was sent (`runs/runner.py`)."""
 
     def seconds(self, num_new_tokens: float, num_pairs: float, num_sampled: float = 0.0
                 ) -> float:
@@ -150,7 +155,8 @@ class StepFit:
     def to_json(self) -> dict[str, float]:
         """In the units a profile's `[fit.<hw>]` table and `calibrate --json` give."""
         return {"fixed_ms": self.fixed_s * 1e3, "per_token_us": self.per_token_s * 1e6,
-                "per_pair_ns": self.per_pair_s * 1e9, "per_sample_us": self.per_sample_s * 1e6}
+                "per_pair_ns": self.per_pair_s * 1e9, "per_sample_us": self.per_sample_s * 1e6,
+                "overhead_ms": self.overhead_s * 1e3}
 
 
 def matrix_params(info) -> int:
@@ -320,7 +326,9 @@ class ModelProfile:
                                _number(f, "per_token_us", where, positive=False, table=t) / 1e6,
                                _number(f, "per_pair_ns", where, positive=False, table=t) / 1e9,
                                _number(f, "per_sample_us", where, default=0.0, positive=False,
-                                       table=t) / 1e6)
+                                       table=t) / 1e6,
+                               _number(f, "overhead_ms", where, default=0.0, positive=False,
+                                       table=t) / 1e3)
         decode_times, prefill_mfu, kv_convert = _decode_tables(d, where)
         kv_dtype = str(d.get("kv_dtype", "bf16"))
         if kv_dtype not in KV_FORMATS:

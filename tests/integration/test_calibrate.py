@@ -3,6 +3,7 @@ executor driven by `kvdeck run-trace`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,9 +16,13 @@ from kvdeck.runtime.core.config import EngineConfig
 from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.core.step_data import causal_pairs
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.planning.calibrate import Point, efficiencies, fit_step_model
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
+from kvdeck.runtime.resources import profiles_dir
+from kvdeck.runtime.runs.runner import run_arrivals
+from kvdeck.runtime.runs.trace import Arrival
 from kvdeck.runtime.views.snapshot import snapshot_of
 
 
@@ -128,3 +133,44 @@ def test_run_trace_on_the_torch_executor(tiny_llama: Path, tmp_path: Path) -> No
     assert s["executor"] == "torch" and s["statuses"] == {"finished_length": 6}
     assert s["prefix_hit_tokens"] > 0
     assert all(len(q["itls"]) == 4 for q in result["requests"])
+
+
+def test_fit_keeps_a_servers_overhead_apart_from_its_steps() -> None:
+    """Prefill points timed by a client carry the request's way through the server; decode
+    gaps do not. The fit takes that way as `overhead_s`, not into the steps' fixed term."""
+    fixed, per_token, per_pair, per_sample, overhead = 0.02, 3e-5, 2e-9, 1e-3, 0.009
+    pts = [Point("prefill", c, causal_pairs(c, 0), "", fixed + per_token * c
+                 + per_pair * causal_pairs(c, 0) + per_sample + overhead, c, outside=True)
+           for c in (64, 256, 1024)]
+    pts += [Point("decode", b, b * causal_pairs(1, h), "", fixed + per_token * b
+                  + per_pair * b * causal_pairs(1, h) + per_sample * b, b * (h + 1), b)
+            for b in (1, 4, 8) for h in (256, 1024)]
+    fit = fit_step_model(pts)
+    assert fit.overhead_s == pytest.approx(overhead) and fit.fixed_s == pytest.approx(fixed)
+    assert fit.per_sample_s == pytest.approx(per_sample)
+    assert fit_step_model([dataclasses.replace(p, outside=False) for p in pts]).overhead_s == 0
+
+
+def test_a_sim_fitted_from_outside_takes_requests_in_after_their_way_through_http(
+        tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
+    models = tmp_path / "profiles" / "models"
+    models.mkdir(parents=True)
+    shipped = (profiles_dir() / "models" / "qwen3-8b.toml").read_text()
+    (models / "outside.toml").write_text(shipped.replace('name = "qwen3-8b"',
+                                                         'name = "outside"') +
+                                         "\n[fit.rtx-pro-6000-probed]\nfixed_ms = 20\n"
+                                         "per_token_us = 30\nper_pair_ns = 0\n"
+                                         "per_sample_us = 0\noverhead_ms = 9\n")
+    hw = tmp_path / "profiles" / "hardware"
+    hw.mkdir(parents=True)
+    hw.joinpath("rtx-pro-6000-probed.toml").write_text(
+        (profiles_dir() / "hardware" / "rtx-pro-6000.toml").read_text().replace(
+            'name = "rtx-pro-6000"', 'name = "rtx-pro-6000-probed"'))
+    sim = SimExecutor(SimConfig(model_profile="outside", hardware="rtx-pro-6000-probed",
+                                timing="fit"))
+    assert sim.request_overhead_s == pytest.approx(0.009)
+    engine = Engine(EngineConfig(kv_memory_bytes=1 << 30), sim)
+    out = run_arrivals(engine, [Arrival(1.0, 100, 2)], vocab_size=32_000)["requests"][0]
+    # Sent at 1.0 s, taken in 9 ms later, then one prefill step of 100 tokens.
+    assert out["ttft"] == pytest.approx(0.009 + 0.020 + 100 * 30e-6)
