@@ -61,12 +61,12 @@ request_id: str | None = None, arrival_time: float | None = None,
         `arrival_time` in the future (engine clock) schedules the arrival, as trace replay
         does; `intake_s` holds the request that long after its arrival before the engine
         takes it in (`Request.intake_time`); `deadline_s` is relative to arrival; `track`
-        puts the request's text in every snapshot (the console's prompt); `check` is what the answer must satisfy to count
-        as correct (it needs a tokenizer: checks read text); `branches` > 1 (the API's `n`)
-        samples the prompt
-        that many times: the request returned is the first sample and `branches` holds the
-        others, which share its prompt's KV blocks (one prefill). Seeded branches take
-        seeds `seed`, `seed + 1`, ... (as vLLM's). Raises RequestError, QueueFullError or
+        puts the request's text in every snapshot (the console's prompt); `check` is what
+        the answer must satisfy to count as correct (it needs a tokenizer: checks read
+        text); `branches` > 1 (the API's `n`) samples the prompt that many times: the
+        request returned is the first sample and `branches` holds the others, which share
+        its prompt's KV blocks (one prefill). Seeded branches take seeds `seed`,
+        `seed + 1`, ... (as vLLM's). Raises RequestError, QueueFullError or
         EngineFailedError.
         """
         failure = self.failure()
