@@ -131,10 +131,14 @@ class Subscriber:
         nxt = self.cache.next_seq
         if nxt is not None and batch.seq > nxt and self.replay is not None:
             self._refill(nxt)
+        self._apply(batch, replayed=False)
+
+    def _apply(self, batch, replayed: bool) -> None:
         with self._lock:
-            self.cache.apply(batch)
-            self.messages += 1
-            self.last_message_s = time.monotonic()
+            if self.cache.apply(batch):
+                self.refilled += replayed
+                self.messages += 1
+                self.last_message_s = time.monotonic()
 
     def _bad(self, sentence: str) -> None:
         with self._lock:
@@ -158,11 +162,7 @@ class Subscriber:
                 except EventFormatError as e:
                     self._bad(str(e))
                     continue
-                with self._lock:
-                    if self.cache.apply(batch):
-                        self.refilled += 1
-                        self.messages += 1
-                        self.last_message_s = time.monotonic()
+                self._apply(batch, replayed=True)
         except zmq.ZMQError as e:
             self.error = f"replay from {address} failed: {e}"
         finally:

@@ -41,10 +41,11 @@ def engine_chains(tree) -> set[tuple[int, ...]]:
     return out
 
 
-def subscriber_chains(cache) -> set[tuple[int, ...]]:
+def subscriber_chains(cache, medium: str = "GPU", only: bool = False) -> set[tuple[int, ...]]:
+    """Every block on `medium` (`only`: on it alone) as the tokens from the root through it."""
     out = set()
     for b in cache.blocks.values():
-        if "GPU" not in b.media:
+        if medium not in b.media or (only and b.media != {medium}):
             continue
         tokens, cur = (), b
         while cur is not None:
@@ -168,17 +169,8 @@ def test_a_host_tier_publishes_cpu_blocks() -> None:
         host = {chain(n) for n in tree.nodes.values() if n.on_host}
         assert host and device
 
-        def on(medium):
-            out = set()
-            for b in cache.blocks.values():
-                if b.media == {medium}:
-                    tokens, cur = (), b
-                    while cur is not None:
-                        tokens = cur.tokens + tokens
-                        cur = cache.blocks.get(cur.parent) if cur.parent is not None else None
-                    out.add(tokens)
-            return out
-        assert on("GPU") == device and on("CPU") == host
+        assert subscriber_chains(cache, "GPU", only=True) == device
+        assert subscriber_chains(cache, "CPU", only=True) == host
     finally:
         sub.stop()
         publisher.close()
