@@ -129,7 +129,9 @@ class Occupancy:
 
     def charge(self, num_prompt: int, start: int, n: int, draft: int, per_token: float) -> None:
         """Charge one plan row (`n` tokens from `start`, `draft` of them drafts) its share of
-        a step that cost `per_token` seconds per token computed."""
+        a step that cost `per_token` seconds per token computed. (`Scheduler.update` inlines
+        this rule, its loop runs per row: keep the two alike; the replay parity tests hold
+        them equal.)"""
         if n - draft == 1 and start >= num_prompt:
             self.decode_s += n * per_token
             self.decode_calls += 1
