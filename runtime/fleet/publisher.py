@@ -12,10 +12,12 @@ map with a `type`, defaults left out, as vLLM 0.32 writes them:
     Demote (device -> host tier)                BlockRemoved GPU, then BlockStored CPU
     Promote (host tier -> device)               BlockStored GPU, then BlockRemoved CPU
 
-A block's hash is its content key (`replica_cache.content_key`: its tokens chained from the
-root) folded to 64 bits, so two kvdeck replicas name the same prefix alike, as vLLM replicas
-do when they share `PYTHONHASHSEED`. Only full-attention blocks are published (kvdeck's own
-sliding-window pages are not cache entries). A replay endpoint (a ROUTER) answers a request
+A block's hash is the one vLLM gives the same tokens (`vllm_block_hash`: its default
+`sha256` algorithm, seeded by `PYTHONHASHSEED` as vLLM seeds it), published as vLLM does — the
+low 64 bits, or the 32-byte digest under `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0` — so an
+indexer that hashes request tokens the vLLM way (llm-d's) finds kvdeck's blocks, and kvdeck
+replicas sharing the seed name a prefix alike. Only full-attention blocks are published
+(kvdeck's own sliding-window pages are not cache entries). A replay endpoint (a ROUTER) answers a request
 for everything from a sequence number with the last `buffer_steps` messages, then an end
 marker, as vLLM's does.
 
@@ -26,7 +28,10 @@ subscriber sees as a gap); a thread of the publisher's own owns the sockets.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import pickle
 import queue
 import threading
 import time
@@ -37,7 +42,7 @@ import msgpack
 import zmq
 
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.fleet.replica_cache import content_key
+from kvdeck.runtime.fleet.kv_events import fold
 from kvdeck.runtime.fleet.subscriber import END_SEQ
 from kvdeck.runtime.kv.events import Cache, Demote, Evict, Promote
 
@@ -94,6 +99,25 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and kind == "zmq"
 
 
+DEFAULT_SEED = "vllm-none-hash"
+"""vLLM's seed of the first block's parent hash when `PYTHONHASHSEED` is not set."""
+
+
+def vllm_block_hash(parent: bytes | None, tokens: tuple[int, ...], seed: str) -> bytes:
+    """The hash vLLM's prefix cache gives a full block of `tokens` after the block hashed
+    `parent` (None: the first): SHA-256 of the pickled (parent, tokens, extra keys), the
+    first block's parent being SHA-256 of the pickled seed (vLLM's default `sha256`
+    algorithm; no adapter, no multimodal keys). Checked against a real vLLM 0.32's events
+    in `tests/unit/test_kv_events.py`."""
+    if parent is None:
+        parent = _sha256(seed)
+    return _sha256((parent, tuple(tokens), None))
+
+
+def _sha256(value) -> bytes:
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
 def _open(sock: zmq.Socket, endpoint: str) -> None:
     """Bind a wildcard or ipc/inproc endpoint, connect to any other (vLLM's rule)."""
     if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
@@ -111,8 +135,10 @@ class EventPublisher:
         self.seq = 0
         self.published = 0
         self.dropped = 0
-        self._hashes: dict[int, tuple[int, bytes]] = {}
-        """Cached node id -> (published hash, content key) while the node is cached."""
+        self._hashes: dict[int, tuple[int | bytes, bytes]] = {}
+        """Cached node id -> (published hash, vLLM's full digest) while the node is cached."""
+        self.seed = os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)
+        self.int_hashes = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._stop = threading.Event()
@@ -180,12 +206,12 @@ class EventPublisher:
         parent = self._hashes.get(ev.parent_id) if ev.parent_id else None
         if ev.parent_id and parent is None:
             return None  # its parent was never published: nothing a subscriber could place
-        key = content_key(parent[1] if parent else None, node.key, None)
-        h = int.from_bytes(key[:8], "big")
-        self._hashes[ev.node_id] = (h, key)
+        digest = vllm_block_hash(parent[1] if parent else None, node.key, self.seed)
+        h = fold(digest) if self.int_hashes else digest
+        self._hashes[ev.node_id] = (h, digest)
         return self._store_map(h, node, "GPU")
 
-    def _store_map(self, h: int, node, medium: str) -> dict:
+    def _store_map(self, h: int | bytes, node, medium: str) -> dict:
         parent = self._hashes.get(node.parent.node_id) if node.parent is not None else None
         return {"type": "BlockStored", "block_hashes": [h],
                 "parent_block_hash": parent[0] if parent else None,
@@ -260,5 +286,5 @@ class EventPublisher:
         replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
-def removed(h: int, medium: str) -> dict:
+def removed(h: int | bytes, medium: str) -> dict:
     return {"type": "BlockRemoved", "block_hashes": [h], "medium": medium, "group_idx": 0}

@@ -23,6 +23,7 @@ from kvdeck.runtime.fleet.kv_events import (
     EventFormatError,
     fold,
 )
+from kvdeck.runtime.fleet.publisher import vllm_block_hash
 from kvdeck.runtime.fleet.replica_cache import ReplicaCache
 
 DATA = Path(__file__).parents[1] / "data" / "vllm_kv_events"
@@ -237,3 +238,26 @@ def test_fleet_segments_mark_which_replicas_hold_what() -> None:
     assert shared.tokens == tuple(prompts[0][:256])
     only_a = [s for s in segs if s.replicas == (("a", ("GPU",)),)]
     assert sorted(s.num_tokens for s in only_a) == [640, 640]
+
+
+def test_kvdeck_hashes_blocks_as_vllm_does() -> None:
+    """`vllm_block_hash` (what `kvdeck serve --kv-events-config` publishes) gives a real vLLM
+    0.32's block hashes for the same tokens: the recordings ran with PYTHONHASHSEED=0."""
+    for name in ("int", "bytes"):
+        rec = recording(name)
+        dec = Decoder()
+        for seq, payload in frames(rec)[:4]:
+            for e in dec.batch(seq, payload).events:
+                if not isinstance(e, BlockStored) or e.kind != "full_attention":
+                    continue
+                parent = None
+                assert e.parent is None  # every prompt here starts a sequence
+                for h, tokens in e.blocks:
+                    digest = vllm_block_hash(parent, tokens, "0")
+                    assert fold(digest) == h
+                    parent = digest
+        if name == "bytes":  # the digests themselves, not only their low 64 bits
+            raw = msgpack.unpackb(frames(rec)[0][1], raw=False)[1]
+            first = next(x for x in raw if x.get("kv_cache_spec_kind") == "full_attention")
+            assert first["block_hashes"][0] == vllm_block_hash(
+                None, tuple(first["token_ids"][:BLOCK]), "0")
