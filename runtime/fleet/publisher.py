@@ -17,9 +17,9 @@ A block's hash is the one vLLM gives the same tokens (`vllm_block_hash`: its def
 low 64 bits, or the 32-byte digest under `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0` — so an
 indexer that hashes request tokens the vLLM way (llm-d's) finds kvdeck's blocks, and kvdeck
 replicas sharing the seed name a prefix alike. Only full-attention blocks are published
-(kvdeck's own sliding-window pages are not cache entries). A replay endpoint (a ROUTER) answers a request
-for everything from a sequence number with the last `buffer_steps` messages, then an end
-marker, as vLLM's does.
+(kvdeck's own sliding-window pages are not cache entries). A replay endpoint (a ROUTER)
+answers a request for everything from a sequence number with the last `buffer_steps`
+messages, then an end marker, as vLLM's does.
 
 The engine thread only turns its events into maps and queues them (bounded: past
 `max_queue_size` the oldest waiting message is dropped and the sequence jumps, which a
