@@ -18,6 +18,7 @@ until it has answered one completion.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -121,8 +122,10 @@ class Server:
 
     def start(self, model: str, timeout_s: float = 600) -> None:
         """Start it and wait until it has answered one short completion."""
+        # Its own process group: vLLM's engine core and workers are child processes that
+        # outlive a killed API server unless the whole group goes.
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True,
                                      env={**os.environ, **self.env})
         end = time.monotonic() + timeout_s
         while True:
@@ -144,14 +147,31 @@ class Server:
             raise ServerDied(f"{self.name} died on its first request "
                              f"(code {self.proc.returncode})")
 
+    def kill(self) -> None:
+        """Kill it at once, children and all (a replica dying mid-run)."""
+        if self.proc is not None:
+            _signal_group(self.proc, signal.SIGKILL)
+            self.proc.wait()
+
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+        """Stop it and every process it started."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            _signal_group(self.proc, signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        _signal_group(self.proc, signal.SIGKILL)  # whatever of the group is left
+        self.proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass  # the group is gone already
 
 
 class ServerDied(RuntimeError):

@@ -120,7 +120,7 @@ def test_two_vllm_replicas_as_one_fleet() -> None:
         assert fleet.caches()["a"].clears == 1
 
         # b is killed: its row goes down, a stays up and keeps publishing.
-        small.proc.kill()
+        small.kill()
         until(lambda: {r.name: r.state for r in fleet.rows()} == {"a": "up", "b": "down"})
         before = fleet.rows()[0].events.messages
         complete(big, [rng.randrange(1000, 30000) for _ in range(2 * BLOCK)])
