@@ -76,6 +76,9 @@ class HardwareProfile:
     link_bandwidth_bytes_per_s: float
     mfu: float
     mbu: float
+    interconnect_bandwidth_bytes_per_s: float = 0.0
+    """Card to card, one way (`[interconnect]`: NVLink where the card has it); a profile
+    without the table talks over its host link (PCIe)."""
 
     @classmethod
     def load(cls, name: str) -> HardwareProfile:
@@ -87,8 +90,13 @@ class HardwareProfile:
         d, where = _load("hardware", name)
         link = d.get("link", {})
         eff = d.get("efficiency", {})
-        if not isinstance(link, dict) or not isinstance(eff, dict):
-            raise ConfigError(f"Profile {where}: [link] and [efficiency] must be tables.")
+        inter = d.get("interconnect", {})
+        if not isinstance(link, dict) or not isinstance(eff, dict) or \
+                not isinstance(inter, dict):
+            raise ConfigError(f"Profile {where}: [link], [interconnect] and [efficiency] must "
+                              "be tables.")
+        link_bw = _number(link, "bandwidth_bytes_per_s", where, default=0.0, positive=False,
+                          table="link")
         return cls(
             name=name,
             description=str(d.get("description", name)),
@@ -96,10 +104,12 @@ class HardwareProfile:
             bandwidth_bytes_per_s=_number(d, "bandwidth_bytes_per_s", where),
             peak_flops=_number(d, "peak_flops", where),
             power_watts=_number(d, "power_watts", where, default=0.0, positive=False),
-            link_bandwidth_bytes_per_s=_number(link, "bandwidth_bytes_per_s", where,
-                                               default=0.0, positive=False, table="link"),
+            link_bandwidth_bytes_per_s=link_bw,
             mfu=_number(eff, "mfu", where, default=0.5, most=1.0, table="efficiency"),
             mbu=_number(eff, "mbu", where, default=0.5, most=1.0, table="efficiency"),
+            interconnect_bandwidth_bytes_per_s=_number(
+                inter, "bandwidth_bytes_per_s", where, default=link_bw, positive=False,
+                table="interconnect"),
         )
 
 

@@ -479,6 +479,24 @@ def _graph_padding(setup: dict) -> dict[str, float]:
     return out
 
 
+def _tp_allreduce(setup: dict) -> dict[str, float]:
+    """What tensor parallelism's all-reduces add to a layer and to a step of `tokens`
+    tokens, for each named card's interconnect (`parallel.py`)."""
+    from kvdeck.runtime.planning.parallel import (
+        ALLREDUCES_PER_LAYER,
+        allreduce_seconds_per_layer,
+        layer_message_bytes,
+    )
+
+    model, tp, tokens = ModelProfile.load(setup["model"]), int(setup["tp"]), int(setup["tokens"])
+    out = {"message_mb": ALLREDUCES_PER_LAYER * layer_message_bytes(model, tokens) / 1e6}
+    for name, card in setup["links"].items():
+        layer = allreduce_seconds_per_layer(model, tokens, tp, HardwareProfile.load(card))
+        out[f"{name}.layer_ms"] = layer * 1e3
+        out[f"{name}.step_ms"] = layer * model.num_layers * 1e3
+    return out
+
+
 KINDS: dict[str, Callable[[dict], dict[str, Any]]] = {
     "plan": _plan, "retention": _retention, "offload": _offload, "capacity": _capacity,
     "decode-mbu": _decode_mbu, "batching": _batching, "speculation": _speculation,
@@ -486,5 +504,6 @@ KINDS: dict[str, Callable[[dict], dict[str, Any]]] = {
     "fits-memory": _fits_memory, "batch-sweep": _batch_sweep,
     "static-vs-continuous": _static_vs_continuous, "paged-memory": _paged_memory,
     "drafting": _drafting, "spec-latency": _spec_latency, "chunk-pairs": _chunk_pairs,
-    "branches": _branches, "verify-cost": _verify_cost, "graph-padding": _graph_padding}
+    "branches": _branches, "verify-cost": _verify_cost, "graph-padding": _graph_padding,
+    "tp-allreduce": _tp_allreduce}
 """How each kind of scenario computes kvdeck's figures."""
