@@ -43,7 +43,7 @@ import zmq
 
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.fleet.kv_events import fold
-from kvdeck.runtime.fleet.subscriber import END_SEQ
+from kvdeck.runtime.fleet.subscriber import END_SEQ, publisher_binds
 from kvdeck.runtime.kv.events import Cache, Demote, Evict, Promote
 
 
@@ -119,11 +119,7 @@ def _sha256(value) -> bytes:
 
 
 def _open(sock: zmq.Socket, endpoint: str) -> None:
-    """Bind a wildcard or ipc/inproc endpoint, connect to any other (vLLM's rule)."""
-    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-        sock.bind(endpoint)
-    else:
-        sock.connect(endpoint)
+    (sock.bind if publisher_binds(endpoint) else sock.connect)(endpoint)
 
 
 class EventPublisher:

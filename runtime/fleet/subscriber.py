@@ -34,13 +34,17 @@ RCVHWM = 10_000
 """Messages ZeroMQ queues for a slow subscriber before it drops (then a gap shows)."""
 
 
+def publisher_binds(endpoint: str) -> bool:
+    """vLLM's rule: a publisher binds a wildcard or ipc/inproc endpoint, connects to any
+    other (kvdeck's publisher follows it too)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
 def plan_socket(endpoint: str, host: str = "127.0.0.1") -> tuple[str, str]:
     """(`connect` or `bind`, address) for a subscriber of a publisher told `endpoint`."""
-    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-        if endpoint.startswith(("ipc://", "inproc://")):
-            return "connect", endpoint
-        return "connect", endpoint.replace("*", host)
-    return "bind", endpoint
+    if not publisher_binds(endpoint):
+        return "bind", endpoint
+    return "connect", endpoint.replace("*", host)
 
 
 @dataclass(frozen=True)
