@@ -4,21 +4,8 @@ Routers and indexers built for vLLM (llm-d's KV-cache indexer, Dynamo's KV route
 kvdeck's own fleet screen can then follow a kvdeck server as they follow vLLM. After each
 engine step that changed the prefix cache, one message goes out — topic, 8-byte big-endian
 sequence number (from 0), msgpack batch `[ts, events, data_parallel_rank]` with each event a
-map with a `type`, defaults left out, as vLLM 0.32 writes them:
-
-    Cache (a block entered the prefix tree)     BlockStored, medium GPU
-    Evict (the tree dropped it)                 BlockRemoved, medium GPU (CPU for a block
-                                                that lived on the host tier)
-    Demote (device -> host tier)                BlockRemoved GPU, then BlockStored CPU
-    Promote (host tier -> device)               BlockStored GPU, then BlockRemoved CPU
-
-A block's hash is the one vLLM gives the same tokens (`vllm_block_hash`: its default
-`sha256` algorithm, seeded by `PYTHONHASHSEED` as vLLM seeds it), published as vLLM does — the
-low 64 bits, or the 32-byte digest under `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0` — so an
-indexer that hashes request tokens the vLLM way (llm-d's) finds kvdeck's blocks, and kvdeck
-replicas sharing the seed name a prefix alike. Only full-attention blocks are published
-(kvdeck's own sliding-window pages are not cache entries). A replay endpoint (a ROUTER)
-answers a request for everything from a sequence number with the last `buffer_steps`
+map with a `type`, defaults left out, as vLLM 0.32 writes them (the events and their hashes:
+`block_events.BlockEvents`). A replay endpoint (a ROUTER) answers a request for everything from a sequence number with the last `buffer_steps`
 messages, then an end marker, as vLLM's does.
 
 The engine thread only turns its events into maps and queues them (bounded: past
@@ -28,10 +15,8 @@ subscriber sees as a gap); a thread of the publisher's own owns the sockets.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import pickle
 import queue
 import threading
 import time
@@ -42,9 +27,8 @@ import msgpack
 import zmq
 
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.fleet.kv_events import fold
+from kvdeck.runtime.fleet.block_events import BlockEvents
 from kvdeck.runtime.fleet.subscriber import END_SEQ, publisher_binds
-from kvdeck.runtime.kv.events import Cache, Demote, Evict, Promote
 
 
 @dataclass(frozen=True)
@@ -99,25 +83,6 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and kind == "zmq"
 
 
-DEFAULT_SEED = "vllm-none-hash"
-"""vLLM's seed of the first block's parent hash when `PYTHONHASHSEED` is not set."""
-
-
-def vllm_block_hash(parent: bytes | None, tokens: tuple[int, ...], seed: str) -> bytes:
-    """The hash vLLM's prefix cache gives a full block of `tokens` after the block hashed
-    `parent` (None: the first): SHA-256 of the pickled (parent, tokens, extra keys), the
-    first block's parent being SHA-256 of the pickled seed (vLLM's default `sha256`
-    algorithm; no adapter, no multimodal keys). Checked against a real vLLM 0.32's events
-    in `tests/unit/test_kv_events.py`."""
-    if parent is None:
-        parent = _sha256(seed)
-    return _sha256((parent, tuple(tokens), None))
-
-
-def _sha256(value) -> bytes:
-    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-
-
 def _open(sock: zmq.Socket, endpoint: str) -> None:
     (sock.bind if publisher_binds(endpoint) else sock.connect)(endpoint)
 
@@ -131,10 +96,9 @@ class EventPublisher:
         self.seq = 0
         self.published = 0
         self.dropped = 0
-        self._hashes: dict[int, tuple[int | bytes, bytes]] = {}
-        """Cached node id -> (published hash, vLLM's full digest) while the node is cached."""
-        self.seed = os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)
-        self.int_hashes = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
+        self.events = BlockEvents(
+            block_size,
+            int_hashes=os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0")
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._stop = threading.Event()
@@ -165,55 +129,9 @@ class EventPublisher:
             if record is None or record is last[0]:
                 return
             last[0] = record
-            self.publish(self.translate(record.kv, tree), time.time())
+            self.publish(self.events.translate(record.kv, tree), time.time())
         engine.after_step.append(after)
         return self
-
-    # -- events -----------------------------------------------------------------------------
-
-    def translate(self, kv_events, tree) -> list[dict]:
-        """A step's KV events as vLLM event maps."""
-        out: list[dict] = []
-        for ev in kv_events:
-            if isinstance(ev, Cache):
-                stored = self._stored(ev, tree)
-                if stored is not None:
-                    out.append(stored)
-            elif isinstance(ev, Evict):
-                known = self._hashes.pop(ev.node_id, None)
-                if known is not None:
-                    out.append(removed(known[0], "CPU" if ev.block < 0 else "GPU"))
-            elif isinstance(ev, Demote) and ev.node_id in self._hashes:
-                h, tokens_node = self._hashes[ev.node_id][0], tree.nodes.get(ev.node_id)
-                out.append(removed(h, "GPU"))
-                if tokens_node is not None:
-                    out.append(self._store_map(h, tokens_node, "CPU"))
-            elif isinstance(ev, Promote) and ev.node_id in self._hashes:
-                h, node = self._hashes[ev.node_id][0], tree.nodes.get(ev.node_id)
-                if node is not None:
-                    out.append(self._store_map(h, node, "GPU"))
-                out.append(removed(h, "CPU"))
-        return out
-
-    def _stored(self, ev: Cache, tree) -> dict | None:
-        node = tree.nodes.get(ev.node_id)
-        if node is None or len(node.key) != self.block_size:
-            return None  # evicted within the step, or a replayed id-keyed node
-        parent = self._hashes.get(ev.parent_id) if ev.parent_id else None
-        if ev.parent_id and parent is None:
-            return None  # its parent was never published: nothing a subscriber could place
-        digest = vllm_block_hash(parent[1] if parent else None, node.key, self.seed)
-        h = fold(digest) if self.int_hashes else digest
-        self._hashes[ev.node_id] = (h, digest)
-        return self._store_map(h, node, "GPU")
-
-    def _store_map(self, h: int | bytes, node, medium: str) -> dict:
-        parent = self._hashes.get(node.parent.node_id) if node.parent is not None else None
-        return {"type": "BlockStored", "block_hashes": [h],
-                "parent_block_hash": parent[0] if parent else None,
-                "token_ids": list(node.key), "block_size": self.block_size, "lora_id": None,
-                "medium": medium, "lora_name": None, "group_idx": 0,
-                "kv_cache_spec_kind": "full_attention"}
 
     def publish(self, events: list[dict], ts: float) -> None:
         """Queue one step's events (nothing when there are none, as vLLM)."""
@@ -281,6 +199,3 @@ class EventPublisher:
                 replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
         replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
-
-def removed(h: int | bytes, medium: str) -> dict:
-    return {"type": "BlockRemoved", "block_hashes": [h], "medium": medium, "group_idx": 0}

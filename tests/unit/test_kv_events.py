@@ -12,6 +12,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from kvdeck.runtime.fleet.block_events import vllm_block_hash
 from kvdeck.runtime.fleet.fleet_tree import fleet_segments, fleet_tree, router_scores, segments
 from kvdeck.runtime.fleet.kv_events import (
     STORED_FIELDS,
@@ -23,7 +24,6 @@ from kvdeck.runtime.fleet.kv_events import (
     EventFormatError,
     fold,
 )
-from kvdeck.runtime.fleet.publisher import vllm_block_hash
 from kvdeck.runtime.fleet.replica_cache import ReplicaCache
 
 DATA = Path(__file__).parents[1] / "data" / "vllm_kv_events"
