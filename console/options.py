@@ -228,6 +228,14 @@ FLAGS: tuple[Flag, ...] = (
          "parallel (one pass for all; default sequential).", SIM),
     Flag("graph_buckets", ("--graph-buckets",), str, "Execution shapes: CUDA-graph batch "
          "sizes, like 1,2,4,8,16,32; a step pads its rows to the next (default none).", SIM),
+    Flag("tensor_parallel", ("--tensor-parallel", "--tp"), int, "Cards each layer is split "
+         "across: 1, 2, 4 or 8 (an all-reduce per layer over the profile's interconnect; "
+         "default 1).", SIM),
+    Flag("pipeline_parallel", ("--pipeline-parallel", "--pp"), int, "Pipeline stages of "
+         "consecutive layers: 1, 2, 4 or 8 (default 1).", SIM),
+    Flag("memory_utilization", ("--memory-utilization",), float, "Above 0: the KV budget is "
+         "what the layout's cards leave at this share of their memory less the weights "
+         "(vLLM's --gpu-memory-utilization; default 0: --kv-memory-gib).", SIM),
     Flag("fail_at_step", ("--fail-at-step",), int, "Fault injection: the simulated executor "
          "fails for good on this step.", SIM),
 )

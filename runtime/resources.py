@@ -21,6 +21,7 @@ SAMPLE_TRACES = {
     "azure-conv": "azure-conv.csv",
     "azure-code": "azure-code.csv",
     "mooncake-conversation": "mooncake-conversation.jsonl",
+    "llm-d-shared-prefix": "llm-d-shared-prefix.toml",
 }
 """Sample traces by name (traces/README.md gives each one's source and license)."""
 

@@ -101,6 +101,10 @@ def build_session(settings: Settings, *, live: bool = False,
         elif with_tokenizer:
             tokenizer = StandInTokenizer(sim.vocab_size, sim.eos_token_id)
         executor = build_executor(settings, sim, text)
+        if sim.memory_utilization:  # the KV budget is what the layout's cards leave
+            settings = dataclasses.replace(settings, engine=dataclasses.replace(
+                settings.engine, kv_memory_bytes=executor.layout.kv_budget_bytes(
+                    executor.model, executor.hardware, sim.memory_utilization)))
         model_id = s.served_model_name or executor.model.name
     else:
         executor = build_executor(settings)

@@ -32,10 +32,33 @@ def run_trace(
     slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
     slo_tpot: float = typer.Option(None, "--slo-tpot", help="TPOT SLO in seconds."),
     slo_e2e: float = typer.Option(None, "--slo-e2e", help="E2E SLO in seconds."),
+    replicas: int = typer.Option(1, "--replicas", help="Simulated replicas on one clock "
+                                 "behind --router (sim executor).", rich_help_panel="Fleet"),
+    router: str = typer.Option("round-robin", "--router", help="round-robin, random, "
+                               "least-loaded, prefix, weighted[:prefix=3,kv=2,queue=2] or "
+                               "cost[:overlap=1,temperature=0].", rich_help_panel="Fleet"),
+    router_staleness: float = typer.Option(0.0, "--router-staleness", help="Seconds after a "
+                                           "step its KV events and metrics reach the router.",
+                                           rich_help_panel="Fleet"),
+    session_affinity: bool = typer.Option(True, "--session-affinity/--no-session-affinity",
+                                          help="Later turns of a session go where its first "
+                                               "went.", rich_help_panel="Fleet"),
+    prefill_replicas: int = typer.Option(0, "--prefill-replicas", help="Disaggregated: "
+                                         "replicas that only prefill.",
+                                         rich_help_panel="Fleet"),
+    decode_replicas: int = typer.Option(0, "--decode-replicas", help="Disaggregated: "
+                                        "replicas that only decode.", rich_help_panel="Fleet"),
+    kv_link_gbps: float = typer.Option(None, "--kv-link-gbps", help="Disaggregated: the "
+                                       "prefill-to-decode link in GB/s (default: the hardware "
+                                       "profile's link).", rich_help_panel="Fleet"),
+    kv_transfer: str = typer.Option("layerwise", "--kv-transfer", help="Disaggregated: "
+                                    "layerwise (overlapped with the prefill) or after.",
+                                    rich_help_panel="Fleet"),
     settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
     """Run an arrival trace through the engine headless (sim executor by default) and
-    summarize it."""
+    summarize it; with --replicas N or --prefill-replicas/--decode-replicas, through a
+    simulated fleet behind a router."""
     from kvdeck.console.run_views import render_summary
     from kvdeck.runtime.runs.recording import record_headless
     from kvdeck.runtime.runs.runner import needs_tokenizer, run_arrivals
@@ -43,9 +66,13 @@ def run_trace(
     from kvdeck.runtime.session import build_session
     from kvdeck.runtime.stats.metrics import SLO
 
+    fleet = replicas != 1 or prefill_replicas or decode_replicas
+
     def go() -> dict:
         setup_logging(log_level)
         check_int("--hash-block-tokens", hash_block_tokens, 1, 1 << 20)
+        if fleet:
+            return run_fleet_trace()
         if limit is not None:
             check_int("--limit", limit, 1, 1 << 30)
         resolved = settings.resolve("sim")
@@ -72,11 +99,33 @@ def run_trace(
         result["config"] = config_report(session)
         return result
 
+    def run_fleet_trace() -> dict:
+        from kvdeck.runtime.cluster.replicas import ClusterConfig, replica_roles
+        from kvdeck.runtime.cluster.run import run_fleet
+
+        if record:
+            raise ConfigError("--record records one engine; a fleet run is not recorded.")
+        roles = replica_roles(replicas, prefill_replicas, decode_replicas)
+        config = ClusterConfig(router=router, staleness_s=router_staleness,
+                               session_affinity=session_affinity, kv_transfer=kv_transfer,
+                               kv_link_bytes_per_s=kv_link_gbps * 1e9 if kv_link_gbps
+                               else None)
+        arrivals = load_arrivals(trace, fmt, limit=limit, time_scale=time_scale)
+        result = run_fleet(settings.resolve("sim"), roles, config, arrivals,
+                           slo=SLO(slo_ttft, slo_tpot, slo_e2e),
+                           hash_block_tokens=hash_block_tokens)
+        result["trace"] = str(trace)
+        return result
+
     result = guarded(go)
     if output:
         Path(output).write_text(json.dumps(result, indent=1))
     if as_json:
         print_json(result)
+    elif fleet:
+        from kvdeck.console.fleet_report import render_fleet
+
+        render_fleet(out, f"{trace} on {result['summary']['model']}", result)
     else:
         render_summary(out, f"{trace} on {result['summary']['model']}", result["summary"])
         if result["summary"]["statuses"].get("rejected"):

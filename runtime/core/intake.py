@@ -55,12 +55,14 @@ class Intake:
 request_id: str | None = None, arrival_time: float | None = None,
             deadline_s: float | None = None, priority: int = 0, track: bool = False,
             check: AnswerCheck | None = None, branches: int = 1,
-            intake_s: float = 0.0) -> Request:
+            intake_s: float = 0.0, remote_kv_tokens: int = 0) -> Request:
         """Validate and queue a request; returns it at once (it runs on the engine thread).
 
         `arrival_time` in the future (engine clock) schedules the arrival, as trace replay
         does; `intake_s` holds the request that long after its arrival before the engine
-        takes it in (`Request.intake_time`); `deadline_s` is relative to arrival; `track`
+        takes it in (`Request.intake_time`); `remote_kv_tokens` of the prompt arrive
+        computed from another instance (`Request.remote_kv_tokens`); `deadline_s` is
+        relative to arrival; `track`
         puts the request's text in every snapshot (the console's prompt); `check` is what
         the answer must satisfy to count as correct (it needs a tokenizer: checks read
         text); `branches` > 1 (the API's `n`) samples the prompt that many times: the
@@ -92,6 +94,9 @@ request_id: str | None = None, arrival_time: float | None = None,
         if n > self.max_model_len - 1:
             raise RequestError(f"The prompt has {n:,} tokens but the model's context allows "
                                f"at most {self.max_model_len - 1:,}.")
+        if not 0 <= remote_kv_tokens < n:
+            raise RequestError(f"remote_kv_tokens must be from 0 to the prompt's length less "
+                               f"one ({n - 1:,}), got {remote_kv_tokens:,}.")
         if n + sampling.max_tokens > self.max_model_len:
             raise RequestError(
                 f"max_tokens {sampling.max_tokens:,} with a {n:,}-token prompt exceeds the "
@@ -109,7 +114,8 @@ request_id: str | None = None, arrival_time: float | None = None,
             r = Request(request_id, list(prompt_token_ids), params, arrival_time=arrival,
                         deadline=arrival + deadline_s if deadline_s is not None else None,
                         priority=priority, check=check,
-                        intake_time=arrival + intake_s if intake_s > 0 else None)
+                        intake_time=arrival + intake_s if intake_s > 0 else None,
+                        remote_kv_tokens=remote_kv_tokens)
             if self.tokenizer is not None:
                 r.detokenizer = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids,
                                                        params.stop)

@@ -196,6 +196,10 @@ class Request(Progress):
     server models the request's way through HTTP); its TTFT still counts from arrival."""
     priority: int = 0
     """Lower runs first under the `priority` policy (as in vLLM)."""
+    remote_kv_tokens: int = 0
+    """Prompt tokens whose KV another instance computed and sent (disaggregated prefill,
+    `runtime/cluster/`): its first admission takes them as computed, in fresh blocks, as
+    vLLM's KV connectors do; a preemption loses them (0 after that admission)."""
     num_arrival_preemptions: int = 0
     """Times a higher-priority arrival preempted it (bounded:
     `policies.preemption.ARRIVAL_PREEMPTIONS`)."""

@@ -362,7 +362,7 @@ class Scheduler:
                 plan.rejected.append(req.request_id)
                 continue
             chain = self.kv.prefix_chain(req)
-            hit = len(chain) * self.kv.block_size
+            hit = max(len(chain) * self.kv.block_size, req.remote_kv_tokens)
             if k.prefix_wait and k.enable_prefix_caching:
                 holder = self._prefilling_next_block(req, hit)
                 if holder is not None:

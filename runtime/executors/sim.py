@@ -29,6 +29,7 @@ from kvdeck.runtime.models.weight_formats import (
     format_weight_format,
     parse_weight_format,
 )
+from kvdeck.runtime.planning.parallel import Layout, layout_step_seconds
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, StepFit
 from kvdeck.runtime.planning.step_time import (
     Measured,
@@ -86,6 +87,14 @@ class SimConfig:
     graph_buckets: str = ""
     """Execution shapes: CUDA-graph batch sizes, comma-separated (empty: none). A step of at
     most the largest runs padded to the next one, and the padding rows are priced."""
+    tensor_parallel: int = 1
+    """Cards each layer is split across (an all-reduce per layer over the interconnect)."""
+    pipeline_parallel: int = 1
+    """Pipeline stages of consecutive layers, a card (or `tensor_parallel` cards) each."""
+    memory_utilization: float = 0.0
+    """Above 0: the KV budget is what the layout's cards leave at this share of their
+    memory, less the weights (vLLM's `--gpu-memory-utilization`), instead of
+    `kv_memory_bytes`."""
     fail_at_step: int | None = None
     """Fault injection: the executor fails for good (as a lost device would) on its n-th
     executed step, so clients, dashboards and the console can be tested against a dying
@@ -105,6 +114,12 @@ class SimConfig:
         check_float("draft_kv_ratio", self.draft_kv_ratio, 0.0, 100.0)
         check_choice("drafting", self.drafting, DRAFTING)
         parse_buckets(self.graph_buckets)
+        check_float("memory_utilization", self.memory_utilization, 0.0, 1.0)
+        layout = Layout(self.tensor_parallel, self.pipeline_parallel)
+        if layout.cards > 1 and self.timing in ("measured", "fit"):
+            raise ConfigError(f"{layout.name} is priced by the roofline across its cards (a "
+                              f"{self.timing} step model is one card's); use timing = "
+                              "'roofline' or 'auto'.")
         if not self.draft_cost and (self.drafting != "sequential" or self.draft_kv_ratio):
             raise ConfigError("drafting and draft_kv_ratio describe a modelled draft model; "
                               "give it a cost with --draft-cost C too.")
@@ -140,6 +155,7 @@ class SimExecutor:
         self.seed = seed
         self.model = ModelProfile.load(config.model_profile)
         self.hardware = HardwareProfile.load(config.hardware)
+        self.layout = Layout(config.tensor_parallel, config.pipeline_parallel)
         self.timing = self._resolve_timing()
         self.fit = self._resolve_fit()
         self.measured = Measured.of(self.model, self.hardware) \
@@ -157,7 +173,8 @@ class SimExecutor:
         hw = self.hardware
         link = hw.link_bandwidth_bytes_per_s or hw.bandwidth_bytes_per_s
         self.info = ExecutorInfo(
-            "sim", f"sim:{self.model.name}@{hw.name}", None, config.vocab_size,
+            "sim", f"sim:{self.model.name}@{hw.name}"
+            + (f" {self.layout.name}" if self.layout.cards > 1 else ""), None, config.vocab_size,
             self.model.context_length, (config.eos_token_id,), self.model.num_layers,
             tuple(KV_FORMATS), link, f"{link / 1e9:,.0f} GB/s (profile)",
             virtual_time=True, computes_logits=False, device="none",
@@ -181,6 +198,8 @@ class SimExecutor:
                               f"on {self.hardware.name}; use timing = 'fit' or 'roofline'.")
         if c.timing != "auto":
             return c.timing
+        if self.layout.cards > 1:
+            return "roofline"  # measured curves and fits are one card's
         overridden = (c.fixed_ms, c.per_token_us, c.per_pair_ns) != (None, None, None)
         if has_measured and not overridden:
             return "measured"
@@ -319,6 +338,10 @@ class SimExecutor:
         which a fit with a per-sample term prices (`execute` knows them; the scheduler's
         estimates, which do not, leave them out)."""
         num_new_tokens = padded_rows(num_new_tokens, self.buckets)
+        if self.layout.cards > 1:
+            return layout_step_seconds(self.model, self.hardware, self.layout,
+                                       self.weight_bytes, self._kv_bytes_per_token,
+                                       num_new_tokens, num_pairs, num_context_tokens)
         if self.measured is not None:
             return self.measured.seconds(self.model, self.hardware, self.weight_bytes,
                                          num_context_tokens * self._kv_bytes_per_token,

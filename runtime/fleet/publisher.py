@@ -5,8 +5,9 @@ kvdeck's own fleet screen can then follow a kvdeck server as they follow vLLM. A
 engine step that changed the prefix cache, one message goes out — topic, 8-byte big-endian
 sequence number (from 0), msgpack batch `[ts, events, data_parallel_rank]` with each event a
 map with a `type`, defaults left out, as vLLM 0.32 writes them (the events and their hashes:
-`block_events.BlockEvents`). A replay endpoint (a ROUTER) answers a request for everything from a sequence number with the last `buffer_steps`
-messages, then an end marker, as vLLM's does.
+`block_events.BlockEvents`). A replay endpoint (a ROUTER) answers a request for everything
+from a sequence number with the last `buffer_steps` messages, then an end marker, as
+vLLM's does.
 
 The engine thread only turns its events into maps and queues them (bounded: past
 `max_queue_size` the oldest waiting message is dropped and the sequence jumps, which a

@@ -276,7 +276,7 @@ class BlockManager:
         `prefix_chain(req)` when the caller already has it."""
         if chain is None:
             chain = self.prefix_chain(req)
-        hit = len(chain) * self.block_size
+        hit = max(len(chain) * self.block_size, req.remote_kv_tokens)
         target = req.max_total_tokens if reserve_full else hit + num_new_tokens
         # Demoted blocks in the chain are promoted into device blocks of their own.
         need = self.blocks_needed(target) - sum(1 for n in chain if not n.on_host)
@@ -318,12 +318,17 @@ class BlockManager:
         hit = len(chain) * self.block_size
         req.num_computed_tokens = hit
         req.num_cached_tokens = hit
+        if req.remote_kv_tokens > hit:  # sent by another instance: fresh blocks hold it
+            self._grow(req, req.remote_kv_tokens - hit, False)
+            req.num_computed_tokens = req.remote_kv_tokens
+        req.remote_kv_tokens = 0
         if self.enable_caching:
             self.apply(ev.Hit(rid, hit), len(reusable))
         if reserve_full:
             # Window blocks are promised whole too: a conservative bound (they are freed
             # as the request moves on, and a freed page returns to the pool).
-            self.apply(ev.Reserve(rid, (self.blocks_needed(req.max_total_tokens) - len(chain))
+            self.apply(ev.Reserve(rid, (self.blocks_needed(req.max_total_tokens)
+                                        - len(self.tables.get(rid, ())))
                                   * (1 + self.local_pages)))
         return self.allocate(req, num_new_tokens)
 

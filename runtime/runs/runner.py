@@ -23,7 +23,8 @@ from kvdeck.runtime.stats.figures import kv_summary, summarize
 from kvdeck.runtime.stats.metrics import SLO, RequestMetrics, request_metrics
 
 
-def _rejected(a: Arrival, rid: str, reason: str) -> RequestMetrics:
+def rejected(a: Arrival, rid: str, reason: str) -> RequestMetrics:
+    """The metrics of an arrival refused before an engine took it."""
     return RequestMetrics(rid, RequestStatus.REJECTED.value, reason, a.arrival_s, None, None,
                           a.arrival_s, a.prompt_len, 0, 0, 0, None, None, None, None, (),
                           None, None)
@@ -69,7 +70,7 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
                                    deadline_s=a.deadline_s, priority=a.priority,
                                    check=a.check, intake_s=intake_s)
             except KvdeckError as e:
-                metrics.append(_rejected(a, rid, str(e)))
+                metrics.append(rejected(a, rid, str(e)))
             i += 1
         if not engine.has_work:
             break

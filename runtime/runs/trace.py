@@ -1,4 +1,5 @@
-"""Arrival traces: kvdeck's own JSONL, Mooncake JSONL and Azure LLM CSV.
+"""Arrival traces: kvdeck's own JSONL, Mooncake JSONL and Azure LLM CSV (and generated
+workloads in load stages, `stages.py`).
 
 All three load into `Arrival` records (seconds from the first arrival). Traces without
 prompt text get synthetic tokens that preserve what matters for the KV cache:
@@ -42,7 +43,7 @@ from kvdeck.runtime.resources import SAMPLE_TRACES, sample_trace
 from kvdeck.runtime.runs.records import json_object
 from kvdeck.runtime.text.checks import AnswerCheck, parse_check
 
-FORMATS = ("auto", "kvdeck", "mooncake", "azure")
+FORMATS = ("auto", "kvdeck", "mooncake", "azure", "stages")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,11 @@ class Arrival:
     request_id: str | None = None
     check: AnswerCheck | None = None
     """What the answer must satisfy to count as correct (None: no check)."""
+    session: str | None = None
+    """The conversation it is a turn of (multi-turn traces), for session affinity."""
+    hash_block_tokens: int | None = None
+    """Tokens per hash id, where the trace's format fixes it (Mooncake 512; a staged
+    workload its own); None: the run's `hash_block_tokens`."""
 
     def to_json(self) -> dict:
         """This arrival as a kvdeck JSONL object (tokens included, so replays are exact)."""
@@ -81,6 +87,8 @@ class Arrival:
             d["priority"] = self.priority
         if self.check is not None:
             d["check"] = self.check.to_json()
+        if self.session is not None:
+            d["session"] = self.session
         return d
 
 
@@ -101,8 +109,9 @@ def synthesize_tokens(a: Arrival, index: int, vocab_size: int,
     parts: list[np.ndarray] = []
     if a.hash_ids is not None:
         remaining = a.prompt_len
+        size = a.hash_block_tokens or hash_block_tokens
         for h in a.hash_ids:
-            n = min(hash_block_tokens, remaining)
+            n = min(size, remaining)
             parts.append(_block_tokens((1 << 40) + h, n, vocab_size))
             remaining -= n
         if remaining > 0:
@@ -117,6 +126,8 @@ def synthesize_tokens(a: Arrival, index: int, vocab_size: int,
 
 
 def detect_format(path: Path) -> str:
+    if path.suffix.lower() == ".toml":
+        return "stages"
     if path.suffix.lower() == ".csv":
         return "azure"
     with path.open(encoding="utf-8", errors="replace") as f:
@@ -156,7 +167,10 @@ def load_arrivals(path: str | Path, fmt: str = "auto", *, limit: int | None = No
         raise TraceError(f"time_scale must be greater than 0, got {time_scale}.")
     if fmt == "auto":
         fmt = detect_format(p)
-    reader = {"kvdeck": _read_kvdeck, "mooncake": _read_mooncake, "azure": _read_azure}[fmt]
+    from kvdeck.runtime.runs.stages import read_stages
+
+    reader = {"kvdeck": _read_kvdeck, "mooncake": _read_mooncake, "azure": _read_azure,
+              "stages": read_stages}[fmt]
     out: list[Arrival] = []
     for a in reader(p):
         out.append(a)
@@ -223,6 +237,7 @@ def _read_kvdeck(path: Path) -> Iterator[Arrival]:
             request_id=str(o["id"]) if "id" in o else None,
             check=parse_check(o["check"], where=f"The check on {where}", error=TraceError)
             if "check" in o else None,
+            session=str(o["session"]) if o.get("session") is not None else None,
         )
 
 

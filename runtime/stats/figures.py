@@ -179,6 +179,20 @@ class RunFigures:
         """Σ predicted, Σ measured, Σ |predicted − measured| / measured over them (kept as
         steps come and go, so a snapshot does not walk the window)."""
 
+    @classmethod
+    def combined(cls, many: list[RunFigures]) -> RunFigures:
+        """The run figures `summarize` reads, summed over engines (a fleet's replicas)."""
+        out = cls()
+        for f in many:
+            for name in ("num_steps", "busy_seconds", "resident_seconds", "prompt_tokens",
+                         "decode_tokens", "generation_tokens", "sum_batch_size",
+                         "sum_batch_tokens"):
+                setattr(out, name, getattr(out, name) + getattr(f, name))
+            out.waste.computed += f.waste.computed
+            for cause, n in f.waste.wasted.items():
+                out.waste.wasted[cause] += n
+        return out
+
     # -- feeding ----------------------------------------------------------------------------
 
     def on_arrival(self, waited_s: float) -> None:
