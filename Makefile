@@ -55,6 +55,7 @@ bench-serve: $(VENV)/.dev
 # random operator actions (CI runs smaller ones).
 soak: $(VENV)/.dev
 	KVDECK_SOAK=full $(PY) -m pytest tests/integration/test_serving_holds.py -k "soak or storm"
+	KVDECK_SOAK=full $(PY) -m pytest tests/integration/test_llmd_capacity.py
 	KVDECK_CONSOLE_SOAK_S=600 $(PY) -m pytest -s tests/ui/test_console_soak.py
 
 # The API fuzz test with many more examples than CI's.

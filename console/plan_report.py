@@ -108,3 +108,33 @@ def render_plan(out: Console, planner: Planner, plan: Plan, plane: bool = True) 
         out.print()
         for line in render_text(plane_points(plan), planner.budget / GIB, planner.deadline):
             out.print(line, highlight=False, markup=False)
+
+
+def layouts_json(plans: list, verdict: str, best) -> dict:
+    """`kvdeck plan --json` over layouts: each layout's line, the verdict, the chosen
+    layout's plan."""
+    return {
+        "layouts": [{"layout": p.layout.name, "cards": p.layout.cards,
+                     "kv_budget_bytes": p.budget, "problem": p.problem or None,
+                     "choice": p.plan.choice.scheme.name if p.plan and p.plan.choice else None,
+                     "card_s_per_good": p.card_seconds,
+                     "pipeline_bubble": p.layout.bubble()} for p in plans],
+        "verdict": verdict,
+        "plan": plan_json(best.planner, best.plan) if best is not None else None,
+    }
+
+
+def render_layouts(out: Console, plans: list, verdict: str) -> None:
+    """One line per layout: cards, what they leave for KV, the choice or why none."""
+    table = Table(title="layouts (one replica across tp × pp cards)")
+    for col in ("layout", "cards", "KV budget GB", "bubble", "choice", "card-s / good"):
+        table.add_column(col, justify="left" if col in ("layout", "choice") else "right")
+    for p in plans:
+        choice = "cannot hold the weights" if p.problem else (
+            p.plan.choice.scheme.name if p.plan.choice is not None else "nothing feasible")
+        table.add_row(p.layout.name, str(p.layout.cards),
+                      f"{p.budget / 1e9:,.0f}" if not p.problem else "—",
+                      f"{p.layout.bubble():.0%}", choice,
+                      _seconds(p.card_seconds) if p.card_seconds is not None else "—")
+    out.print(table)
+    out.print(verdict)

@@ -44,6 +44,10 @@ def plan(
     graph_buckets: str = typer.Option("", "--graph-buckets",
                                       help="Execution shapes: CUDA-graph batch sizes, like "
                                            "1,2,4,8,16,32; a step pads its rows to the next."),
+    layouts: str = typer.Option("auto", "--layouts",
+                                help="Parallel layouts of one replica to plan, like "
+                                     "TP1,TP2,TP4xPP2 (cards are a cost); auto: one card "
+                                     "where the weights fit it, else TP 1/2/4/8 and PP2."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     svg: Path = typer.Option(None, "--svg", help="Write the memory-vs-completion plane here."),
     log_level: str = "warning",
@@ -58,6 +62,15 @@ def plan(
     guarded(lambda: setup_logging(log_level))
     _check_steps(block_size, max_batched_tokens, timing)
     hw, mp, wl = _profiles(hardware, model, workload, timing)
+    from kvdeck.runtime.planning import layouts as lay
+
+    chosen = guarded(lambda: lay.parse_layouts(layouts))
+    if layouts.strip() == "auto" and lay.fits_one_card(mp, hw):
+        chosen = (lay.Layout(),)
+    if chosen != (lay.Layout(),):
+        _plan_layouts(chosen, hw, mp, wl, kv_budget, deadline, draft, block_size,
+                      max_batched_tokens, timing, graph_buckets, as_json, svg)
+        return
     budget = _kv_budget(kv_budget, hw, mp)
     if deadline is not None:
         guarded(lambda: check_float("--deadline", deadline, 1e-6, 1e6))
@@ -76,6 +89,39 @@ def plan(
     render_plan(out, planner, result)
     if svg is not None:
         out.print(f"wrote {svg}")
+
+
+def _plan_layouts(chosen, hw, mp, wl, kv_budget, deadline, draft, block_size,
+                  max_batched_tokens, timing, graph_buckets, as_json, svg) -> None:
+    """`kvdeck plan` over parallel layouts (`runtime/planning/layouts.py`)."""
+    from kvdeck.console.plan_report import layouts_json, render_layouts, render_plan
+    from kvdeck.runtime.planning import layouts as lay
+    from kvdeck.runtime.planning.planner import Planner
+    from kvdeck.runtime.planning.step_time import parse_buckets
+
+    if kv_budget is not None:
+        fail("--kv-budget is one card's; over layouts each gets what its cards leave at 90 % "
+             "of their memory, so leave --kv-budget out or give --layouts TP1.")
+    if svg is not None:
+        fail("--svg draws one layout's plane; give --layouts with one layout for it.")
+    if deadline is not None:
+        guarded(lambda: check_float("--deadline", deadline, 1e-6, 1e6))
+    buckets = guarded(lambda: parse_buckets(graph_buckets))
+    drafts = _drafts(draft, mp)
+    plans = guarded(lambda: lay.plan_layouts(
+        lambda layout, budget: Planner(hw, mp, wl, budget, deadline, drafts, block_size,
+                                       max_batched_tokens, timing, buckets, layout),
+        chosen, mp, hw))
+    verdict = lay.verdict(plans, mp, hw)
+    best = lay.cheapest(plans)
+    if as_json:
+        print_json(layouts_json(plans, verdict, best))
+        return
+    render_layouts(out, plans, verdict)
+    if best is not None:
+        out.print()
+        out.print(f"the plan at {best.layout.name}:")
+        render_plan(out, best.planner, best.plan)
 
 
 def _check_steps(block_size: int, max_batched_tokens: int, timing: str) -> None:

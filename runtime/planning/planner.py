@@ -29,6 +29,7 @@ from dataclasses import replace
 from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.kv.formats import blocks_for_tokens
+from kvdeck.runtime.planning.parallel import Layout, layout_step_seconds
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
 from kvdeck.runtime.planning.schemes import (
     PLAN_KV_FORMATS,
@@ -61,12 +62,14 @@ class Planner:
                  kv_budget_bytes: float, deadline_s: float | None = None,
                  drafts: list[DraftSource] | None = None, block_size: int = 16,
                  max_batched_tokens: int = 8192, timing: str = "auto",
-                 graph_buckets: tuple[int, ...] = ()):
+                 graph_buckets: tuple[int, ...] = (), layout: Layout = Layout()):
         """`timing`: `measured` (the card's measured decode steps as a curve in the bytes a
         step reads, `step_time.Measured`), `fit` (the model profile's fitted step for this
         card), `roofline`, or `auto` (measured, else the fit, else the roofline, as the
         profiles allow). `graph_buckets`: execution shapes (CUDA-graph batch sizes): a step
-        of at most the largest runs padded to the next, the padding priced as rows."""
+        of at most the largest runs padded to the next, the padding priced as rows.
+        `layout`: the cards one replica spans; beyond one card steps are priced by the
+        roofline across them (`parallel.layout_step_seconds`)."""
         self.hw, self.model, self.workload = hardware, model, workload
         self.budget = float(kv_budget_bytes)
         self.deadline = workload.deadline_s if deadline_s is None else deadline_s
@@ -81,6 +84,13 @@ class Planner:
         self.measured = Measured.of(model, hardware)
         if timing not in TIMINGS:
             raise ConfigError(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}.")
+        self.layout = layout
+        if layout.cards > 1 and timing in ("measured", "fit"):
+            raise ConfigError(f"{layout.name} is priced by the roofline across its cards (a "
+                              f"{timing} step model is one card's); use --timing roofline or "
+                              "auto.")
+        if layout.cards > 1:
+            timing = "roofline"
         if timing == "auto":
             timing = "measured" if self.measured is not None else \
                 "fit" if self.fit is not None else "roofline"
@@ -163,6 +173,10 @@ class Planner:
         timing = timing or self.timing
         if self.graph_buckets:  # the rows the step's execution shape runs
             num_new = padded_rows(math.ceil(num_new), self.graph_buckets)
+        if self.layout.cards > 1:
+            return layout_step_seconds(self.model, self.hw, self.layout,
+                                       self.model.matrix_weight_bytes, k, math.ceil(num_new),
+                                       num_pairs, num_context)
         if timing == "measured" and self.measured is not None:
             return self.measured.seconds(self.model, self.hw, self.model.matrix_weight_bytes,
                                          num_context * k, kv_format, num_new, num_pairs)
@@ -454,7 +468,7 @@ class Planner:
     def _with(self, **changes) -> Planner:
         return Planner(self.hw, self.model, replace(self.workload, **changes), self.budget,
                        self.deadline, self.drafts, self.block_size, self.max_batched_tokens,
-                       self.timing, self.graph_buckets)
+                       self.timing, self.graph_buckets, self.layout)
 
     def _longest_output(self, scheme: Scheme) -> int | None:
         """The most output tokens with which `scheme` is feasible (None: not even one)."""

@@ -26,9 +26,12 @@ def available_profiles(kind: str) -> list[str]:
 
 
 def _load(kind: str, name: str) -> tuple[dict, str]:
-    """(the profile's data, where it was read: the file's path)."""
+    """(the profile's data, where it was read: the file's path). `name` is a profile's name
+    (the user's own first, then the shipped ones) or the path of a `.toml` file."""
     path = user_profiles_dir() / kind / f"{name}.toml"
-    if not path.is_file():
+    if name.endswith(".toml") and Path(name).is_file():
+        path = Path(name)
+    elif not path.is_file():
         path = profiles_dir().joinpath(kind, f"{name}.toml")
     if not path.is_file():
         names = ", ".join(available_profiles(kind)) or "none"

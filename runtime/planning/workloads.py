@@ -69,7 +69,7 @@ class Workload:
             raise ConfigError(f"Profile {where}: shared_prefix_tokens must be at most "
                               f"prompt_tokens ({prompt}), got {shared}.")
         arrival = _choice(d, "arrival", where, ARRIVALS)
-        return cls(name=name, description=str(d.get("description", name)),
+        return cls(name=str(d.get("name", name)), description=str(d.get("description", name)),
                    prompt_tokens=prompt, output_tokens=_whole(d, "output_tokens", where),
                    shared_prefix_tokens=shared, deadline_s=_number(d, "deadline_s", where),
                    arrival=arrival, num_requests=_whole(d, "num_requests", where, default=1,

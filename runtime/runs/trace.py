@@ -1,5 +1,6 @@
-"""Arrival traces: kvdeck's own JSONL, Mooncake JSONL and Azure LLM CSV (and generated
-workloads in load stages, `stages.py`).
+"""Arrival traces: kvdeck's own JSONL, Mooncake JSONL and Azure LLM CSV (Bailian, BurstGPT
+and AIPerf's `mooncake_trace`: `trace_readers.py`; generated workloads in load stages:
+`stages.py`).
 
 All three load into `Arrival` records (seconds from the first arrival). Traces without
 prompt text get synthetic tokens that preserve what matters for the KV cache:
@@ -43,7 +44,7 @@ from kvdeck.runtime.resources import SAMPLE_TRACES, sample_trace
 from kvdeck.runtime.runs.records import json_object
 from kvdeck.runtime.text.checks import AnswerCheck, parse_check
 
-FORMATS = ("auto", "kvdeck", "mooncake", "azure", "stages")
+FORMATS = ("auto", "kvdeck", "mooncake", "azure", "bailian", "burstgpt", "aiperf", "stages")
 
 
 @dataclass(frozen=True)
@@ -129,16 +130,23 @@ def detect_format(path: Path) -> str:
     if path.suffix.lower() == ".toml":
         return "stages"
     if path.suffix.lower() == ".csv":
-        return "azure"
+        with path.open(encoding="utf-8", errors="replace") as f:
+            return "burstgpt" if f.readline().startswith("Timestamp,") else "azure"
     with path.open(encoding="utf-8", errors="replace") as f:
         for line in f:
             if line.strip():
                 try:
                     first = json.loads(line)
                 except json.JSONDecodeError:
-                    raise TraceError(f"{path} line 1 is not JSON; trace files are kvdeck or "
-                                     "Mooncake JSONL, or Azure CSV.") from None
-                if isinstance(first, dict) and "hash_ids" in first and "timestamp" in first:
+                    raise TraceError(f"{path} line 1 is not JSON; trace files are kvdeck, "
+                                     "Mooncake, Bailian or AIPerf JSONL, Azure or BurstGPT "
+                                     "CSV, or a staged workload (.toml).") from None
+                keys = set(first) if isinstance(first, dict) else set()
+                if "chat_id" in keys:
+                    return "bailian"
+                if "input_length" in keys and keys & {"session_id", "delay"}:
+                    return "aiperf"
+                if "hash_ids" in keys and "timestamp" in keys:
                     return "mooncake"
                 return "kvdeck"
     raise TraceError(f"{path} is empty; a trace needs at least one request.")
@@ -168,8 +176,10 @@ def load_arrivals(path: str | Path, fmt: str = "auto", *, limit: int | None = No
     if fmt == "auto":
         fmt = detect_format(p)
     from kvdeck.runtime.runs.stages import read_stages
+    from kvdeck.runtime.runs.trace_readers import read_aiperf, read_bailian, read_burstgpt
 
     reader = {"kvdeck": _read_kvdeck, "mooncake": _read_mooncake, "azure": _read_azure,
+              "bailian": read_bailian, "burstgpt": read_burstgpt, "aiperf": read_aiperf,
               "stages": read_stages}[fmt]
     out: list[Arrival] = []
     for a in reader(p):
@@ -184,14 +194,14 @@ def load_arrivals(path: str | Path, fmt: str = "auto", *, limit: int | None = No
     return out
 
 
-def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
+def json_lines(path: Path) -> Iterator[tuple[int, dict]]:
     with path.open(encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 yield lineno, json_object(line, f"{path} line {lineno}", TraceError)
 
 
-def _int(obj: dict, key: str, where: str, lo: int = 0, default: int | None = None) -> int:
+def int_field(obj: dict, key: str, where: str, lo: int = 0, default: int | None = None) -> int:
     v = obj.get(key, default)
     if v is None:
         raise TraceError(f"{where} lacks {key!r}.")
@@ -200,7 +210,7 @@ def _int(obj: dict, key: str, where: str, lo: int = 0, default: int | None = Non
     return v
 
 
-def _num(obj: dict, key: str, where: str, default: float | None = None,
+def num_field(obj: dict, key: str, where: str, default: float | None = None,
          required: bool = False) -> float | None:
     v = obj.get(key, default)
     if v is None:
@@ -213,9 +223,9 @@ def _num(obj: dict, key: str, where: str, default: float | None = None,
 
 
 def _read_kvdeck(path: Path) -> Iterator[Arrival]:
-    for lineno, o in _json_lines(path):
+    for lineno, o in json_lines(path):
         where = f"{path} line {lineno}"
-        arrival = _num(o, "arrival_s", where, required=True)
+        arrival = num_field(o, "arrival_s", where, required=True)
         tokens = o.get("prompt_tokens")
         if tokens is not None:
             if not isinstance(tokens, list) or not tokens or not all(
@@ -224,16 +234,17 @@ def _read_kvdeck(path: Path) -> Iterator[Arrival]:
                                  "token ids ≥ 0.")
             n = len(tokens)
         else:
-            n = _int(o, "prompt_len", where, lo=1)
+            n = int_field(o, "prompt_len", where, lo=1)
         group = o.get("prefix_group")
         yield Arrival(
-            arrival_s=float(arrival), prompt_len=n, output_len=_int(o, "output_len", where, 1, 16),
+            arrival_s=float(arrival), prompt_len=n,
+            output_len=int_field(o, "output_len", where, 1, 16),
             prompt_tokens=tuple(tokens) if tokens is not None else None,
             hash_ids=tuple(o["hash_ids"]) if isinstance(o.get("hash_ids"), list) else None,
             prefix_group=str(group) if group is not None else None,
-            prefix_len=_int(o, "prefix_len", where, 0, 0),
-            deadline_s=_num(o, "deadline_s", where),
-            priority=_int(o, "priority", where, -(1 << 31), 0),
+            prefix_len=int_field(o, "prefix_len", where, 0, 0),
+            deadline_s=num_field(o, "deadline_s", where),
+            priority=int_field(o, "priority", where, -(1 << 31), 0),
             request_id=str(o["id"]) if "id" in o else None,
             check=parse_check(o["check"], where=f"The check on {where}", error=TraceError)
             if "check" in o else None,
@@ -242,14 +253,14 @@ def _read_kvdeck(path: Path) -> Iterator[Arrival]:
 
 
 def _read_mooncake(path: Path) -> Iterator[Arrival]:
-    for lineno, o in _json_lines(path):
+    for lineno, o in json_lines(path):
         where = f"{path} line {lineno}"
-        ts = _num(o, "timestamp", where, required=True)
-        n = _int(o, "input_length", where, 1)
+        ts = num_field(o, "timestamp", where, required=True)
+        n = int_field(o, "input_length", where, 1)
         hashes = o.get("hash_ids")
         if not isinstance(hashes, list) or not all(isinstance(h, int) for h in hashes):
             raise TraceError(f"{where} has hash_ids that are not a list of integers.")
-        yield Arrival(float(ts) / 1000.0, n, _int(o, "output_length", where, 1),
+        yield Arrival(float(ts) / 1000.0, n, int_field(o, "output_length", where, 1),
                       hash_ids=tuple(hashes))
 
 

@@ -102,3 +102,38 @@ def test_a_scenario_s_chosen_scheme_runs_recorded_for_the_console(tmp_path) -> N
     assert json.loads(replayed.stdout)["statuses"] == {"finished_length": 16}
     other = kvdeck("scenario", "run", "retention-break-even", "--record", str(tmp_path / "x"))
     assert other.returncode == 2 and "without an engine run to open" in other.stderr
+
+
+def test_plan_takes_tensor_parallelism_for_a_model_one_card_cannot_hold(tmp_path) -> None:
+    """Llama-70B in BF16 (141 GB) on H200 cards (141 GB, 127 GB at 90 %): one card cannot
+    hold it, so the plan goes over layouts with cards as a cost and takes the fewest cards
+    that meet a chat at one request per second, saying why."""
+    workload = tmp_path / "chat.toml"
+    workload.write_text('name = "chat-1rps"\nprompt_tokens = 2048\noutput_tokens = 256\n'
+                        'deadline_s = 7.0\narrival = "poisson"\nrate_per_s = 1.0\n'
+                        'num_requests = 64\n')
+    args = ("plan", "--hardware", "h200", "--model", "llama-70b", "--workload", str(workload))
+    r = kvdeck(*args)
+    assert r.returncode == 0, r.stderr
+    assert "Cheapest feasible layout: TP2, 2 h200 cards" in r.stdout
+    assert "llama-70b's 141 GB of weights do not fit 1 h200 card(s) at 90% of their memory" \
+        in " ".join(r.stdout.split())
+    data = json.loads(kvdeck(*args, "--json").stdout)
+    by_name = {x["layout"]: x for x in data["layouts"]}
+    assert by_name["TP1"]["problem"].startswith("TP1 on h200 cannot hold llama-70b")
+    assert by_name["TP2"]["choice"] and by_name["TP2"]["cards"] == 2
+    assert by_name["TP4×PP2"]["pipeline_bubble"] > 0
+    # More cards cost more card-seconds for the same work: TP2 is the cheapest.
+    assert by_name["TP2"]["card_s_per_good"] < by_name["TP4"]["card_s_per_good"]
+    assert data["plan"]["schemes"]
+    bad = kvdeck(*args, "--layouts", "TP3")
+    assert bad.returncode == 2 and "--layouts takes auto or layouts like TP1,TP2,TP4xPP2" in \
+        bad.stderr
+    budget = kvdeck(*args, "--kv-budget", "10")
+    assert budget.returncode == 2 and "--kv-budget is one card's" in budget.stderr
+
+
+def test_a_model_that_fits_one_card_plans_on_one_card_as_before() -> None:
+    one = json.loads(kvdeck(*REFERENCE, "--json").stdout)
+    explicit = json.loads(kvdeck(*REFERENCE, "--json", "--layouts", "TP1").stdout)
+    assert one == explicit and "layouts" not in one

@@ -36,3 +36,23 @@ def test_layers_reduce_their_activations_twice_over_the_cards_interconnect() -> 
     assert allreduce_seconds_per_layer(model, 1000, 1, nvlink) == 0.0
     assert allreduce_seconds_per_layer(model, 1000, 4, pcie) == pytest.approx(
         2 * 1.5 * 1000 * 8192 * 2 / 32e9)
+
+
+def test_a_layout_splits_a_step_across_its_cards_and_pays_its_bubbles():
+    from kvdeck.runtime.planning.parallel import Layout, layout_step_seconds
+    from kvdeck.runtime.planning.step_time import roofline_seconds
+
+    model, hw = ModelProfile.load("llama-70b"), HardwareProfile.load("h100-sxm")
+    k = model.kv_bytes_per_token()
+    w = model.matrix_weight_bytes
+    one = roofline_seconds(model, hw, w, k, 64, 64 * 4096, 64 * 4096)
+    assert layout_step_seconds(model, hw, Layout(), w, k, 64, 64 * 4096, 64 * 4096) == \
+        pytest.approx(one)
+    tp2 = layout_step_seconds(model, hw, Layout(2), w, k, 64, 64 * 4096, 64 * 4096)
+    allreduce = allreduce_seconds_per_step(model, 64, 2, hw)
+    assert tp2 == pytest.approx(one / 2 + allreduce)
+    # Two stages, two microbatches: three stage times, each re-reading its half of the
+    # weights; the bubble is a third.
+    pp2 = layout_step_seconds(model, hw, Layout(1, 2), w, k, 64, 64 * 4096, 64 * 4096)
+    assert pp2 > one and Layout(1, 2).bubble() == pytest.approx(1 / 3)
+    assert Layout(4, 2).cards == 8 and Layout(4, 2).name == "TP4×PP2"

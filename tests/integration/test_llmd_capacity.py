@@ -1,0 +1,60 @@
+"""llm-d's capacity benchmark, reproduced in kind (`traces/llm-d-shared-prefix.toml` run on
+the fleet of `profiles/fleet/llm-d-capacity.toml`): 4 replicas of Llama-70B at TP4 on H100
+SXM, 83 groups × 3 questions behind 8,000-token system prompts, load stages 3 → 20 req/s.
+
+llm-d measured at its top stage: precise prefix routing 5,650 output tok/s at TTFT p90
+0.275 s, load-only routing 3,018 tok/s at 78 s, random 2,895 tok/s at 85 s. The policies
+must rank the same way here. `make test` runs the shipped stages at 40 % of their length
+(the rates and the workload's shape unchanged); `KVDECK_SOAK=full` (`make soak`) runs them
+whole."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from kvdeck.runtime.cluster.replicas import ClusterConfig, replica_roles
+from kvdeck.runtime.cluster.run import run_fleet
+from kvdeck.runtime.resources import profiles_dir, sample_trace
+from kvdeck.runtime.runs.trace import load_arrivals
+from kvdeck.runtime.settings import load
+
+FULL = os.environ.get("KVDECK_SOAK") == "full"
+
+
+def stages_file(tmp_path: Path) -> Path:
+    text = Path(str(sample_trace("llm-d-shared-prefix"))).read_text()
+    if FULL:
+        return Path(str(sample_trace("llm-d-shared-prefix")))
+    out = tmp_path / "llm-d-shared-prefix.toml"
+    out.write_text(re.sub(r"duration = (\d+)", lambda m: f"duration = {int(m[1]) * 0.4:g}",
+                          text))
+    return out
+
+
+def test_prefix_aware_routing_ranks_as_llm_d_measured(tmp_path):
+    settings = load(str(profiles_dir().joinpath("fleet", "llm-d-capacity.toml")),
+                    default_executor="sim")
+    arrivals = load_arrivals(stages_file(tmp_path))
+    top = {}
+    second = {}
+    for router in ("weighted", "least-loaded", "random"):
+        result = run_fleet(settings, replica_roles(4, 0, 0), ClusterConfig(router=router),
+                           arrivals)
+        assert result["summary"]["cards"] == 16
+        assert result["summary"]["num_requests"] == len(arrivals)
+        top[router] = result["stages"][-1]
+        second[router] = result["stages"][1]
+    tok = {r: s["output_tokens_per_s"] for r, s in top.items()}
+    ttft = {r: s["ttft_p90_s"] for r, s in top.items()}
+    # The order llm-d measured, on throughput and on TTFT p90.
+    assert tok["weighted"] > tok["least-loaded"] > tok["random"]
+    assert ttft["weighted"] < ttft["least-loaded"] < ttft["random"]
+    assert tok["weighted"] >= 1.5 * tok["random"]
+    # TTFT p90 lower by a wide margin where the prefix-routed fleet is not saturated
+    # (10 req/s): 20× with the stages at full length, when the caches are warm by then. At
+    # the top stage the modelled cards (roofline at the profile's 0.5 MBU, 1,000-token
+    # answers) saturate under every router, and the ratio is smaller (docs/fleet-sim.md).
+    assert second["weighted"]["ttft_p90_s"] * (20 if FULL else 4) <= \
+        second["random"]["ttft_p90_s"]
