@@ -222,6 +222,12 @@ def sweep(
     admission: str = ADMISSION_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print every point as JSON."),
     svg: Path = typer.Option(None, "--svg", help="Write the goodput chart here."),
+    replicas: str = typer.Option(None, "--replicas", help="Sweep simulated fleets: replica "
+                                 "counts like 1,2,4, each with every --router; the knee per "
+                                 "fleet.", rich_help_panel="Fleet"),
+    router: list[str] = typer.Option(None, "--router", help="With --replicas: a router "
+                                     "(repeat for several; default round-robin).",
+                                     rich_help_panel="Fleet"),
     settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
     """Run one workload at increasing arrival rates (sim executor by default) and report
@@ -251,6 +257,12 @@ def sweep(
 
     arrivals, chosen = guarded(inputs)
     slo = guarded(lambda: SLO(slo_ttft, slo_tpot, slo_e2e))
+    if replicas is not None or router:
+        _sweep_fleets(replicas or "1", router or ["round-robin"], arrivals, chosen, settings,
+                      slo, hash_block_tokens, url, admission, as_json, svg,
+                      f"fleet sweep of {trace or 'synthetic Poisson arrivals'} "
+                      f"({len(arrivals)} requests)")
+        return
     if admission:
         modes = guarded(lambda: sweep_modes.parse_modes(admission))
         in_process = functools.partial(_run_in_process, settings=settings, slo=slo,
@@ -275,6 +287,31 @@ def sweep(
                                                "e2e_s": slo_e2e}})
         return
     render_sweep(out, title, result)
+    if svg is not None:
+        out.print(f"wrote {svg}")
+
+
+def _sweep_fleets(replicas, routers, arrivals, rates, settings, slo, hash_block_tokens, url,
+                  admission, as_json, svg, title) -> None:
+    """`kvdeck sweep --replicas/--router`: one sweep per fleet configuration."""
+    from kvdeck.console import sweep_fleet
+    from kvdeck.runtime.cluster.routers import make_router
+
+    if url or admission:
+        fail("--replicas and --router sweep simulated fleets; they do not go with --url or "
+             "--admission.")
+    counts = guarded(lambda: sweep_fleet.parse_counts(replicas))
+    for r in routers:
+        guarded(lambda r=r: make_router(r))
+    say = (lambda msg: None) if as_json else (lambda msg: err.print(msg, highlight=False))
+    results = guarded(lambda: sweep_fleet.fleet_sweeps(settings, counts, routers, arrivals,
+                                                       rates, slo, hash_block_tokens, say))
+    if svg is not None:
+        _write_svg(svg, lambda: sweep_fleet.fleet_sweeps_svg(results, title))
+    if as_json:
+        print_json(sweep_fleet.fleet_sweeps_json(results))
+        return
+    sweep_fleet.render_fleet_sweeps(out, title, results)
     if svg is not None:
         out.print(f"wrote {svg}")
 

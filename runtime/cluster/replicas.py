@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvdeck.runtime.cluster.handoff import Handoff, transfer_seconds
+from kvdeck.runtime.cluster.handoff import TRANSFER_MODES, Handoff, transfer_seconds
 from kvdeck.runtime.cluster.routers import Router, make_router
 from kvdeck.runtime.cluster.view import Prompt, Publisher, ReplicaView
 from kvdeck.runtime.core.engine import Engine
@@ -75,6 +75,11 @@ class ClusterConfig:
                               f"{self.staleness_s!r}.")
         make_router(self.router)
         make_router(self.decode_router)
+        if self.kv_transfer not in TRANSFER_MODES:
+            raise ConfigError(f"kv_transfer must be one of {', '.join(TRANSFER_MODES)}, got "
+                              f"{self.kv_transfer!r}.")
+        if self.kv_link_bytes_per_s is not None and not self.kv_link_bytes_per_s > 0:
+            raise ConfigError("The KV link's bandwidth must be above 0 (--kv-link-gbps).")
 
 
 def replica_roles(replicas: int, prefill: int, decode: int) -> list[str]:
