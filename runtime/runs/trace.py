@@ -15,7 +15,7 @@ kvdeck JSONL schema, one object per line (only `arrival_s` and a prompt are requ
 
     {"arrival_s": 0.25, "prompt_len": 2048, "output_len": 256,
      "prefix_group": "sys", "prefix_len": 1024, "deadline_s": 7.0, "priority": 0,
-     "id": "r1"}
+     "id": "r1", "session": "chat-7"}
     {"arrival_s": 0.5, "prompt_tokens": [2, 651, 3681], "output_len": 16,
      "check": {"expected": "Paris"}}
 
