@@ -233,7 +233,10 @@ def sweep(
     """Run one workload at increasing arrival rates (sim executor by default) and report
     completion throughput and goodput per rate, the knee where goodput peaks, and the cap on
     requests in the engine (--max-waiting) that holds goodput past it. --batch and
-    --admission run the chapter's batch-size and admission-mode sweeps instead."""
+    --admission run the chapter's batch-size and admission-mode sweeps instead; --replicas
+    and --router sweep simulated fleets.
+
+    Long because its options are its signature (typer reads them there)."""
     from kvdeck.console.commands import sweep_modes
     from kvdeck.console.sweep_report import render_sweep, sweep_svg
     from kvdeck.runtime.planning.sweep import sweep as run_sweep

@@ -58,7 +58,9 @@ def run_trace(
 ) -> None:
     """Run an arrival trace through the engine headless (sim executor by default) and
     summarize it; with --replicas N or --prefill-replicas/--decode-replicas, through a
-    simulated fleet behind a router."""
+    simulated fleet behind a router.
+
+    Long because its options are its signature (typer reads them there)."""
     from kvdeck.console.run_views import render_summary
     from kvdeck.runtime.runs.recording import record_headless
     from kvdeck.runtime.runs.runner import needs_tokenizer, run_arrivals

@@ -91,17 +91,7 @@ request_id: str | None = None, arrival_time: float | None = None,
             raise RequestError(f"n = {branches} samples cannot all queue: the waiting queue "
                                f"holds {self.config.max_waiting:,} requests (--max-waiting).")
         guide = self._start_guide(sampling) if sampling.guide is not None else None
-        if n > self.max_model_len - 1:
-            raise RequestError(f"The prompt has {n:,} tokens but the model's context allows "
-                               f"at most {self.max_model_len - 1:,}.")
-        if not 0 <= remote_kv_tokens < n:
-            raise RequestError(f"remote_kv_tokens must be from 0 to the prompt's length less "
-                               f"one ({n - 1:,}), got {remote_kv_tokens:,}.")
-        if n + sampling.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"max_tokens {sampling.max_tokens:,} with a {n:,}-token prompt exceeds the "
-                f"context of {self.max_model_len:,} tokens; at most "
-                f"{self.max_model_len - n:,} new tokens fit.")
+        self._check_lengths(n, sampling.max_tokens, remote_kv_tokens)
         with self._lock:
             if self.num_queued + branches > self.config.max_waiting:
                 raise QueueFullError(f"The waiting queue is full ({self.config.max_waiting:,} "
@@ -133,6 +123,21 @@ request_id: str | None = None, arrival_time: float | None = None,
         req.branched = not req.branches
         self.post(AddRequest(req))
         return req
+
+    def _check_lengths(self, n: int, max_tokens: int, remote_kv_tokens: int) -> None:
+        """A prompt of `n` tokens and `max_tokens` more fit the context; RequestError
+        otherwise."""
+        if n > self.max_model_len - 1:
+            raise RequestError(f"The prompt has {n:,} tokens but the model's context allows "
+                               f"at most {self.max_model_len - 1:,}.")
+        if not 0 <= remote_kv_tokens < n:
+            raise RequestError(f"remote_kv_tokens must be from 0 to the prompt's length less "
+                               f"one ({n - 1:,}), got {remote_kv_tokens:,}.")
+        if n + max_tokens > self.max_model_len:
+            raise RequestError(
+                f"max_tokens {max_tokens:,} with a {n:,}-token prompt exceeds the "
+                f"context of {self.max_model_len:,} tokens; at most "
+                f"{self.max_model_len - n:,} new tokens fit.")
 
     def _start_guide(self, sampling: SamplingParams):
         """A request's grammar state (`runtime/text/guided.py`), compiled on the caller's thread;

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvdeck.runtime.core.config import tomllib
 from kvdeck.runtime.errors import TraceError
-from kvdeck.runtime.runs.trace import Arrival
+from kvdeck.runtime.runs.arrival import Arrival
 from kvdeck.runtime.stats.metrics import Distribution
 
 SHAPE_KEYS = ("num_groups", "num_prompts_per_group", "system_prompt_len", "question_len",

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvdeck.runtime.errors import TraceError
-from kvdeck.runtime.runs.trace import Arrival, int_field, json_lines, num_field
+from kvdeck.runtime.runs.arrival import Arrival, int_field, json_lines, num_field
 
 BAILIAN_BLOCK = 16
 AIPERF_BLOCK = 512

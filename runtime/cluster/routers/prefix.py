@@ -18,11 +18,10 @@ from __future__ import annotations
 import math
 import random
 
-from kvdeck.runtime.cluster.routers.base import Router, least_loaded, register
+from kvdeck.runtime.cluster.routers.base import Router, least_loaded
 from kvdeck.runtime.cluster.view import Prompt, ReplicaView
 
 
-@register
 class PrefixAware(Router):
     name = "prefix"
 
@@ -33,7 +32,6 @@ class PrefixAware(Router):
         return least_loaded([v for v in views if scores[v.name] == best])
 
 
-@register
 class Weighted(Router):
     name = "weighted"
     settings = {"prefix": 3.0, "kv": 2.0, "queue": 2.0}
@@ -53,7 +51,6 @@ class Weighted(Router):
         return max(views, key=total)
 
 
-@register
 class Cost(Router):
     name = "cost"
     settings = {"overlap": 1.0, "temperature": 0.0}

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import random
 
-from kvdeck.runtime.cluster.routers.base import Router, least_loaded, register
+from kvdeck.runtime.cluster.routers.base import Router, least_loaded
 from kvdeck.runtime.cluster.view import Prompt, ReplicaView
 
 
-@register
 class RoundRobin(Router):
     """Each replica in turn."""
 
@@ -25,7 +24,6 @@ class RoundRobin(Router):
         return view
 
 
-@register
 class Random(Router):
     """A replica drawn uniformly (seeded, so runs repeat)."""
 
@@ -39,7 +37,6 @@ class Random(Router):
         return views[self._rng.randrange(len(views))]
 
 
-@register
 class LeastLoaded(Router):
     """Fewest requests waiting or running, then the least KV in use."""
 
