@@ -34,10 +34,54 @@ def root(
 @with_settings
 def console(
     rate: float = typer.Option(None, "--rate", help=RATE_HELP, rich_help_panel="Traffic"),
+    replicas: int = typer.Option(1, "--replicas", help="Above 1: a simulated fleet of this "
+                                 "many replicas behind --router, in the fleet screen (sim "
+                                 "executor).", rich_help_panel="Fleet"),
+    router: str = typer.Option("weighted", "--router", help="The fleet's router (as "
+                               "run-trace's --router).", rich_help_panel="Fleet"),
+    trace: str = typer.Option(None, "--trace", help="The fleet's arrivals (default: the "
+                              "Mooncake sample, or Poisson at --rate when given).",
+                              rich_help_panel="Fleet"),
     settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
-    """Open the operator console on a live engine with built-in traffic."""
+    """Open the operator console on a live engine with built-in traffic; with --replicas N,
+    on a simulated fleet in the fleet screen."""
+    if replicas != 1 or trace is not None:
+        run_fleet_console(settings, replicas, router, trace, rate, log_level)
+        return
     run_console(settings, rate, log_level)
+
+
+def run_fleet_console(request: SettingsRequest, replicas: int, router: str,
+                      trace: str | None, rate: float | None, log_level: str) -> None:
+    """A simulated fleet on one clock, paced to the wall clock, in the fleet screen."""
+    from kvdeck.console.screens.fleet import FleetApp
+    from kvdeck.runtime.cluster.live import LiveFleet
+    from kvdeck.runtime.cluster.replicas import Cluster, ClusterConfig, replica_roles
+    from kvdeck.runtime.errors import ConfigError
+    from kvdeck.runtime.runs.trace import load_arrivals, synthetic_arrivals
+    from kvdeck.runtime.session import build_session
+
+    guarded(lambda: setup_logging(log_level, to_stderr=False))
+
+    def build() -> LiveFleet:
+        settings = request.resolve("sim")
+        if settings.session.executor != "sim":
+            raise ConfigError("--replicas runs a simulated fleet: it takes --executor sim.")
+        roles = replica_roles(replicas, 0, 0)
+        config = ClusterConfig(router=router)
+        if trace is None and rate is not None:
+            arrivals = synthetic_arrivals(100_000, rate)
+        else:
+            arrivals = load_arrivals(trace or "mooncake-conversation")
+        sessions = [build_session(settings, with_tokenizer=False) for _ in roles]
+        cluster = Cluster([s.engine for s in sessions], roles, config,
+                          vocab_size=sessions[0].vocab_size)
+        return LiveFleet(cluster, arrivals, settings.session.pace or 1.0, sessions)
+
+    fleet = guarded(build)
+    FleetApp(fleet, interval_s=0.5,
+             title=f"kvdeck — simulated fleet, {fleet.cluster.router.describe()}").run()
 
 
 def run_console(request: SettingsRequest, rate: float | None, log_level: str) -> None:

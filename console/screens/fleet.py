@@ -102,11 +102,14 @@ class FleetApp(ConsoleApp):
                 Binding("t", "next_theme", "Theme", id="fleet.theme"),
                 Binding("f1", "help", "Help", id="fleet.help")]
 
-    def __init__(self, fleet: Fleet, interval_s: float = 1.0, tokenizer=None):
+    def __init__(self, fleet: Fleet, interval_s: float = 1.0, tokenizer=None,
+                 title: str | None = None):
         super().__init__()
+        if title is not None:
+            self.title = title
         self.fleet, self.interval_s, self.tokenizer = fleet, interval_s, tokenizer
         self.prompt: list[int] | None = None
-        self.sub_title = f"{len(fleet.watches)} replicas"
+        self.sub_title = f"{len(fleet)} replicas"
 
     def compose(self) -> ComposeResult:
         yield Header()

@@ -223,8 +223,11 @@ class Cluster:
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def run(self, arrivals: Sequence[Arrival]) -> None:
-        """Feed `arrivals` at their times and step every replica until all are done."""
+    def run(self, arrivals: Sequence[Arrival],
+            pacer: Callable[[float], bool] | None = None) -> None:
+        """Feed `arrivals` at their times and step every replica until all are done.
+        `pacer(t)`, called before whatever happens at engine time `t`, may hold the loop
+        to the wall clock (a live fleet) and stop it by returning False."""
         self._arrivals = arrivals
         i, n = 0, len(arrivals)
         empty = [0] * len(self.replicas)
@@ -235,6 +238,8 @@ class Cluster:
             for j, r in enumerate(self.replicas):
                 if r.engine.has_work and r.engine.clock.now() < t_step:
                     t_step, k = r.engine.clock.now(), j
+            if pacer is not None and not pacer(min(t_arrival, t_handoff, t_step)):
+                break
             if min(t_arrival, t_handoff) <= t_step:
                 if t_arrival == math.inf and t_handoff == math.inf:
                     break

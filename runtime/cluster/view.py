@@ -148,6 +148,8 @@ class Publisher:
         self.engine = engine
         self.view = view
         self.events = BlockEvents(engine.kv.block_size, view.seed)
+        self.listeners: list = []
+        """Also called with (engine time, event maps) for each step that had events."""
         self._last = None
 
     def after_step(self) -> None:
@@ -157,4 +159,8 @@ class Publisher:
         if record is not None and record is not self._last:
             self._last = record
             events = self.events.translate(record.kv, e.kv.tree)
-        self.view.publish(sample(e), events)
+        metrics = sample(e)
+        self.view.publish(metrics, events)
+        if events:
+            for listener in self.listeners:
+                listener(metrics.t, events)

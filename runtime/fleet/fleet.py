@@ -198,6 +198,9 @@ class Fleet:
     def __init__(self, specs: list[ReplicaSpec], interval_s: float = 1.0):
         self.watches = [ReplicaWatch(s, interval_s) for s in specs]
 
+    def __len__(self) -> int:
+        return len(self.watches)
+
     def start(self) -> Fleet:
         for w in self.watches:
             w.start()
