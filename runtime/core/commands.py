@@ -101,5 +101,13 @@ class StopRecording:
         return {"kind": "stop-recording"}
 
 
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """Drop every cached block no request holds (vLLM's `POST /reset_prefix_cache`)."""
+
+    def to_json(self) -> dict:
+        return {"kind": "reset_prefix_cache"}
+
+
 InboxMessage = AddRequest | Abort | SetKnobs | Pause | Resume | StepOnce | StartRecording \
-    | StopRecording | Watch | SetPriority
+    | StopRecording | Watch | SetPriority | ResetPrefixCache

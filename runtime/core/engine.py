@@ -5,10 +5,10 @@
     events = scheduler.update(plan, result)
 
 Everything from outside — new requests, aborts, knob changes, pause, resume, single steps,
-starting and stopping a recording — is a typed message (`commands.py`) put in `inbox` and
-applied at the start of an iteration, so engine state is touched only by the thread that
-calls `step()`. Knob changes are validated when submitted (an invalid value raises and
-changes nothing) and recorded in the iteration trace when applied.
+starting and stopping a recording, a prefix-cache reset — is a typed message (`commands.py`)
+put in `inbox` and applied at the start of an iteration, so engine state is touched only by
+the thread that calls `step()`. Knob changes are validated when submitted (an invalid value
+raises and changes nothing) and recorded in the iteration trace when applied.
 
 Failure contract: an executor's `StepError` fails that step's requests and the engine goes
 on; any other exception stops the engine (`fail`): every pending request is aborted with the
@@ -33,6 +33,7 @@ from kvdeck.runtime.core.commands import (
     AddRequest,
     InboxMessage,
     Pause,
+    ResetPrefixCache,
     Resume,
     SetKnobs,
     SetPriority,
@@ -198,10 +199,9 @@ class Engine:
             elif isinstance(msg, Pause):
                 self.paused = True
                 self.clock.freeze()
-            elif isinstance(msg, Resume):
-                if self.paused:
-                    self.paused = False
-                    self.clock.resume()
+            elif isinstance(msg, Resume) and self.paused:  # (a resume unpaused is a no-op)
+                self.paused = False
+                self.clock.resume()
             elif isinstance(msg, StepOnce):
                 self._step_credit += msg.count
             elif isinstance(msg, Watch):
@@ -213,10 +213,10 @@ class Engine:
                     req.events.append((self.clock.now(), f"priority {req.priority} → "
                                                          f"{msg.priority}"))
                     req.priority = msg.priority
-            elif isinstance(msg, StartRecording):
-                self._recorder_actions.append(msg.recorder)
-            elif isinstance(msg, StopRecording):
-                self._recorder_actions.append(None)
+            elif isinstance(msg, StartRecording | StopRecording):
+                self._recorder_actions.append(getattr(msg, "recorder", None))
+            elif isinstance(msg, ResetPrefixCache):
+                self.kv.clear_cache()
 
     def _abort(self, rid: str, reason: str) -> None:
         req = self.scheduler.abort(rid, self.clock.now(), reason)

@@ -96,6 +96,25 @@ class BlockEvents:
                 out.append(removed(h, "CPU"))
         return out
 
+    def reset(self, tree) -> list[dict]:
+        """After the cache was reset (`BlockManager.clear_cache`): `AllBlocksCleared`, as
+        vLLM publishes it, then `BlockStored` again for each published block a request
+        still holds (a reset drops only what no request uses), parents first, so a
+        subscriber's view equals the cache again. Blocks the reset dropped are forgotten:
+        their evictions publish nothing more."""
+        kept = {nid: h for nid, h in self._hashes.items() if nid in tree.nodes}
+        self._hashes = {}
+        out: list[dict] = [{"type": "AllBlocksCleared"}]
+        for nid in sorted(kept, key=lambda n: tree.nodes[n].depth_tokens):
+            node = tree.nodes[nid]
+            parent = node.parent.node_id if node.parent is not None else None
+            if parent is not None and parent in tree.nodes and tree.nodes[parent].key and \
+                    parent not in self._hashes:
+                continue  # its parent went: a subscriber could not place it
+            self._hashes[nid] = kept[nid]
+            out.append(self._store_map(kept[nid][0], node, "CPU" if node.on_host else "GPU"))
+        return out
+
     def _stored(self, ev: Cache, tree) -> dict | None:
         node = tree.nodes.get(ev.node_id)
         if node is None or len(node.key) != self.block_size:

@@ -123,14 +123,18 @@ class EventPublisher:
     def attach(self, engine) -> EventPublisher:
         """Publish after each of `engine`'s steps (`Engine.after_step`)."""
         tree = engine.kv.tree
-        last = [None]
+        last = [None, engine.kv.num_resets]
 
         def after(e) -> None:
             record = e.last_record
             if record is None or record is last[0]:
                 return
             last[0] = record
-            self.publish(self.events.translate(record.kv, tree), time.time())
+            events = []
+            if e.kv.num_resets != last[1]:  # a reset since the last step: vLLM's clear
+                last[1] = e.kv.num_resets
+                events = self.events.reset(tree)
+            self.publish(events + self.events.translate(record.kv, tree), time.time())
         engine.after_step.append(after)
         return self
 

@@ -79,6 +79,7 @@ class BlockManager:
         self.in_flight = False
         self._deferred: list[str] = []
         self.num_cow_copies = 0
+        self.num_resets = 0
         self.link_seconds = link_seconds
         self.admission = CacheAdmission()
         """Which completed blocks may enter the prefix cache (`cache_admission.py`)."""
@@ -563,7 +564,8 @@ class BlockManager:
             self._release(rid)
 
     def clear_cache(self) -> int:
-        """Evict every cached block no request uses."""
+        """Evict every cached block no request uses (`num_resets` counts the calls)."""
+        self.num_resets += 1
         return self.tree.clear()
 
     def take_events(self) -> list[ev.KVEvent]:

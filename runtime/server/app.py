@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from kvdeck.runtime.core.commands import ResetPrefixCache
 from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import Request as EngineRequest
 from kvdeck.runtime.core.request import SamplingParams
@@ -235,6 +236,13 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's: drop every cached block no request holds (at the engine's next
+        iteration); KV events then carry `AllBlocksCleared`."""
+        engine.post(ResetPrefixCache())
+        return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models() -> dict:
