@@ -9,6 +9,7 @@ from html import escape
 from rich.console import Console
 from rich.table import Table
 
+from kvdeck.console.sweep_report import Chart
 from kvdeck.runtime.cluster.replicas import ClusterConfig, replica_roles
 from kvdeck.runtime.cluster.run import run_fleet
 from kvdeck.runtime.core.config import check_int
@@ -80,30 +81,11 @@ def render_fleet_sweeps(out: Console, title: str, results: list[tuple[str, Sweep
 
 def fleet_sweeps_svg(results: list[tuple[str, SweepResult]], title: str) -> str:
     """Goodput against the offered rate, one line per fleet configuration, knees marked."""
-    w, h, left, top, pw, ph = 760, 460, 70, 40, 560, 360
     x_max = max(p.rate_rps for _, r in results for p in r.points) * 1.05
     y_max = max([p.goodput_rps for _, r in results for p in r.points] + [1e-12]) * 1.1
-
-    def x(v: float) -> float:
-        return left + v / x_max * pw
-
-    def y(v: float) -> float:
-        return top + ph - v / y_max * ph
-
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-           'font-family="monospace" font-size="12">',
-           f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<text x="{left}" y="22" font-size="14">{escape(title)}</text>',
-           f'<line x1="{left}" y1="{top + ph}" x2="{left + pw}" y2="{top + ph}" stroke="black"/>',
-           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}" stroke="black"/>',
-           f'<text x="{left + pw / 2 - 70}" y="{top + ph + 34}">offered rate (req/s)</text>',
-           f'<text x="18" y="{top + ph / 2}" transform="rotate(-90 18 {top + ph / 2})">'
-           'goodput (req/s)</text>']
-    for i in range(5):
-        out.append(f'<text x="{x(x_max * i / 4) - 10:.1f}" y="{top + ph + 16}">'
-                   f'{x_max * i / 4:.2g}</text>')
-        out.append(f'<text x="{left - 45}" y="{y(y_max * i / 4) + 4:.1f}">'
-                   f'{y_max * i / 4:.2g}</text>')
+    chart = Chart(title, "goodput (req/s)", x_max, y_max)
+    x, y, out = chart.x, chart.y, chart.out
+    left, top, pw = chart.left, chart.top, chart.pw
     for j, (name, r) in enumerate(results):
         color = COLORS[j % len(COLORS)]
         pts = " ".join(f"{x(p.rate_rps):.1f},{y(p.goodput_rps):.1f}" for p in r.points)
@@ -113,5 +95,4 @@ def fleet_sweeps_svg(results: list[tuple[str, SweepResult]], title: str) -> str:
                    f'fill="{color}"/>')
         out.append(f'<text x="{left + pw - 230}" y="{top + 16 + 16 * j}" fill="{color}">'
                    f'{escape(name)} (knee {k.rate_rps:.3g} rps)</text>')
-    out.append("</svg>")
-    return "\n".join(out)
+    return chart.svg()

@@ -67,20 +67,51 @@ def render_sweep(out: Console, title: str, result: SweepResult) -> None:
                   "in the engine, waiting and running)", highlight=False)
 
 
+class Chart:
+    """A rate chart's frame: the plot area, axes with ticks, title and labels (the sweep's
+    SVG charts share it)."""
+
+    w, h, left, top, pw, ph = 760, 460, 70, 40, 560, 360
+
+    def __init__(self, title: str, y_label: str, x_max: float, y_max: float):
+        self.x_max, self.y_max = x_max, y_max
+        left, top, pw, ph = self.left, self.top, self.pw, self.ph
+        self.out = [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.w}" height="{self.h}" '
+            'font-family="monospace" font-size="12">',
+            f'<rect width="{self.w}" height="{self.h}" fill="white"/>',
+            f'<text x="{left}" y="22" font-size="14">{escape(title)}</text>',
+            f'<line x1="{left}" y1="{top + ph}" x2="{left + pw}" y2="{top + ph}" '
+            'stroke="black"/>',
+            f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}" stroke="black"/>',
+            f'<text x="{left + pw / 2 - 70}" y="{top + ph + 34}">offered rate (req/s)</text>',
+            f'<text x="18" y="{top + ph / 2}" transform="rotate(-90 18 {top + ph / 2})">'
+            f'{escape(y_label)}</text>']
+        for i in range(5):
+            self.out.append(f'<text x="{self.x(x_max * i / 4) - 10:.1f}" y="{top + ph + 16}">'
+                            f'{x_max * i / 4:.2g}</text>')
+            self.out.append(f'<text x="{left - 45}" y="{self.y(y_max * i / 4) + 4:.1f}">'
+                            f'{y_max * i / 4:.2g}</text>')
+
+    def x(self, v: float) -> float:
+        return self.left + v / self.x_max * self.pw
+
+    def y(self, v: float) -> float:
+        return self.top + self.ph - v / self.y_max * self.ph
+
+    def svg(self) -> str:
+        return "\n".join([*self.out, "</svg>"]) + "\n"
+
+
 def sweep_svg(result: SweepResult, title: str) -> str:
     """Completion throughput, goodput and capped goodput against the offered rate; the knee
     as a dashed line."""
-    w, h, left, top, pw, ph = 760, 460, 70, 40, 560, 360
-    xs = [p.rate_rps for p in result.points]
-    x_max = max(xs) * 1.05
+    x_max = max(p.rate_rps for p in result.points) * 1.05
     y_max = max([p.completion_rps for p in result.points]
                 + [p.goodput_rps for p in result.capped] + [1e-12]) * 1.1
-
-    def x(v: float) -> float:
-        return left + v / x_max * pw
-
-    def y(v: float) -> float:
-        return top + ph - v / y_max * ph
+    chart = Chart(title, "req/s", x_max, y_max)
+    x, y, top, ph = chart.x, chart.y, chart.top, chart.ph
+    left, pw = chart.left, chart.pw
 
     def line(values: list[tuple[float, float]], color: str, dash: str = "") -> str:
         pts = " ".join(f"{x(a):.1f},{y(b):.1f}" for a, b in values)
@@ -91,23 +122,10 @@ def sweep_svg(result: SweepResult, title: str) -> str:
                f'{extra}/>{dots}'
 
     knee = result.knee_point
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-           'font-family="monospace" font-size="12">',
-           f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<text x="{left}" y="22" font-size="14">{escape(title)}</text>',
-           f'<line x1="{left}" y1="{top + ph}" x2="{left + pw}" y2="{top + ph}" stroke="black"/>',
-           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}" stroke="black"/>',
-           f'<line x1="{x(knee.rate_rps):.1f}" y1="{top}" x2="{x(knee.rate_rps):.1f}" '
-           f'y2="{top + ph}" stroke="#888" stroke-dasharray="6 4"/>',
-           f'<text x="{x(knee.rate_rps) + 4:.1f}" y="{top + 12}" fill="#555">knee</text>',
-           f'<text x="{left + pw / 2 - 70}" y="{top + ph + 34}">offered rate (req/s)</text>',
-           f'<text x="18" y="{top + ph / 2}" transform="rotate(-90 18 {top + ph / 2})">'
-           'req/s</text>']
-    for i in range(5):
-        out.append(f'<text x="{x(x_max * i / 4) - 10:.1f}" y="{top + ph + 16}">'
-                   f'{x_max * i / 4:.2g}</text>')
-        out.append(f'<text x="{left - 45}" y="{y(y_max * i / 4) + 4:.1f}">'
-                   f'{y_max * i / 4:.2g}</text>')
+    out = chart.out
+    out += [f'<line x1="{x(knee.rate_rps):.1f}" y1="{top}" x2="{x(knee.rate_rps):.1f}" '
+            f'y2="{top + ph}" stroke="#888" stroke-dasharray="6 4"/>',
+            f'<text x="{x(knee.rate_rps) + 4:.1f}" y="{top + 12}" fill="#555">knee</text>']
     out.append(line([(p.rate_rps, p.completion_rps) for p in result.points], "#888"))
     out.append(line([(p.rate_rps, p.goodput_rps) for p in result.points], "#080"))
     if result.capped:
@@ -118,8 +136,7 @@ def sweep_svg(result: SweepResult, title: str) -> str:
     for i, (color, label) in enumerate(legend):
         out.append(f'<text x="{left + pw - 250}" y="{top + 16 + 16 * i}" fill="{color}">'
                    f'{escape(label)}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    return chart.svg()
 
 
 def render_batches(out: Console, title: str, points: list) -> None:
