@@ -62,14 +62,13 @@ request_id: str | None = None, arrival_time: float | None = None,
         does; `intake_s` holds the request that long after its arrival before the engine
         takes it in (`Request.intake_time`); `remote_kv_tokens` of the prompt arrive
         computed from another instance (`Request.remote_kv_tokens`); `deadline_s` is
-        relative to arrival; `track`
-        puts the request's text in every snapshot (the console's prompt); `check` is what
-        the answer must satisfy to count as correct (it needs a tokenizer: checks read
-        text); `branches` > 1 (the API's `n`) samples the prompt that many times: the
-        request returned is the first sample and `branches` holds the others, which share
-        its prompt's KV blocks (one prefill). Seeded branches take seeds `seed`,
-        `seed + 1`, ... (as vLLM's). Raises RequestError, QueueFullError or
-        EngineFailedError.
+        relative to arrival; `track` puts the request's text in every snapshot (the
+        console's prompt); `check` is what the answer must satisfy to count as correct (it
+        needs a tokenizer: checks read text); `branches` > 1 (the API's `n`) samples the
+        prompt that many times: the request returned is the first sample and `branches`
+        holds the others, which share its prompt's KV blocks (one prefill). Seeded branches
+        take seeds `seed`, `seed + 1`, ... (as vLLM's). Raises RequestError,
+        QueueFullError or EngineFailedError.
         """
         failure = self.failure()
         if failure is not None:
@@ -133,6 +132,9 @@ request_id: str | None = None, arrival_time: float | None = None,
         if not 0 <= remote_kv_tokens < n:
             raise RequestError(f"remote_kv_tokens must be from 0 to the prompt's length less "
                                f"one ({n - 1:,}), got {remote_kv_tokens:,}.")
+        if remote_kv_tokens and self.config.free_window_kv:
+            raise RequestError("remote_kv_tokens cannot go with free_window_kv: window pages "
+                               "are not sent between instances.")
         if n + max_tokens > self.max_model_len:
             raise RequestError(
                 f"max_tokens {max_tokens:,} with a {n:,}-token prompt exceeds the "

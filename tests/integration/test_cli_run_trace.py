@@ -69,7 +69,7 @@ def test_azure_conv_runs_and_records(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, message", [
     (["run-trace", "/nonexistent.jsonl"],
      "Trace file /nonexistent.jsonl does not exist; sample traces are azure-conv, azure-code, "
-     "mooncake-conversation."),
+     "mooncake-conversation, llm-d-shared-prefix."),
     (["run-trace", str(AZURE_CONV), "--executor", "vllm"],
      "executor must be one of sim, torch, llama_cpp, got 'vllm'."),
     (["compare", "/nope-a.json", "/nope-b.json"], "Result file /nope-a.json does not exist."),
