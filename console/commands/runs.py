@@ -23,7 +23,9 @@ def run_trace(
     record: str = typer.Option(None, "--record", help="Write a run directory here."),
     as_json: bool = typer.Option(False, "--json", help="Print summary and every request."),
     output: str = typer.Option(None, "--output", "-o", help="Also write the JSON here."),
-    fmt: str = typer.Option("auto", "--format", help="auto, kvdeck, mooncake or azure."),
+    fmt: str = typer.Option("auto", "--format", help="auto, kvdeck, mooncake, azure, bailian, "
+                            "burstgpt, aiperf, stages, or timed-trace[:chunk_hash_size=16,"
+                            "sec_multiplier=1,label_timestamp=timestamp,…] (vLLM's)."),
     limit: int = typer.Option(None, "--limit", help="Run only the first N requests."),
     time_scale: float = typer.Option(1.0, "--time-scale",
                                      help="Multiply inter-arrival times (0.5 = twice the rate)."),

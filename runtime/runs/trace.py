@@ -44,7 +44,8 @@ from kvdeck.runtime.resources import SAMPLE_TRACES, sample_trace
 from kvdeck.runtime.runs.arrival import Arrival, int_field, json_lines, num_field
 from kvdeck.runtime.text.checks import parse_check
 
-FORMATS = ("auto", "kvdeck", "mooncake", "azure", "bailian", "burstgpt", "aiperf", "stages")
+FORMATS = ("auto", "kvdeck", "mooncake", "azure", "bailian", "burstgpt", "aiperf", "stages",
+           "timed-trace")
 
 
 def _block_tokens(key: int, n: int, vocab_size: int) -> np.ndarray:
@@ -123,18 +124,24 @@ def load_arrivals(path: str | Path, fmt: str = "auto", *, limit: int | None = No
     """Read an arrival trace. `time_scale` multiplies inter-arrival times (0.5: twice as fast);
     `limit` keeps the first N requests."""
     p = resolve_trace(path)
+    fmt, _, options = fmt.partition(":")  # timed-trace:key=value,... (vLLM's settings)
+    if options and fmt != "timed-trace":
+        raise TraceError(f"Only --format timed-trace takes options after a colon; got "
+                         f"{fmt}:{options}.")
     if fmt not in FORMATS:
         raise TraceError(f"Unknown trace format {fmt!r}; formats are {', '.join(FORMATS)}.")
     if time_scale <= 0:
         raise TraceError(f"time_scale must be greater than 0, got {time_scale}.")
     if fmt == "auto":
         fmt = detect_format(p)
+    from kvdeck.runtime.runs import trace_readers as tr
     from kvdeck.runtime.runs.stages import read_stages
-    from kvdeck.runtime.runs.trace_readers import read_aiperf, read_bailian, read_burstgpt
 
+    timed = tr.timed_trace_options(options) if fmt == "timed-trace" else None
     reader = {"kvdeck": _read_kvdeck, "mooncake": _read_mooncake, "azure": _read_azure,
-              "bailian": read_bailian, "burstgpt": read_burstgpt, "aiperf": read_aiperf,
-              "stages": read_stages}[fmt]
+              "bailian": tr.read_bailian, "burstgpt": tr.read_burstgpt,
+              "aiperf": tr.read_aiperf, "stages": read_stages,
+              "timed-trace": lambda path: tr.read_timed_trace(path, timed)}[fmt]
     out: list[Arrival] = []
     for a in reader(p):
         out.append(a)

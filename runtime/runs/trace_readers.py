@@ -14,6 +14,10 @@ each read as its format is written, with its own block size and time unit:
   `timestamp` in milliseconds, a `delay` in milliseconds after the session's previous turn.
   AIPerf counts a delay from the previous answer; a trace run has no client waiting for
   answers, so here it counts from the previous turn's arrival (a lower bound on the gap).
+- **vLLM's `timed_trace`** (`vllm bench serve --dataset-name timed_trace`): Mooncake-shaped
+  JSONL read with vLLM's settings — `--format timed-trace:chunk_hash_size=512,
+  sec_multiplier=0.001,label_timestamp=ts` — defaults as vLLM's (16-token chunks, seconds,
+  Mooncake's field names).
 """
 
 from __future__ import annotations
@@ -105,3 +109,53 @@ def read_aiperf(path: Path) -> Iterator[Arrival]:
                       int_field(o, "output_length", where, 1),
                       hash_ids=_hash_ids(o, where, required=False),
                       hash_block_tokens=AIPERF_BLOCK, session=session)
+
+
+TIMED_TRACE = {"chunk_hash_size": 16, "sec_multiplier": 1.0, "label_timestamp": "timestamp",
+               "label_input_length": "input_length", "label_output_length": "output_length",
+               "label_hash_ids": "hash_ids"}
+"""vLLM's `timed_trace` dataset settings (`vllm bench serve --timed-trace-*`), its defaults."""
+
+
+def timed_trace_options(text: str) -> dict:
+    """`timed-trace[:key=value,...]` as `--format` takes it, keys as vLLM's flags without
+    the `--timed-trace-` prefix; one sentence naming a wrong one."""
+    options = dict(TIMED_TRACE)
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, _, value = item.partition("=")
+        key = key.replace("-", "_")
+        if key not in options or not value:
+            raise TraceError(f"--format timed-trace takes {', '.join(TIMED_TRACE)} as "
+                             f"key=value; got {item!r}.")
+        if key == "chunk_hash_size":
+            if not value.isdigit() or int(value) < 1:
+                raise TraceError(f"timed-trace chunk_hash_size must be a whole number of "
+                                 f"tokens above 0, got {value!r}.")
+            options[key] = int(value)
+        elif key == "sec_multiplier":
+            try:
+                options[key] = float(value)
+            except ValueError:
+                options[key] = -1.0
+            if not options[key] > 0:
+                raise TraceError(f"timed-trace sec_multiplier must be a number above 0, got "
+                                 f"{value!r}.")
+        else:
+            options[key] = value
+    return options
+
+
+def read_timed_trace(path: Path, options: dict) -> Iterator[Arrival]:
+    """vLLM's `timed_trace`: JSONL rows with a timestamp (times `sec_multiplier` gives
+    seconds), input and output lengths and hash ids of `chunk_hash_size` tokens, under the
+    field names the `label_*` options give (Mooncake's by default)."""
+    o = options
+    for lineno, row in json_lines(path):
+        where = f"{path} line {lineno}"
+        yield Arrival(num_field(row, o["label_timestamp"], where, required=True)
+                      * o["sec_multiplier"],
+                      int_field(row, o["label_input_length"], where, 1),
+                      max(int_field(row, o["label_output_length"], where), 1),
+                      hash_ids=_hash_ids({"hash_ids": row.get(o["label_hash_ids"])}, where,
+                                         required=False),
+                      hash_block_tokens=o["chunk_hash_size"])

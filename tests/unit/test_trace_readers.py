@@ -85,3 +85,27 @@ def test_staged_workload_shares_system_prompts_and_questions():
     same_group = [a for a in arrivals if a.hash_ids[0] == arrivals[0].hash_ids[0]]
     other = synthesize_tokens(same_group[1], 1, 32000)
     assert other[:8000] == first[:8000]
+
+
+def test_vllm_timed_trace_with_its_settings(tmp_path):
+    p = write(tmp_path, "moon.jsonl", [
+        {"ts": 0, "in": 1100, "out": 20, "ids": [1, 2, 3]},
+        {"ts": 2500, "in": 1100, "out": 20, "ids": [1, 2, 4]},
+    ])
+    a, b = load_arrivals(p, "timed-trace:chunk_hash_size=512,sec_multiplier=0.001,"
+                            "label_timestamp=ts,label_input_length=in,label_output_length=out,"
+                            "label_hash_ids=ids")
+    assert (a.arrival_s, b.arrival_s) == (0.0, 2.5)
+    assert a.hash_block_tokens == 512
+    ta, tb = synthesize_tokens(a, 0, 1000), synthesize_tokens(b, 1, 1000)
+    assert ta[:1024] == tb[:1024] and ta[1024:] != tb[1024:]
+    # vLLM's defaults: Mooncake's field names, seconds, 16-token chunks.
+    q = write(tmp_path, "plain.jsonl", [{"timestamp": 3, "input_length": 40,
+                                         "output_length": 2, "hash_ids": [5, 6]}])
+    (c,) = load_arrivals(q, "timed-trace")
+    assert c.hash_block_tokens == 16
+    for fmt, said in (("timed-trace:chunk_hash_size=0", "chunk_hash_size must be a whole"),
+                      ("timed-trace:depth=2", "--format timed-trace takes chunk_hash_size"),
+                      ("mooncake:x=1", "Only --format timed-trace takes options")):
+        with pytest.raises(TraceError, match=said):
+            load_arrivals(q, fmt)
