@@ -56,6 +56,9 @@ def run_trace(
     kv_transfer: str = typer.Option("layerwise", "--kv-transfer", help="Disaggregated: "
                                     "layerwise (overlapped with the prefill) or after.",
                                     rich_help_panel="Fleet"),
+    decode_router: str = typer.Option("least-loaded", "--decode-router",
+                                      help="Disaggregated: the router that picks the decode "
+                                           "replica (as --router).", rich_help_panel="Fleet"),
     settings: SettingsRequest = SettingsRequest(), log_level: str = "warning",
 ) -> None:
     """Run an arrival trace through the engine headless (sim executor by default) and
@@ -110,7 +113,8 @@ def run_trace(
         if record:
             raise ConfigError("--record records one engine; a fleet run is not recorded.")
         roles = replica_roles(replicas, prefill_replicas, decode_replicas)
-        config = ClusterConfig(router=router, staleness_s=router_staleness,
+        config = ClusterConfig(router=router, decode_router=decode_router,
+                               staleness_s=router_staleness,
                                session_affinity=session_affinity, kv_transfer=kv_transfer,
                                kv_link_bytes_per_s=kv_link_gbps * 1e9 if kv_link_gbps
                                else None)
