@@ -50,9 +50,9 @@ def run_trace(
                                          rich_help_panel="Fleet"),
     decode_replicas: int = typer.Option(0, "--decode-replicas", help="Disaggregated: "
                                         "replicas that only decode.", rich_help_panel="Fleet"),
-    kv_link_gbps: float = typer.Option(None, "--kv-link-gbps", help="Disaggregated: the "
-                                       "prefill-to-decode link in GB/s (default: the hardware "
-                                       "profile's link).", rich_help_panel="Fleet"),
+    kv_link: float = typer.Option(None, "--kv-link-bandwidth", help="Disaggregated: the "
+                                  "prefill-to-decode link in GB/s (gigabytes; default: the "
+                                  "hardware profile's link).", rich_help_panel="Fleet"),
     kv_transfer: str = typer.Option("layerwise", "--kv-transfer", help="Disaggregated: "
                                     "layerwise (overlapped with the prefill) or after.",
                                     rich_help_panel="Fleet"),
@@ -116,7 +116,7 @@ def run_trace(
         config = ClusterConfig(router=router, decode_router=decode_router,
                                staleness_s=router_staleness,
                                session_affinity=session_affinity, kv_transfer=kv_transfer,
-                               kv_link_bytes_per_s=kv_link_gbps * 1e9 if kv_link_gbps
+                               kv_link_bytes_per_s=kv_link * 1e9 if kv_link is not None
                                else None)
         arrivals = load_arrivals(trace, fmt, limit=limit, time_scale=time_scale)
         result = run_fleet(settings.resolve("sim"), roles, config, arrivals,

@@ -48,7 +48,7 @@ def transfer_seconds(nbytes: float, link_bytes_per_s: float, prefill_s: float,
         raise ConfigError(f"kv_transfer must be one of {', '.join(TRANSFER_MODES)}, got "
                           f"{mode!r}.")
     if link_bytes_per_s <= 0:
-        raise ConfigError("The KV link's bandwidth must be above 0 (--kv-link-gbps).")
+        raise ConfigError("The KV link's bandwidth must be above 0 (--kv-link-bandwidth).")
     whole = nbytes / link_bytes_per_s
     if mode == "after":
         return whole

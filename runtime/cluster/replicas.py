@@ -15,6 +15,7 @@ the decode replicas (least-loaded, as vLLM's P/D proxies do).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -79,7 +80,7 @@ class ClusterConfig:
             raise ConfigError(f"kv_transfer must be one of {', '.join(TRANSFER_MODES)}, got "
                               f"{self.kv_transfer!r}.")
         if self.kv_link_bytes_per_s is not None and not self.kv_link_bytes_per_s > 0:
-            raise ConfigError("The KV link's bandwidth must be above 0 (--kv-link-gbps).")
+            raise ConfigError("The KV link's bandwidth must be above 0 (--kv-link-bandwidth).")
 
 
 def replica_roles(replicas: int, prefill: int, decode: int) -> list[str]:
@@ -132,15 +133,24 @@ class Cluster:
         self.handoffs: list[tuple[float, int, Handoff]] = []
         self.sessions: dict[str, ReplicaView] = {}
         self._arrivals: Sequence[Arrival] = ()
-        self._pending_prefill: dict[str, tuple[int, Arrival, list[int]]] = {}
+        self._pending_prefill: dict[Request, tuple[int, Arrival, list[int]]] = {}
+        """Prefill requests (by object: a trace may repeat an id) and what they hand off."""
+        self._handed: dict[Request, Handoff] = {}
+        """Decode requests and the handoff that brought them."""
+        self._link_free: dict[str, float] = {}
+        """When each prefill replica's link is free again (copies go one after another)."""
 
     # -- finishing --------------------------------------------------------------------------
 
     def _finisher(self, replica: Replica) -> Callable[[Request], None]:
         def done(req: Request) -> None:
-            pending = self._pending_prefill.pop(req.request_id, None)
+            pending = self._pending_prefill.pop(req, None)
             if pending is None or req.status is not RequestStatus.FINISHED_LENGTH:
-                replica.metrics.append(request_metrics(req))
+                m = request_metrics(req)
+                handoff = self._handed.pop(req, None)
+                if handoff is not None:  # its prompt's cache hits were the prefill side's
+                    m = dataclasses.replace(m, cached_tokens=handoff.cached_tokens)
+                replica.metrics.append(m)
                 return
             index, arrival, tokens = pending
             self._hand_off(replica, req, index, arrival, tokens)
@@ -151,12 +161,17 @@ class Cluster:
         engine = replica.engine
         nbytes = len(tokens) * engine.kv.bytes_per_block // engine.kv.block_size
         link = self.config.kv_link_bytes_per_s or engine.executor.info.link_bandwidth
-        seconds = transfer_seconds(nbytes, link, req.occupancy.prefill_s,
-                                   engine.executor.info.num_layers, self.config.kv_transfer)
         now = engine.clock.now()
+        # The copy overlaps the prefill as it ran (admission to its end), and waits for the
+        # copies before it on the same link.
+        elapsed = now - (req.admitted_time if req.admitted_time is not None else now)
+        exposed = transfer_seconds(nbytes, link, elapsed, engine.executor.info.num_layers,
+                                   self.config.kv_transfer)
+        start = max(now, self._link_free.get(replica.name, now))
+        ready = self._link_free[replica.name] = start + exposed
         replica.kv_sent_bytes += nbytes
-        h = Handoff(index, tokens, arrival.output_len, arrival.arrival_s, now + seconds,
-                    nbytes, seconds, replica.name, req.num_cached_tokens)
+        h = Handoff(index, tokens, arrival.output_len, arrival.arrival_s, ready, nbytes,
+                    ready - now, replica.name, req.num_cached_tokens)
         heapq.heappush(self.handoffs, (h.ready_s, index, h))
 
     # -- routing ----------------------------------------------------------------------------
@@ -183,8 +198,15 @@ class Cluster:
                 self.sessions[arrival.session] = view
         replica = self._replica(view)
         if self.disaggregated:
-            self._pending_prefill[rid] = (index, arrival, tokens)
-            self._add(replica, arrival, rid, tokens, 1, now)
+            fits = min(r.engine.max_model_len for r in self.replicas if r.role == "decode")
+            if len(tokens) + arrival.output_len > fits:  # refused before its prefill runs
+                self._reject(arrival, rid, f"The prompt's {len(tokens):,} tokens and "
+                             f"{arrival.output_len:,} to generate exceed the decode "
+                             f"replicas' context of {fits:,} tokens.")
+                return
+            req = self._add(replica, arrival, rid, tokens, 1, now)
+            if req is not None:
+                self._pending_prefill[req] = (index, arrival, tokens)
         else:
             self._add(replica, arrival, rid, tokens, arrival.output_len, now)
 
@@ -198,25 +220,30 @@ class Cluster:
         replica = self._replica(self.decode_router.choose(prompt, views, h.ready_s))
         replica.kv_received_bytes += h.nbytes
         replica.transfer_s += h.seconds
-        self._add(replica, arrival, rid, h.tokens, h.output_len, h.ready_s,
-                  remote=len(h.tokens) - 1)
+        req = self._add(replica, arrival, rid, h.tokens, h.output_len, h.ready_s,
+                        remote=len(h.tokens) - 1)
+        if req is not None:
+            self._handed[req] = h
 
     def _replica(self, view: ReplicaView) -> Replica:
         return next(r for r in self.replicas if r.view is view)
 
     def _add(self, replica: Replica, arrival: Arrival, rid: str, tokens: list[int],
-             max_tokens: int, now: float, remote: int = 0) -> None:
+             max_tokens: int, now: float, remote: int = 0) -> Request | None:
+        """The request added to `replica`'s engine, or None when it refused it (then its
+        metrics say why)."""
         engine = replica.engine
         try:
-            engine.add_request(tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                               request_id=rid, arrival_time=arrival.arrival_s,
-                               deadline_s=arrival.deadline_s, priority=arrival.priority,
-                               intake_s=now - arrival.arrival_s, remote_kv_tokens=remote)
+            req = engine.add_request(tokens, SamplingParams(max_tokens=max_tokens,
+                                                            ignore_eos=True),
+                                     request_id=rid, arrival_time=arrival.arrival_s,
+                                     deadline_s=arrival.deadline_s, priority=arrival.priority,
+                                     intake_s=now - arrival.arrival_s, remote_kv_tokens=remote)
         except KvdeckError as e:
-            self._pending_prefill.pop(rid, None)
             replica.metrics.append(rejected(arrival, rid, str(e)))
-            return
+            return None
         replica.view.note_sent(now, len(tokens) - remote)
+        return req
 
     def _reject(self, arrival: Arrival, rid: str, reason: str) -> None:
         self.replicas[0].metrics.append(rejected(arrival, rid, reason))
@@ -269,7 +296,7 @@ class Cluster:
                                         f"{STUCK_STEPS} times at {before:.3f} s.")
         else:
             empty[k] = 0
-        r.publisher.after_step()
+        r.publisher.after_step(before)
         if self.config.check_integrity:
             engine.check_integrity()
         if self.on_step is not None:

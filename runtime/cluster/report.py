@@ -42,6 +42,11 @@ def fleet_summary(cluster: Cluster, arrivals: Sequence[Arrival], slo: SLO,
     order = {(a.request_id or f"r{j}"): j for j, a in enumerate(arrivals)}
     metrics.sort(key=lambda m: order.get(m.request_id, len(order)))
     total = RunFigures.combined([r.engine.figures for r in cluster.replicas])
+    if cluster.disaggregated:
+        # A decode replica counts its requests resident from their arrival (their prefill
+        # and transfer included); the prefill replicas' share would count it twice.
+        total.resident_seconds = sum(r.engine.figures.resident_seconds
+                                     for r in cluster.replicas if r.role != "prefill")
     summary = summarize(metrics, total, slo)
     span = max(summary["makespan_s"], 1e-12)
     rows = [replica_row(r, span) for r in cluster.replicas]

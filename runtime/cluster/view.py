@@ -13,6 +13,7 @@ never an engine.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ class Sample:
     """One replica's metrics at a time (the figures vLLM's `/metrics` carries)."""
 
     t: float
+    t0: float
+    """When the step it follows began: requests sent before then are in it."""
     running: int
     waiting: int
     kv_usage: float
@@ -35,18 +38,23 @@ class Sample:
     """Blocks held by requests past their prompt."""
 
 
-EMPTY = Sample(0.0, 0, 0, 0.0, 0, 0)
+EMPTY = Sample(-math.inf, -math.inf, 0, 0, 0.0, 0, 0)
+"""Before any publication: the router knows only what it sent."""
 
 
-def sample(engine: Engine) -> Sample:
-    """`engine`'s metrics now."""
+def sample(engine: Engine, t0: float) -> Sample:
+    """`engine`'s metrics now, after the iteration that began at `t0` (requests it has
+    taken in but whose arrival time has not come count as waiting)."""
     s, kv = engine.scheduler, engine.kv
-    prefill = sum(max(len(r.prompt_token_ids) - r.num_computed_tokens, 0)
-                  for r in (*s.running, *s.waiting))
+    held = [r for _, _, r in engine.intake.future] if engine.intake.future else []
+    prefill = sum(max(len(r.prompt_token_ids) - max(r.num_computed_tokens,
+                                                    r.remote_kv_tokens), 0)
+                  for r in (*s.running, *s.waiting, *held))
     decoding = sum(len(kv.tables.get(r.request_id, ())) for r in s.running
                    if r.num_computed_tokens >= len(r.prompt_token_ids))
-    return Sample(engine.clock.now(), len(s.running), len(s.waiting),
-                  kv.num_used_blocks / max(kv.num_blocks, 1), prefill, decoding)
+    return Sample(engine.clock.now(), t0, len(s.running),
+                  len(s.waiting) + len(held), kv.num_used_blocks / max(kv.num_blocks, 1),
+                  prefill, decoding)
 
 
 class ReplicaView:
@@ -86,10 +94,13 @@ class ReplicaView:
                         self.blocks[h] = ev["medium"]
                     elif self.blocks.get(h) == ev["medium"]:
                         del self.blocks[h]
-        while self.sent and self.sent[0][0] <= self.metrics.t:
+        # A request sent before the sampled step began was taken in by it (the engine
+        # drains its inbox first); one sent while it ran is not in the sample yet.
+        while self.sent and self.sent[0][0] <= self.metrics.t0:
             self.sent.popleft()
 
     def note_sent(self, now: float, prompt_tokens: int) -> None:
+        """The router sent a request with `prompt_tokens` left to prefill at `now`."""
         self.sent.append((now, prompt_tokens))
 
     @property
@@ -152,14 +163,15 @@ class Publisher:
         """Also called with (engine time, event maps) for each step that had events."""
         self._last = None
 
-    def after_step(self) -> None:
+    def after_step(self, t0: float) -> None:
+        """After an iteration that began (and took in its inbox) at engine time `t0`."""
         e = self.engine
         record = e.last_record
         events = []
         if record is not None and record is not self._last:
             self._last = record
             events = self.events.translate(record.kv, e.kv.tree)
-        metrics = sample(e)
+        metrics = sample(e, t0)
         self.view.publish(metrics, events)
         if events:
             for listener in self.listeners:

@@ -12,6 +12,7 @@ do.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvdeck.runtime.errors import ConfigError
@@ -49,18 +50,15 @@ def parse_layouts(text: str) -> tuple[Layout, ...]:
         return AUTO
     out = []
     for item in filter(None, (x.strip().upper() for x in text.split(","))):
-        tp = pp = 1
-        for part in item.split("X"):
-            kind, _, n = part.partition("P")
-            if kind + "P" not in ("TP", "PP") or not n.isdigit() or int(n) not in LAYOUT_SIZES:
+        degrees = {"TP": 1, "PP": 1}
+        for part in re.split(r"[X×]", item):
+            m = re.fullmatch(r"(TP|PP)(\d+)", part.strip())
+            if m is None or int(m[2]) not in LAYOUT_SIZES:
                 raise ConfigError(f"--layouts takes auto or layouts like TP1,TP2,TP4xPP2 "
                                   f"(degrees {', '.join(map(str, LAYOUT_SIZES))}); got "
                                   f"{item!r}.")
-            if kind == "T":
-                tp = int(n)
-            else:
-                pp = int(n)
-        out.append(Layout(tp, pp))
+            degrees[m[1]] = int(m[2])
+        out.append(Layout(degrees["TP"], degrees["PP"]))
     if not out:
         raise ConfigError("--layouts names no layout; give auto or e.g. TP1,TP2.")
     return tuple(dict.fromkeys(out))

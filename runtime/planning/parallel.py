@@ -114,12 +114,13 @@ def layout_step_seconds(model: ModelProfile, hardware: HardwareProfile, layout: 
                         num_pairs: int, num_context: int) -> float:
     """One step of a replica laid out over `layout`'s cards, by the roofline: each card
     reads `1/(tp·pp)` of the weights and KV and computes `1/(tp·pp)` of the FLOPs; a
-    pipeline runs the step as `pp` microbatches through `pp` stages, `m + pp − 1` stage
-    times in all (its bubbles), each stage re-reading its weights per microbatch; every
+    pipeline runs the step as `m = min(pp, rows)` microbatches through `pp` stages,
+    `m + pp − 1` stage times in all (its bubbles), each stage re-reading its weights per
+    microbatch; every
     layer adds its all-reduces over the interconnect for its microbatch's tokens, and each
     stage boundary a send of the activations."""
     tp, pp = layout.tp, layout.pp
-    m = pp
+    m = max(1, min(pp, num_new))  # a microbatch holds at least one row
     share = 1.0 / (tp * pp)
     flops = (2.0 * model.matrix_params * num_new + 4.0 * num_pairs * model.num_heads
              * model.head_dim * model.num_layers) * share / m

@@ -34,7 +34,7 @@ def test_run_trace_on_a_fleet_reports_the_fleet_and_each_replica() -> None:
 
 def test_disaggregated_run_shows_the_kv_it_moved() -> None:
     r = kvdeck("run-trace", "azure-conv", "--limit", "30", "--prefill-replicas", "1",
-               "--decode-replicas", "2", "--kv-link-gbps", "25", "--kv-transfer", "after")
+               "--decode-replicas", "2", "--kv-link-bandwidth", "25", "--kv-transfer", "after")
     assert r.returncode == 0, r.stderr
     out = " ".join(r.stdout.split())
     assert "replicas (prefill + decode) │ 3 (1 + 2)" in out
@@ -69,6 +69,8 @@ def test_bad_fleet_input_is_one_sentence() -> None:
           "--hardware", "h100-sxm", "--memory-utilization", "0.9"),
          "TP1 on h100-sxm cannot hold llama-70b"),
         (("sweep", "azure-conv", "--replicas", "0"), "--replicas must be"),
+        (("run-trace", "azure-conv", "--prefill-replicas", "1", "--decode-replicas", "1",
+          "--kv-link-bandwidth", "0"), "The KV link's bandwidth must be above 0"),
     ]
     for args, message in cases:
         r = kvdeck(*args)

@@ -126,6 +126,8 @@ def test_plan_takes_tensor_parallelism_for_a_model_one_card_cannot_hold(tmp_path
     # More cards cost more card-seconds for the same work: TP2 is the cheapest.
     assert by_name["TP2"]["card_s_per_good"] < by_name["TP4"]["card_s_per_good"]
     assert data["plan"]["schemes"]
+    chosen = json.loads(kvdeck(*args, "--json", "--layouts", "TP2,tp4xpp2,PP2×TP4").stdout)
+    assert [x["layout"] for x in chosen["layouts"]] == ["TP2", "TP4×PP2"]
     bad = kvdeck(*args, "--layouts", "TP3")
     assert bad.returncode == 2 and "--layouts takes auto or layouts like TP1,TP2,TP4xPP2" in \
         bad.stderr

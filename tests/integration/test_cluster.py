@@ -201,3 +201,25 @@ def test_measured_executors_are_refused():
     settings = resolve({}, {"executor": "torch"}, default_executor="torch")
     with pytest.raises(ConfigError, match="A fleet runs on the sim executor"):
         run_fleet(settings, ["both", "both"], ClusterConfig(), [Arrival(0.0, 8, 1)])
+
+
+def test_the_router_never_counts_fewer_requests_than_a_replica_holds():
+    """Requests sent while a long step runs are not in that step's sample: the router counts
+    them from its own books until a step has taken them in."""
+    cluster, sessions = fleet(["both"], ClusterConfig(router="least-loaded"))
+    arrivals = [Arrival(0.0, 8000, 4)] + [Arrival(0.01 * i, 64, 4) for i in range(1, 30)]
+    seen = []
+    route = cluster._route
+
+    def watched(i, a, now):
+        route(i, a, now)
+        e, view = cluster.replicas[0].engine, cluster.replicas[0].view
+        there = len(e.scheduler.running) + len(e.scheduler.waiting) + e.inbox.qsize() + \
+            len(e.intake.future)
+        seen.append((view.queue, there))
+
+    cluster._route = watched
+    cluster.run(arrivals)
+    assert len(seen) == 30 and all(counted >= there for counted, there in seen), seen
+    for s in sessions:
+        s.close()

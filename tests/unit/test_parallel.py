@@ -56,3 +56,15 @@ def test_a_layout_splits_a_step_across_its_cards_and_pays_its_bubbles():
     pp2 = layout_step_seconds(model, hw, Layout(1, 2), w, k, 64, 64 * 4096, 64 * 4096)
     assert pp2 > one and Layout(1, 2).bubble() == pytest.approx(1 / 3)
     assert Layout(4, 2).cards == 8 and Layout(4, 2).name == "TP4×PP2"
+
+
+def test_a_single_row_runs_the_pipeline_as_one_microbatch():
+    from kvdeck.runtime.planning.parallel import Layout, layout_step_seconds
+
+    model, hw = ModelProfile.load("llama-70b"), HardwareProfile.load("h100-sxm")
+    k, w = model.kv_bytes_per_token(), model.matrix_weight_bytes
+    one = layout_step_seconds(model, hw, Layout(), w, k, 1, 4096, 4096)
+    pp2 = layout_step_seconds(model, hw, Layout(1, 2), w, k, 1, 4096, 4096)
+    # Two stages in turn, each reading half the weights once: one card's time, plus the
+    # activations' hop between them.
+    assert one <= pp2 < one * 1.01
