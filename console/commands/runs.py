@@ -11,7 +11,7 @@ import typer
 from kvdeck.console.commands.common import config_report, fail, guarded, out, print_json
 from kvdeck.console.options import SettingsRequest, with_log_level, with_settings
 from kvdeck.runtime.core.config import check_int
-from kvdeck.runtime.errors import ConfigError, EngineFailedError, KvdeckError
+from kvdeck.runtime.errors import ConfigError, KvdeckError
 from kvdeck.runtime.logs import setup_logging
 
 
@@ -95,9 +95,7 @@ def run_trace(
         except KvdeckError:
             raise
         except Exception as e:  # noqa: BLE001 - an engine failure: one sentence and a log
-            failure = engine.fail(e)
-            raise EngineFailedError(f"The run stopped: {failure.message}; the traceback is in "
-                                    f"{failure.log_path}.") from None
+            raise engine.fail(e).error("The run") from None
         finally:
             if recorder:
                 recorder.close()

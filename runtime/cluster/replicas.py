@@ -286,9 +286,7 @@ class Cluster:
         except KvdeckError:
             raise
         except Exception as e:  # noqa: BLE001 - an engine failure: one sentence and a log
-            failure = engine.fail(e)
-            raise EngineFailedError(f"Replica {r.name} stopped: {failure.message}; the "
-                                    f"traceback is in {failure.log_path}.") from None
+            raise engine.fail(e).error(f"Replica {r.name}") from None
         if record is None and engine.clock.now() == before:
             empty[k] += 1
             if empty[k] >= STUCK_STEPS:

@@ -12,6 +12,7 @@ from kvdeck.runtime.core.commands import AddRequest, InboxMessage
 from kvdeck.runtime.core.intake import Intake
 from kvdeck.runtime.core.request import RequestStatus
 from kvdeck.runtime.core.scheduler import Scheduler
+from kvdeck.runtime.errors import EngineFailedError
 from kvdeck.runtime.kv.manager import BlockManager
 
 log = logging.getLogger("kvdeck.engine")
@@ -23,6 +24,12 @@ class EngineFailure:
 
     message: str
     log_path: str | None
+
+    def error(self, what: str) -> EngineFailedError:
+        """The one sentence a caller that drove the engine raises: `what` stopped, why,
+        and where the traceback is."""
+        return EngineFailedError(f"{what} stopped: {self.message}; the traceback is in "
+                                 f"{self.log_path}.")
 
 
 def abort_all(scheduler: Scheduler, intake: Intake, inbox: queue.SimpleQueue[InboxMessage],
