@@ -252,11 +252,13 @@ _LOG_LEVEL = inspect.Parameter(
         rich_help_panel="Settings")])
 
 
-def _flag_param(f: Flag) -> inspect.Parameter:
+def _flag_param(f: Flag, repeated: tuple[str, ...] = ()) -> inspect.Parameter:
+    kind = list[f.type] if f.key in repeated else f.type  # type: ignore[valid-type]
+    extra = " Repeat it for more than one." if f.key in repeated else ""
     return inspect.Parameter(
         f.param, inspect.Parameter.KEYWORD_ONLY, default=None,
-        annotation=Annotated[f.type | None, typer.Option(
-            *f.decls, help=f.help, rich_help_panel=f.panel, show_default=False)])
+        annotation=Annotated[kind | None, typer.Option(
+            *f.decls, help=f.help + extra, rich_help_panel=f.panel, show_default=False)])
 
 
 def _wrap(fn: Callable, extra: list[inspect.Parameter], take: Callable[[dict], dict]):
@@ -304,16 +306,25 @@ def with_log_level(fn: Callable) -> Callable:
     return _wrap(fn, [_LOG_LEVEL], lambda v: {"log_level": v["opt_log_level"]})
 
 
-def with_settings(fn: Callable) -> Callable:
+def with_settings(fn: Callable | None = None, *, repeated: tuple[str, ...] = ()):
     """Add `--config`, every engine flag and `--log-level`; `fn` receives `settings` — a
-    `SettingsRequest` it resolves with the command's default executor."""
+    `SettingsRequest` it resolves with the command's default executor. `repeated`: settings
+    keys whose flag may be given more than once (`kvdeck serve --model A --model B`); the
+    command receives them as `settings.many[key]`, a list, and `settings.flags` holds the
+    first."""
+    if fn is None:
+        return functools.partial(with_settings, repeated=repeated)
 
     def take(values: dict) -> dict:
-        given = {f.key: values[f.param] for f in FLAGS if values.get(f.param) is not None}
-        return {"settings": SettingsRequest(values.get("opt_config"), given),
+        given = {f.key: values[f.param] for f in FLAGS
+                 if values.get(f.param) is not None and values[f.param] != []}
+        many = {k: list(given.pop(k)) for k in repeated if k in given}
+        given.update({k: v[0] for k, v in many.items()})
+        return {"settings": SettingsRequest(values.get("opt_config"), given, many),
                 "log_level": values["opt_log_level"]}
 
-    return _wrap(fn, [_CONFIG, *map(_flag_param, FLAGS), _LOG_LEVEL], take)
+    params = [_flag_param(f, repeated) for f in FLAGS]
+    return _wrap(fn, [_CONFIG, *params, _LOG_LEVEL], take)
 
 
 @dataclass(frozen=True)
@@ -322,6 +333,16 @@ class SettingsRequest:
 
     config: str | None = None
     flags: dict[str, Any] | None = None
+    many: dict[str, list] | None = None
+    """Repeated flags' values, in order (`with_settings(repeated=...)`)."""
+
+    def each(self, key: str) -> list[SettingsRequest]:
+        """One request per value of the repeated flag `key` (one, unchanged, without it)."""
+        values = (self.many or {}).get(key)
+        if not values:
+            return [self]
+        return [SettingsRequest(self.config, {**(self.flags or {}), key: v})
+                for v in values]
 
     def overrides(self) -> dict[str, Any]:
         """The flags as settings values (e.g. GiB as bytes); ConfigError if one is bad."""

@@ -29,6 +29,10 @@ PASSAGE = files("kvdeck.runtime.text").joinpath("passage.txt")
 """The fixed text the quality measures read and a simulated server with a real tokenizer
 answers from."""
 
+QUESTIONS = files("kvdeck.runtime.text").joinpath("questions.jsonl")
+"""The checked question set `kvdeck bench --questions` sends by default: 70 short questions,
+each with the regex its answer must match (made by `benchmarks/make_questions.py`)."""
+
 
 def cache_dir() -> Path:
     """Where kvdeck keeps assembled models, logs and other derived files: `$KVDECK_CACHE`,

@@ -84,6 +84,15 @@ class BenchOptions:
     send_checks: Annotated[bool, typer.Option(
         "--send-checks", help="Also send each trace check as kvdeck's \"check\" field, so a "
                               "kvdeck server counts it in its own goodput (/metrics).")] = False
+    questions: Annotated[str | None, typer.Option(
+        "--questions", help="Ask a checked question set (JSONL of {question, check}, or "
+                            "'checked-questions', the shipped one) of each of --models in "
+                            "turn and report accuracy and accelerator seconds per good "
+                            "answer.")] = None
+    models: Annotated[str | None, typer.Option(
+        "--models", help="With --questions: the served model names to compare, comma-"
+                         "separated, e.g. qwen2.5-coder-0.5b,qwen2.5-coder-1.5b,cascade.")] \
+        = None
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print summary and every request.")] = False
     output: Annotated[str | None, typer.Option(
@@ -114,6 +123,11 @@ def bench(opts: BenchOptions, settings: SettingsRequest = SettingsRequest(),
     from kvdeck.runtime.stats.metrics import SLO
 
     guarded(lambda: setup_logging(log_level))
+    if opts.questions or opts.models:
+        from kvdeck.console.commands.bench_models import bench_models
+
+        bench_models(opts)
+        return
     _check(opts)
     items = guarded(lambda: _arrivals(opts))
     slo = guarded(lambda: SLO(opts.slo_ttft, opts.slo_tpot, opts.slo_e2e))

@@ -142,6 +142,11 @@ class Occupancy:
     def values(self) -> tuple[float, int, float, int]:
         return self.prefill_s, self.prefill_new, self.decode_s, self.decode_calls
 
+    @property
+    def seconds(self) -> float:
+        """`t_GPU`: all the accelerator seconds it occupied."""
+        return self.prefill_s + self.decode_s
+
 
 @dataclass(eq=False, kw_only=True, slots=True)
 class Progress:

@@ -24,6 +24,37 @@ from kvdeck.runtime.views.snapshot import EngineSnapshot, snapshot_builder
 IDLE_PUBLISH_S = 1.0
 
 
+class SharedBusy:
+    """Wall seconds during which at least one of several engines was stepping: the busy
+    time of the one device engines in one process share (two models served side by side on
+    one CPU or GPU). Summing each engine's own busy time would count twice the seconds in
+    which both stepped, each slowed by the other."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = time.monotonic()
+            self._active += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._total += time.monotonic() - self._since
+
+    @property
+    def seconds(self) -> float:
+        with self._lock:
+            ongoing = time.monotonic() - self._since if self._active else 0.0
+            return self._total + ongoing
+
+
 class EngineLoop:
     """A thread that owns `engine.step()`."""
 
@@ -40,6 +71,8 @@ class EngineLoop:
         self.snapshot_interval_s = snapshot_interval_s
         self.latest: EngineSnapshot | None = None
         """The last published snapshot."""
+        self.busy: SharedBusy | None = None
+        """Told of every step taken with work to do, when engines share a device."""
         self.error: BaseException | None = None
         """The exception that stopped the engine, if one did."""
         self._stop = threading.Event()
@@ -99,7 +132,15 @@ class EngineLoop:
             while not self._stop.is_set():
                 if self.before_step is not None:
                     self.before_step(engine)
-                if engine.step() is not None:
+                if self.busy is not None and engine.has_work:
+                    self.busy.begin()
+                    try:
+                        stepped = engine.step() is not None
+                    finally:
+                        self.busy.end()
+                else:
+                    stepped = engine.step() is not None
+                if stepped:
                     self._publish()
                     continue
                 # Idle: publish what changed (a pause, an abort), else about once a second.

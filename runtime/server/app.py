@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,9 +30,10 @@ from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import Request as EngineRequest
 from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.errors import ConfigError, EngineFailedError, QueueFullError, RequestError
-from kvdeck.runtime.runs.loop import EngineLoop
+from kvdeck.runtime.runs.loop import EngineLoop, SharedBusy
 from kvdeck.runtime.server.answer import Answer, Reply
 from kvdeck.runtime.server.api_errors import error, validation_sentence
+from kvdeck.runtime.server.cascade import CascadeConfig, CascadeStats
 from kvdeck.runtime.server.guard import Guard
 from kvdeck.runtime.server.metrics import ServerMetrics
 from kvdeck.runtime.server.schemas import (
@@ -167,31 +169,70 @@ def config_json(settings: Settings | None, engine: Engine) -> dict:
             "num_blocks": engine.kv.num_blocks, "max_model_len": engine.max_model_len}
 
 
-def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
-               api_key: str | None = None, settings: Settings | None = None,
-               limits: ServeLimits = ServeLimits()) -> Guard:
-    """The API for one engine serving one model, behind its `Guard`; `loop` (which the
-    caller runs) publishes the snapshots /metrics and /health read.
+@dataclass
+class Served:
+    """One model the server serves: its engine, the loop that runs it (and publishes the
+    snapshots /metrics and /health read), its tokenizer and the settings that built it."""
 
-    Long because every route is registered here as a closure over this one app's engine,
-    output hub, metrics and limits (the FastAPI way of binding routes to one instance);
-    each route body is its own nested function."""
+    model_id: str
+    engine: Engine
+    tokenizer: object
+    loop: EngineLoop
+    settings: Settings | None = None
+    hub: OutputHub = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hub = OutputHub(self.engine)
+
+
+def create_app(served: list[Served], *, api_key: str | None = None,
+               limits: ServeLimits = ServeLimits(),
+               cascade: CascadeConfig | None = None,
+               busy: SharedBusy | None = None) -> Guard:
+    """The API for the `served` models (each its own engine; requests go by `model`) and,
+    with `cascade`, a model name that answers with the cascade's small model and escalates
+    to its large one; behind its `Guard`. The caller runs each model's loop; `busy`, when
+    given, is the device time the loops share (`/metrics`' `kvdeck:device_busy_seconds`).
+
+    Long because every route is registered here as a closure over this one app's models,
+    metrics and limits (the FastAPI way of binding routes to one instance); each route
+    body is its own nested function."""
     app = FastAPI(title="kvdeck", version="1", docs_url=None, redoc_url=None)
-    hub = OutputHub(engine)
-    metrics = ServerMetrics(loop, model_id)
-    # One worker: tokenization leaves the event loop, and the tokenizer sees one caller.
+    by_name = {s.model_id: s for s in served}
+    first = served[0]
+    stats = CascadeStats(cascade) if cascade is not None else None
+    metrics = ServerMetrics([(s.loop, s.model_id) for s in served], stats, busy)
+    # One worker: tokenization leaves the event loop, and each tokenizer sees one caller.
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdeck-tokenize")
-    app.state.hub = hub
+    app.state.served = served
+    app.state.cascade = stats
     app.state.tokenizing = tokenizing  # shut down with the server
 
     async def off_loop(fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(
             tokenizing, lambda: fn(*args, **kwargs))
 
+    def pick(name: str | None) -> Served:
+        """The model a request names (the cascade's small one for its name, the first
+        without a name); Refused 404 for any other name."""
+        if name is None:
+            return first
+        if name in by_name:
+            return by_name[name]
+        if cascade is not None and name == cascade.name:
+            return by_name[cascade.small]
+        names = [*by_name, *([cascade.name] if cascade else [])]
+        raise Refused(error(404, f"The model '{name}' does not exist; this server serves "
+                                 f"{', '.join(repr(n) for n in names)}.", "model"))
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_sentence(list(exc.errors()))
         return error(400, message, param)
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, exc: Refused) -> JSONResponse:
+        return exc.response
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -207,13 +248,17 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
                               "too deeply?).", "body")
         return error(exc.status_code, f"{exc.detail}.")
 
-    def failed() -> JSONResponse | None:
-        """503 with the reason once the engine has stopped, as the latest snapshot says."""
-        snap = loop.latest
-        if snap is None or snap.failure is None:
-            return None
-        where = f" (traceback in {snap.failure.log_path})" if snap.failure.log_path else ""
-        return error(503, f"The engine has stopped: {snap.failure.message}{where}.")
+    def failed(models: list[Served] = served) -> JSONResponse | None:
+        """503 with the reason once an engine has stopped, as its latest snapshot says."""
+        for s in models:
+            snap = s.loop.latest
+            if snap is None or snap.failure is None:
+                continue
+            where = f" (traceback in {snap.failure.log_path})" if snap.failure.log_path \
+                else ""
+            which = f"{s.model_id}'s engine" if len(served) > 1 else "The engine"
+            return error(503, f"{which} has stopped: {snap.failure.message}{where}.")
+        return None
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -223,7 +268,7 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
         if down is not None:
             return JSONResponse(status_code=503, content={
                 "status": "failed", "reason": json.loads(down.body)["error"]["message"]})
-        if loop.latest is not None and loop.latest.paused:
+        if any(s.loop.latest is not None and s.loop.latest.paused for s in served):
             return JSONResponse(status_code=503, content={
                 "status": "paused", "reason": "The engine is paused by its operator; "
                 "requests queue until it resumes."})
@@ -231,7 +276,13 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
 
     @app.get("/kvdeck/config")
     async def kvdeck_config() -> dict:
-        return config_json(settings, engine)
+        """The first model's configuration; with several, each one's under `models`."""
+        config = config_json(first.settings, first.engine)
+        if len(served) > 1:
+            config["models"] = {s.model_id: config_json(s.settings, s.engine) for s in served}
+        if cascade is not None:
+            config["cascade"] = dataclasses.asdict(cascade)
+        return config
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -241,24 +292,32 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
     async def reset_prefix_cache() -> Response:
         """vLLM's: drop every cached block no request holds (at the engine's next
         iteration); KV events then carry `AllBlocksCleared`."""
-        engine.post(ResetPrefixCache())
+        for s in served:
+            s.engine.post(ResetPrefixCache())
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_id, "object": "model",
-                                            "created": 0, "owned_by": "kvdeck",
-                                            "max_model_len": engine.max_model_len}]}
+        data = [{"id": s.model_id, "object": "model", "created": 0, "owned_by": "kvdeck",
+                 "max_model_len": s.engine.max_model_len} for s in served]
+        if cascade is not None:
+            data.append({"id": cascade.name, "object": "model", "created": 0,
+                         "owned_by": "kvdeck", "root": cascade.small,
+                         "max_model_len": min(by_name[cascade.small].engine.max_model_len,
+                                              by_name[cascade.large].engine.max_model_len)})
+        return {"object": "list", "data": data}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody) -> JSONResponse:
-        tokens = await off_loop(tokenizer.encode, body.prompt,
+        s = pick(body.model)
+        tokens = await off_loop(s.tokenizer.encode, body.prompt,
                                 add_bos=None if body.add_special_tokens else False)
         return JSONResponse({"tokens": tokens, "count": len(tokens),
-                             "max_model_len": engine.max_model_len})
+                             "max_model_len": s.engine.max_model_len})
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeBody) -> JSONResponse:
+        tokenizer = pick(body.model).tokenizer
         if any(t >= tokenizer.vocab_size for t in body.tokens):
             return error(400, f"'tokens' must be token ids from 0 to "
                               f"{tokenizer.vocab_size - 1}.", "tokens")
@@ -267,59 +326,104 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
     async def generate(request: Request, body: GenerateBody, prompt: list[int], chat: bool,
                        echo: str | None = None):
         """`echo`: the prompt's text, to put before the completion's (completions' `echo`)."""
-        if body.model != model_id:
-            return error(404, f"The model '{body.model}' does not exist; this server serves "
-                              f"'{model_id}'.", "model")
-        down = failed()
-        if down is not None:
-            return down
-        limit, echo_only = output_bound(body, len(prompt), chat, engine, limits)
-        try:
-            check_sampling(body, engine)
-            guided, check = guide_and_check(body, engine)
-        except Refused as e:
-            return e.response
-        try:
-            req = await submit(body, prompt, chat, echo, limit, guided, check)
-        except Refused as e:
-            return e.response
-        except ConstraintError as e:
-            return error(400, str(e), guided[0])
-        except (RequestError, ConfigError, ValueError) as e:
-            return error(400, str(e))
-        except QueueFullError as e:
-            return error(429, str(e))
-        except EngineFailedError as e:
-            return error(503, str(e))
-        return await answer(request, body, req, chat, echo, echo_only)
+        if cascade is not None and body.model == cascade.name:
+            return await by_cascade(request, body, prompt, chat, echo)
+        response, _ = await run_on(by_name[body.model], request, body, prompt, chat, echo)
+        return response
 
-    async def submit(body: GenerateBody, prompt: list[int], chat: bool, echo: str | None,
-                     limit: int, guided: tuple[str, GuideSpec] | None,
-                     check: AnswerCheck | None) -> EngineRequest:
+    async def run_on(s: Served, request: Request, body: GenerateBody, prompt: list[int],
+                     chat: bool, echo: str | None, *, scored: bool = False):
+        """The request run on model `s`: (the answer, the engine request or None when it was
+        refused). `scored`: sample with each token's top-1 alternative (the cascade's
+        confidence), whether or not the client asked for logprobs."""
+        down = failed([s])
+        if down is not None:
+            return down, None
+        limit, echo_only = output_bound(body, len(prompt), chat, s.engine, limits)
+        try:
+            check_sampling(body, s.engine)
+            guided, check = guide_and_check(body, s.engine)
+        except Refused as e:
+            return e.response, None
+        try:
+            req = await submit(s, body, prompt, chat, echo, limit, guided, check, scored)
+        except Refused as e:
+            return e.response, None
+        except ConstraintError as e:
+            return error(400, str(e), guided[0]), None
+        except (RequestError, ConfigError, ValueError) as e:
+            return error(400, str(e)), None
+        except QueueFullError as e:
+            return error(429, str(e)), None
+        except EngineFailedError as e:
+            return error(503, str(e)), None
+        return await answer(s, request, body, req, chat, echo, echo_only), req
+
+    async def by_cascade(request: Request, body: GenerateBody, prompt: list[int], chat: bool,
+                         echo: str | None):
+        """The small model's answer, or the large one's when the small one is unsure of its
+        answer or the answer fails its check (`cascade.py`)."""
+        if body.stream or body.num_samples() > 1:
+            field_name = "stream" if body.stream else "n"
+            return error(400, f"The model '{cascade.name}' decides after the small model's "
+                              "whole answer, so it answers one sample, not streamed; ask "
+                              f"'{cascade.small}' or '{cascade.large}' for more.", field_name)
+        small, large = by_name[cascade.small], by_name[cascade.large]
+        start = time.monotonic()
+        response, req = await run_on(small, request, body, prompt, chat, echo, scored=True)
+        small_latency = time.monotonic() - start
+        if req is None or response.status_code != 200:
+            return response
+        confidence = cascade.confidence(req.output_logprobs)
+        route = cascade.route(confidence, req.correct)
+        answered, large_s, large_latency = req, 0.0, 0.0
+        if route != "small":
+            start = time.monotonic()
+            response, answered = await run_on(large, request, body, prompt, chat, echo)
+            large_latency = time.monotonic() - start
+            if answered is None or response.status_code != 200:
+                return response
+            large_s = answered.occupancy.seconds
+        stats.record(route, confidence, answered.correct is not False,
+                     req.occupancy.seconds, large_s, small_latency, large_latency)
+        reply = json.loads(response.body)
+        reply["model"] = cascade.name
+        reply["kvdeck_cascade"] = {"route": route, "confidence": round(confidence, 6),
+                                   "threshold": cascade.threshold,
+                                   "measure": cascade.measure,
+                                   "answered_by": large.model_id if route != "small"
+                                   else small.model_id}
+        return JSONResponse(reply)
+
+    async def submit(s: Served, body: GenerateBody, prompt: list[int], chat: bool,
+                     echo: str | None, limit: int, guided: tuple[str, GuideSpec] | None,
+                     check: AnswerCheck | None, scored: bool = False) -> EngineRequest:
         """The request added to the engine; Refused for a token id outside the vocabulary,
         and the engine's own errors as it raises them."""
-        sampling = sampling_params(body, tokenizer, chat, limit, echo, guided)
+        sampling = sampling_params(body, s.tokenizer, chat, limit, echo, guided)
+        if scored:
+            sampling = dataclasses.replace(sampling, logprobs=max(sampling.logprobs or 0, 1))
         rid = f"{'chat' if chat else 'cmpl'}-{uuid.uuid4().hex[:12]}"
         # A constraint compiles on submission (milliseconds; the vocabulary's first
         # reading takes seconds): off the event loop.
         if guided:
-            return await off_loop(engine.add_request, prompt, sampling, request_id=rid,
+            return await off_loop(s.engine.add_request, prompt, sampling, request_id=rid,
                                   check=check, branches=body.num_samples())
-        return engine.add_request(prompt, sampling, request_id=rid, check=check,
-                                  branches=body.num_samples())
+        return s.engine.add_request(prompt, sampling, request_id=rid, check=check,
+                                    branches=body.num_samples())
 
-    async def answer(request: Request, body: GenerateBody, req: EngineRequest, chat: bool,
-                     echo: str | None, echo_only: bool):
+    async def answer(s: Served, request: Request, body: GenerateBody, req: EngineRequest,
+                     chat: bool, echo: str | None, echo_only: bool):
         """The request's answer: whole once every sample is done, or streamed as
         server-sent events."""
         report = body.num_logprobs() is not None
-        reply = Reply([Answer(r, chat, hub.watch(r), tokenizer, echo, echo_only, index=i,
+        reply = Reply([Answer(r, chat, s.hub.watch(r), s.tokenizer, echo, echo_only, index=i,
                               report=report, prompt_of=req)
-                       for i, r in enumerate([req, *req.branches])], model_id, body.n)
+                       for i, r in enumerate([req, *req.branches])], s.model_id, body.n)
         if not body.stream:
-            return await reply.whole(request, engine, hub, limits.request_timeout_s)
+            return await reply.whole(request, s.engine, s.hub, limits.request_timeout_s)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(reply.events(engine, hub, include_usage,
+        return StreamingResponse(reply.events(s.engine, s.hub, include_usage,
                                               limits.request_timeout_s),
                                  media_type="text/event-stream")
 
@@ -328,6 +432,7 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
         if body.max_tokens == 0 and not body.echo:
             return error(400, "'max_tokens' must be at least 1, or 0 with 'echo': true (the "
                               "prompt scored, nothing generated).", "max_tokens")
+        tokenizer = pick(body.model).tokenizer
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -347,6 +452,7 @@ def create_app(engine: Engine, tokenizer, model_id: str, loop: EngineLoop, *,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatBody):
+        tokenizer = pick(body.model).tokenizer
         messages = [{"role": "system" if m.role == "developer" else m.role,
                      "content": m.text()} for m in body.messages]
         try:

@@ -17,7 +17,8 @@ from prometheus_client.core import (
 )
 
 from kvdeck.runtime.kv.tiers import HOST_STATE_NAMES
-from kvdeck.runtime.runs.loop import EngineLoop
+from kvdeck.runtime.runs.loop import EngineLoop, SharedBusy
+from kvdeck.runtime.server.cascade import CONFIDENCE_BINS, ROUTES, CascadeStats
 from kvdeck.runtime.views.snapshot import STATE_NAMES
 
 HISTOGRAMS = (
@@ -80,6 +81,9 @@ class SnapshotCollector:
                 family.add_metric(m, [(f"{b:g}" if b != float("inf") else "+Inf", n)
                                       for b, n in h.cumulative()], h.sum)
                 yield family
+            yield counter("kvdeck:busy_seconds", "Seconds the engine spent in steps: its "
+                          "accelerator's busy time (virtual under the sim executor).",
+                          figures.busy_seconds)
             yield counter("kvdeck:goodput_requests",
                           "Finished requests that met their deadline (if they had one) and "
                           "passed their answer check (if they carried one).",
@@ -158,12 +162,92 @@ class SnapshotCollector:
                     "profile's under the sim executor).", t.link_bandwidth)
 
 
-class ServerMetrics:
-    """The registry behind /metrics for one engine loop."""
+class CascadeCollector:
+    """The cascade's routing figures (`cascade.py`), as `kvdeck:cascade_*` metrics."""
 
-    def __init__(self, loop: EngineLoop, model: str):
+    def __init__(self, stats: CascadeStats):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats
+        name = s.config.name
+        by_route = {
+            "kvdeck:cascade_requests": ("Cascade requests answered, by route.",
+                                        lambda r: r.requests),
+            "kvdeck:cascade_good_answers": ("Cascade answers that passed their check (or "
+                                            "carried none), by route.", lambda r: r.good),
+            "kvdeck:cascade_accelerator_seconds": ("Accelerator seconds cascade requests "
+                                                   "occupied on both models, by route.",
+                                                   lambda r: r.accelerator_s),
+            "kvdeck:cascade_latency_seconds": ("Summed end-to-end latency of cascade "
+                                               "requests, by route.", lambda r: r.latency_s),
+        }
+        for metric, (doc, value) in by_route.items():
+            family = CounterMetricFamily(metric, doc, labels=["model_name", "route"])
+            for route in ROUTES:
+                family.add_metric([name, route], value(s.routes[route]))
+            yield family
+        buckets, total = [], 0
+        for bound, n in zip(CONFIDENCE_BINS, s.confidence_counts, strict=True):
+            total += n
+            buckets.append(("+Inf" if bound == 1.0 else f"{bound:g}", total))
+        family = HistogramMetricFamily("kvdeck:cascade_confidence",
+                                       f"The small model's confidence in its answer "
+                                       f"({s.config.measure}).", labels=["model_name"])
+        family.add_metric([name], buckets, s.confidence_sum)
+        yield family
+        threshold = GaugeMetricFamily("kvdeck:cascade_threshold",
+                                      "Confidence below which the cascade escalates.",
+                                      labels=["model_name"])
+        threshold.add_metric([name], s.config.threshold)
+        yield threshold
+
+
+class DeviceCollector:
+    """`kvdeck:device_busy_seconds`: the served engines' busy time on the device they
+    share, each second counted once (`loop.SharedBusy`)."""
+
+    def __init__(self, busy: SharedBusy):
+        self.busy = busy
+
+    def collect(self):
+        yield CounterMetricFamily("kvdeck:device_busy_seconds", "Wall seconds in which any "
+                                  "served engine was stepping (the device they share; with "
+                                  "one model, about its busy seconds).",
+                                  value=self.busy.seconds)
+
+
+class ServerMetrics:
+    """The registry behind /metrics: every served model's engine loop (each sample labelled
+    with its `model_name`, as vLLM labels them) and the cascade's figures."""
+
+    def __init__(self, loops: list[tuple[EngineLoop, str]],
+                 cascade: CascadeStats | None = None, busy: SharedBusy | None = None):
         self.registry = CollectorRegistry()
-        self.registry.register(SnapshotCollector(loop, model))
+        self.registry.register(_Merged([SnapshotCollector(loop, model)
+                                        for loop, model in loops]))
+        if cascade is not None:
+            self.registry.register(CascadeCollector(cascade))
+        if busy is not None:
+            self.registry.register(DeviceCollector(busy))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Merged:
+    """Several collectors as one: a metric several of them yield is one family holding all
+    their samples (Prometheus' text format allows a name's HELP and TYPE once)."""
+
+    def __init__(self, collectors: list):
+        self.collectors = collectors
+
+    def collect(self):
+        families: dict[str, object] = {}
+        for collector in self.collectors:
+            for family in collector.collect():
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()

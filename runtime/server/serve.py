@@ -22,8 +22,9 @@ from collections.abc import Callable, Generator
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvdeck.runtime.runs.loop import EngineLoop
-from kvdeck.runtime.server.app import ServeLimits, create_app
+from kvdeck.runtime.runs.loop import EngineLoop, SharedBusy
+from kvdeck.runtime.server.app import Served, ServeLimits, create_app
+from kvdeck.runtime.server.cascade import CascadeConfig
 from kvdeck.runtime.session import Session
 
 
@@ -105,20 +106,30 @@ class KvdeckServer(uvicorn.Server):
 
 
 class ApiServer:
-    """An engine loop plus an HTTP server on `host:port` (127.0.0.1 unless asked)."""
+    """Engine loops plus an HTTP server on `host:port` (127.0.0.1 unless asked)."""
 
     def __init__(self, session: Session, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, loop: EngineLoop | None = None,
                  limits: ServeLimits = ServeLimits(), shutdown_timeout_s: float = 5.0,
-                 header_timeout_s: float = 10.0):
-        """`loop`: an engine loop someone else runs (the console's); by default the server
-        runs its own."""
+                 header_timeout_s: float = 10.0, others: tuple[Session, ...] = (),
+                 cascade: CascadeConfig | None = None):
+        """`loop`: an engine loop someone else runs (the console's) for `session`; by
+        default the server runs its own. `others`: more models served beside `session`'s,
+        each on its own engine and loop (`kvdeck serve --model A --model B`); `cascade`
+        names two of them."""
         self.session = session
+        self.sessions = [session, *others]
         self.engine = session.engine
         self.owns_loop = loop is None
         self.loop = loop or EngineLoop(session.engine)
-        self.app = create_app(session.engine, session.tokenizer, session.model_id, self.loop,
-                              api_key=api_key, settings=session.settings, limits=limits)
+        self.loops = [self.loop, *(EngineLoop(s.engine) for s in others)]
+        self.busy = SharedBusy()  # the models share this machine's device
+        for lp in self.loops:
+            lp.busy = self.busy
+        self.served = [Served(s.model_id, s.engine, s.tokenizer, lp, s.settings)
+                       for s, lp in zip(self.sessions, self.loops, strict=True)]
+        self.app = create_app(self.served, api_key=api_key, limits=limits, cascade=cascade,
+                              busy=self.busy)
         protocol = type("Protocol", (HeaderTimedH11,), {"header_timeout_s": header_timeout_s})
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning",
                                 http=protocol, lifespan="off",
@@ -126,14 +137,21 @@ class ApiServer:
         self.server = KvdeckServer(config, shutdown_timeout_s, self.abort_all)
         self._thread: threading.Thread | None = None
 
+    @property
+    def own_loops(self) -> list[EngineLoop]:
+        """The loops this server starts and stops (all but a console's)."""
+        return self.loops if self.owns_loop else self.loops[1:]
+
     def abort_all(self, reason: str) -> None:
         """Abort every request a client is waiting on (any thread)."""
-        for rid in self.app.app.state.hub.watched_ids():
-            self.engine.abort(rid, reason)
+        for s in self.served:
+            for rid in s.hub.watched_ids():
+                s.engine.abort(rid, reason)
 
     def run(self, on_listening: Callable[[int], None] | None = None) -> None:
         """Serve in the foreground until a signal; `on_listening(port)` once listening."""
-        self.loop.start()
+        for loop in self.loops:
+            loop.start()
         if on_listening is not None:
             def announce() -> None:
                 while not self.server.started and not self.server.should_exit:
@@ -145,13 +163,15 @@ class ApiServer:
         try:
             self.server.run()
         finally:
-            self.loop.stop()
-            self.session.close()
+            for loop in self.loops:
+                loop.stop()
+            for s in self.sessions:
+                s.close()
 
     def start(self) -> ApiServer:
         """Serve from a background thread; returns once the socket is listening."""
-        if self.owns_loop:
-            self.loop.start()
+        for loop in self.own_loops:
+            loop.start()
         self._thread = threading.Thread(target=self.server.run, name="kvdeck-http",
                                         daemon=True)
         self._thread.start()
@@ -172,8 +192,8 @@ class ApiServer:
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(10)
-        if self.owns_loop:
-            self.loop.stop()
+        for loop in self.own_loops:
+            loop.stop()
         self.app.app.state.tokenizing.shutdown(wait=False)
         forget_routes()
 
