@@ -38,7 +38,7 @@ def serve_process(*args: str, env: dict | None = None,
             line = proc.stdout.readline()
             assert line or proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < end, "the server did not start"
-            m = re.search(r"serving \S+ on (http://127\.0\.0\.1:\d+/v1)", line)
+            m = re.search(r"serving .+? on (http://127\.0\.0\.1:\d+/v1)", line)
             url = m.group(1) if m else None
         yield Server(proc, url)
     finally:

@@ -30,7 +30,8 @@ class SharedBusy:
     one CPU or GPU). Summing each engine's own busy time would count twice the seconds in
     which both stepped, each slowed by the other."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self._lock = threading.Lock()
         self._active = 0
         self._since = 0.0
@@ -39,19 +40,19 @@ class SharedBusy:
     def begin(self) -> None:
         with self._lock:
             if self._active == 0:
-                self._since = time.monotonic()
+                self._since = self.clock()
             self._active += 1
 
     def end(self) -> None:
         with self._lock:
             self._active -= 1
             if self._active == 0:
-                self._total += time.monotonic() - self._since
+                self._total += self.clock() - self._since
 
     @property
     def seconds(self) -> float:
         with self._lock:
-            ongoing = time.monotonic() - self._since if self._active else 0.0
+            ongoing = self.clock() - self._since if self._active else 0.0
             return self._total + ongoing
 
 
