@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 SUPERVISED = "KVDECK_SUPERVISED"
@@ -34,6 +35,10 @@ PARENT = "KVDECK_SUPERVISOR_PID"
 """The parent's pid, for the child to notice that it died."""
 SUPERVISED_COMMANDS = ("console", "serve")
 """Commands run under the supervisor (and the bare `kvdeck`, which opens the console)."""
+STOP_GRACE_S = 30.0
+"""Seconds a child asked to stop (a forwarded signal) has before it is killed: a server's
+drain (`--shutdown-timeout`, 5 s by default) and the engine's current step fit well within
+it."""
 SI_KERNEL = 0x80
 """siginfo's code for a signal the kernel sent (the terminal's Ctrl+C and hang-up)."""
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -185,16 +190,24 @@ def _read_state(path: str) -> dict:
 
 def forwardable(info: signal.struct_siginfo | None) -> bool:
     """Whether a signal `sigtimedwait` returned is the child's to receive: one another
-    process sent (the terminal's own Ctrl+C and hang-up reach the child directly). A wait
-    interrupted near its timeout (a profiler's ptrace attach) can hand back an unfilled
-    siginfo, so only a signal we asked for counts."""
-    return info is not None and info.si_signo in FORWARDED and info.si_code != SI_KERNEL
+    process sent, or a hang-up whoever sent it. The terminal's own Ctrl+C reaches the child
+    directly (the whole foreground group gets it), but the kernel sends a hang-up (a closed
+    terminal window, `tmux kill-server`) to the session leader alone, which the parent is
+    when the terminal started kvdeck. A wait interrupted near its timeout (a profiler's
+    ptrace attach) can hand back an unfilled siginfo, so only a signal we asked for
+    counts."""
+    if info is None or info.si_signo not in FORWARDED:
+        return False
+    return info.si_code != SI_KERNEL or info.si_signo == signal.SIGHUP
 
 
 def _wait(child: subprocess.Popen) -> tuple[int, set[int]]:
     """Wait for `child`, forwarding signals other processes send us; (its return code,
-    the signals forwarded)."""
+    the signals forwarded). A child that has not ended `STOP_GRACE_S` after the first
+    signal is killed: one whose terminal is gone can block for good writing to it, still
+    holding its port."""
     forwarded: set[int] = set()
+    deadline = None
     old = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
         while child.poll() is None:
@@ -202,6 +215,13 @@ def _wait(child: subprocess.Popen) -> tuple[int, set[int]]:
             if forwardable(info) and child.poll() is None:
                 forwarded.add(info.si_signo)
                 child.send_signal(info.si_signo)
+                deadline = deadline or time.monotonic() + STOP_GRACE_S
+            if deadline is not None and time.monotonic() > deadline and child.poll() is None:
+                print(f"kvdeck did not stop within {STOP_GRACE_S:g} s of being asked to (was "
+                      "its terminal closed?); killed it.", file=sys.stderr)
+                child.kill()
+                child.wait()
+                forwarded.add(signal.SIGKILL)
         return child.returncode, forwarded
     finally:
         while signal.sigtimedwait(FORWARDED, 0) is not None:

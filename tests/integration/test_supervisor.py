@@ -41,6 +41,8 @@ def test_only_signals_another_process_sent_are_forwarded() -> None:
 
     assert forwardable(info(signal.SIGTERM, 0))  # SI_USER: kill(1) or a process manager
     assert not forwardable(info(signal.SIGINT, SI_KERNEL))  # the terminal's, sent to both
+    # The kernel sends a hang-up to the session leader alone: the child needs it passed on.
+    assert forwardable(info(signal.SIGHUP, SI_KERNEL))
     assert not forwardable(info(-688717824, 986934256))
     assert not forwardable(info(signal.SIGUSR1, 0))
     assert not forwardable(None)
@@ -150,3 +152,30 @@ def test_a_parent_killed_outright_takes_its_server_with_it(tmp_path) -> None:
             proc.kill()
             proc.wait()
     assert not child.is_running()
+
+
+def test_closing_the_terminal_ends_the_console_and_frees_its_port(tmp_path) -> None:
+    """`tmux kill-server` or a closed terminal window hangs up the terminal: the kernel
+    signals the session leader (the supervisor) alone. The console's process must end with
+    it, its port closed (it once stayed alive, blocked writing to the dead terminal)."""
+    import psutil
+
+    term = Terminal([sys.executable, "-m", "kvdeck.console.cli", "serve", "--executor",
+                     "sim", "--console", "--port", "0"], cwd=str(tmp_path))
+    try:
+        assert b"Queue" in term.read(90, until=(b"Queue",))
+        (child,) = psutil.Process(term.pid).children()
+        ports = [c.laddr.port for c in child.net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN]
+        assert ports
+        os.close(term.fd)  # the terminal goes away
+        child.wait(60)
+        _, status = os.waitpid(term.pid, 0)
+        term.status = status
+    finally:
+        if term.status is None:
+            os.kill(term.pid, 9)
+            os.waitpid(term.pid, 0)
+    assert not child.is_running()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{ports[0]}/health", timeout=5)
