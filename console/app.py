@@ -16,6 +16,7 @@ import dataclasses
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from textual.app import ComposeResult, SystemCommand
@@ -42,6 +43,7 @@ from kvdeck.console.widgets.prompt import (
     prompt_mode,
 )
 from kvdeck.console.widgets.queue import QueuePanel
+from kvdeck.console.widgets.routing import RoutingPanel
 from kvdeck.runtime.core.commands import SetPriority, Watch
 from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import SamplingParams
@@ -49,6 +51,7 @@ from kvdeck.runtime.errors import KvdeckError
 from kvdeck.runtime.runs.loop import EngineLoop
 from kvdeck.runtime.runs.recording import Recorder, record_live, stop_live
 from kvdeck.runtime.runs.traffic import TrafficGenerator
+from kvdeck.runtime.server.cascade import CascadeView
 from kvdeck.runtime.settings import Settings, to_toml
 from kvdeck.runtime.views.snapshot import EngineSnapshot, snapshot_of
 
@@ -106,13 +109,16 @@ class KvdeckApp(ConsoleApp):
         self._prompts = 0
         self.before_shutdown: list = []
         """Called first when the console quits (e.g. stopping an API server beside it)."""
+        self.routing: Callable[[], CascadeView] | None = None
+        """The cascade's figures, when the API server beside it routes over two models (set
+        before `run`: it adds the routing panel)."""
         self.sub_title = f"{engine.executor.info.model_name} · {engine.executor.info.name}"
 
     def compose(self) -> ComposeResult:
         yield Header()
         yield Banner(id="banner")
         yield HardwareStrip(enabled=self.hardware, resident=self._resident_bytes, id="hardware")
-        yield from compose_panels()
+        yield from compose_panels(routing=self.routing is not None)
         yield PromptPanel(prompt_mode(self.engine.tokenizer)[1], id="prompt")
         yield KeysFooter()
 
@@ -128,6 +134,10 @@ class KvdeckApp(ConsoleApp):
         self.query_one(HardwareStrip).refresh_readings()
         if self.hardware:
             self.set_interval(1.0, self.query_one(HardwareStrip).refresh_readings)
+        if self.routing is not None:
+            routing = self.query_one(RoutingPanel)
+            routing.show(self.routing())
+            self.set_interval(1.0, lambda: routing.show(self.routing()))
         snap = snapshot_of(self.engine)
         self.render_snapshot(snap)
         if self.settings is not None and self.settings.executor_choice:

@@ -10,6 +10,7 @@ from kvdeck.console.widgets.kv_map import KVMapPanel
 from kvdeck.console.widgets.metrics import MetricsPanel
 from kvdeck.console.widgets.prefix_tree import PrefixTreePanel
 from kvdeck.console.widgets.queue import QueuePanel
+from kvdeck.console.widgets.routing import RoutingPanel
 from kvdeck.console.widgets.speculation import SpeculationPanel
 from kvdeck.console.widgets.transfers import TransfersPanel
 
@@ -17,7 +18,9 @@ SNAPSHOT_PANELS = (QueuePanel, KVMapPanel, PrefixTreePanel, MetricsPanel, Transf
                    SpeculationPanel)
 
 
-def compose_panels() -> ComposeResult:
+def compose_panels(routing: bool = False) -> ComposeResult:
+    """The panels; `routing`: with the cascade's routing panel (`kvdeck serve --cascade
+    --console`)."""
     with Horizontal():
         with Vertical(id="left"):
             yield QueuePanel(id="queue")
@@ -29,3 +32,5 @@ def compose_panels() -> ComposeResult:
             yield MetricsPanel(id="metrics")
             yield TransfersPanel(id="transfers")
             yield SpeculationPanel(id="speculation")
+            if routing:
+                yield RoutingPanel(id="routing")

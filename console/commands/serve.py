@@ -118,7 +118,10 @@ def serve(opts: ServeOptions, settings: SettingsRequest = SettingsRequest(),
 
         # The console owns the engine loop; the HTTP server runs beside it in a thread.
         console_app = KvdeckApp(session.engine, settings=session.settings)
-        server = ApiServer(session, loop=console_app.loop, **serving).start()
+        server = ApiServer(session, loop=console_app.loop, **serving)
+        if chosen is not None:
+            console_app.routing = server.app.app.state.cascade.view
+        server.start()
         console_app.before_shutdown.append(server.stop)
         console_app.run()
         return

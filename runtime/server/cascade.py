@@ -17,7 +17,9 @@ latency by route, and good answers by route.
 
 from __future__ import annotations
 
+import copy
 import math
+import time
 from dataclasses import dataclass, field
 
 from kvdeck.runtime.errors import ConfigError
@@ -128,8 +130,13 @@ class CascadeStats:
     small_latency_escalated: float = 0.0
     large_latency_escalated: float = 0.0
 
+    started: float | None = None
+    """Wall time (monotonic) of the first cascade request."""
+
     def record(self, route: str, confidence: float, good: bool, small_s: float,
                large_s: float, small_latency: float, large_latency: float) -> None:
+        if self.started is None:
+            self.started = time.monotonic() - small_latency - large_latency
         r = self.routes[route]
         r.requests += 1
         r.good += good
@@ -165,6 +172,31 @@ class CascadeStats:
         latency_ratio = self.large_latency_escalated / self.small_latency_escalated
         return (kept.accelerator_s * (cost_ratio - 1) - self.small_s_escalated,
                 kept.latency_s * (latency_ratio - 1) - self.small_latency_escalated)
+
+
+    def view(self) -> CascadeView:
+        """A copy for another thread to show (the console's routing panel)."""
+        elapsed = time.monotonic() - self.started if self.started is not None else 0.0
+        return CascadeView(self.config, copy.deepcopy(self.routes),
+                           tuple(self.confidence_counts), self.escalation_rate,
+                           self.saved(), elapsed)
+
+
+@dataclass(frozen=True)
+class CascadeView:
+    """What the routing panel shows: the cascade's settings and figures at one moment."""
+
+    config: CascadeConfig
+    routes: dict[str, RouteFigures]
+    confidence_counts: tuple[int, ...]
+    escalation_rate: float
+    saved: tuple[float, float] | None
+    elapsed_s: float
+    """Wall seconds since the first cascade request (goodput's denominator)."""
+
+    @property
+    def requests(self) -> int:
+        return sum(r.requests for r in self.routes.values())
 
 
 def cascade_cost(escalation_rate: float, cost_ratio: float) -> float:
