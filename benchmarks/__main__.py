@@ -2,6 +2,7 @@
 
 from benchmarks import (
     cache_admission,
+    cascade,
     engine_overhead,
     host_tier,
     itl_target,
@@ -36,3 +37,5 @@ if __name__ == "__main__":
     window_kv.main()
     print()
     sim_vs_real.main()
+    print()
+    cascade.main()
