@@ -71,6 +71,9 @@ class SamplingParams:
     """(token id, bias) pairs added to the logits (OpenAI's, −100 to 100)."""
     guide: GuideSpec | None = None
     """An output constraint (JSON schema, regex, choices, grammar): `runtime/text/guided.py`."""
+    lora: str | None = None
+    """The LoRA adapter the request runs with (a name the executor loaded), or None: the
+    base model. Its prefix-cache blocks are its adapter's own (`KVState.namespace_of`)."""
 
     @property
     def processes_logits(self) -> bool:

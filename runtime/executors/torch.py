@@ -32,6 +32,7 @@ from kvdeck.runtime.models.kernels import (
     FLOAT,
     cpu_compute_dtype,
 )
+from kvdeck.runtime.models.lora import AdapterSet, check_fits, load_adapter, merge
 from kvdeck.runtime.models.offload import FFNOffload
 from kvdeck.runtime.models.transformer import Transformer
 from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
@@ -98,7 +99,8 @@ class TorchExecutor:
                  threads: int | None = None, seed: int = 0, record_logits: bool = False,
                  greedy_shortlist: bool = True, int4_group_size: int = 32,
                  int8_group_size: int = 64, weight_activations: str = "measured",
-                 kernel_cache: Path | None = None, draft_model: str | Path | None = None):
+                 kernel_cache: Path | None = None, draft_model: str | Path | None = None,
+                 merge_adapter: str | Path | None = None):
         """`int4_group_size`: inputs per scale/zero pair of int4 weights (32, 64, 128 or
         256); `int8_group_size`: inputs per scale of int8 weights (0: one per output channel;
         see `WeightOnlyInt8` for why 64). `weight_activations`: the dtype int8/int4 matrices
@@ -109,7 +111,8 @@ class TorchExecutor:
         `$KVDECK_CACHE/kernels`). Weights start dense in the compute dtype; the engine
         applies its `weight_format` knob through `set_weight_formats`. `draft_model`: a
         GGUF with the same tokenizer, loaded beside the target for `speculative_method =
-        draft` (`runtime/spec/draft_model.py`)."""
+        draft` (`runtime/spec/draft_model.py`). `merge_adapter`: a LoRA adapter added into
+        the weights at load (the merged model batched adapters must agree with)."""
         self.device = pick_device(device)
         kernel_cache = kernel_cache if kernel_cache is not None else cache_dir() / "kernels"
         dtype = pick_dtype(dtype, self.device, kernel_cache)
@@ -127,8 +130,11 @@ class TorchExecutor:
         try:
             self.cfg: ModelConfig = model_config(g)
             t0 = time.perf_counter()
-            self.model = Transformer(self.cfg, load_tensors(g, DTYPES[dtype], self.device),
-                                     int8=dtype == "int8", int8_head=dtype == "int8-head")
+            tensors = load_tensors(g, DTYPES[dtype], self.device)
+            if merge_adapter is not None:
+                merge(tensors, load_adapter("merged", merge_adapter))
+            self.model = Transformer(self.cfg, tensors, int8=dtype == "int8",
+                                     int8_head=dtype == "int8-head")
             self.greedy_shortlist = greedy_shortlist
             self._update_shortlist()
             self.draft = DraftModel(draft_model, g, self.device, DTYPES[dtype], seed) \
@@ -164,6 +170,16 @@ class TorchExecutor:
         self.offload: FFNOffload | None = None
         self._windows = {self.cfg.window(i) for i in range(info.num_layers)}
         self.timing = OnlineFit(self._prior_fit())
+
+    def load_adapter(self, name: str, path: str | Path) -> int:
+        """Serve the LoRA adapter at `path` as `name` (`runtime/models/lora.py`); its bytes.
+        ConfigError when it does not fit this model."""
+        adapter = load_adapter(name, path)
+        check_fits(adapter, self.model.masters, self.cfg.arch.name, self.cfg.arch.rope_style)
+        if self.model.adapters is None:
+            self.model.adapters = AdapterSet(self.device, self.model.dtype)
+        self.model.adapters.add(adapter)
+        return adapter.num_bytes
 
     def _prior_fit(self) -> StepFit:
         """The step-time model until the executor's own steps pin it down (`online_fit.py`):
@@ -429,6 +445,9 @@ class TorchExecutor:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             return paged_attention(kv, batch, layer, cfg.window(layer), cfg.attn_scale, q, k, v)
 
+        if self.model.adapters is not None:  # rows in plan order, as the batch packs them
+            self.model.adapters.begin_step([(c.request.sampling.lora, c.num_new_tokens)
+                                            for c in plan.chunks])
         sampling = [c for c in plan.chunks if c.sample and not c.num_draft]
         job = MaskJob([c.request for c in sampling],
                       [(c.request, list(c.draft)) for c in plan.chunks if c.num_draft])

@@ -263,7 +263,7 @@ class BlockManager:
         """The cached nodes an admission of `req` would reuse now (no side effects)."""
         if not self.enable_caching:
             return []
-        return self.window.cut(self.tree.match(self.state.namespace, self._reusable(req)))
+        return self.window.cut(self.tree.match(self.state.namespace_of(req), self._reusable(req)))
 
     def peek_prefix(self, req: Request) -> int:
         """Cached tokens an admission of `req` would reuse now (no side effects)."""
@@ -299,11 +299,11 @@ class BlockManager:
         chain: list[PrefixNode] = []
         if self.enable_caching:
             reusable = self._reusable(req)
-            chain = self.window.cut(self.tree.match(self.state.namespace, reusable))
+            chain = self.window.cut(self.tree.match(self.state.namespace_of(req), reusable))
             if self.admission.k > 1:
                 p = self.block_size
                 prompt = req.prompt_token_ids
-                self.admission.on_admit(rid, self.state.namespace, [
+                self.admission.on_admit(rid, self.state.namespace_of(req), [
                     tuple(prompt[i:i + p]) for i in range(0, len(prompt) - p + 1, p)],
                     first=req.admitted_time is None)
         # Pinned: no demotion decided while promoting may drop a block this chain needs.
@@ -459,7 +459,7 @@ class BlockManager:
             k = len(chain)
             key = tuple(req.token_slice(k * p, (k + 1) * p))
             parent = chain[-1] if chain else None
-            twin = (parent or self.tree.root(st.namespace)).children.get(key)
+            twin = (parent or self.tree.root(st.namespace_of(req))).children.get(key)
             if twin is not None and twin.on_host and not window:
                 # The same content was demoted: this block becomes its device copy (no
                 # copy needed) and the host block is freed.
@@ -475,9 +475,9 @@ class BlockManager:
                     cost += self.window.twin_cost(rid, k, twin)
                 if cost and pool.num_free + self.tree.num_evictable - cost < st.num_reserved:
                     return
-            if twin is None and not self.admission.allows(rid, k, key, st.namespace):
+            if twin is None and not self.admission.allows(rid, k, key, st.namespace_of(req)):
                 return  # not seen often enough yet (cache admission): stays private
-            node = self.tree.insert(st.namespace, parent, key, table[k])
+            node = self.tree.insert(st.namespace_of(req), parent, key, table[k])
             if node is None:
                 return  # at capacity with nothing evictable: stays private
             if node.block != table[k]:  # the twin: switch to its block, drop ours

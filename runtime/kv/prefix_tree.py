@@ -234,12 +234,14 @@ class PrefixTree:
         self.version += 1
 
     def rename_namespace(self, old: str, new: str) -> None:
-        """Cached blocks now hold KV of another kind (converted): file them under `new`."""
-        root = self.roots.pop(old, None)
-        if root is not None:
-            stale = self.roots.get(new)
-            assert stale is None or not stale.children, f"namespace {new} already has blocks"
-            self.roots[new] = root
+        """Cached blocks now hold KV of another kind (converted): file them under `new`, and
+        the adapters' namespaces under `old` (`old|lora:name`) likewise."""
+        for name in [n for n in self.roots if n == old or n.startswith(old + "|")]:
+            root = self.roots.pop(name)
+            moved = new + name[len(old):]
+            stale = self.roots.get(moved)
+            assert stale is None or not stale.children, f"namespace {moved} already has blocks"
+            self.roots[moved] = root
 
     # -- eviction ---------------------------------------------------------------------------
 

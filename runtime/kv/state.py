@@ -118,6 +118,12 @@ class KVState:
             HostResize: self._host_resize, WinRef: self._win_ref, WinUnref: self._win_unref,
             WinCache: self._win_cache, WinEvict: self._win_evict}
 
+    def namespace_of(self, req) -> str:
+        """The prefix-cache namespace of `req`'s blocks: the engine's (model, KV format),
+        and its LoRA adapter's name when it runs one (vLLM keys blocks by adapter too)."""
+        lora = req.sampling.lora
+        return self.namespace if lora is None else f"{self.namespace}|lora:{lora}"
+
     def apply(self, ev: KVEvent, extra: Any = None) -> None:
         """Change the state as `ev` says (and keep `ev` when recording). `extra`: what the
         event does not carry (module docstring). An event that does not fit the state

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kvdeck.runtime.errors import ModelFileError
 from kvdeck.runtime.models.arch import ModelConfig
 from kvdeck.runtime.models.linear import Int8Linear, Linear, make_linear
+from kvdeck.runtime.models.lora import AdapterSet
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(layer, q [T, H, d], k [T, KVH, d], v [T, KVH, d]) -> attention output [T, H, d]."""
@@ -89,6 +90,8 @@ class Transformer:
         self.embed_scale = info.hidden_size ** 0.5 if cfg.arch.embed_scale else None
         self.offload = None
         """An `offload.FFNOffload` whose hooks run around each layer, or None."""
+        self.adapters: AdapterSet | None = None
+        """LoRA adapters whose updates the rows of the step in flight get (`lora.py`)."""
 
     def _layer(self, t: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"blk.{i}."
@@ -139,13 +142,18 @@ class Transformer:
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
+    def mm(self, i: int, matrix: str, x: torch.Tensor) -> torch.Tensor:
+        """Layer `i`'s `matrix` applied to `x`, with each LoRA row's update added."""
+        y = getattr(self.layers[i], matrix)(x)
+        return y if self.adapters is None else self.adapters.apply(i, matrix, x, y)
+
     def qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         w, eps, t = self.layers[i], self.cfg.rms_eps, x.shape[0]
         h = rms_norm(x, w.attn_norm, eps)
-        q = w.wq(h).view(t, self.num_heads, self.head_dim)
-        k = w.wk(h).view(t, self.num_kv_heads, self.head_dim)
-        v = w.wv(h).view(t, self.num_kv_heads, self.head_dim)
+        q = self.mm(i, "wq", h).view(t, self.num_heads, self.head_dim)
+        k = self.mm(i, "wk", h).view(t, self.num_kv_heads, self.head_dim)
+        v = self.mm(i, "wv", h).view(t, self.num_kv_heads, self.head_dim)
         if w.q_norm is not None:
             q = rms_norm(q, w.q_norm, eps)
             k = rms_norm(k, w.k_norm, eps)
@@ -154,15 +162,15 @@ class Transformer:
 
     def finish_layer(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         w, eps = self.layers[i], self.cfg.rms_eps
-        o = w.wo(attn.reshape(x.shape[0], -1))
+        o = self.mm(i, "wo", attn.reshape(x.shape[0], -1))
         if w.post_attn_norm is not None:
             o = rms_norm(o, w.post_attn_norm, eps)
         x = x + o
         h = rms_norm(x, w.ffn_norm, eps)
-        gate = w.w_gate(h)
+        gate = self.mm(i, "w_gate", h)
         gate = F.gelu(gate, approximate="tanh") if self.cfg.arch.activation == "gelu_tanh" \
             else F.silu(gate)
-        f = w.w_down(gate * w.w_up(h))
+        f = self.mm(i, "w_down", gate * self.mm(i, "w_up", h))
         if w.post_ffn_norm is not None:
             f = rms_norm(f, w.post_ffn_norm, eps)
         return x + f

@@ -1,0 +1,205 @@
+"""LoRA adapters over a loaded base model, applied per row inside one batch.
+
+An adapter adds `scale · B·A` to some of the model's matrices (`A`: rank × inputs, `B`:
+outputs × rank). Serving many adapters from one base (S-LoRA, Punica) does not merge them:
+every row of a batch runs the base matrices once, together, and each adapter's rows then
+get their low-rank update gathered — `x[rows] @ Aᵀ @ Bᵀ` added back into those rows — so rows
+of different adapters, and rows of none, share one pass (Punica's SGMV, in plain torch
+index operations).
+
+Two file forms load:
+
+- PEFT's: a folder (or its `adapter_model.safetensors`) with `adapter_config.json` (`r`,
+  `lora_alpha`, `use_rslora`); tensors `...layers.{i}.{self_attn|mlp}.{q,k,v,o,gate,up,
+  down}_proj.lora_{A,B}.weight`. Scale `alpha / r` (`alpha / √r` with rsLoRA).
+- llama.cpp's (`convert_lora_to_gguf.py`): a GGUF with `general.type = adapter`,
+  `adapter.lora.alpha`, tensors `blk.{i}.{attn_q,...,ffn_down}.weight.lora_{a,b}`.
+
+Matrices are matched to the base by name and shape: an adapter made for another model is
+refused with a sentence naming the first matrix that does not fit. PEFT adapters are trained
+on Hugging Face weights; a GGUF's Q and K rows are stored in Hugging Face order for the
+NeoX-rope families kvdeck runs (Gemma, Qwen), and permuted for Llama, where such an adapter
+would not apply: it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvdeck.runtime.errors import ConfigError
+
+PEFT_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
+                "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+GGUF_TARGETS = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+                "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
+PEFT_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+GGUF_KEY = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter's low-rank updates, by (layer, matrix field of `LayerWeights`)."""
+
+    name: str
+    path: str
+    rank: int
+    scale: float
+    updates: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    """(layer, matrix) → (A [rank, inputs], B [outputs, rank])."""
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.updates.values()
+                   for t in pair)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> LoRAAdapter:
+        moved = {k: (a.to(device, dtype), b.to(device, dtype))
+                 for k, (a, b) in self.updates.items()}
+        return LoRAAdapter(self.name, self.path, self.rank, self.scale, moved)
+
+
+def load_adapter(name: str, path: str | Path) -> LoRAAdapter:
+    """An adapter from a PEFT folder or safetensors file, or a llama.cpp GGUF; ConfigError
+    with one sentence for anything else."""
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return _from_gguf(name, p)
+    folder = p if p.is_dir() else p.parent
+    weights = p if p.is_file() else folder / "adapter_model.safetensors"
+    config = folder / "adapter_config.json"
+    if not weights.is_file() or not config.is_file():
+        raise ConfigError(f"The LoRA adapter {name!r} at {path} is neither a PEFT folder "
+                          "(adapter_config.json and adapter_model.safetensors) nor a "
+                          "llama.cpp adapter GGUF.")
+    from safetensors.torch import load_file
+
+    try:
+        cfg = json.loads(config.read_text(encoding="utf-8"))
+        rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+        tensors = load_file(str(weights))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"The LoRA adapter {name!r} at {path} could not be read "
+                          f"({e}).") from None
+    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    return LoRAAdapter(name, str(path), rank, scale,
+                       _pairs(name, tensors, PEFT_KEY, PEFT_TARGETS, "A", "B"))
+
+
+def _from_gguf(name: str, path: Path) -> LoRAAdapter:
+    from kvdeck.runtime.models.gguf import read_gguf
+    from kvdeck.runtime.models.weights import dequantize
+
+    try:
+        g = read_gguf(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"The LoRA adapter {name!r} at {path} could not be read "
+                          f"({e}).") from None
+    try:
+        if g.metadata.get("general.type") != "adapter" or \
+                g.metadata.get("adapter.type") != "lora":
+            raise ConfigError(f"{path} is a GGUF but not a LoRA adapter (general.type "
+                              f"{g.metadata.get('general.type')!r}).")
+        tensors = {info.name: dequantize(g, info) for info in g.tensors.values()}
+    finally:
+        g.close()
+    updates = _pairs(name, tensors, GGUF_KEY, GGUF_TARGETS, "a", "b")
+    rank = next(iter(updates.values()))[0].shape[0]
+    alpha = float(g.metadata.get("adapter.lora.alpha") or rank)
+    return LoRAAdapter(name, str(path), rank, alpha / rank, updates)
+
+
+def _pairs(name: str, tensors: dict[str, torch.Tensor], key: re.Pattern, targets: dict,
+           a: str, b: str) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for tensor_name, t in tensors.items():
+        m = key.search(tensor_name)
+        if m is None or m.group(2) not in targets:
+            raise ConfigError(f"The LoRA adapter {name!r} holds {tensor_name}, which is not "
+                              "an update of an attention or feed-forward matrix kvdeck "
+                              "knows.")
+        halves.setdefault((int(m.group(1)), targets[m.group(2)]), {})[m.group(3)] = t.float()
+    if not halves:
+        raise ConfigError(f"The LoRA adapter {name!r} holds no updates.")
+    pairs = {}
+    for where, h in halves.items():
+        if set(h) != {a, b}:
+            raise ConfigError(f"The LoRA adapter {name!r} has only half of layer "
+                              f"{where[0]}'s {where[1]} update.")
+        pairs[where] = (h[a], h[b])
+    return pairs
+
+
+def check_fits(adapter: LoRAAdapter, masters: list[dict], arch: str, rope_style: str) -> None:
+    """ConfigError unless every update matches a matrix of the base model (`masters`: per
+    layer, each matrix's float weight [outputs, inputs] as loaded)."""
+    if rope_style != "neox" and any(m in ("wq", "wk") for _, m in adapter.updates):
+        raise ConfigError(f"The LoRA adapter {adapter.name!r} updates Q or K, whose rows a "
+                          f"{arch} GGUF stores permuted from the Hugging Face order adapters "
+                          "are trained in; kvdeck applies such adapters to Gemma and Qwen "
+                          "models only.")
+    for (layer, matrix), (a, b) in sorted(adapter.updates.items()):
+        if layer >= len(masters):
+            raise ConfigError(f"The LoRA adapter {adapter.name!r} was made for another base "
+                              f"model: it updates layer {layer}, and this model has "
+                              f"{len(masters)} layers.")
+        w = masters[layer][matrix][0]
+        if a.shape[1] != w.shape[1] or b.shape[0] != w.shape[0] or a.shape[0] != b.shape[1]:
+            raise ConfigError(
+                f"The LoRA adapter {adapter.name!r} was made for another base model: its "
+                f"layer {layer} {matrix} update is {b.shape[0]}×{a.shape[1]} (rank "
+                f"{a.shape[0]}), and this model's matrix is {w.shape[0]}×{w.shape[1]}.")
+
+
+def merge(tensors: dict[str, torch.Tensor], adapter: LoRAAdapter) -> None:
+    """Add the adapter into a base model's loaded GGUF tensors, in place: the merged model a
+    batched adapter must agree with."""
+    names = {v: k for k, v in GGUF_TARGETS.items()}
+    for (layer, matrix), (a, b) in adapter.updates.items():
+        key = f"blk.{layer}.{names[matrix]}.weight"
+        w = tensors[key]
+        tensors[key] = (w.float() + adapter.scale * (b.to(w.device) @ a.to(w.device))
+                        ).to(w.dtype)
+
+
+class AdapterSet:
+    """The adapters one model serves, and which rows of the step now in flight use each."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self._groups: list[tuple[LoRAAdapter, torch.Tensor]] = []
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        self.adapters[adapter.name] = adapter.to(self.device, self.dtype)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.num_bytes for a in self.adapters.values())
+
+    def begin_step(self, rows: list[tuple[str | None, int]]) -> None:
+        """The step's rows in order, as (adapter name or None, number of rows)."""
+        by_name: dict[str, list[int]] = {}
+        start = 0
+        for name, n in rows:
+            if name is not None:
+                by_name.setdefault(name, []).extend(range(start, start + n))
+            start += n
+        self._groups = [(self.adapters[name], torch.tensor(index, device=self.device))
+                        for name, index in by_name.items()]
+
+    def apply(self, layer: int, matrix: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (the base matrix's output for `x`) with each adapter's update added into its
+        own rows."""
+        for adapter, index in self._groups:
+            pair = adapter.updates.get((layer, matrix))
+            if pair is not None:
+                a, b = pair
+                rows = x.index_select(0, index)
+                y.index_add_(0, index, (rows @ a.T) @ b.T, alpha=adapter.scale)
+        return y
