@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.base import Executor
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.models.registry import DEFAULT_MODEL
@@ -34,6 +35,27 @@ class Session:
     """A `tokenizer.Tokenizer`, a `standin.StandInTokenizer`, or None (token ids only)."""
     model_id: str
     """The name the API serves the model under."""
+    adapters: dict[str, str] = dataclasses.field(default_factory=dict)
+    """LoRA adapters loaded into the executor: name → path (`load_adapters`)."""
+
+    def load_adapters(self, modules: list[str]) -> None:
+        """Load `NAME=PATH` adapters (vLLM's `--lora-modules`) into the executor; a
+        ConfigError sentence for a malformed one, a taken name, an executor without
+        adapters or an adapter made for another model."""
+        from kvdeck.runtime.executors.base import Adapters, capability
+
+        executor = capability(self.executor, Adapters, "--lora-modules")
+        for module in modules:
+            name, sep, path = module.partition("=")
+            if not sep or not name.strip() or not path.strip() or ":" in name:
+                raise ConfigError(f"--lora-modules takes NAME=PATH (a name without ':'), "
+                                  f"got {module!r}.")
+            name = name.strip()
+            if name in self.adapters or name == self.model_id:
+                raise ConfigError(f"--lora-modules names {name!r} twice, or as the model "
+                                  "itself; give each adapter a name of its own.")
+            executor.load_adapter(name, path.strip())
+            self.adapters[name] = path.strip()
 
     @property
     def vocab_size(self) -> int:

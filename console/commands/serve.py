@@ -58,6 +58,11 @@ class ServeOptions:
         "events, with vLLM's JSON fields, e.g. '{\"enable_kv_cache_events\": true, "
         "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
         "(docs/attach.md).", rich_help_panel="Serving limits")] = None
+    lora_modules: Annotated[list[str] | None, typer.Option(
+        "--lora-modules", help="NAME=PATH: serve a LoRA adapter (a PEFT folder or a "
+        "llama.cpp adapter GGUF) for the model, asked for as model NAME or BASE:NAME, or "
+        "with 'lora': NAME; repeat for more (torch executor).",
+        rich_help_panel="Many models")] = None
     cascade: Annotated[str | None, typer.Option(
         "--cascade", help="SMALL,LARGE: two served models (same tokenizer); the "
         "model 'cascade' answers with SMALL and escalates to LARGE when SMALL's confidence "
@@ -99,7 +104,8 @@ def serve(opts: ServeOptions, settings: SettingsRequest = SettingsRequest(),
             else None
         knobs = {"threshold": opts.cascade_threshold, "measure": opts.cascade_confidence,
                  "name": opts.cascade_name}
-        sessions, chosen = build_models(settings, events, opts.cascade, knobs)
+        sessions, chosen = build_models(settings, events, opts.cascade, knobs,
+                                        opts.lora_modules or [])
         supervisor.record(executor=sessions[0].settings.executor, log=str(log_path))
         return sessions, chosen
 
@@ -129,17 +135,22 @@ def serve(opts: ServeOptions, settings: SettingsRequest = SettingsRequest(),
     # soft_wrap: one logical line each, not cut at 80 columns in a log or a pipe.
     for s in sessions:
         out.print(settings_line(s), highlight=False, soft_wrap=True)
+        if s.adapters:
+            out.print("  LoRA adapters: " + ", ".join(f"{name} ({path})" for name, path
+                                                      in s.adapters.items()),
+                      highlight=False, soft_wrap=True)
     names = [s.model_id for s in sessions] + ([chosen.name] if chosen else [])
     server.run(on_listening=lambda p: out.print(
         f"serving {', '.join(names)} on http://{opts.host}:{p}/v1", highlight=False,
         soft_wrap=True))
 
 
-def build_models(settings: SettingsRequest, events, cascade: str | None,
-                 knobs: dict) -> tuple[list, object]:
-    """The sessions of every --model (one without it), the cascade over two of them
-    (`knobs`: its threshold, measure and name) and the KV-events publisher; ConfigError,
-    with every session built so far closed, for what cannot be served."""
+def build_models(settings: SettingsRequest, events, cascade: str | None, knobs: dict,
+                 lora_modules: list[str]) -> tuple[list, object]:
+    """The sessions of every --model (one without it) with their LoRA adapters, the cascade
+    over two of them (`knobs`: its threshold, measure and name) and the KV-events
+    publisher; ConfigError, with every session built so far closed, for what cannot be
+    served."""
     from kvdeck.runtime.fleet.publisher import EventPublisher
     from kvdeck.runtime.server.cascade import CascadeConfig
 
@@ -154,6 +165,11 @@ def build_models(settings: SettingsRequest, events, cascade: str | None,
         if len(set(ids)) < len(ids):
             raise ConfigError(f"Two of the models would be served as {ids[0]!r}; give each "
                               "--model a different model.")
+        if lora_modules:
+            if len(sessions) > 1:
+                raise ConfigError("--lora-modules adapts one base model; serve one --model "
+                                  "with it.")
+            sessions[0].load_adapters(lora_modules)
         chosen = cascade_config(sessions, cascade, knobs) if cascade else None
         if events is not None and events.publishes:
             publisher = EventPublisher(events, sessions[0].engine.kv.block_size).start()

@@ -80,6 +80,9 @@ class QueuePanel(SnapshotPanel):
             head.append("no iteration yet")
         if b is not None and b.limit and snap.waiting:
             head.append(f"\n{len(snap.waiting)} waiting: {b.limit}", style="yellow")
+        adapters = by_adapter(snap)
+        if adapters:  # LoRA rows share the batch: how many run with each adapter
+            head.append(f"\nadapters {adapters}", style="dim")
         table = Table(box=None, expand=True, pad_edge=False, show_edge=False,
                       padding=(0, 1, 0, 0) if narrow else (0, 1))
         columns = (("id", "left"), ("state", "left"), ("prompt", "right"), ("out", "right"),
@@ -119,3 +122,17 @@ class QueuePanel(SnapshotPanel):
         slack = f"{v.deadline - now:.1f}" if v.deadline is not None else "—"
         return (v.request_id[-12:], state, progress, f"{v.output_tokens}/{v.max_tokens}",
                 f"{waited:.1f}", slack, str(v.priority))
+
+
+def by_adapter(snap: EngineSnapshot) -> str:
+    """'base 3 run · a 2 run, 1 wait · ...' when any request runs with a LoRA adapter; ''
+    otherwise."""
+    views = list(snap.running) + list(snap.waiting)
+    if not any(v.lora for v in views):
+        return ""
+    counts: dict[str, list[int]] = {}
+    for v in views:
+        c = counts.setdefault(v.lora or "base", [0, 0])
+        c[v.status != "running"] += 1
+    return " · ".join(f"{name} {run} run" + (f", {wait} wait" if wait else "")
+                      for name, (run, wait) in sorted(counts.items()))

@@ -258,7 +258,18 @@ class Modelled(Protocol):
     model: ModelProfile
 
 
+@runtime_checkable
+class Adapters(Protocol):
+    """Applies LoRA adapters per row inside a batch (`runtime/models/lora.py`)."""
+
+    def load_adapter(self, name: str, path: str | Path) -> int:
+        """Serve the adapter at `path` as `name`; its bytes. ConfigError when it does not
+        fit the model."""
+        ...
+
+
 NEEDS = {KVConversion: "re-encodes its KV pool in place", HostTier: "has a host KV tier",
+         Adapters: "applies LoRA adapters (the torch executor)",
          WeightFormats: "re-packs its weights", Offload: "offloads FFN weights to the host",
          Drafting: "runs a draft model",
          WindowGroups: "lays out KV pages of its own (the torch executor)"}

@@ -179,6 +179,8 @@ class Served:
     tokenizer: object
     loop: EngineLoop
     settings: Settings | None = None
+    adapters: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters served on this model: name → where it was loaded from."""
     hub: OutputHub = field(init=False)
 
     def __post_init__(self) -> None:
@@ -201,7 +203,8 @@ def create_app(served: list[Served], *, api_key: str | None = None,
     by_name = {s.model_id: s for s in served}
     first = served[0]
     stats = CascadeStats(cascade) if cascade is not None else None
-    metrics = ServerMetrics([(s.loop, s.model_id) for s in served], stats, busy)
+    metrics = ServerMetrics([(s.loop, s.model_id, tuple(s.adapters)) for s in served], stats,
+                            busy)
     # One worker: tokenization leaves the event loop, and each tokenizer sees one caller.
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdeck-tokenize")
     app.state.served = served
@@ -214,16 +217,38 @@ def create_app(served: list[Served], *, api_key: str | None = None,
 
     def pick(name: str | None) -> Served:
         """The model a request names (the cascade's small one for its name, the first
-        without a name); Refused 404 for any other name."""
+        without a name; an adapter's base for the adapter); Refused 404 for any other."""
         if name is None:
             return first
         if name in by_name:
             return by_name[name]
         if cascade is not None and name == cascade.name:
             return by_name[cascade.small]
-        names = [*by_name, *([cascade.name] if cascade else [])]
+        for s in served:
+            if name in s.adapters or name.split(":", 1)[0] == s.model_id and \
+                    name.split(":", 1)[-1] in s.adapters:
+                return s
+        names = [*by_name, *([cascade.name] if cascade else []),
+                 *(a for s in served for a in s.adapters)]
         raise Refused(error(404, f"The model '{name}' does not exist; this server serves "
                                  f"{', '.join(repr(n) for n in names)}.", "model"))
+
+    def adapter_of(s: Served, body: GenerateBody) -> str | None:
+        """The LoRA adapter the request asks for: `model` naming it (`NAME` or `BASE:NAME`)
+        or `lora`; Refused for one `s` does not serve, or for two different ones."""
+        named = None
+        if body.model not in by_name and not (cascade and body.model == cascade.name):
+            named = body.model.split(":", 1)[-1]
+        if body.lora is not None and named is not None and named != body.lora:
+            raise Refused(error(400, f"'model' names the adapter '{named}' and 'lora' the "
+                                     f"adapter '{body.lora}'; name one.", "lora"))
+        asked = body.lora if body.lora is not None else named
+        if asked is not None and asked not in s.adapters:
+            known = ", ".join(repr(a) for a in s.adapters) or "none"
+            raise Refused(error(404, f"The LoRA adapter '{asked}' is not served on "
+                                     f"'{s.model_id}'; its adapters: {known} (kvdeck serve "
+                                     "--lora-modules NAME=PATH).", "lora"))
+        return asked
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -300,6 +325,9 @@ def create_app(served: list[Served], *, api_key: str | None = None,
     async def models() -> dict:
         data = [{"id": s.model_id, "object": "model", "created": 0, "owned_by": "kvdeck",
                  "max_model_len": s.engine.max_model_len} for s in served]
+        data += [{"id": name, "object": "model", "created": 0, "owned_by": "kvdeck",
+                  "root": path, "parent": s.model_id, "max_model_len": s.engine.max_model_len}
+                 for s in served for name, path in s.adapters.items()]
         if cascade is not None:
             data.append({"id": cascade.name, "object": "model", "created": 0,
                          "owned_by": "kvdeck", "root": cascade.small,
@@ -328,7 +356,7 @@ def create_app(served: list[Served], *, api_key: str | None = None,
         """`echo`: the prompt's text, to put before the completion's (completions' `echo`)."""
         if cascade is not None and body.model == cascade.name:
             return await by_cascade(request, body, prompt, chat, echo)
-        response, _ = await run_on(by_name[body.model], request, body, prompt, chat, echo)
+        response, _ = await run_on(pick(body.model), request, body, prompt, chat, echo)
         return response
 
     async def run_on(s: Served, request: Request, body: GenerateBody, prompt: list[int],
@@ -401,6 +429,9 @@ def create_app(served: list[Served], *, api_key: str | None = None,
         """The request added to the engine; Refused for a token id outside the vocabulary,
         and the engine's own errors as it raises them."""
         sampling = sampling_params(body, s.tokenizer, chat, limit, echo, guided)
+        lora = adapter_of(s, body)
+        if lora is not None:
+            sampling = dataclasses.replace(sampling, lora=lora)
         if scored:
             sampling = dataclasses.replace(sampling, logprobs=max(sampling.logprobs or 0, 1))
         rid = f"{'chat' if chat else 'cmpl'}-{uuid.uuid4().hex[:12]}"
@@ -419,7 +450,7 @@ def create_app(served: list[Served], *, api_key: str | None = None,
         report = body.num_logprobs() is not None
         reply = Reply([Answer(r, chat, s.hub.watch(r), s.tokenizer, echo, echo_only, index=i,
                               report=report, prompt_of=req)
-                       for i, r in enumerate([req, *req.branches])], s.model_id, body.n)
+                       for i, r in enumerate([req, *req.branches])], body.model, body.n)
         if not body.stream:
             return await reply.whole(request, s.engine, s.hub, limits.request_timeout_s)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

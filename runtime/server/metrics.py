@@ -9,6 +9,8 @@ as in vLLM, appear only once speculation has been on.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -32,9 +34,11 @@ HISTOGRAMS = (
 class SnapshotCollector:
     """Scrape-time view of the loop's latest snapshot."""
 
-    def __init__(self, loop: EngineLoop, model: str):
+    def __init__(self, loop: EngineLoop, model: str, adapters: tuple[str, ...] = ()):
+        """`adapters`: the LoRA adapters the model serves (`kvdeck serve --lora-modules`)."""
         self.loop = loop
         self.model = model
+        self.adapters = adapters
 
     def collect(self):
         snap = self.loop.latest
@@ -107,6 +111,8 @@ class SnapshotCollector:
         v = snap.speculation
         if v is not None and (v.method != "off" or v.drafts):
             yield from self._speculation(v, counter)
+        if self.adapters:
+            yield self._lora(snap)
         yield gauge("kvdeck:engine_paused", "1 while the operator has paused the engine.",
                     int(snap.paused))
         yield gauge("kvdeck:engine_failed", "1 once the engine stopped on an error.",
@@ -114,6 +120,19 @@ class SnapshotCollector:
         yield gauge("kvdeck:sim_lag_seconds", "How far a paced simulation is behind the "
                     "wall clock (0 when keeping up).", snap.lag_s)
 
+
+    def _lora(self, snap) -> GaugeMetricFamily:
+        """vLLM's `lora_requests_info`: the adapters of running and of waiting requests, as
+        labels (comma-separated), with the scrape time as the value."""
+        def names(views) -> str:
+            return ",".join(sorted({v.lora for v in views if v.lora is not None}))
+
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["max_lora", "waiting_lora_adapters",
+                                         "running_lora_adapters"])
+        info.add_metric([str(len(self.adapters)), names(snap.waiting), names(snap.running)],
+                        time.time())
+        return info
 
     def _speculation(self, v, counter):
         """vLLM's speculative-decoding counters (exported, as vLLM does, only when on)."""
@@ -221,11 +240,11 @@ class ServerMetrics:
     """The registry behind /metrics: every served model's engine loop (each sample labelled
     with its `model_name`, as vLLM labels them) and the cascade's figures."""
 
-    def __init__(self, loops: list[tuple[EngineLoop, str]],
+    def __init__(self, loops: list[tuple[EngineLoop, str, tuple[str, ...]]],
                  cascade: CascadeStats | None = None, busy: SharedBusy | None = None):
+        """`loops`: (engine loop, model name, its LoRA adapters) per served model."""
         self.registry = CollectorRegistry()
-        self.registry.register(_Merged([SnapshotCollector(loop, model)
-                                        for loop, model in loops]))
+        self.registry.register(_Merged([SnapshotCollector(*served) for served in loops]))
         if cascade is not None:
             self.registry.register(CascadeCollector(cascade))
         if busy is not None:

@@ -173,6 +173,9 @@ class GenerateBody(BaseModel):
     ignore_eos: bool = False
     """vLLM's extension: keep generating past end-of-sequence (benchmarks need exact
     output lengths)."""
+    lora: Text | None = None
+    """kvdeck's extension: the LoRA adapter to run with, by the name it is served under
+    (the same as asking for `model: "BASE:NAME"` or, as vLLM does, `model: "NAME"`)."""
     user: Text | None = None
     """An end-user id for the caller's own bookkeeping; accepted, not used."""
     # null means the default, as OpenAI's and vLLM's clients send it.

@@ -126,7 +126,8 @@ class ApiServer:
         self.busy = SharedBusy()  # the models share this machine's device
         for lp in self.loops:
             lp.busy = self.busy
-        self.served = [Served(s.model_id, s.engine, s.tokenizer, lp, s.settings)
+        self.served = [Served(s.model_id, s.engine, s.tokenizer, lp, s.settings,
+                              dict(s.adapters))
                        for s, lp in zip(self.sessions, self.loops, strict=True)]
         self.app = create_app(self.served, api_key=api_key, limits=limits, cascade=cascade,
                               busy=self.busy)

@@ -83,6 +83,8 @@ class RequestView(NamedTuple):
     block_table: tuple[int, ...]
     occupancy: tuple[float, int, float, int] = (0.0, 0, 0.0, 0)
     """`Occupancy.values()`: prefill seconds and tokens, decode seconds and calls."""
+    lora: str | None = None
+    """The LoRA adapter it runs with (None: the base model)."""
 
     @property
     def accelerator_s(self) -> float:
@@ -339,7 +341,8 @@ class SnapshotBuilder:
                     len(r.output_token_ids), r.sampling.max_tokens, r.num_cached_tokens,
                     r.arrival_time, r.admitted_time, r.deadline, r.priority,
                     r.num_preemptions, tuple(table) if table else (),
-                    (occ.prefill_s, occ.prefill_new, occ.decode_s, occ.decode_calls)))
+                    (occ.prefill_s, occ.prefill_new, occ.decode_s, occ.decode_calls),
+                    r.sampling.lora))
             fresh[rid] = hit
             out.append(hit[1])
         return tuple(out)
