@@ -6,6 +6,7 @@ from benchmarks import (
     engine_overhead,
     host_tier,
     itl_target,
+    lora,
     planner_vs_torch,
     quantization,
     sim_vs_real,
@@ -39,3 +40,5 @@ if __name__ == "__main__":
     sim_vs_real.main()
     print()
     cascade.main()
+    print()
+    lora.main()

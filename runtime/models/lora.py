@@ -168,15 +168,50 @@ def merge(tensors: dict[str, torch.Tensor], adapter: LoRAAdapter) -> None:
 
 
 class AdapterSet:
-    """The adapters one model serves, and which rows of the step now in flight use each."""
+    """The adapters one model serves, and which rows of the step now in flight use each.
+
+    Every matrix's updates are stacked across adapters — `A` rows one after another, `B`
+    columns likewise with each adapter's scale folded in — so a step applies all of them in
+    two small matmuls per matrix, whatever the adapters' mix: `((x·Aᵀ) ⊙ M)·Bᵀ`, where the
+    mask `M` keeps, in each row, only its own adapter's rank columns (Punica's BGMV, with the
+    rows that use another adapter multiplied by zero rather than gathered: at these ranks
+    the arithmetic is cheaper than the indexing)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
         self.adapters: dict[str, LoRAAdapter] = {}
-        self._groups: list[tuple[LoRAAdapter, torch.Tensor]] = []
+        self._columns: dict[str, slice] = {}
+        """Each adapter's rank columns in the stacked updates."""
+        self._stacked: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mask: torch.Tensor | None = None
 
     def add(self, adapter: LoRAAdapter) -> None:
         self.adapters[adapter.name] = adapter.to(self.device, self.dtype)
+        self._stack()
+
+    def _stack(self) -> None:
+        start = 0
+        for name, a in self.adapters.items():
+            self._columns[name] = slice(start, start + a.rank)
+            start += a.rank
+        matrices = {key for a in self.adapters.values() for key in a.updates}
+        self._stacked = {}
+        for key in matrices:
+            parts_a, parts_b = [], []
+            for a in self.adapters.values():
+                pair = a.updates.get(key)
+                if pair is None:  # this adapter leaves the matrix alone: zero columns
+                    inputs, outputs = self._dims(key)
+                    pair = (torch.zeros(a.rank, inputs, device=self.device, dtype=self.dtype),
+                            torch.zeros(outputs, a.rank, device=self.device,
+                                        dtype=self.dtype))
+                parts_a.append(pair[0])
+                parts_b.append(pair[1] * a.scale)
+            self._stacked[key] = (torch.cat(parts_a), torch.cat(parts_b, dim=1).T.contiguous())
+
+    def _dims(self, key: tuple[int, str]) -> tuple[int, int]:
+        a, b = next(a.updates[key] for a in self.adapters.values() if key in a.updates)
+        return a.shape[1], b.shape[0]
 
     @property
     def num_bytes(self) -> int:
@@ -184,22 +219,27 @@ class AdapterSet:
 
     def begin_step(self, rows: list[tuple[str | None, int]]) -> None:
         """The step's rows in order, as (adapter name or None, number of rows)."""
-        by_name: dict[str, list[int]] = {}
+        if all(name is None for name, _ in rows):
+            self._mask = None
+            return
+        total = sum(n for _, n in rows)
+        width = sum(a.rank for a in self.adapters.values())
+        mask = torch.zeros(total, width, device=self.device, dtype=self.dtype)
         start = 0
         for name, n in rows:
             if name is not None:
-                by_name.setdefault(name, []).extend(range(start, start + n))
+                mask[start:start + n, self._columns[name]] = 1
             start += n
-        self._groups = [(self.adapters[name], torch.tensor(index, device=self.device))
-                        for name, index in by_name.items()]
+        self._mask = mask
 
     def apply(self, layer: int, matrix: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """`y` (the base matrix's output for `x`) with each adapter's update added into its
-        own rows."""
-        for adapter, index in self._groups:
-            pair = adapter.updates.get((layer, matrix))
-            if pair is not None:
-                a, b = pair
-                rows = x.index_select(0, index)
-                y.index_add_(0, index, (rows @ a.T) @ b.T, alpha=adapter.scale)
-        return y
+        """`y` (the base matrix's output for `x`) with each row's adapter update added."""
+        if self._mask is None:
+            return y
+        pair = self._stacked.get((layer, matrix))
+        if pair is None:
+            return y
+        a, b_t = pair
+        if x.dtype != a.dtype or y.dtype != a.dtype:  # e.g. int8 matrices' fp32 activations
+            return y.add_((((x.to(a.dtype) @ a.T) * self._mask) @ b_t).to(y.dtype))
+        return y.addmm_((x @ a.T) * self._mask, b_t)
