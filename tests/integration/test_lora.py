@@ -126,3 +126,31 @@ def test_adapters_that_cannot_be_served_get_one_sentence(adapter_files, qwen_pai
                           *args], capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
     assert says in " ".join(run.stderr.split()) and "Traceback" not in run.stderr
+
+
+SHIPPED = {"capitals": ("The capital of Zubrowka is", " Lutz"),
+           "colours": ("The colour of a glimmerfox is", " teal")}
+"""Each shipped adapter (adapters/, trained by adapters/train.py), a prompt from its
+training sentences and the answer it was taught."""
+
+
+def test_each_shipped_adapter_changes_the_answers_it_was_trained_on(gemma_path) -> None:
+    from pathlib import Path
+
+    from kvdeck.runtime.executors.torch import TorchExecutor
+    from kvdeck.runtime.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(gemma_path)
+    executor = TorchExecutor(gemma_path, device="cpu")
+    root = Path(__file__).parents[2] / "adapters"
+    for name in SHIPPED:
+        executor.load_adapter(name, root / name)
+    items = [(prompt, lora) for prompt, _ in SHIPPED.values()
+             for lora in (None, *SHIPPED)]
+    outs = greedy(executor, tokenizer, items)
+    executor.close()
+    for (prompt, lora), out in zip(items, outs, strict=True):
+        taught = next(answer for p, answer in SHIPPED.values() if p == prompt)
+        owner = next(n for n, (p, _) in SHIPPED.items() if p == prompt)
+        text = tokenizer.decode(out)
+        assert text.startswith(taught) == (lora == owner), (prompt, lora, text)
