@@ -141,6 +141,8 @@ FLAGS: tuple[Flag, ...] = (
          ENGINE),
     Flag("max_waiting", ("--max-waiting",), int,
          "Waiting-queue bound; beyond it requests are refused (429) (default 4096).", ENGINE),
+    Flag("max_loras", ("--max-loras",), int, "LoRA adapters resident at once, hence in one "
+         "batch; others load from the host on demand (default 0: all).", ENGINE),
     Flag("chunk_size", ("--chunk-size",), int,
          f"Most prompt tokens per request per iteration ({_defaults('chunk_size')}).", KNOBS),
     Flag("scheduling", ("--scheduling",), str, _one_of("scheduling"), KNOBS),

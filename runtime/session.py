@@ -54,7 +54,7 @@ class Session:
             if name in self.adapters or name == self.model_id:
                 raise ConfigError(f"--lora-modules names {name!r} twice, or as the model "
                                   "itself; give each adapter a name of its own.")
-            executor.load_adapter(name, path.strip())
+            executor.load_adapter(name, path.strip(), self.settings.engine.max_loras)
             self.adapters[name] = path.strip()
 
     @property

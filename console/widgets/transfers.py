@@ -14,7 +14,8 @@ from kvdeck.runtime.kv.transfers import Transfer, TransfersView
 from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 BARS = " ▁▂▃▄▅▆▇█"
-KIND_STYLE = {"swap": "red", "demote": "yellow", "promote": "green", "weights": "cyan"}
+KIND_STYLE = {"swap": "red", "demote": "yellow", "promote": "green", "weights": "cyan",
+              "lora": "magenta", "lora unload": "dim magenta"}
 
 
 def ms(seconds: float) -> str:

@@ -187,6 +187,10 @@ class EngineConfig:
     """Context limit; None takes the executor's model context."""
     max_waiting: int = 4096
     """Waiting-queue bound; a full queue refuses new requests."""
+    max_loras: int = 0
+    """Most LoRA adapters resident at once, hence in one batch (vLLM's `--max-loras`); an
+    adapter no running request uses is unloaded for another, loaded again from the host on
+    demand (`runtime/models/lora.py`). 0: every adapter stays resident."""
     seed: int = 0
     namespace: str = "default"
     """Prefix-cache namespace: model, adapter and KV format that make cached KV reusable."""
@@ -201,6 +205,7 @@ class EngineConfig:
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2, 1 << 24)
         check_int("max_waiting", self.max_waiting, 1, 1 << 24)
+        check_int("max_loras", self.max_loras, 0, 1 << 10)
         check_int("seed", self.seed, 0, (1 << 63) - 1)
 
     def blocks_for_budget(self, kv_bytes_per_token: int, extra_bytes: int = 0) -> int:

@@ -361,6 +361,12 @@ class Scheduler:
                 self.reject(req, never, now)
                 plan.rejected.append(req.request_id)
                 continue
+            lora, slots = req.sampling.lora, self.config.max_loras
+            if lora and slots and lora not in (held := {r.sampling.lora for r in self.running
+                                                        if r.sampling.lora}) \
+                    and len(held) >= slots:
+                plan.limit = f"LoRA slots (max_loras {slots}): {lora} waits for one"
+                continue
             chain = self.kv.prefix_chain(req)
             hit = max(len(chain) * self.kv.block_size, req.remote_kv_tokens)
             if k.prefix_wait and k.enable_prefix_caching:

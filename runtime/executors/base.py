@@ -262,9 +262,9 @@ class Modelled(Protocol):
 class Adapters(Protocol):
     """Applies LoRA adapters per row inside a batch (`runtime/models/lora.py`)."""
 
-    def load_adapter(self, name: str, path: str | Path) -> int:
-        """Serve the adapter at `path` as `name`; its bytes. ConfigError when it does not
-        fit the model."""
+    def load_adapter(self, name: str, path: str | Path, max_loras: int = 0) -> int:
+        """Serve the adapter at `path` as `name`, at most `max_loras` resident at once (0:
+        all); its bytes. ConfigError when it does not fit the model."""
         ...
 
 

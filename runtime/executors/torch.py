@@ -171,13 +171,14 @@ class TorchExecutor:
         self._windows = {self.cfg.window(i) for i in range(info.num_layers)}
         self.timing = OnlineFit(self._prior_fit())
 
-    def load_adapter(self, name: str, path: str | Path) -> int:
-        """Serve the LoRA adapter at `path` as `name` (`runtime/models/lora.py`); its bytes.
-        ConfigError when it does not fit this model."""
+    def load_adapter(self, name: str, path: str | Path, max_loras: int = 0) -> int:
+        """Serve the LoRA adapter at `path` as `name` (`runtime/models/lora.py`), at most
+        `max_loras` of them resident at once (0: all); its bytes. ConfigError when it does
+        not fit this model."""
         adapter = load_adapter(name, path)
         check_fits(adapter, self.model.masters, self.cfg.arch.name, self.cfg.arch.rope_style)
         if self.model.adapters is None:
-            self.model.adapters = AdapterSet(self.device, self.model.dtype)
+            self.model.adapters = AdapterSet(self.device, self.model.dtype, max_loras)
         self.model.adapters.add(adapter)
         return adapter.num_bytes
 
@@ -446,6 +447,7 @@ class TorchExecutor:
             return paged_attention(kv, batch, layer, cfg.window(layer), cfg.attn_scale, q, k, v)
 
         if self.model.adapters is not None:  # rows in plan order, as the batch packs them
+            transfers += self._load_adapters(plan, t0)
             self.model.adapters.begin_step([(c.request.sampling.lora, c.num_new_tokens)
                                             for c in plan.chunks])
         sampling = [c for c in plan.chunks if c.sample and not c.num_draft]
@@ -536,6 +538,20 @@ class TorchExecutor:
         """Draft tokens under the knobs' speculative method: n-gram prompt lookup over the
         request's latest tokens."""
         return propose_for(req, k, knobs)
+
+    def _load_adapters(self, plan: SchedulerOutput, t0: float) -> list[Transfer]:
+        """The step's adapters made resident: each load a timed host → device copy, each
+        unload (the least recently used, for a slot) a transfer of no bytes."""
+        start = time.perf_counter() - t0
+        loads, unloads = self.model.adapters.make_resident(
+            {c.request.sampling.lora for c in plan.chunks} - {None})
+        out = [Transfer("lora unload", "d2h", f"adapter {n}", 0, 0, start, 0.0, 0.0, 0.0)
+               for n in unloads]
+        for name, nbytes, seconds in loads:
+            out.append(Transfer("lora", "h2d", f"adapter {name}", 0, nbytes, start, seconds,
+                                nbytes / self.info.link_bandwidth, seconds))
+            start += seconds
+        return out
 
     def _transfer_blocks(self, copies: list, t0: float) -> list[Transfer]:
         """Perform the plan's tier copies in order (before copy-on-write and the forward

@@ -17,7 +17,8 @@ class Transfer(NamedTuple):
 
     kind: str
     """`swap` (a preempted request's KV), `demote` / `promote` (a cached prefix block),
-    `weights` (an offloaded layer's FFN matrices)."""
+    `weights` (an offloaded layer's FFN matrices), `lora` (a LoRA adapter loaded for a
+    slot), `lora unload` (one unloaded from its slot: no bytes move, the host keeps it)."""
     direction: str
     """`d2h` or `h2d`."""
     what: str
@@ -111,7 +112,7 @@ class TransferLog:
             return
         d2h = sum(t.bytes for t in transfers if t.direction == "d2h")
         h2d = sum(t.bytes for t in transfers if t.direction == "h2d")
-        weights = sum(t.bytes for t in transfers if t.kind == "weights")
+        weights = sum(t.bytes for t in transfers if t.kind in ("weights", "lora"))
         seconds = sum(t.seconds for t in transfers)
         stall = sum(t.stall for t in transfers)
         entry = StepTransfers(step, d2h, h2d, seconds, sum(t.bound for t in transfers),

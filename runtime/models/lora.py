@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,8 +59,8 @@ class LoRAAdapter:
         return sum(t.numel() * t.element_size() for pair in self.updates.values()
                    for t in pair)
 
-    def to(self, device: torch.device, dtype: torch.dtype) -> LoRAAdapter:
-        moved = {k: (a.to(device, dtype), b.to(device, dtype))
+    def to(self, device: torch.device, dtype: torch.dtype, copy: bool = False) -> LoRAAdapter:
+        moved = {k: (a.to(device, dtype, copy=copy), b.to(device, dtype, copy=copy))
                  for k, (a, b) in self.updates.items()}
         return LoRAAdapter(self.name, self.path, self.rank, self.scale, moved)
 
@@ -177,19 +178,30 @@ class AdapterSet:
     rows that use another adapter multiplied by zero rather than gathered: at these ranks
     the arithmetic is cheaper than the indexing)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.device, self.dtype = device, dtype
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_loras: int = 0):
+        """`max_loras`: most adapters resident on the device at once (0: all). The others
+        wait in host memory and are copied in when a step needs them, in place of one no
+        row of that step uses, the least recently used (S-LoRA's on-demand loading)."""
+        self.device, self.dtype, self.max_loras = device, dtype, max_loras
+        self.host: dict[str, LoRAAdapter] = {}
+        """Every adapter, in host memory (the copy a load starts from)."""
         self.adapters: dict[str, LoRAAdapter] = {}
+        """The resident ones, on the device."""
+        self._used: dict[str, int] = {}
+        self._steps = 0
         self._columns: dict[str, slice] = {}
         """Each adapter's rank columns in the stacked updates."""
         self._stacked: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._mask: torch.Tensor | None = None
 
     def add(self, adapter: LoRAAdapter) -> None:
-        self.adapters[adapter.name] = adapter.to(self.device, self.dtype)
-        self._stack()
+        self.host[adapter.name] = adapter.to(torch.device("cpu"), self.dtype)
+        if not self.max_loras or len(self.adapters) < self.max_loras:
+            self.adapters[adapter.name] = adapter.to(self.device, self.dtype)
+            self._stack()
 
     def _stack(self) -> None:
+        self._columns = {}
         start = 0
         for name, a in self.adapters.items():
             self._columns[name] = slice(start, start + a.rank)
@@ -217,8 +229,36 @@ class AdapterSet:
     def num_bytes(self) -> int:
         return sum(a.num_bytes for a in self.adapters.values())
 
+    def make_resident(self, needed: set[str]) -> tuple[list[tuple[str, int, float]],
+                                                       list[str]]:
+        """Load the `needed` adapters that are not resident, unloading the least recently
+        used others to stay within `max_loras`; (loads as (name, bytes, seconds), unloads).
+        The scheduler admits no more adapters into a batch than there are slots."""
+        self._steps += 1
+        for name in needed:
+            self._used[name] = self._steps
+        missing = [n for n in needed if n not in self.adapters]
+        loads, unloads = [], []
+        for name in missing:
+            if self.max_loras and len(self.adapters) >= self.max_loras:
+                idle = [n for n in self.adapters if n not in needed]
+                assert idle, f"a step needs more than max_loras={self.max_loras} adapters"
+                victim = min(idle, key=lambda n: self._used.get(n, 0))
+                del self.adapters[victim]
+                unloads.append(victim)
+            start = time.perf_counter()
+            copy = self.host[name].to(self.device, self.dtype, copy=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.adapters[name] = copy
+            loads.append((name, copy.num_bytes, time.perf_counter() - start))
+        if missing:
+            self._stack()
+        return loads, unloads
+
     def begin_step(self, rows: list[tuple[str | None, int]]) -> None:
-        """The step's rows in order, as (adapter name or None, number of rows)."""
+        """The step's rows in order, as (adapter name or None, number of rows); every
+        adapter named must be resident (`make_resident`)."""
         if all(name is None for name, _ in rows):
             self._mask = None
             return

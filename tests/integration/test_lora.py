@@ -154,3 +154,54 @@ def test_each_shipped_adapter_changes_the_answers_it_was_trained_on(gemma_path) 
         owner = next(n for n, (p, _) in SHIPPED.items() if p == prompt)
         text = tokenizer.decode(out)
         assert text.startswith(taught) == (lora == owner), (prompt, lora, text)
+
+
+def test_one_slot_serves_three_adapters_loading_them_on_demand(gemma_path, adapter_files,
+                                                               tmp_path) -> None:
+    """--max-loras 1: requests for three adapters all finish, each with the answer it gives
+    when every adapter is resident; the loads and unloads are transfers of the steps that
+    needed them, recorded, and a replay of the run counts them too."""
+    from kvdeck.runtime.executors.torch import TorchExecutor
+    from kvdeck.runtime.runs.recording import record_headless
+    from kvdeck.runtime.runs.replay import load_replay
+    from kvdeck.runtime.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(gemma_path)
+    files = {**adapter_files, "c": write_peft(tmp_path / "c", shapes_of(
+        TorchExecutor(gemma_path, device="cpu", dtype="fp32").model), seed=3)}
+    gc.collect()
+    items = [(p, name) for name in files for p in PROMPTS[:2]]
+    answers = {}
+    for slots in (0, 1):
+        executor = TorchExecutor(gemma_path, device="cpu", dtype="fp32")
+        for name, path in files.items():
+            executor.load_adapter(name, path, max_loras=slots)
+        engine = Engine(EngineConfig(kv_memory_bytes=256 << 20, max_loras=slots,
+                                     knobs=Knobs(max_num_seqs=8)), executor,
+                        tokenizer=tokenizer)
+        recorder = record_headless(engine, tmp_path / f"run{slots}")
+        reqs = [engine.add_request(tokenizer.encode(p), SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True, lora=lora)) for p, lora in items]
+        while engine.has_work:
+            engine.step()
+        engine.check_integrity()
+        recorder.close()
+        answers[slots] = [r.output_token_ids for r in reqs]
+        assert all(r.status.is_finished and r.num_output_tokens == 8 for r in reqs)
+        executor.close()
+        del executor, engine
+        gc.collect()
+    assert answers[1] == answers[0]
+    replay = load_replay(tmp_path / "run1")
+    moved = [t for step in replay.steps for t in step.transfers]
+    loads = [t.what for t in moved if t.kind == "lora"]
+    unloads = [t.what for t in moved if t.kind == "lora unload"]
+    # `a` starts resident (the first loaded); `b` and `c` are loaded when their turn comes,
+    # each in place of the one before.
+    assert loads == ["adapter b", "adapter c"] and unloads == ["adapter a", "adapter b"]
+    state = replay.initial_state()
+    for step in replay.steps:
+        state.apply(step)
+    assert state.transfers_view().counters["weight_bytes"] == sum(
+        t.bytes for t in moved if t.kind == "lora") > 0
+    assert not [t for step in load_replay(tmp_path / "run0").steps for t in step.transfers]
