@@ -147,6 +147,8 @@ class KVMapPanel(SnapshotPanel):
         what = "page" if window else "block"
         scale = f"1 cell = {per_cell} {what}s" if per_cell > 1 else f"1 cell = 1 {what}"
         sel = f" · highlighted: {self.selected}" if highlight else ""
+        if snap.weights is not None and snap.weights.adapters:  # beside the pool, not in it
+            sel += f" · {snap.weights.adapters}"
         self.grid = grid
         lines = [legend, Text(scale + sel, style="dim")]
         if window:

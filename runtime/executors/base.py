@@ -36,6 +36,9 @@ class WeightsView:
     """(knob, figure) for the current weight and KV formats whose quality is cached."""
     auto: str = ""
     """What `auto` groups used in the latest step, e.g. `head=int8`."""
+    adapters: str = ""
+    """LoRA adapters resident and served, with their bytes (`Adapters.describe_adapters`);
+    empty without any."""
 
 
 @dataclass(frozen=True)
@@ -265,6 +268,10 @@ class Adapters(Protocol):
     def load_adapter(self, name: str, path: str | Path, max_loras: int = 0) -> int:
         """Serve the adapter at `path` as `name`, at most `max_loras` resident at once (0:
         all); its bytes. ConfigError when it does not fit the model."""
+        ...
+
+    def describe_adapters(self) -> str:
+        """e.g. 'LoRA 1/3 resident · 0.7 MiB' (empty without adapters)."""
         ...
 
 

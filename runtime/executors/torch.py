@@ -182,6 +182,12 @@ class TorchExecutor:
         self.model.adapters.add(adapter)
         return adapter.num_bytes
 
+    def describe_adapters(self) -> str:
+        a = self.model.adapters
+        if a is None:
+            return ""
+        return f"LoRA {len(a.adapters)}/{len(a.host)} resident · {a.num_bytes / 2**20:.1f} MiB"
+
     def _prior_fit(self) -> StepFit:
         """The step-time model until the executor's own steps pin it down (`online_fit.py`):
         weights read once at ~12 GB/s plus a compute term at ~50 GFLOP/s."""

@@ -25,6 +25,7 @@ from kvdeck.runtime.core.request import Request, RequestStatus
 from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.core.switch import Switch
 from kvdeck.runtime.executors.base import (
+    Adapters,
     Modelled,
     WeightsView,
     auto_choice,
@@ -367,9 +368,12 @@ class SnapshotBuilder:
 
     def _weights(self) -> WeightsView:
         view = self.engine.switcher.weights_view
+        executor = self.engine.executor
+        if has(executor, Adapters):  # loads and unloads change it between switches
+            view = dataclasses.replace(view, adapters=executor.describe_adapters())
         if "auto" not in view.formats:
             return view
-        return dataclasses.replace(view, auto=auto_choice(self.engine.executor))
+        return dataclasses.replace(view, auto=auto_choice(executor))
 
     def kv_view(self) -> KVView:
         e = self.engine

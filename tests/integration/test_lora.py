@@ -165,6 +165,7 @@ def test_one_slot_serves_three_adapters_loading_them_on_demand(gemma_path, adapt
     from kvdeck.runtime.runs.recording import record_headless
     from kvdeck.runtime.runs.replay import load_replay
     from kvdeck.runtime.text.tokenizer import Tokenizer
+    from kvdeck.runtime.views.snapshot import snapshot_of
 
     tokenizer = Tokenizer(gemma_path)
     files = {**adapter_files, "c": write_peft(tmp_path / "c", shapes_of(
@@ -186,6 +187,8 @@ def test_one_slot_serves_three_adapters_loading_them_on_demand(gemma_path, adapt
             engine.step()
         engine.check_integrity()
         recorder.close()
+        resident = 1 if slots else 3  # the KV map's legend shows it
+        assert snapshot_of(engine).weights.adapters.startswith(f"LoRA {resident}/3 resident")
         answers[slots] = [r.output_token_ids for r in reqs]
         assert all(r.status.is_finished and r.num_output_tokens == 8 for r in reqs)
         executor.close()
