@@ -288,3 +288,27 @@ class Reply:
                 r.cancel()
             # The client went away mid-stream, or a sample failed: stop the others.
             self.abort(engine, hub, reason)
+
+
+async def whole_as_events(reply: dict, include_usage: bool) -> AsyncIterator[str]:
+    """A finished answer (`Reply.whole`'s JSON) as a stream: one chunk per choice carrying
+    all its text (and logprobs), the finish reason and any extra fields, then the usage
+    chunk when asked for, then `[DONE]` — for answers decided only once whole (a cascade)."""
+    chat = reply["object"] == "chat.completion"
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    extra = {k: v for k, v in reply.items()
+             if k not in ("id", "object", "created", "model", "choices", "usage")}
+    for choice in reply["choices"]:
+        c = dict(choice)
+        if chat:
+            c["delta"] = c.pop("message")
+        chunk = {"id": reply["id"], "object": kind, "created": reply["created"],
+                 "model": reply["model"], "choices": [c], **extra}
+        if include_usage:
+            chunk["usage"] = None
+        yield "data: " + json.dumps(chunk) + "\n\n"
+    if include_usage:
+        yield "data: " + json.dumps({"id": reply["id"], "object": kind,
+                                     "created": reply["created"], "model": reply["model"],
+                                     "choices": [], "usage": reply["usage"]}) + "\n\n"
+    yield "data: [DONE]\n\n"

@@ -31,7 +31,7 @@ from kvdeck.runtime.core.request import Request as EngineRequest
 from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.errors import ConfigError, EngineFailedError, QueueFullError, RequestError
 from kvdeck.runtime.runs.loop import EngineLoop, SharedBusy
-from kvdeck.runtime.server.answer import Answer, Reply
+from kvdeck.runtime.server.answer import Answer, Reply, whole_as_events
 from kvdeck.runtime.server.api_errors import error, validation_sentence
 from kvdeck.runtime.server.cascade import CascadeConfig, CascadeStats
 from kvdeck.runtime.server.guard import Guard
@@ -391,11 +391,11 @@ def create_app(served: list[Served], *, api_key: str | None = None,
                          echo: str | None):
         """The small model's answer, or the large one's when the small one is unsure of its
         answer or the answer fails its check (`cascade.py`)."""
-        if body.stream or body.num_samples() > 1:
-            field_name = "stream" if body.stream else "n"
-            return error(400, f"The model '{cascade.name}' decides after the small model's "
-                              "whole answer, so it answers one sample, not streamed; ask "
-                              f"'{cascade.small}' or '{cascade.large}' for more.", field_name)
+        if body.num_samples() > 1:
+            return error(400, f"The model '{cascade.name}' decides on one answer of the small "
+                              f"model, so it answers one sample; ask '{cascade.small}' or "
+                              f"'{cascade.large}' for more.", "n")
+        stream, body = body.stream, body.model_copy(update={"stream": False})
         small, large = by_name[cascade.small], by_name[cascade.large]
         start = time.monotonic()
         response, req = await run_on(small, request, body, prompt, chat, echo, scored=True)
@@ -421,6 +421,10 @@ def create_app(served: list[Served], *, api_key: str | None = None,
                                    "measure": cascade.measure,
                                    "answered_by": large.model_id if route != "small"
                                    else small.model_id}
+        if stream:  # decided only once whole: streamed as one chunk per choice
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(whole_as_events(reply, include_usage),
+                                     media_type="text/event-stream")
         return JSONResponse(reply)
 
     async def submit(s: Served, body: GenerateBody, prompt: list[int], chat: bool,

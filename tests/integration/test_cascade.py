@@ -91,10 +91,18 @@ def test_metrics_count_routes_and_the_shared_device(server, client) -> None:
         == {SMALL, LARGE}
 
 
-def test_streams_and_samples_are_refused_by_the_cascade(client) -> None:
-    with pytest.raises(BadRequestError, match="decides after the small model's whole "
-                                              "answer"):
-        ask(client, "cascade", SURE, stream=True)
+def test_a_streamed_cascade_answer_comes_once_decided(client) -> None:
+    whole = ask(client, "cascade", UNSURE)
+    chunks = list(ask(client, "cascade", UNSURE, stream=True,
+                      stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].model_extra["kvdeck_cascade"]["route"] == "escalated-confidence"
+    assert chunks[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_samples_are_refused_by_the_cascade(client) -> None:
     with pytest.raises(BadRequestError, match="answers one sample"):
         ask(client, "cascade", SURE, n=2)
 
