@@ -36,8 +36,8 @@ PARENT = "KVDECK_SUPERVISOR_PID"
 SUPERVISED_COMMANDS = ("console", "serve")
 """Commands run under the supervisor (and the bare `kvdeck`, which opens the console)."""
 STOP_GRACE_S = 30.0
-"""Seconds a child asked to stop (a forwarded signal) has before it is killed: a server's
-drain (`--shutdown-timeout`, 5 s by default) and the engine's current step fit well within
+"""Seconds a child asked to stop (a forwarded signal) has before it is killed, beyond the
+drain it recorded (`serve --shutdown-timeout`): the engine's current step fits well within
 it."""
 SI_KERNEL = 0x80
 """siginfo's code for a signal the kernel sent (the terminal's Ctrl+C and hang-up)."""
@@ -135,10 +135,12 @@ def supervise(argv: list[str]) -> int:
         raise
     stacks = fault_log(child.pid)
     try:
-        status, forwarded = _wait(child)
+        status, forwarded = _wait(child, state)
         if status >= 0:
             return status
         sig = -status
+        if sig == signal.SIGKILL and sig in forwarded:
+            _restore_terminal(tty)  # we killed it: it restored nothing
         if sig in forwarded:
             return 128 + sig  # the signal someone sent us, passed on: no crash to explain
         _restore_terminal(tty)
@@ -201,11 +203,11 @@ def forwardable(info: signal.struct_siginfo | None) -> bool:
     return info.si_code != SI_KERNEL or info.si_signo == signal.SIGHUP
 
 
-def _wait(child: subprocess.Popen) -> tuple[int, set[int]]:
+def _wait(child: subprocess.Popen, state: str) -> tuple[int, set[int]]:
     """Wait for `child`, forwarding signals other processes send us; (its return code,
     the signals forwarded). A child that has not ended `STOP_GRACE_S` after the first
-    signal is killed: one whose terminal is gone can block for good writing to it, still
-    holding its port."""
+    signal, plus the drain it recorded (`serve --shutdown-timeout`), is killed: one whose
+    terminal is gone can block for good writing to it, still holding its port."""
     forwarded: set[int] = set()
     deadline = None
     old = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
@@ -215,10 +217,11 @@ def _wait(child: subprocess.Popen) -> tuple[int, set[int]]:
             if forwardable(info) and child.poll() is None:
                 forwarded.add(info.si_signo)
                 child.send_signal(info.si_signo)
-                deadline = deadline or time.monotonic() + STOP_GRACE_S
+                grace = STOP_GRACE_S + _drain_seconds(state)
+                deadline = deadline or time.monotonic() + grace
             if deadline is not None and time.monotonic() > deadline and child.poll() is None:
-                print(f"kvdeck did not stop within {STOP_GRACE_S:g} s of being asked to (was "
-                      "its terminal closed?); killed it.", file=sys.stderr)
+                print(f"kvdeck did not stop within {grace:g} s of being asked to (was its "
+                      "terminal closed?); killed it.", file=sys.stderr)
                 child.kill()
                 child.wait()
                 forwarded.add(signal.SIGKILL)
@@ -227,6 +230,14 @@ def _wait(child: subprocess.Popen) -> tuple[int, set[int]]:
         while signal.sigtimedwait(FORWARDED, 0) is not None:
             pass  # the terminal's Ctrl+C was the child's to handle, not ours on the way out
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _drain_seconds(state: str) -> float:
+    """The drain the child recorded (`record(drain_s=...)`), 0 if none."""
+    try:
+        return max(float(_read_state(state).get("drain_s", 0)), 0.0)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _save_terminal():

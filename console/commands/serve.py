@@ -106,7 +106,8 @@ def serve(opts: ServeOptions, settings: SettingsRequest = SettingsRequest(),
                  "name": opts.cascade_name}
         sessions, chosen = build_models(settings, events, opts.cascade, knobs,
                                         opts.lora_modules or [])
-        supervisor.record(executor=sessions[0].settings.executor, log=str(log_path))
+        supervisor.record(executor=sessions[0].settings.executor, log=str(log_path),
+                          drain_s=str(opts.shutdown_timeout))
         return sessions, chosen
 
     sessions, chosen = guarded(build)
@@ -162,19 +163,24 @@ def build_models(settings: SettingsRequest, events, cascade: str | None, knobs: 
     sessions = build_sessions(requests)
     try:
         ids = [s.model_id for s in sessions]
-        if len(set(ids)) < len(ids):
-            raise ConfigError(f"Two of the models would be served as {ids[0]!r}; give each "
+        twice = [i for i in ids if ids.count(i) > 1]
+        if twice:
+            raise ConfigError(f"Two of the models would be served as {twice[0]!r}; give each "
                               "--model a different model.")
         if lora_modules:
             if len(sessions) > 1:
                 raise ConfigError("--lora-modules adapts one base model; serve one --model "
                                   "with it.")
+            if events is not None and events.publishes:
+                raise ConfigError("--kv-events-config does not yet put the adapter into the "
+                                  "block hashes it publishes (vLLM does), so it cannot be "
+                                  "used with --lora-modules.")
             sessions[0].load_adapters(lora_modules)
         chosen = cascade_config(sessions, cascade, knobs) if cascade else None
         if events is not None and events.publishes:
             publisher = EventPublisher(events, sessions[0].engine.kv.block_size).start()
             publisher.attach(sessions[0].engine)
-    except ConfigError:
+    except BaseException:
         for s in sessions:
             s.close()
         raise

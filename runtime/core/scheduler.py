@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from kvdeck.runtime.core import preempt
 from kvdeck.runtime.core.config import EngineConfig, Knobs
-from kvdeck.runtime.core.policies.admission import DeadlineAdmission, never_fits
+from kvdeck.runtime.core.policies.admission import DeadlineAdmission, lora_slot_limit, never_fits
 from kvdeck.runtime.core.policies.draft_length import DraftLengths
 from kvdeck.runtime.core.policies.preemption import preemption_mode
 from kvdeck.runtime.core.policies.queue_order import queue_order
@@ -349,6 +349,10 @@ class Scheduler:
         for req in queue_order(self.waiting, k, now):
             if budget <= 0 or len(scheduled) >= k.max_num_seqs:
                 break
+            slot = lora_slot_limit(req, self.running, self.config.max_loras)
+            if slot:  # a swapped-out request's adapter needs its slot back too
+                plan.limit = slot
+                continue
             if req.status is RequestStatus.SWAPPED:
                 if not self._swap_in(req, plan, budget, full, now):
                     break
@@ -360,12 +364,6 @@ class Scheduler:
                 self.waiting.remove(req)
                 self.reject(req, never, now)
                 plan.rejected.append(req.request_id)
-                continue
-            lora, slots = req.sampling.lora, self.config.max_loras
-            if lora and slots and lora not in (held := {r.sampling.lora for r in self.running
-                                                        if r.sampling.lora}) \
-                    and len(held) >= slots:
-                plan.limit = f"LoRA slots (max_loras {slots}): {lora} waits for one"
                 continue
             chain = self.kv.prefix_chain(req)
             hit = max(len(chain) * self.kv.block_size, req.remote_kv_tokens)
@@ -429,7 +427,8 @@ class Scheduler:
         mine = req.token_slice(0, end)
         for r in self._prefilling:
             if r is not req and r.num_computed_tokens < end <= r.num_tokens and \
-                    r.status is RequestStatus.RUNNING and r.token_slice(0, end) == mine:
+                    r.status is RequestStatus.RUNNING and r.token_slice(0, end) == mine \
+                    and r.sampling.lora == req.sampling.lora:  # another adapter's: no use
                 return r
         return None
 

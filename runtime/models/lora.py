@@ -80,13 +80,23 @@ def load_adapter(name: str, path: str | Path) -> LoRAAdapter:
                           "llama.cpp adapter GGUF.")
     from safetensors.torch import load_file
 
+    def unreadable(e: Exception) -> ConfigError:
+        return ConfigError(f"The LoRA adapter {name!r} at {path} could not be read "
+                           f"({type(e).__name__}: {e}).")
+
     try:
         cfg = json.loads(config.read_text(encoding="utf-8"))
         rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
-        tensors = load_file(str(weights))
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"The LoRA adapter {name!r} at {path} could not be read "
-                          f"({e}).") from None
+        raise unreadable(e) from None
+    if rank < 1 or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise ConfigError(f"The LoRA adapter {name!r} has rank {rank} or a per-matrix "
+                          "rank_pattern/alpha_pattern; kvdeck serves adapters of one rank "
+                          "of at least 1 for every matrix.")
+    try:
+        tensors = load_file(str(weights))
+    except Exception as e:  # noqa: BLE001 - safetensors' own error is a bare Exception
+        raise unreadable(e) from None
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     return LoRAAdapter(name, str(path), rank, scale,
                        _pairs(name, tensors, PEFT_KEY, PEFT_TARGETS, "A", "B"))
@@ -98,7 +108,7 @@ def _from_gguf(name: str, path: Path) -> LoRAAdapter:
 
     try:
         g = read_gguf(path)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the sentence
         raise ConfigError(f"The LoRA adapter {name!r} at {path} could not be read "
                           f"({e}).") from None
     try:
@@ -145,6 +155,10 @@ def check_fits(adapter: LoRAAdapter, masters: list[dict], arch: str, rope_style:
                           "are trained in; kvdeck applies such adapters to Gemma and Qwen "
                           "models only.")
     for (layer, matrix), (a, b) in sorted(adapter.updates.items()):
+        if a.shape[0] != adapter.rank:
+            raise ConfigError(f"The LoRA adapter {adapter.name!r} has rank {a.shape[0]} at "
+                              f"layer {layer}'s {matrix} and {adapter.rank} elsewhere; kvdeck "
+                              "serves adapters of one rank for every matrix.")
         if layer >= len(masters):
             raise ConfigError(f"The LoRA adapter {adapter.name!r} was made for another base "
                               f"model: it updates layer {layer}, and this model has "

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdeck.runtime.errors import TraceError
+from kvdeck.runtime.errors import KvdeckError, TraceError
 from kvdeck.runtime.resources import QUESTIONS
 from kvdeck.runtime.text.checks import AnswerCheck, parse_check
 
@@ -124,21 +124,35 @@ async def ask_all(url: str, model: str, questions: list[Question], *, concurrenc
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=timeout_s, headers=headers) as client:
         async def costs() -> tuple[float, dict[str, float]]:
-            r = await client.get(f"{root}/metrics")
-            r.raise_for_status()
+            try:
+                r = await client.get(f"{root}/metrics")
+                r.raise_for_status()
+            except httpx.HTTPError as e:
+                raise KvdeckError(f"Could not read {root}/metrics ({type(e).__name__}: {e}); "
+                                  "bench --questions reads each arm's accelerator time from "
+                                  "a kvdeck server's /metrics.") from None
             return read_costs(r.text)
+
+        def failed(q: Question, latency: float, message: str) -> dict:
+            return {"question": q.text, "answer": None, "correct": False,
+                    "latency_s": latency, "error": message, "route": None}
 
         async def ask(q: Question) -> dict:
             async with gate:
                 start = time.monotonic()
-                r = await client.post(f"{base}/chat/completions", json={
-                    "model": model, "messages": [{"role": "user", "content": q.text}],
-                    "max_tokens": max_tokens, "temperature": 0})
+                try:
+                    r = await client.post(f"{base}/chat/completions", json={
+                        "model": model, "messages": [{"role": "user", "content": q.text}],
+                        "max_tokens": max_tokens, "temperature": 0})
+                except httpx.HTTPError as e:
+                    return failed(q, time.monotonic() - start, f"{type(e).__name__}: {e}")
                 latency = time.monotonic() - start
             if r.status_code != 200:
-                message = r.json().get("error", {}).get("message", r.text[:200])
-                return {"question": q.text, "answer": None, "correct": False,
-                        "latency_s": latency, "error": message, "route": None}
+                try:
+                    message = r.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = f"HTTP {r.status_code}: {r.text[:200]}"
+                return failed(q, latency, message)
             body = r.json()
             text = body["choices"][0]["message"]["content"] or ""
             return {"question": q.text, "answer": text, "correct": q.check.passes(text),

@@ -44,12 +44,15 @@ class Answer:
 
     def __init__(self, req: EngineRequest, chat: bool, stream: RequestStream, tokenizer=None,
                  echo: str | None = None, echo_only: bool = False, *, index: int = 0,
-                 report: bool = True, prompt_of: EngineRequest | None = None):
+                 report: bool = True, prompt_of: EngineRequest | None = None,
+                 top: int | None = None):
         """`report`: the client asked for logprobs (a `best_of` request samples with them
         to rank its samples, reported or not); `prompt_of`: the request whose prompt
-        logprobs an echoing branch reports (the first sample scored the prompt)."""
+        logprobs an echoing branch reports (the first sample scored the prompt); `top`:
+        alternatives the client asked for, when the request was sampled with more (a
+        cascade's small model samples with one, to read its confidence)."""
         self.req, self.chat, self.stream = req, chat, stream
-        self.index, self.report = index, report
+        self.index, self.report, self.top = index, report, top
         self.prompt_of = prompt_of or req
         self.tokenizer = tokenizer
         self.echo, self.echo_only = echo, echo_only
@@ -106,13 +109,13 @@ class Answer:
 
             return {"content": [
                 {"token": piece, "logprob": lp.logprob, "bytes": list(b),
-                 "top_logprobs": [alt(t, v) for t, v in lp.top]}
+                 "top_logprobs": [alt(t, v) for t, v in lp.top[:self.top]]}
                 for piece, b, lp in zip(pieces, raw, lps, strict=True)], "refusal": None}
         return {"tokens": pieces,
                 "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
                 "top_logprobs": [None if lp is None else
                                  {tok.token_bytes(t).decode("utf-8", errors="replace"): v
-                                  for t, v in lp.top} for lp in lps],
+                                  for t, v in lp.top[:self.top]} for lp in lps],
                 "text_offset": offsets}
 
     def choice(self, text: str, final: bool, delta: bool, tokens: tuple[int, ...] = (),

@@ -203,8 +203,9 @@ def create_app(served: list[Served], *, api_key: str | None = None,
     by_name = {s.model_id: s for s in served}
     first = served[0]
     stats = CascadeStats(cascade) if cascade is not None else None
-    metrics = ServerMetrics([(s.loop, s.model_id, tuple(s.adapters)) for s in served], stats,
-                            busy)
+    metrics = ServerMetrics([(s.loop, s.model_id, tuple(s.adapters),
+                              s.settings.engine.max_loras if s.settings else 0)
+                             for s in served], stats, busy)
     # One worker: tokenization leaves the event loop, and each tokenizer sees one caller.
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdeck-tokenize")
     app.state.served = served
@@ -394,7 +395,7 @@ def create_app(served: list[Served], *, api_key: str | None = None,
         if body.num_samples() > 1:
             return error(400, f"The model '{cascade.name}' decides on one answer of the small "
                               f"model, so it answers one sample; ask '{cascade.small}' or "
-                              f"'{cascade.large}' for more.", "n")
+                              f"'{cascade.large}' for more.", "n" if body.n > 1 else "best_of")
         stream, body = body.stream, body.model_copy(update={"stream": False})
         small, large = by_name[cascade.small], by_name[cascade.large]
         start = time.monotonic()
@@ -453,7 +454,7 @@ def create_app(served: list[Served], *, api_key: str | None = None,
         server-sent events."""
         report = body.num_logprobs() is not None
         reply = Reply([Answer(r, chat, s.hub.watch(r), s.tokenizer, echo, echo_only, index=i,
-                              report=report, prompt_of=req)
+                              report=report, prompt_of=req, top=body.num_logprobs())
                        for i, r in enumerate([req, *req.branches])], body.model, body.n)
         if not body.stream:
             return await reply.whole(request, s.engine, s.hub, limits.request_timeout_s)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -82,8 +83,10 @@ class CascadeConfig:
         if not logprobs:
             return 0.0
         if self.measure == "min-prob":
-            return min(math.exp(lp.top[0][1] if lp.top else lp.logprob) for lp in logprobs)
-        return math.exp(sum(lp.logprob for lp in logprobs) / len(logprobs))
+            c = min(math.exp(lp.top[0][1] if lp.top else lp.logprob) for lp in logprobs)
+        else:
+            c = math.exp(sum(lp.logprob for lp in logprobs) / len(logprobs))
+        return min(c, 1.0) if c >= 0.0 else 0.0  # NaN logits: nothing to trust
 
     def route(self, confidence: float, correct: bool | None) -> str:
         """Where an answer with this confidence and check result goes (`correct` is None
@@ -115,7 +118,8 @@ class RouteFigures:
 
 @dataclass
 class CascadeStats:
-    """What the cascade did since the server started (the event loop's thread only)."""
+    """What the cascade did since the server started: recorded on the server's event loop,
+    viewed from the console's thread (`view`), one lock between them."""
 
     config: CascadeConfig
     routes: dict[str, RouteFigures] = field(
@@ -132,9 +136,16 @@ class CascadeStats:
 
     started: float | None = None
     """Wall time (monotonic) of the first cascade request."""
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, route: str, confidence: float, good: bool, small_s: float,
                large_s: float, small_latency: float, large_latency: float) -> None:
+        with self.lock:
+            self._record(route, confidence, good, small_s, large_s, small_latency,
+                         large_latency)
+
+    def _record(self, route: str, confidence: float, good: bool, small_s: float,
+                large_s: float, small_latency: float, large_latency: float) -> None:
         if self.started is None:
             self.started = time.monotonic() - small_latency - large_latency
         r = self.routes[route]
@@ -176,6 +187,10 @@ class CascadeStats:
 
     def view(self) -> CascadeView:
         """A copy for another thread to show (the console's routing panel)."""
+        with self.lock:
+            return self._view()
+
+    def _view(self) -> CascadeView:
         elapsed = time.monotonic() - self.started if self.started is not None else 0.0
         return CascadeView(self.config, copy.deepcopy(self.routes),
                            tuple(self.confidence_counts), self.escalation_rate,

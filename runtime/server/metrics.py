@@ -34,11 +34,14 @@ HISTOGRAMS = (
 class SnapshotCollector:
     """Scrape-time view of the loop's latest snapshot."""
 
-    def __init__(self, loop: EngineLoop, model: str, adapters: tuple[str, ...] = ()):
-        """`adapters`: the LoRA adapters the model serves (`kvdeck serve --lora-modules`)."""
+    def __init__(self, loop: EngineLoop, model: str, adapters: tuple[str, ...] = (),
+                 max_loras: int = 0):
+        """`adapters`: the LoRA adapters the model serves (`kvdeck serve --lora-modules`),
+        at most `max_loras` resident at once (0: all)."""
         self.loop = loop
         self.model = model
         self.adapters = adapters
+        self.max_loras = max_loras or len(adapters)
 
     def collect(self):
         snap = self.loop.latest
@@ -130,7 +133,7 @@ class SnapshotCollector:
         info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                                  labels=["max_lora", "waiting_lora_adapters",
                                          "running_lora_adapters"])
-        info.add_metric([str(len(self.adapters)), names(snap.waiting), names(snap.running)],
+        info.add_metric([str(self.max_loras), names(snap.waiting), names(snap.running)],
                         time.time())
         return info
 
@@ -240,9 +243,10 @@ class ServerMetrics:
     """The registry behind /metrics: every served model's engine loop (each sample labelled
     with its `model_name`, as vLLM labels them) and the cascade's figures."""
 
-    def __init__(self, loops: list[tuple[EngineLoop, str, tuple[str, ...]]],
+    def __init__(self, loops: list[tuple[EngineLoop, str, tuple[str, ...], int]],
                  cascade: CascadeStats | None = None, busy: SharedBusy | None = None):
-        """`loops`: (engine loop, model name, its LoRA adapters) per served model."""
+        """`loops`: (engine loop, model name, its LoRA adapters, max_loras) per served
+        model."""
         self.registry = CollectorRegistry()
         self.registry.register(_Merged([SnapshotCollector(*served) for served in loops]))
         if cascade is not None:

@@ -94,7 +94,7 @@ class KvdeckServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        handled = (signal.SIGINT, signal.SIGTERM)
+        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # a hang-up drains too
         original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
         try:
             yield
@@ -195,6 +195,8 @@ class ApiServer:
             self._thread.join(10)
         for loop in self.own_loops:
             loop.stop()
+        for s in self.sessions[1:]:  # the models served beside the caller's (theirs: the
+            s.close()                # caller closes it, or the console does)
         self.app.app.state.tokenizing.shutdown(wait=False)
         forget_routes()
 

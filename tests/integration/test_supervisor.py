@@ -177,5 +177,7 @@ def test_closing_the_terminal_ends_the_console_and_frees_its_port(tmp_path) -> N
             os.kill(term.pid, 9)
             os.waitpid(term.pid, 0)
     assert not child.is_running()
+    # The hang-up, passed on, ended it (not the kill after the grace period: 128 + 9).
+    assert os.waitstatus_to_exitcode(term.status) == 128 + signal.SIGHUP
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{ports[0]}/health", timeout=5)

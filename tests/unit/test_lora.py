@@ -65,8 +65,12 @@ def test_q_and_k_updates_are_refused_where_the_gguf_permutes_them(tmp_path) -> N
 @pytest.mark.parametrize(("files", "says"), [
     ({}, "is neither a PEFT folder (adapter_config.json and adapter_model.safetensors) nor "
          "a llama.cpp adapter GGUF."),
-    ({"adapter_config.json": "{}", "adapter_model.safetensors": "not safetensors"},
-     "could not be read"),
+    ({"adapter_config.json": '{"r": 8}', "adapter_model.safetensors": "not safetensors"},
+     "could not be read (SafetensorError"),
+    ({"adapter_config.json": "{}", "adapter_model.safetensors": ""}, "could not be read"),
+    ({"adapter_config.json": '{"r": 0}', "adapter_model.safetensors": ""}, "has rank 0"),
+    ({"adapter_config.json": '{"r": 8, "rank_pattern": {"q_proj": 4}}',
+      "adapter_model.safetensors": ""}, "per-matrix rank_pattern/alpha_pattern"),
 ])
 def test_unreadable_adapters_get_one_sentence(tmp_path, files, says) -> None:
     for name, text in files.items():
@@ -108,3 +112,45 @@ def test_each_rows_update_equals_its_merged_matrix() -> None:
             merged = w + by_name[name].scale * (b @ a)
         assert torch.allclose(y[i], x[i] @ merged.T, atol=1e-4)
     assert torch.equal(adapters.apply(0, "wk", x, x @ w.T), x @ w.T)  # no update for wk
+
+
+def test_an_adapter_of_mixed_ranks_is_refused(tmp_path) -> None:
+    from safetensors.numpy import save_file
+
+    folder = write_peft(tmp_path / "peft", SHAPES, seed=1)
+    tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+               np.zeros((4, 16), np.float32),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+               np.zeros((32, 4), np.float32)}
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(ConfigError, match="has rank 4 at layer 0's wq and 8 elsewhere"):
+        check_fits(load_adapter("m", folder), masters(), "gemma3", "neox")
+
+
+def test_prefix_cache_blocks_are_each_adapters_own() -> None:
+    """A prompt's blocks cached under the base model are a miss for an adapter, and the
+    adapter's its own hit; a KV format switch keeps both namespaces (renamed together)."""
+    from kvdeck.runtime.core.config import EngineConfig
+    from kvdeck.runtime.core.engine import Engine
+    from kvdeck.runtime.core.request import SamplingParams
+    from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+
+    engine = Engine(EngineConfig(block_size=8, num_blocks=64), SimExecutor(SimConfig()))
+    prompt = list(range(100, 140))  # five full blocks
+
+    def cached(lora: str | None) -> int:
+        req = engine.add_request(prompt, SamplingParams(max_tokens=2, lora=lora))
+        while engine.has_work:
+            engine.step()
+        engine.check_integrity()
+        return req.num_cached_tokens
+
+    assert cached(None) == 0
+    assert cached("a") == 0  # the base model's blocks are not the adapter's
+    assert cached("a") == 32 and cached(None) == 32 and cached("b") == 0
+    engine.set_knobs(kv_format="q8_0")
+    while engine.has_work:
+        engine.step()
+    cached(None)  # an iteration applies the switch
+    assert "|q8_0|" in engine.kv.state.namespace
+    assert cached("a") == 32 and cached(None) == 32

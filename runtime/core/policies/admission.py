@@ -24,6 +24,19 @@ def never_fits(req: Request, full: bool, kv: BlockManager, chunk_size: int) -> s
     return None
 
 
+def lora_slot_limit(req: Request, running: list[Request], max_loras: int) -> str | None:
+    """Why `req` must wait, when its LoRA adapter would take a slot and the running
+    requests' adapters hold all `max_loras` of them (vLLM's rule: at most that many adapters
+    in one batch); None when it may go on (no adapter, no limit, or its adapter's slot)."""
+    lora = req.sampling.lora
+    if not lora or not max_loras:
+        return None
+    held = {r.sampling.lora for r in running if r.sampling.lora}
+    if lora in held or len(held) < max_loras:
+        return None
+    return f"LoRA slots (max_loras {max_loras}): {lora} waits for one"
+
+
 def job(r: Request, computed: int | None = None) -> Job:
     """`r` as the forecast sees it (`computed`: its tokens reused at admission)."""
     return Job(r.request_id, r.num_computed_tokens if computed is None else computed,
