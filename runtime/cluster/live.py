@@ -48,7 +48,7 @@ class LiveReplica:
         self.replica = replica
         self._snapshots = snapshot_builder(replica.engine)
         self._holder = _Latest()
-        self._metrics = ServerMetrics(self._holder, model)
+        self._metrics = ServerMetrics([(self._holder, model, (), 0)])
         self._decoder = Decoder()
         self._lock = threading.Lock()
         self.cache = ReplicaCache()
