@@ -21,6 +21,7 @@ from kvdeck.console.base_app import ConsoleApp
 from kvdeck.console.widgets.footer import KeysFooter
 from kvdeck.console.widgets.metrics import sparkline
 from kvdeck.console.widgets.remote_prefix import UNKNOWN, segment_text
+from kvdeck.console.widgets.routing import RoutingPanel
 from kvdeck.runtime.errors import KvdeckError
 from kvdeck.runtime.fleet.fleet_tree import segments
 from kvdeck.runtime.fleet.replica_cache import ReplicaCache
@@ -185,6 +186,10 @@ class AttachApp(ConsoleApp):
         elif st.generated_tokens_per_s is not None:
             lines.append(f"generation {st.generated_tokens_per_s:,.1f} tokens/s")
         self.query_one("#latency", Static).update("\n".join(lines))
+        if st.cascade is not None:  # a kvdeck server with a cascade: its routing panel
+            if not self.query(RoutingPanel):
+                self.mount(RoutingPanel(id="routing"), before=self.query_one(KeysFooter))
+            self.query_one(RoutingPanel).show(st.cascade)
         self.query_one("#spec", Static).update(
             f"acceptance {st.spec_acceptance:.2f} tokens per draft"
             + (f", {st.spec_acceptance_rate:.0%} of draft tokens"

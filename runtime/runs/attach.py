@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.server.cascade import CascadeView
 
 # Per engine: our field -> the metric that carries it.
 NAMES = {
@@ -130,6 +131,8 @@ class RemoteStatus:
     """The KV pool in tokens (SGLang's `max_total_num_tokens`; vLLM: blocks × block size)."""
     waiting_reasons: dict[str, float] | None = None
     """Waiting requests by why they wait (vLLM's `num_requests_waiting_by_reason`)."""
+    cascade: CascadeView | None = None
+    """A kvdeck server's confidence cascade (`kvdeck serve --cascade`): the routing panel."""
 
     def missing(self) -> list[str]:
         return [LABELS[f.name] for f in fields(self)
@@ -228,6 +231,8 @@ def parse_metrics(text: str) -> RemoteStatus:
     st.spec_acceptance = st.spec_acceptance or pick("spec_accept_length", scalars)
     blocks = {state: v for (name, state), v in labelled.items() if name == "kvdeck:kv_blocks"}
     st.kv_blocks = blocks or None
+    if engine == "kvdeck" and "kvdeck:cascade_threshold" in scalars:
+        st.cascade = CascadeView.from_metrics(text)
     return st
 
 

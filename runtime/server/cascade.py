@@ -213,6 +213,40 @@ class CascadeView:
     def requests(self) -> int:
         return sum(r.requests for r in self.routes.values())
 
+    @classmethod
+    def from_metrics(cls, text: str) -> CascadeView | None:
+        """The view a kvdeck server's `/metrics` text carries (`kvdeck attach`), or None
+        when it serves no cascade."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        routes = {r: RouteFigures() for r in ROUTES}
+        fields = {"kvdeck:cascade_requests_total": "requests",
+                  "kvdeck:cascade_good_answers_total": "good",
+                  "kvdeck:cascade_accelerator_seconds_total": "accelerator_s",
+                  "kvdeck:cascade_latency_seconds_total": "latency_s"}
+        config, cumulative, elapsed, saved = None, [], 0.0, {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name in fields and s.labels.get("route") in routes:
+                    value = s.value if fields[s.name].endswith("_s") else int(s.value)
+                    setattr(routes[s.labels["route"]], fields[s.name], value)
+                elif s.name == "kvdeck:cascade_threshold":
+                    config = CascadeConfig(s.labels["small"], s.labels["large"], s.value,
+                                           s.labels["measure"], s.labels["model_name"])
+                elif s.name == "kvdeck:cascade_confidence_bucket":
+                    cumulative.append(int(s.value))
+                elif s.name == "kvdeck:cascade_elapsed_seconds":
+                    elapsed = s.value
+                elif s.name == "kvdeck:cascade_saved_seconds":
+                    saved[s.labels["kind"]] = s.value
+        if config is None:
+            return None
+        counts = tuple(b - a for a, b in zip([0, *cumulative], cumulative, strict=False))
+        n = sum(r.requests for r in routes.values())
+        rate = (n - routes["small"].requests) / n if n else 0.0
+        return cls(config, routes, counts or (0,) * len(CONFIDENCE_BINS), rate,
+                   (saved["accelerator"], saved["latency"]) if saved else None, elapsed)
+
 
 def cascade_cost(escalation_rate: float, cost_ratio: float) -> float:
     """A cascade's cost per request relative to the large model alone: every request pays

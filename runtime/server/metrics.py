@@ -218,11 +218,24 @@ class CascadeCollector:
                                        f"({s.config.measure}).", labels=["model_name"])
         family.add_metric([name], buckets, s.confidence_sum)
         yield family
+        c = s.config
         threshold = GaugeMetricFamily("kvdeck:cascade_threshold",
-                                      "Confidence below which the cascade escalates.",
-                                      labels=["model_name"])
-        threshold.add_metric([name], s.config.threshold)
+                                      "Confidence below which the cascade escalates (labels: "
+                                      "its models and measure).",
+                                      labels=["model_name", "small", "large", "measure"])
+        threshold.add_metric([name, c.small, c.large, c.measure], c.threshold)
         yield threshold
+        view = s.view()
+        yield GaugeMetricFamily("kvdeck:cascade_elapsed_seconds", "Wall seconds since the "
+                                "first cascade request.", value=view.elapsed_s)
+        if view.saved is not None:
+            saved = GaugeMetricFamily("kvdeck:cascade_saved_seconds", "Estimated seconds saved "
+                                      "against sending every request to the large model "
+                                      "(the large/small ratio measured on escalated ones).",
+                                      labels=["model_name", "kind"])
+            saved.add_metric([name, "accelerator"], view.saved[0])
+            saved.add_metric([name, "latency"], view.saved[1])
+            yield saved
 
 
 class DeviceCollector:

@@ -153,3 +153,24 @@ def test_what_cannot_be_served_gets_one_sentence(qwen_pair, args, says) -> None:
     assert run.returncode == 2
     assert says in " ".join(run.stderr.split())
     assert "Traceback" not in run.stderr
+
+
+async def test_attach_shows_the_cascades_routing_panel(server, client) -> None:
+    """`kvdeck attach` on a cascade server: the routing panel the server's own console has,
+    read from /metrics."""
+    from kvdeck.console.screens.attach import AttachApp
+    from kvdeck.console.widgets.routing import RoutingPanel
+    from tests.ui.panel_text import panel_text
+
+    ask(client, "cascade", SURE)
+    app = AttachApp(server.url.removesuffix("/v1"), interval_s=0.2)
+    async with app.run_test(size=(160, 48)) as pilot:
+        for _ in range(100):
+            await pilot.pause(0.1)
+            if app.query(RoutingPanel) and app.status and app.status.cascade:
+                break
+        view = app.status.cascade
+        text = " ".join(panel_text(app.query_one(RoutingPanel)).split())
+    assert view.config.small == SMALL and view.config.large == LARGE
+    assert f"{view.requests:,} requests · escalated {view.escalation_rate:.0%}" in text
+    assert "escalate when min-prob < 0.5" in text and view.routes["small"].requests >= 1

@@ -164,3 +164,27 @@ def test_question_lines_are_the_apis_check_shape() -> None:
 
     line = json.loads(QUESTIONS.read_text(encoding="utf-8").splitlines()[0])
     assert set(line) == {"question", "check"}
+
+
+def test_the_routing_view_travels_through_metrics() -> None:
+    """What `kvdeck attach` reads from a cascade server's /metrics is what the server's own
+    console shows."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvdeck.runtime.server.cascade import CascadeView
+    from kvdeck.runtime.server.metrics import CascadeCollector
+
+    stats = CascadeStats(CascadeConfig("small", "large", threshold=0.6, measure="mean-prob"))
+    stats.record("small", 0.95, True, 0.2, 0.0, 0.3, 0.0)
+    stats.record("escalated-check", 0.8, False, 0.2, 0.5, 0.3, 0.6)
+    stats.record("escalated-confidence", 0.15, True, 0.25, 0.7, 0.3, 0.9)
+    registry = CollectorRegistry()
+    registry.register(CascadeCollector(stats))
+    read = CascadeView.from_metrics(generate_latest(registry).decode())
+    here = stats.view()
+    assert read.config == here.config
+    assert read.routes == here.routes
+    assert read.confidence_counts == here.confidence_counts
+    assert read.escalation_rate == here.escalation_rate
+    assert read.saved == pytest.approx(here.saved)
+    assert CascadeView.from_metrics("# no cascade\n") is None
