@@ -186,16 +186,21 @@ class AttachApp(ConsoleApp):
         elif st.generated_tokens_per_s is not None:
             lines.append(f"generation {st.generated_tokens_per_s:,.1f} tokens/s")
         self.query_one("#latency", Static).update("\n".join(lines))
-        if st.cascade is not None:  # a kvdeck server with a cascade: its routing panel
-            if not self.query(RoutingPanel):
-                self.mount(RoutingPanel(id="routing"), before=self.query_one(KeysFooter))
-            self.query_one(RoutingPanel).show(st.cascade)
+        self._routing(st)
         self.query_one("#spec", Static).update(
             f"acceptance {st.spec_acceptance:.2f} tokens per draft"
             + (f", {st.spec_acceptance_rate:.0%} of draft tokens"
                if st.spec_acceptance_rate is not None else "")
             if st.spec_acceptance is not None
             else f"{st.engine} reports no speculative decoding")
+
+    def _routing(self, st: RemoteStatus) -> None:
+        """A kvdeck server with a cascade: its routing panel, mounted on first sight."""
+        if st.cascade is None:
+            return
+        if not self.query(RoutingPanel):
+            self.mount(RoutingPanel(id="routing"), before=self.query_one(KeysFooter))
+        self.query_one(RoutingPanel).show(st.cascade)
 
     def _residency(self, st: RemoteStatus) -> Text:
         segs, status, cache = self.events
