@@ -131,6 +131,16 @@ FLAGS: tuple[Flag, ...] = (
     Flag("free_window_kv", ("--free-window-kv/--no-free-window-kv",), bool,
          "Free sliding-window layers' KV behind the window (torch; models mixing full and "
          "sliding-window layers such as Gemma 3; no host tier) (default off).", ENGINE),
+    Flag("kv_eviction", ("--kv-eviction",), str,
+         "Token-level KV eviction for prompts past the pool: off, sink-window (keep sink + "
+         "recent tokens) or heavy-hitter (and the most-attended blocks); lossy, torch "
+         "(default off).", ENGINE),
+    Flag("kv_sink_tokens", ("--kv-sink-tokens",), int,
+         "Tokens kept at the start of each request under eviction (default 4).", ENGINE),
+    Flag("kv_recent_tokens", ("--kv-recent-tokens",), int,
+         "Tokens kept before the next position under eviction (default 512).", ENGINE),
+    Flag("kv_heavy_tokens", ("--kv-heavy-tokens",), int,
+         "Heavy-hitter eviction: most-attended tokens kept besides (default 256).", ENGINE),
     Flag("max_num_seqs", ("--max-num-seqs",), int, "Most requests per iteration (default 256).",
          ENGINE),
     Flag("max_num_batched_tokens", ("--max-num-batched-tokens",), int,

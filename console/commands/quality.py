@@ -14,10 +14,22 @@ from kvdeck.runtime.logs import setup_logging
 def quality(
     model: str = typer.Argument(None, help="Model name or GGUF path (default: the embedded "
                                 "model)."),
-    weights: str = typer.Option("bf16,int8,int4", "--weights",
-                                help="Weight formats to measure, comma-separated."),
-    kv: str = typer.Option("fp16,bf16,fp8_e4m3,q8_0,q4_0", "--kv",
-                           help="KV formats to measure, comma-separated."),
+    weights: str = typer.Option(None, "--weights", help="Weight formats to measure, "
+                                "comma-separated (default bf16,int8,int4; none with "
+                                "--kv-eviction alone)."),
+    kv: str = typer.Option(None, "--kv", help="KV formats to measure, comma-separated "
+                           "(default fp16,bf16,fp8_e4m3,q8_0,q4_0; none with --kv-eviction "
+                           "alone)."),
+    kv_eviction: str = typer.Option("", "--kv-eviction", help="Token-level KV eviction "
+                                    "modes to measure: sink-window, heavy-hitter."),
+    sink: int = typer.Option(4, "--kv-sink-tokens", help="Eviction: sink tokens kept."),
+    recent: int = typer.Option(128, "--kv-recent-tokens", help="Eviction: recent tokens kept."),
+    heavy: int = typer.Option(64, "--kv-heavy-tokens",
+                              help="Heavy-hitter eviction: most-attended tokens kept besides."),
+    pool_blocks: int = typer.Option(24, "--pool-blocks", help="Eviction: the pool, in blocks "
+                                    "of 16 tokens (fewer than the passage takes)."),
+    chunk_size: int = typer.Option(32, "--chunk-size",
+                                   help="Eviction: prompt tokens computed per step."),
     threads: int = typer.Option(None, "--threads", help="CPU threads."),
     int8_group_size: int = typer.Option(64, "--int8-group-size",
                                         help="Inputs per int8 scale (0: per channel)."),
@@ -31,7 +43,9 @@ def quality(
     """Measure what weight and KV formats cost in accuracy against fp32 weights with fp32 KV
     (teacher-forced top-1 agreement and mean |Δlogit| over a fixed text, identical greedy
     tokens on three prompts), on the CPU. Figures are cached per model and format; the
-    console shows them beside the weight_format and kv_format knobs."""
+    console shows them beside the weight_format and kv_format knobs. With --kv-eviction,
+    what token-level eviction costs on the same text served through the engine in a pool
+    smaller than it (top-1 agreement, mean |Δ log p|, perplexity against full KV)."""
     from dataclasses import asdict
 
     from kvdeck.runtime.kv.formats import KV_FORMATS
@@ -44,8 +58,10 @@ def quality(
         from kvdeck.runtime.executors.torch import TorchExecutor
         from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 
-        w = tuple(x for x in weights.split(",") if x)
-        k = tuple(x for x in kv.split(",") if x)
+        alone = kv_eviction and weights is None and kv is None
+        w = tuple(x for x in ("" if alone else weights or "bf16,int8,int4").split(",") if x)
+        k = tuple(x for x in ("" if alone else kv or "fp16,bf16,fp8_e4m3,q8_0,q4_0"
+                              ).split(",") if x)
         for x in w:
             if x not in FORMATS or x in ("auto", "dense"):
                 raise KvdeckError(f"--weights names {x!r}; measurable weight formats are "
@@ -64,11 +80,35 @@ def quality(
         out.print(f"measuring {ex.info.model_name} against fp32 weights + fp32 KV (cached figures "
                   "are reused)…", highlight=False)
     results = guarded(lambda: measure_formats(ex, tok, w, k))
+    evictions = guarded(lambda: _evictions(ex, tok, kv_eviction, sink, recent, heavy,
+                                           pool_blocks, chunk_size))
     ex.close()
     if as_json:
-        print_json([asdict(q) for q in results])
+        print_json([asdict(q) for q in results + evictions])
         return
+    for q in evictions:
+        out.print(q.line(), highlight=False)
     for q in results:
         where = ", ".join(f"{p} ({m:.3f})" for p, m in q.disagreements[:3])
         out.print(q.line() + (f"; first disagreements at position (reference margin): "
                               f"{where}" if where else ""), highlight=False)
+
+
+def _evictions(ex, tok, modes: str, sink: int, recent: int, heavy: int, pool_blocks: int,
+               chunk_size: int) -> list:
+    """`kvdeck quality --kv-eviction`'s figures; sink-window is measured without its sinks
+    too, to show what they hold up."""
+    from kvdeck.runtime.kv.eviction import EVICTION_MODES, Eviction
+    from kvdeck.runtime.text.eviction_quality import measure_eviction
+
+    policies = []
+    for mode in (m for m in modes.split(",") if m):
+        if mode not in EVICTION_MODES[1:]:
+            raise KvdeckError(f"--kv-eviction names {mode!r}; modes are "
+                              f"{', '.join(EVICTION_MODES[1:])}.")
+        policy = Eviction(mode, sink, recent, heavy)
+        policy.check(16)
+        policies.append((policy.describe(), policy))
+        if mode == "sink-window" and sink:
+            policies.append(("window alone (no sink)", Eviction(mode, 0, recent, heavy)))
+    return measure_eviction(ex, tok, policies, pool_blocks, chunk_size) if policies else []

@@ -10,6 +10,7 @@ from rich.text import Text
 from kvdeck.console.model_report import human_bytes
 from kvdeck.console.widgets.base import SnapshotPanel
 from kvdeck.runtime.core.switch import Switch
+from kvdeck.runtime.kv.eviction import evicted_ranges
 from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HOST_FREE, HOST_SWAPPED
 from kvdeck.runtime.views.snapshot import (
     CACHED,
@@ -111,13 +112,15 @@ class KVMapPanel(SnapshotPanel):
         window = kv.window
         window_rows = -(-len(window_text(kv).plain) // width) if window else 0
         rows = max(self.size.height - 5 - switch_rows - (2 if host else 0) - window_rows
-                   - (1 if kv.draft_bytes_per_block else 0), 1)
+                   - (1 if kv.draft_bytes_per_block else 0) - (1 if kv.eviction else 0), 1)
         cells = width * rows
         per_cell = max(-(-kv.num_blocks // cells), 1)
         highlight: set[int] = set()
+        holes: list[tuple[int, int]] = []
         for v in snap.running:
             if v.request_id == self.selected:
-                highlight = set(v.block_table)
+                highlight = set(v.block_table) - {-1}
+                holes = evicted_ranges(v.block_table, kv.block_size)
         grid = Text()
         states = kv.states
         for start in range(0, kv.num_blocks, per_cell):
@@ -147,6 +150,8 @@ class KVMapPanel(SnapshotPanel):
         what = "page" if window else "block"
         scale = f"1 cell = {per_cell} {what}s" if per_cell > 1 else f"1 cell = 1 {what}"
         sel = f" · highlighted: {self.selected}" if highlight else ""
+        if holes:  # token-level eviction: what the highlighted request no longer holds
+            sel += " · evicted tokens " + ", ".join(f"{a:,}–{b - 1:,}" for a, b in holes)
         if snap.weights is not None and snap.weights.adapters:  # beside the pool, not in it
             sel += f" · {snap.weights.adapters}"
         self.grid = grid
@@ -155,6 +160,8 @@ class KVMapPanel(SnapshotPanel):
             lines.append(window_text(kv))
         if kv.draft_bytes_per_block:
             lines.append(Text(draft_text(kv), style="dim"))
+        if kv.eviction:
+            lines.append(Text(kv.eviction, style="magenta"))
         if switch:
             lines.append(Text(switch, style="yellow"))
         if host:

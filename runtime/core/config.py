@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.kv.eviction import Eviction
 from kvdeck.runtime.kv.formats import KV_FORMATS
 from kvdeck.runtime.models.weight_formats import parse_weight_format
 
@@ -183,6 +184,16 @@ class EngineConfig:
     """Keep sliding-window layers' KV in blocks of their own and free those behind the
     window (`kv/groups.py`; torch executor, models mixing full and sliding-window layers,
     no host tier). `num_blocks` then counts pages."""
+    kv_eviction: str = "off"
+    """Token-level KV eviction for contexts past the pool (`kv/eviction.py`): off,
+    sink-window or heavy-hitter. Lossy; torch executor, lazy reservation, no host tier, no
+    free_window_kv."""
+    kv_sink_tokens: int = 4
+    """Tokens at the start of every request kept under eviction (rounded up to blocks)."""
+    kv_recent_tokens: int = 512
+    """Tokens before the next position kept under eviction."""
+    kv_heavy_tokens: int = 256
+    """Heavy-hitter eviction: tokens kept beyond the sinks and the recent window."""
     max_model_len: int | None = None
     """Context limit; None takes the executor's model context."""
     max_waiting: int = 4096
@@ -206,7 +217,13 @@ class EngineConfig:
             check_int("max_model_len", self.max_model_len, 2, 1 << 24)
         check_int("max_waiting", self.max_waiting, 1, 1 << 24)
         check_int("max_loras", self.max_loras, 0, 1 << 10)
+        self.eviction.check(self.block_size)
         check_int("seed", self.seed, 0, (1 << 63) - 1)
+
+    @property
+    def eviction(self) -> Eviction:
+        return Eviction(self.kv_eviction, self.kv_sink_tokens, self.kv_recent_tokens,
+                        self.kv_heavy_tokens)
 
     def blocks_for_budget(self, kv_bytes_per_token: int, extra_bytes: int = 0) -> int:
         """Blocks in the pool: the override, or the budget (plus `extra_bytes`, device

@@ -21,6 +21,7 @@ from kvdeck.runtime.executors.base import (
     Executor,
     HostTier,
     Offload,
+    TokenEviction,
     WeightFormats,
     WindowGroups,
     capability,
@@ -51,6 +52,12 @@ def set_up(config: EngineConfig, executor: Executor) -> tuple[EngineConfig, Pool
         raise ConfigError("free_window_kv cannot have a host KV tier: window pages are not "
                           "swapped or demoted; drop --host-kv-memory-gib or "
                           "--free-window-kv.")
+    if config.eviction.on:
+        _check_eviction(config, groups)
+        capability(executor, TokenEviction, "kv_eviction").set_token_eviction(
+            config.kv_eviction)
+    elif has(executor, TokenEviction):  # an earlier engine may have set it
+        executor.set_token_eviction("off")
     pool = PoolSize(config, executor, groups)
     executor.bind_kv(pool.blocks(k.kv_format), config.block_size, k.kv_format, groups=groups)
     host_blocks = pool.host_blocks(k.kv_format)
@@ -61,6 +68,17 @@ def set_up(config: EngineConfig, executor: Executor) -> tuple[EngineConfig, Pool
     if text != k.weight_format:  # knobs hold the resolved value
         config = dataclasses.replace(config, knobs=k.with_changes(weight_format=text))
     return config, pool
+
+
+def _check_eviction(config: EngineConfig, groups: LayerGroups | None) -> None:
+    """A ConfigError sentence for what token-level eviction cannot go with."""
+    clash = "free_window_kv (--free-window-kv)" if groups is not None else \
+        "a host KV tier (--host-kv-memory-gib)" if config.host_kv_memory_bytes else \
+        "full reservation (--reservation full)" if config.knobs.reservation == "full" else None
+    if clash:
+        raise ConfigError(f"kv_eviction {config.kv_eviction} cannot go with {clash}: an "
+                          "evicted block leaves a hole that neither window pages, swapping "
+                          "nor a reservation of the whole context account for; drop one.")
 
 
 class PoolSize:
@@ -102,7 +120,8 @@ class PoolSize:
             bytes_per_block=self.block_bytes(k.kv_format),
             recompute_cost=lambda h, c: e.estimate_step_seconds(c, causal_pairs(c, h), h + c),
             clock=clock, host_blocks=self.host_blocks(k.kv_format),
-            link_seconds=lambda nbytes: nbytes / e.info.link_bandwidth, groups=self.groups)
+            link_seconds=lambda nbytes: nbytes / e.info.link_bandwidth, groups=self.groups,
+            eviction=self.config.eviction)
         kv.admission.configure(k.cache_admission_k, k.cache_admission_window)
         return kv
 

@@ -513,6 +513,8 @@ class Scheduler:
                 self.kv.cache_computed(req)
             if self.kv.groups:  # after any rollback: the window of its next position
                 self.kv.slide(req)
+            if self.kv.eviction.on:  # after any rollback too
+                self.kv.evict_tokens(req, result.attention.get(req.request_id))
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status, finish_reason(req, status), now)

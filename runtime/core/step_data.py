@@ -178,6 +178,10 @@ class StepResult:
     """Request id -> the tokens a speculating chunk emits, in order: the accepted draft
     tokens, then the target's own token (a correction, or the bonus when all were accepted).
     Such a request has no entry in `sampled`."""
+    attention: dict[str, list[float]] = field(default_factory=dict)
+    """Request id -> the attention its rows put on each block of its table this step, in
+    table order (softmax weights summed over heads, rows and layers): what heavy-hitter
+    eviction ranks blocks by (`kv/eviction.py`). Empty unless the executor was asked."""
     lost_blocks: tuple[int, ...] = ()
     """Blocks whose KV the executor no longer has (llama.cpp recycled the slot that held
     them): the prefix cache must not hand them out again."""

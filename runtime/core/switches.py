@@ -81,6 +81,10 @@ class KnobSwitches:
 
     def check(self, knobs: Knobs) -> None:
         """Bounds that depend on this engine's executor and pool (ConfigError if broken)."""
+        if knobs.reservation == "full" and self.kv.eviction.on:
+            raise ConfigError("reservation full cannot go with kv_eviction: an evicted block "
+                              "leaves a hole a reservation of the whole context does not "
+                              "account for; use lazy.")
         if knobs.preemption != "recompute" and self.pool.groups is not None:
             raise ConfigError(f"preemption {knobs.preemption} needs a host KV tier, which "
                               "free_window_kv rules out (window pages are not swapped); use "

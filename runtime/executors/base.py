@@ -275,11 +275,23 @@ class Adapters(Protocol):
         ...
 
 
+@runtime_checkable
+class TokenEviction(Protocol):
+    """Reads block tables with holes (token-level KV eviction, `kv/eviction.py`) and can
+    report the attention each row puts on each block it reads (`StepResult.attention`)."""
+
+    def set_token_eviction(self, mode: str) -> None:
+        """Read tables with holes unless `mode` is 'off'; with 'heavy-hitter', report the
+        attention on each block with every step."""
+        ...
+
+
 NEEDS = {KVConversion: "re-encodes its KV pool in place", HostTier: "has a host KV tier",
          Adapters: "applies LoRA adapters (the torch executor)",
          WeightFormats: "re-packs its weights", Offload: "offloads FFN weights to the host",
          Drafting: "runs a draft model",
-         WindowGroups: "lays out KV pages of its own (the torch executor)"}
+         WindowGroups: "lays out KV pages of its own (the torch executor)",
+         TokenEviction: "reads block tables with evicted holes (the torch executor)"}
 """What each capability is, as the refusal sentence says it."""
 
 

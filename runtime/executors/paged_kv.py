@@ -13,6 +13,11 @@ slots, and the index tensors are built once per table — the global table and e
 sub-group's — with a layer writing and reading its own slot through its table. A local
 table is read only from the first block its rows' windows reach: the blocks before it may
 have been freed.
+
+Under token-level eviction (`kv/eviction.py`) a table has holes (−1) where blocks were
+evicted: a row reads the blocks left, each key at its own position. With `scores` the
+attention every row puts on each block it reads is summed over heads, rows and layers
+(`PagedBatch.block_scores`: what heavy-hitter eviction ranks blocks by).
 """
 
 from __future__ import annotations
@@ -191,34 +196,62 @@ class BatchRow:
     `table` then holds the global layers' pages."""
 
 
+_PAST = 1 << 40
+"""The key position of a padding slot: past every row's length, so masked."""
+
+
 class _Reach:
     """Which blocks of its table each row of a batch reads — from its `first` block to the
-    one holding its last token — and the masks over those keys. The masks depend only on
-    the rows, not on the table, so the local sub-groups' tables share one reach."""
+    one holding its last token, less the holes when `holes` — and the masks over those
+    keys. The masks depend only on the rows, not on the table, so the local sub-groups'
+    tables share one reach."""
 
     def __init__(self, rows: list[BatchRow], firsts: list[int], block_size: int,
-                 windows: set[int | None], device: torch.device):
+                 windows: set[int | None], device: torch.device, holes: bool = False):
         p = block_size
         self.rows, self.firsts, self.block_size, self.device = rows, firsts, p, device
         self.ends = [-(-(r.start + len(r.tokens)) // p) for r in rows]
         self.decode = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
         self.prefill = [i for i, r in enumerate(rows) if len(r.tokens) > 1]
-        self.width = max((self.ends[i] - firsts[i] for i in self.decode), default=0)
+        self.reads = [[k for k in range(f, e) if r.table[k] >= 0] for r, f, e in
+                      zip(rows, firsts, self.ends, strict=True)] if holes else None
+        """Per row, the table indices it reads (None: every one from `first` to its end)."""
+        self.width = max((self._count(i) for i in self.decode), default=0)
         self.decode_masks: dict[int | None, torch.Tensor] = {}
         if self.decode:
             qpos = self._t([rows[i].start for i in self.decode])[:, None]
-            kpos = torch.arange(self.width * p, device=device)[None, :]
-            if any(firsts[i] for i in self.decode):  # key positions per row: [B, width·p]
-                kpos = self._t([firsts[i] * p for i in self.decode])[:, None] + kpos
+            if self.reads is not None:  # the positions of the blocks left, then padding
+                kpos = self._t([pos for i in self.decode for pos in self._positions(i, True)]
+                               ).view(len(self.decode), -1)
+            else:
+                kpos = torch.arange(self.width * p, device=device)[None, :]
+                if any(firsts[i] for i in self.decode):  # per row: [B, width·p]
+                    kpos = self._t([firsts[i] * p for i in self.decode])[:, None] + kpos
             for w in windows:
                 self.decode_masks[w] = _window_mask(qpos, kpos, qpos + 1, w)[:, None, None, :]
         self.prefill_masks: list[dict[int | None, torch.Tensor]] = []
         for i in self.prefill:
             start, n = rows[i].start, len(rows[i].tokens)
             qpos = torch.arange(start, start + n, device=device)[:, None]
-            kpos = torch.arange(firsts[i] * p, self.ends[i] * p, device=device)[None, :]
+            kpos = self._t(self._positions(i, False))[None, :] if self.reads is not None \
+                else torch.arange(firsts[i] * p, self.ends[i] * p, device=device)[None, :]
             self.prefill_masks.append({w: _window_mask(qpos, kpos, qpos.new_tensor(start + n), w)
                                        for w in windows})
+
+    def _count(self, i: int) -> int:
+        """Blocks row `i` reads."""
+        return len(self.reads[i]) if self.reads is not None else self.ends[i] - self.firsts[i]
+
+    def _positions(self, i: int, pad: bool) -> list[int]:
+        """The key positions row `i` reads (with `pad`, padded to the decode width)."""
+        p = self.block_size
+        out = [k * p + j for k in self.reads[i] for j in range(p)]
+        return out + [_PAST] * (self.width * p - len(out)) if pad else out
+
+    def blocks_read(self, i: int) -> list[int]:
+        """The table indices row `i` reads, in order."""
+        return self.reads[i] if self.reads is not None else \
+            list(range(self.firsts[i], self.ends[i]))
 
     def _t(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -229,14 +262,20 @@ class _Reach:
         p, firsts, ends = self.block_size, self.firsts, self.ends
         slots = [tb[pos // p] * p + pos % p for tb, r in zip(tables, self.rows, strict=True)
                  for pos in range(r.start, r.start + len(r.tokens))]
+        reads = self.reads
+        # A slot in a hole would be a negative index, wrapping to another block's bytes.
+        assert reads is None or min(slots, default=0) >= 0, "a row writes into an evicted block"
+
+        def read(i: int) -> list[int]:
+            return tables[i][firsts[i]:ends[i]] if reads is None else \
+                [tables[i][k] for k in reads[i]]
+
         decode_blocks = None
         if self.decode:
             # Pad with the row's own first block: a valid page, hidden by the mask.
-            decode_blocks = self._t([
-                tables[i][firsts[i]:ends[i]]
-                + [tables[i][firsts[i]]] * (self.width - ends[i] + firsts[i])
-                for i in self.decode])
-        prefill_blocks = [self._t(tables[i][firsts[i]:ends[i]]) for i in self.prefill]
+            decode_blocks = self._t([(b := read(i)) + [b[0]] * (self.width - len(b))
+                                     for i in self.decode])
+        prefill_blocks = [self._t(read(i)) for i in self.prefill]
         return TableIndex(self._t(slots), decode_blocks, self.decode_masks, prefill_blocks,
                           self.prefill_masks)
 
@@ -262,10 +301,36 @@ class PagedBatch:
     """Keys the rows attend over in a full-attention layer, summed over rows."""
     num_window_tokens: int = 0
     """Keys the rows attend over in a sliding-window layer (with groups; else 0)."""
+    scored: _Reach | None = None
+    """With `scores`: the rows' reach; `decode_mass` and `prefill_mass` then sum the
+    attention on each block read (`block_scores`)."""
+    decode_mass: torch.Tensor | None = None
+    prefill_mass: list[torch.Tensor] = field(default_factory=list)
+
+    def attention(self, ids: list[str]) -> dict[str, list[float]]:
+        """Row id -> `block_scores` of that row, for rows named by `ids` in batch order;
+        empty without `scores`."""
+        if self.scored is None:
+            return {}
+        return dict(zip(ids, self.block_scores(), strict=True))
+
+    def block_scores(self) -> list[list[float]]:
+        """Per row, the attention it put on each block of its table (0 where it read none),
+        summed over heads, query rows and layers: `scores` asked for it."""
+        reach = self.scored
+        assert reach is not None, "block_scores without scores"
+        out = [[0.0] * end for end in reach.ends]
+        masses = ([] if self.decode_mass is None else self.decode_mass.tolist()) + \
+            [m.tolist() for m in self.prefill_mass]
+        for i, mass in zip(reach.decode + reach.prefill, masses, strict=True):
+            for k, m in zip(reach.blocks_read(i), mass, strict=False):  # decode: padded
+                out[i][k] = m
+        return out
 
     @classmethod
     def build(cls, plan: SchedulerOutput, block_size: int, windows: set[int | None],
-              device: torch.device, groups: LayerGroups | None = None) -> PagedBatch:
+              device: torch.device, groups: LayerGroups | None = None, holes: bool = False,
+              scores: bool = False) -> PagedBatch:
         """The batch for a plan: each chunk's tokens from its request, a speculating chunk's
         last known token followed by its draft."""
         rows = []
@@ -280,11 +345,12 @@ class PagedBatch:
                 rows.append(BatchRow(req.token_slice(start, start + n), start, c.block_table,
                                      c.request_id if c.sample else None, False,
                                      c.window_tables))
-        return cls.from_rows(rows, block_size, windows, device, groups)
+        return cls.from_rows(rows, block_size, windows, device, groups, holes, scores)
 
     @classmethod
     def from_rows(cls, batch_rows: list[BatchRow], block_size: int, windows: set[int | None],
-                  device: torch.device, groups: LayerGroups | None = None) -> PagedBatch:
+                  device: torch.device, groups: LayerGroups | None = None,
+                  holes: bool = False, scores: bool = False) -> PagedBatch:
         """The batch for explicit rows (a draft model's passes use this directly). With
         `groups`, `windows` is unused: global tables take no window, local ones the
         groups' window, and every row must carry its `window_tables`."""
@@ -321,8 +387,17 @@ class PagedBatch:
         zeros = [0] * len(batch_rows)
         tables = [r.table for r in batch_rows]
         if groups is None:
-            batch.tables[-1] = _Reach(batch_rows, zeros, block_size, windows, device
-                                      ).index(tables)
+            reach = _Reach(batch_rows, zeros, block_size, windows, device, holes)
+            batch.tables[-1] = reach.index(tables)
+            if holes:  # evicted keys are not read
+                batch.num_context_tokens -= block_size * sum(
+                    e - len(r) for e, r in zip(reach.ends, reach.reads, strict=True))
+            if scores:
+                batch.scored = reach
+                batch.decode_mass = torch.zeros(len(reach.decode), reach.width, device=device) \
+                    if reach.decode else None
+                batch.prefill_mass = [torch.zeros(len(reach.blocks_read(i)), device=device)
+                                      for i in reach.prefill]
             return batch
         assert all(r.window_tables is not None
                    and len(r.window_tables) == groups.pages_per_local_block
@@ -355,12 +430,28 @@ def paged_attention(kv: PagedKVCache, batch: PagedBatch, layer: int, window: int
             qd, keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=ix.decode_masks[window], scale=scale, enable_gqa=True)
         out[batch.decode_rows] = o.squeeze(2)
-    for ch, blocks, masks in zip(batch.prefills, ix.prefill_blocks, ix.prefill_masks,
-                                 strict=True):
+        if batch.decode_mass is not None and table == -1:
+            batch.decode_mass += _mass(qd, keys.transpose(1, 2), ix.decode_masks[window], scale
+                                       ).view(len(qd), -1, kv.block_size).sum(-1)
+    for j, (ch, blocks, masks) in enumerate(zip(batch.prefills, ix.prefill_blocks,
+                                                ix.prefill_masks, strict=True)):
         keys, values = kv.gather(slot, blocks, q.dtype)               # [L, KVH, d]
         qc = q[ch.row:ch.row + ch.num_new].transpose(0, 1)[None]      # [1, H, n, d]
         o = F.scaled_dot_product_attention(
             qc, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
             attn_mask=masks[window], scale=scale, enable_gqa=True)
         out[ch.row:ch.row + ch.num_new] = o[0].transpose(0, 1)
+        if batch.scored is not None and table == -1:
+            batch.prefill_mass[j] += _mass(qc, keys.transpose(0, 1)[None], masks[window],
+                                           scale).view(-1, kv.block_size).sum(-1)
     return out
+
+
+def _mass(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float
+          ) -> torch.Tensor:
+    """Attention weights `[B, H, n, L]` (queries `q`, keys `[B, KVH, L, d]` shared by
+    query-head groups, `mask` broadcast as for the attention itself) summed over heads and
+    queries: `[B, L]`, the attention mass on each key."""
+    keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    return logits.masked_fill(~mask, float("-inf")).softmax(-1).sum((1, 2))

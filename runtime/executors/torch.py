@@ -170,6 +170,14 @@ class TorchExecutor:
         self.offload: FFNOffload | None = None
         self._windows = {self.cfg.window(i) for i in range(info.num_layers)}
         self.timing = OnlineFit(self._prior_fit())
+        self.token_eviction = "off"  # `set_token_eviction`
+
+    def set_token_eviction(self, mode: str) -> None:
+        """Read tables with holes unless `mode` is 'off' (`kv/eviction.py`); report the
+        attention on each block with every step under 'heavy-hitter'."""
+        self.token_eviction = mode
+        if self.draft is not None:
+            self.draft.holes = mode != "off"
 
     def load_adapter(self, name: str, path: str | Path, max_loras: int = 0) -> int:
         """Serve the LoRA adapter at `path` as `name` (`runtime/models/lora.py`), at most
@@ -184,9 +192,8 @@ class TorchExecutor:
 
     def describe_adapters(self) -> str:
         a = self.model.adapters
-        if a is None:
-            return ""
-        return f"LoRA {len(a.adapters)}/{len(a.host)} resident · {a.num_bytes / 2**20:.1f} MiB"
+        return "" if a is None else \
+            f"LoRA {len(a.adapters)}/{len(a.host)} resident · {a.num_bytes / 2**20:.1f} MiB"
 
     def _prior_fit(self) -> StepFit:
         """The step-time model until the executor's own steps pin it down (`online_fit.py`):
@@ -445,8 +452,9 @@ class TorchExecutor:
         if self.draft is not None:
             self.draft.copy_blocks(plan.cow_copies)
             draft_seconds, q = self.draft.run(plan)
+        evicting = self.token_eviction
         batch = PagedBatch.build(plan, self.kv.block_size, self._windows, self.device,
-                                 self.groups)
+                                 self.groups, evicting != "off", evicting == "heavy-hitter")
         cfg, kv = self.cfg, self.kv
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -495,7 +503,8 @@ class TorchExecutor:
             self.timing.observe(batch.tokens.numel(), timing.num_pairs, seconds - draft_seconds)
         return StepResult(out.sampled, timing, errors=job.errors, logprobs=out.logprobs,
                           transfers=transfers, draft_seconds=draft_seconds, spec=out.spec,
-                          prompt_logprobs=out.prompt_logprobs)
+                          prompt_logprobs=out.prompt_logprobs,
+                          attention=batch.attention([c.request_id for c in plan.chunks]))
 
     def _sample(self, out: LogitsStage, chunks: list, rows: torch.Tensor,
                 masks: dict[str, torch.Tensor]) -> bool:

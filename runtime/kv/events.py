@@ -5,6 +5,8 @@ KV events (what `BlockManager` and `PrefixTree` did, in order):
 
     Ref(rid, index, block)        table[rid][index] = block (a new entry, or a replacement)
     Unref(rid, index, block)      the entry at `index` (always the last) is dropped
+    Drop(rid, index, block)       token-level eviction (`kv/eviction.py`): the entry at
+                                  `index` becomes a hole (−1) and its block is released
     Cow(rid, src, dst)            block `src` was copied into `dst` (already in the table)
     Cache(node, parent, block, end_token)   the block entered the prefix tree
     Evict(node, block)            the prefix tree dropped a block no request used
@@ -48,6 +50,13 @@ class Unref(NamedTuple):
     index: int
     block: int
     kind = "unref"
+
+
+class Drop(NamedTuple):
+    request_id: str
+    index: int
+    block: int
+    kind = "drop"
 
 
 class Cow(NamedTuple):
@@ -163,12 +172,12 @@ class WinEvict(NamedTuple):
     kind = "win_evict"
 
 
-KVEvent = (Ref | Unref | Cow | Cache | Evict | Hit | Reserve | Relayout | SwapOut | SwapIn
+KVEvent = (Ref | Unref | Drop | Cow | Cache | Evict | Hit | Reserve | Relayout | SwapOut | SwapIn
            | Unswap | Demote | Promote | HostResize | WinRef | WinUnref | WinCache | WinEvict)
-KV_EVENTS: dict[str, type] = {c.kind: c for c in (Ref, Unref, Cow, Cache, Evict, Hit, Reserve,
-                                                   Relayout, SwapOut, SwapIn, Unswap, Demote,
-                                                   Promote, HostResize, WinRef, WinUnref,
-                                                   WinCache, WinEvict)}
+KV_EVENTS: dict[str, type] = {c.kind: c for c in (Ref, Unref, Drop, Cow, Cache, Evict, Hit,
+                                                   Reserve, Relayout, SwapOut, SwapIn, Unswap,
+                                                   Demote, Promote, HostResize, WinRef,
+                                                   WinUnref, WinCache, WinEvict)}
 
 
 def kv_event_to_json(ev: KVEvent) -> list:

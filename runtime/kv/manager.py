@@ -31,17 +31,19 @@ from kvdeck.runtime.core.request import Request
 from kvdeck.runtime.kv import events as ev
 from kvdeck.runtime.kv.block_pool import BlockPool
 from kvdeck.runtime.kv.cache_admission import CacheAdmission
+from kvdeck.runtime.kv.eviction import Eviction, TokenEvictor
 from kvdeck.runtime.kv.formats import blocks_for_tokens
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.prefix_node import PrefixNode, default_recompute_cost
 from kvdeck.runtime.kv.state import Figure, KVState
+from kvdeck.runtime.kv.swaps import HostSwaps
 from kvdeck.runtime.kv.window import WindowTables
 
 _NO_BLOCKS: list[int] = []
 """The table of a request holding no block (never written: tables change by events)."""
 
 
-class BlockManager:
+class BlockManager(HostSwaps):
     """Paged KV decisions for one engine. With layer groups (`groups`, `kv/window.py`)
     its blocks are pages and each request also has sliding-window tables."""
 
@@ -51,10 +53,11 @@ class BlockManager:
                  recompute_cost: Callable[[int, int], float] = default_recompute_cost,
                  clock: Callable[[], int] = lambda: 0, host_blocks: int = 0,
                  link_seconds: Callable[[int], float] = lambda nbytes: 0.0,
-                 groups: LayerGroups | None = None):
+                 groups: LayerGroups | None = None, eviction: Eviction = Eviction()):
         """`host_blocks`: the host tier's size in blocks (0: none); `link_seconds`: time
         to copy that many bytes one way between device and host (the measured link);
-        `groups`: free sliding-window KV (`num_blocks` are then pages; no host tier)."""
+        `groups`: free sliding-window KV (`num_blocks` are then pages; no host tier);
+        `eviction`: token-level KV eviction (`kv/eviction.py`; no groups, no host tier)."""
         assert groups is None or not host_blocks, "window pages have no host tier"
         self.block_size = block_size
         self.copies: list = []
@@ -83,6 +86,9 @@ class BlockManager:
         self.link_seconds = link_seconds
         self.admission = CacheAdmission()
         """Which completed blocks may enter the prefix cache (`cache_admission.py`)."""
+        assert not eviction.on or (groups is None and not host_blocks), \
+            "token-level eviction has no window pages and no host tier"
+        self.eviction = TokenEvictor(eviction, st, self._apply)
 
     # -- the state's figures ----------------------------------------------------------------
 
@@ -157,74 +163,6 @@ class BlockManager:
         self.copies.clear()
         return out
 
-    def drop_host_tier(self, num_host_blocks: int) -> list[str]:
-        """Empty the host tier and re-lay it as `num_host_blocks` blocks (the KV format
-        changes: host copies in the old format are not converted). Swapped requests lose
-        their host copy and recompute; demoted prefixes are dropped; pending copies are
-        moot. Returns the ids of the requests that were swapped out."""
-        swapped = list(self.host_tables)
-        for rid in swapped:
-            self.apply(ev.Unswap(rid))
-        self.tree.drop_host()
-        self.copies.clear()
-        if num_host_blocks != self.host.num_blocks:
-            self.apply(ev.HostResize(num_host_blocks))
-        return swapped
-
-    # -- swapping ---------------------------------------------------------------------------
-
-    def can_swap_out(self, num_blocks: int) -> bool:
-        """Whether the host tier can take `num_blocks` blocks (dropping demoted prefixes)."""
-        return 0 < num_blocks <= self.host.num_free + self.host.num_demoted
-
-    def swap_out(self, req: Request) -> int:
-        """Copy `req`'s computed blocks to the host tier and release its device blocks
-        (between steps: the scheduler preempts while planning). Returns the blocks moved;
-        the caller checks `can_swap_out` first. Its progress (`num_computed_tokens`) stays."""
-        rid = req.request_id
-        table = self.tables[rid]
-        n = self.blocks_needed(req.num_computed_tokens)
-        made = self.tree.make_host_room(n)
-        assert made, "swap_out without room on the host tier"
-        pairs = [[table[i], h] for i, h in enumerate(self.host.pick(n))]
-        self.apply(ev.SwapOut(rid, pairs))
-        self.copies.append(("swap", "d2h", rid, pairs))
-        self._release_device(rid)
-        return n
-
-    def swap_in_blocks(self, req: Request, num_new_tokens: int, reserve_full: bool) -> int:
-        """Device blocks a swap-in of `req` with its next `num_new_tokens` tokens needs."""
-        tokens = req.max_total_tokens if reserve_full else \
-            req.num_computed_tokens + num_new_tokens
-        return self.blocks_needed(tokens)
-
-    def can_swap_in(self, req: Request, num_new_tokens: int, reserve_full: bool) -> bool:
-        return self.swap_in_blocks(req, num_new_tokens, reserve_full) <= \
-            self.num_available_blocks()
-
-    def swap_in(self, req: Request, num_new_tokens: int, reserve_full: bool
-                ) -> list[tuple[int, int]]:
-        """Readmit swapped-out `req`: fresh device blocks receive its host blocks (copied
-        before the next forward pass), then room for `num_new_tokens` more. Its blocks
-        re-enter the prefix cache as they are found there (`cache_computed`)."""
-        rid = req.request_id
-        hosts = self.host_tables[rid]
-        self._chains[rid] = []
-        if reserve_full:
-            self.apply(ev.Reserve(rid, self.blocks_needed(req.max_total_tokens) - len(hosts)))
-        # Device blocks first, while the host blocks are still held: a demotion decided
-        # while taking them must not land in a host block not yet copied back.
-        for i in range(len(hosts)):
-            self._apply(ev.Ref(rid, i, self._take_for(rid, 1)[0]))
-        pairs = [[h, d] for h, d in zip(hosts, self.tables[rid], strict=True)]
-        self.copies.append(("swap", "h2d", rid, pairs))
-        self.apply(ev.SwapIn(rid, pairs))
-        return self.allocate(req, num_new_tokens)
-
-    def unswap(self, req: Request) -> None:
-        """Drop swapped-out `req`'s host copy (aborted, or it will recompute)."""
-        self.apply(ev.Unswap(req.request_id))
-
     def num_available_blocks(self) -> int:
         """Blocks a new allocation could get: free + evictable − promised to reservations."""
         return self.pool.num_free + self.tree.num_evictable - self.state.num_reserved
@@ -237,7 +175,7 @@ class BlockManager:
         `chunk_size` tokens a step: blocks, and with layer groups the window blocks it
         holds at once too (the window behind a chunk, and the chunk) — or, under full
         reservation, every window block, which is what `admit` promises."""
-        blocks = self.blocks_needed(num_tokens)
+        blocks = self.eviction.bound(num_tokens, chunk_size)
         if not self.groups:
             return blocks
         if reserve_full:
@@ -263,7 +201,8 @@ class BlockManager:
         """The cached nodes an admission of `req` would reuse now (no side effects)."""
         if not self.enable_caching:
             return []
-        return self.window.cut(self.tree.match(self.state.namespace_of(req), self._reusable(req)))
+        chain = self.tree.match(self.state.namespace_of(req), self._reusable(req))
+        return self.window.cut(chain[:self.eviction.cacheable(req)])
 
     def peek_prefix(self, req: Request) -> int:
         """Cached tokens an admission of `req` would reuse now (no side effects)."""
@@ -299,7 +238,8 @@ class BlockManager:
         chain: list[PrefixNode] = []
         if self.enable_caching:
             reusable = self._reusable(req)
-            chain = self.window.cut(self.tree.match(self.state.namespace_of(req), reusable))
+            chain = self.window.cut(self.tree.match(self.state.namespace_of(req), reusable)
+                                    [:self.eviction.cacheable(req)])
             if self.admission.k > 1:
                 p = self.block_size
                 prompt = req.prompt_token_ids
@@ -452,7 +392,7 @@ class BlockManager:
         if req.num_computed_tokens // p <= len(chain):
             return  # no newly completed block (most decode steps)
         table = self.tables.get(rid, _NO_BLOCKS)
-        full = min(req.num_computed_tokens // p, len(table))
+        full = min(req.num_computed_tokens // p, len(table), self.eviction.cacheable(req))
         pool, st = self.pool, self.state
         window = self.groups is not None
         while len(chain) < full:
@@ -499,9 +439,14 @@ class BlockManager:
             self.apply(ev.Ref(cid, i, block))
         self._chains[cid] = list(self._chains.get(parent.request_id, []))
         child.num_computed_tokens = parent.num_computed_tokens
+        self.eviction.fork(parent.request_id, cid)
         if self.groups:
             self.window.fork(parent, child, len(src))
             self.window.slide(child)  # the parent may not have slid past this step's blocks
+
+    def evict_tokens(self, req: Request, scores: list[float] | None) -> None:
+        """Token-level eviction after a step (`kv/eviction.py`; a no-op when off)."""
+        self.eviction.after_step(req, scores)
 
     def slide(self, req: Request) -> None:
         """Release `req`'s window blocks behind the window of its next position (between
@@ -551,6 +496,7 @@ class BlockManager:
             self.apply(ev.Reserve(rid, -promised))
         self._chains.pop(rid, None)
         self.admission.forget(rid)
+        self.eviction.forget(rid)
 
     def begin_step(self) -> None:
         """An executor step that reads the current tables starts."""

@@ -1,9 +1,10 @@
 """The KV state and the one function that changes it: `KVState.apply(event)`.
 
 `KVState` owns everything a KV event changes: the pool's reference counts and block map
-(`BlockStates`, or `BlockPool` with its free list), every request's block table, its
-sliding-window tables (`kv/window.py`), the host tier and the swapped requests' host
-tables, the reservations, and the prefix tree's nodes. The live `BlockManager` decides
+(`BlockStates`, or `BlockPool` with its free list), every request's block table (−1 where
+token-level eviction left a hole, `kv/eviction.py`), its sliding-window tables
+(`kv/window.py`), the host tier and the swapped requests' host tables, the reservations,
+and the prefix tree's nodes. The live `BlockManager` decides
 (which block to allocate, what to evict, when to copy on write or swap), builds the typed
 event (`kv/events.py`) and applies it here; replay applies the recorded events with the same
 function, so the two cannot drift apart. Nothing else writes these tables: code outside
@@ -26,6 +27,7 @@ from kvdeck.runtime.kv.events import (
     Cache,
     Cow,
     Demote,
+    Drop,
     Evict,
     Hit,
     HostResize,
@@ -111,7 +113,7 @@ class KVState:
         self.tree = PrefixTree(pool, self.host, self.apply, cache_capacity, eviction_policy,
                                recompute_cost, bytes_per_block, link_seconds, copies)
         self._handlers: dict[type, Callable[[Any, Any], None]] = {
-            Ref: self._ref, Unref: self._unref, Cow: _nothing, Cache: self._cache,
+            Ref: self._ref, Unref: self._unref, Drop: self._hole, Cow: _nothing, Cache: self._cache,
             Evict: self._evict, Hit: self._hit, Reserve: self._reserve,
             Relayout: self._relayout, SwapOut: self._swap_out, SwapIn: self._swap_in,
             Unswap: self._unswap, Demote: self._demote, Promote: self._promote,
@@ -146,6 +148,10 @@ class KVState:
         table = self.tables.get(rid)
         if table is None:
             table = self.tables[rid] = []
+        if block < 0:  # a fork copying its parent's hole
+            assert ev.index == len(table), f"{rid!r}: a hole replaces an entry"
+            table.append(block)
+            return
         self.pool.incref(block)
         self.tree.on_block_used(block)
         if self.groups:
@@ -172,6 +178,16 @@ class KVState:
             if wt is not None:
                 assert max(wt[0], default=-1) < 0, f"{rid!r} released with window pages"
                 del self.window_start[rid]
+        if ev.block >= 0:  # a hole holds nothing
+            self._drop(ev.block)
+
+    def _hole(self, ev: Drop, _extra: Any) -> None:
+        rid, i = ev.request_id, ev.index
+        table = self.tables.get(rid)
+        if not table or i >= len(table) - 1 or table[i] != ev.block or ev.block < 0:
+            raise ValueError(f"{rid!r} cannot evict block {ev.block} at {i} (not held there, "
+                             "or its last)")
+        table[i] = -1
         self._drop(ev.block)
 
     def _reserve(self, ev: Reserve, _extra: Any) -> None:
@@ -337,7 +353,7 @@ class KVState:
                 self.page_groups[page] = 1
         for rid, table in tables.items():
             self.tables[rid] = list(table)
-            for block in table:
+            for block in filter(lambda b: b >= 0, table):
                 pool.incref(block)
                 self.tree.on_block_used(block)
         for rid, wt in (window_tables or {}).items():
@@ -382,8 +398,10 @@ class KVState:
         assert set(self.window_tables) <= set(self.tables)
         assert set(self.window_start) == set(self.window_tables)
         for table in self.tables.values():
+            assert not table or table[-1] >= 0, "a table ends in a hole"
             for b in table:
-                counts[b] += 1
+                if b >= 0:
+                    counts[b] += 1
         for rid, wt in self.window_tables.items():
             start = self.window_start[rid]
             for table in wt:

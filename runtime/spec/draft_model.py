@@ -89,6 +89,9 @@ def check_vocabulary(draft: GGUFFile, target: GGUFFile) -> None:
 class DraftModel:
     """A draft model on the target executor's device, with its twin KV pool."""
 
+    holes = False
+    """Its tables have holes where token-level eviction dropped blocks (`kv/eviction.py`)."""
+
     def __init__(self, path: str | Path, target: GGUFFile, device: torch.device,
                  dtype: torch.dtype, base_seed: int = 0):
         self.path = Path(path)
@@ -200,7 +203,8 @@ class DraftModel:
     def _forward(self, rows: list[BatchRow]) -> tuple[list[str], torch.Tensor]:
         """One draft pass: (ids of the rows that sample, their final hidden states)."""
         t0 = time.perf_counter()
-        batch = PagedBatch.from_rows(rows, self.kv.block_size, self._windows, self.device)
+        batch = PagedBatch.from_rows(rows, self.kv.block_size, self._windows, self.device,
+                                     holes=self.holes)
         cfg, kv = self.cfg, self.kv
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

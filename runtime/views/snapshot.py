@@ -194,6 +194,8 @@ class KVView:
     draft_model: str = ""
     window: WindowView | None = None
     """The two layer groups when sliding-window KV is freed (blocks are then pages)."""
+    eviction: str = ""
+    """Token-level eviction's policy and count (`TokenEvictor.describe`; "" when off)."""
 
     @property
     def cached_fraction(self) -> float:
@@ -386,7 +388,8 @@ class SnapshotBuilder:
                       draft_kv_bytes_per_token(e.executor, e.switcher.kv_format)
                       * kv.block_size,
                       e.executor.info.draft_model_name,
-                      window_view(kv.groups, kv.pool.states, kv.page_groups))
+                      window_view(kv.groups, kv.pool.states, kv.page_groups),
+                      kv.eviction.describe())
 
     def transfers_view(self) -> TransfersView:
         e = self.engine

@@ -362,7 +362,8 @@ def test_admission_rejection_is_503_with_the_reason(server) -> None:
     assert r.status_code == 503
     msg = r.json()["error"]["message"]
     assert msg == ("The request was rejected: needs 1,250 KV blocks for its prompt (20,000 "
-                   "tokens) but the pool has 910 blocks of 16 tokens.")
+                   "tokens) but the pool has 910 blocks of 16 tokens (token-level eviction, "
+                   "--kv-eviction sink-window, would run it lossily).")
     r = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions",
                    json={**body, "stream": True}, timeout=120)
     assert "needs 1,250 KV blocks" in r.text  # streamed as an error event
