@@ -48,8 +48,7 @@ def quality(
     smaller than it (top-1 agreement, mean |Δ log p|, perplexity against full KV)."""
     from dataclasses import asdict
 
-    from kvdeck.runtime.kv.formats import KV_FORMATS
-    from kvdeck.runtime.models.weight_formats import FORMATS
+    from kvdeck.runtime.text.eviction_quality import measure_eviction
     from kvdeck.runtime.text.quality import measure_formats
     from kvdeck.runtime.text.tokenizer import Tokenizer
 
@@ -58,30 +57,21 @@ def quality(
         from kvdeck.runtime.executors.torch import TorchExecutor
         from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 
-        alone = kv_eviction and weights is None and kv is None
-        w = tuple(x for x in ("" if alone else weights or "bf16,int8,int4").split(",") if x)
-        k = tuple(x for x in ("" if alone else kv or "fp16,bf16,fp8_e4m3,q8_0,q4_0"
-                              ).split(",") if x)
-        for x in w:
-            if x not in FORMATS or x in ("auto", "dense"):
-                raise KvdeckError(f"--weights names {x!r}; measurable weight formats are "
-                                  f"{', '.join(f for f in FORMATS if f not in ('auto', 'dense'))}.")
-        for x in k:
-            if x not in KV_FORMATS:
-                raise KvdeckError(f"--kv names {x!r}; KV formats are {', '.join(KV_FORMATS)}.")
+        w, k = _formats(weights, kv, alone=bool(kv_eviction) and weights is None and kv is None)
+        policies = _policies(kv_eviction, sink, recent, heavy)
         path = resolve_model(model or DEFAULT_MODEL)
         ex = TorchExecutor(path, device="cpu", dtype="fp32", threads=threads,
                            int8_group_size=int8_group_size, int4_group_size=int4_group_size,
                            weight_activations=weight_activations)
-        return ex, Tokenizer(path), w, k
+        return ex, Tokenizer(path), w, k, policies
 
-    ex, tok, w, k = guarded(build)
+    ex, tok, w, k, policies = guarded(build)
     if not as_json:
         out.print(f"measuring {ex.info.model_name} against fp32 weights + fp32 KV (cached figures "
                   "are reused)…", highlight=False)
     results = guarded(lambda: measure_formats(ex, tok, w, k))
-    evictions = guarded(lambda: _evictions(ex, tok, kv_eviction, sink, recent, heavy,
-                                           pool_blocks, chunk_size))
+    evictions = guarded(lambda: measure_eviction(ex, tok, policies, pool_blocks, chunk_size)
+                        if policies else [])
     ex.close()
     if as_json:
         print_json([asdict(q) for q in results + evictions])
@@ -94,12 +84,31 @@ def quality(
                               f"{where}" if where else ""), highlight=False)
 
 
-def _evictions(ex, tok, modes: str, sink: int, recent: int, heavy: int, pool_blocks: int,
-               chunk_size: int) -> list:
-    """`kvdeck quality --kv-eviction`'s figures; sink-window is measured without its sinks
+def _formats(weights: str | None, kv: str | None, alone: bool
+             ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The weight and KV formats to measure (none of either when `alone`: only eviction
+    was asked for)."""
+    from kvdeck.runtime.kv.formats import KV_FORMATS
+    from kvdeck.runtime.models.weight_formats import FORMATS
+
+    w = tuple(x for x in ("" if alone else weights or "bf16,int8,int4").split(",") if x)
+    k = tuple(x for x in ("" if alone else kv or "fp16,bf16,fp8_e4m3,q8_0,q4_0").split(",")
+              if x)
+    measurable = [f for f in FORMATS if f not in ("auto", "dense")]
+    for x in w:
+        if x not in measurable:
+            raise KvdeckError(f"--weights names {x!r}; measurable weight formats are "
+                              f"{', '.join(measurable)}.")
+    for x in k:
+        if x not in KV_FORMATS:
+            raise KvdeckError(f"--kv names {x!r}; KV formats are {', '.join(KV_FORMATS)}.")
+    return w, k
+
+
+def _policies(modes: str, sink: int, recent: int, heavy: int) -> list:
+    """`--kv-eviction`'s policies, labelled; sink-window is measured without its sinks
     too, to show what they hold up."""
     from kvdeck.runtime.kv.eviction import EVICTION_MODES, Eviction
-    from kvdeck.runtime.text.eviction_quality import measure_eviction
 
     policies = []
     for mode in (m for m in modes.split(",") if m):
@@ -111,4 +120,4 @@ def _evictions(ex, tok, modes: str, sink: int, recent: int, heavy: int, pool_blo
         policies.append((policy.describe(), policy))
         if mode == "sink-window" and sink:
             policies.append(("window alone (no sink)", Eviction(mode, 0, recent, heavy)))
-    return measure_eviction(ex, tok, policies, pool_blocks, chunk_size) if policies else []
+    return policies

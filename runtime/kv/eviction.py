@@ -24,12 +24,15 @@ positions inside the cache so that a model can run past its trained context. kvd
 every request inside the model's context (`max_model_len`), where the original positions
 are the ones the model was trained on, so nothing is renumbered.
 
-Prefix caching: the prefix tree's accounting needs every cached block a request holds to
-have its parent held too, so a request must never drop a cached block and keep a deeper
-one. A request long enough to evict (more than sink + recent tokens, prompt and output)
-therefore reuses and caches only its sink blocks, which it never evicts. Shorter requests
-cache and reuse as always. This also keeps approximate KV out of the cache: blocks past the
-sinks of an evicting request may have been computed over an incomplete context.
+Prefix caching: a request long enough to evict (more than sink + recent tokens, prompt
+and output) neither reuses nor feeds the prefix cache; shorter requests cache and reuse as
+always. Three reasons:
+- The tree's accounting needs every cached block a request holds to have its parent held
+  too, and eviction drops blocks from the middle.
+- Past the sinks, its blocks may be computed over an incomplete context, and approximate
+  KV must not be served as exact.
+- A hit would shift where its prefill chunks fall, and with them what is evicted: the
+  same prompt would answer differently with a warm cache.
 """
 
 from __future__ import annotations
@@ -126,11 +129,11 @@ class TokenEvictor:
 
     def cacheable(self, req: Request) -> int:
         """How many of `req`'s leading blocks the prefix cache may give it or take from it:
-        all, unless it is long enough to evict (the module docstring says why)."""
+        all, or none when it is long enough to evict (the module docstring says why)."""
         if not self.on or req.max_total_tokens <= \
                 self.sink_blocks * self.state.block_size + self.policy.recent_tokens:
             return 1 << 62
-        return self.sink_blocks
+        return 0
 
     def after_step(self, req: Request, scores: list[float] | None) -> None:
         """Evict what `req` no longer keeps, given the attention its rows put on each block

@@ -108,6 +108,9 @@ class SnapshotCollector:
         yield blocks
         yield counter("kvdeck:kv_evictions", "Prefix-cache blocks evicted.", kv.num_evictions)
         yield counter("kvdeck:kv_cow_copies", "Copy-on-write block copies.", kv.num_cow_copies)
+        if kv.eviction:
+            yield counter("kvdeck:kv_token_evicted_blocks", "Blocks token-level eviction "
+                          "(--kv-eviction) dropped from requests' tables.", kv.num_evicted_blocks)
         t = snap.transfers
         if t is not None:
             yield from self._transfers(t, gauge, counter)

@@ -196,6 +196,8 @@ class KVView:
     """The two layer groups when sliding-window KV is freed (blocks are then pages)."""
     eviction: str = ""
     """Token-level eviction's policy and count (`TokenEvictor.describe`; "" when off)."""
+    num_evicted_blocks: int = 0
+    """Blocks token-level eviction dropped from requests' tables so far."""
 
     @property
     def cached_fraction(self) -> float:
@@ -389,7 +391,7 @@ class SnapshotBuilder:
                       * kv.block_size,
                       e.executor.info.draft_model_name,
                       window_view(kv.groups, kv.pool.states, kv.page_groups),
-                      kv.eviction.describe())
+                      kv.eviction.describe(), kv.eviction.num_evicted_blocks)
 
     def transfers_view(self) -> TransfersView:
         e = self.engine

@@ -124,3 +124,27 @@ def test_quality_reports_what_eviction_costs_on_gemma3(gemma_path: Path) -> None
     # StreamingLLM's finding: the window alone loses far more than with its sink tokens.
     sink = rows["sink-window: 4 sink + 128 recent tokens kept"]
     assert sink["top1_agreement"] > rows["window alone (no sink)"]["top1_agreement"]
+
+
+def test_served_a_prompt_longer_than_the_pool_completes() -> None:
+    """`kvdeck serve` with eviction, asked through the official client: the shipped passage
+    (506 tokens on Gemma 3) in a pool of 288 tokens answers, and /metrics counts the blocks
+    evicted."""
+    import httpx
+    from openai import OpenAI
+
+    from kvdeck.runtime.resources import PASSAGE
+    from tests.servers import serve_process
+
+    with serve_process("--executor", "torch", "--kv-eviction", "sink-window",
+                       "--kv-recent-tokens", "128", "--chunk-size", "64",
+                       "--kv-cache-dtype", "fp16", "--kv-memory-gib", "0.005",
+                       start_timeout_s=300) as srv:
+        client = OpenAI(base_url=srv.url, api_key="none")
+        r = client.completions.create(model="gemma3-270m", prompt=PASSAGE.read_text(),
+                                      max_tokens=8, temperature=0)
+        assert r.usage.prompt_tokens > 18 * 16 and r.usage.completion_tokens == 8
+        metrics = httpx.get(srv.url.removesuffix("/v1") + "/metrics").text
+        (line,) = [x for x in metrics.splitlines()
+                   if x.startswith("kvdeck:kv_token_evicted_blocks_total")]
+        assert float(line.split()[-1]) > 0

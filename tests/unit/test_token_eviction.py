@@ -75,14 +75,14 @@ def test_heavy_hitter_keeps_the_most_attended_blocks() -> None:
     assert mgr.eviction.heavy["hh"] == [3, 7]
 
 
-def test_a_request_long_enough_to_evict_caches_and_reuses_only_its_sinks() -> None:
+def test_a_request_long_enough_to_evict_neither_caches_nor_reuses() -> None:
     mgr = BlockManager(24, P, eviction=Eviction("sink-window", sink_tokens=4,
                                                    recent_tokens=8))
     short = make("short", 8, max_tokens=4)  # 11 tokens at most: never evicts
     prefill(mgr, short, chunk=8)
     assert mgr.tree.num_nodes == 2
     long = make("long", 40)
-    assert mgr.peek_prefix(long) == 4  # the sink block only, though two are cached
+    assert mgr.peek_prefix(long) == 0  # though its first two blocks are cached
     prefill(mgr, long, chunk=8)
     assert mgr.tree.num_nodes == 2 and mgr.eviction.num_evicted_blocks
     for r in (short, long):

@@ -19,7 +19,10 @@ def never_fits(req: Request, full: bool, kv: BlockManager, chunk_size: int) -> s
     if need > kv.num_blocks:
         what = "prompt + max_tokens − 1" if full else "its prompt"
         unit = "pages (full-attention and window blocks)" if kv.groups else "blocks"
-        hint = "" if full or kv.eviction.on or kv.groups else \
+        hint = "" if full or kv.groups else \
+            f" (under {kv.eviction.policy.mode} eviction it holds what is kept and a chunk of "\
+            f"{chunk_size:,} tokens: lower --kv-recent-tokens or --chunk-size)" \
+            if kv.eviction.on else \
             " (token-level eviction, --kv-eviction sink-window, would run it lossily)"
         return (f"needs {need:,} KV {unit} for {what} ({tokens:,} tokens) but the pool "
                 f"has {kv.num_blocks:,} {unit.split()[0]} of {kv.block_size} tokens{hint}")
