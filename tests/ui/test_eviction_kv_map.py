@@ -9,16 +9,9 @@ from kvdeck.console.widgets.kv_map import KVMapPanel
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.session import build_session
 from kvdeck.runtime.settings import resolve
-from kvdeck.runtime.views.snapshot import snapshot_of
 from tests.ui.panel_text import panel_text
 from tests.ui.test_console import edit_knob
-
-
-def advance(app: KvdeckApp, steps: int) -> None:
-    for _ in range(steps):
-        app.engine.step()
-        app.engine.check_integrity()
-    app.render_snapshot(snapshot_of(app.engine))
+from tests.ui.test_window_kv_map import advance
 
 
 async def test_kv_map_shows_what_was_evicted(tiny_gemma3, tmp_path):
