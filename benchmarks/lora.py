@@ -1,7 +1,8 @@
 """Mixed LoRA adapters in one batch against the base model alone, same concurrency.
 
-Model: Gemma 3 270M (the embedded GGUF) on the torch executor, its default weights for this
-machine. Adapters: two rank-8 adapters on q, v, up and down projections of every layer (one
+Model: Gemma 3 270M (the embedded GGUF) on the torch executor (its default weights for this
+machine), then on the llama_cpp executor (one `llama_decode` per adapter in a step, so a
+mixed step is three passes over the weights there). Adapters: two rank-8 adapters on q, v, up and down projections of every layer (one
 PEFT folder, one llama.cpp GGUF; `tests/adapters.py`). Workload: eight prompts submitted
 together (all eight decode in one batch), greedy, exactly 64 output tokens each; "mixed"
 sends three to the base, three to adapter a, two to b. Three rounds of each, interleaved;
@@ -42,25 +43,39 @@ def tokens_per_second(executor, tokenizer, adapters: list[str | None]) -> float:
     return sum(r.num_output_tokens for r in reqs) / (time.perf_counter() - start)
 
 
-def main() -> None:
-    path = resolve_model(DEFAULT_MODEL)
-    tokenizer = Tokenizer(path)
-    executor = TorchExecutor(path)
-    with tempfile.TemporaryDirectory() as folder:
-        shapes = shapes_of(executor.model)
-        executor.load_adapter("a", write_peft(Path(folder) / "a", shapes, seed=1))
-        executor.load_adapter("b", write_gguf(Path(folder) / "b.gguf", shapes, seed=2))
+def compare(executor, tokenizer, what: str) -> None:
+    """Base alone against base + a + b on `executor` (adapters loaded), printed."""
     tokens_per_second(executor, tokenizer, [None] * 8)  # warm-up
     base, mixed = [], []
     for _ in range(ROUNDS):
         base.append(tokens_per_second(executor, tokenizer, [None] * 8))
         mixed.append(tokens_per_second(executor, tokenizer, MIXED))
     b, m = statistics.median(base), statistics.median(mixed)
-    print(f"LoRA in one batch (Gemma 3 270M, torch, weights {executor.weight_formats}, "
-          f"8 concurrent, 64 tokens each, median of {ROUNDS}):")
+    print(f"LoRA in one batch (Gemma 3 270M, {what}, 8 concurrent, 64 tokens each, median "
+          f"of {ROUNDS}):")
     print(f"  base alone      {b:8.1f} tok/s")
     print(f"  base + a + b    {m:8.1f} tok/s   mixed/base {m / b:.2f}×")
-    executor.close()
+
+
+def main() -> None:
+    from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
+
+    path = resolve_model(DEFAULT_MODEL)
+    tokenizer = Tokenizer(path)
+    executor = TorchExecutor(path)
+    with tempfile.TemporaryDirectory() as folder:
+        shapes = shapes_of(executor.model)
+        files = {"a": write_peft(Path(folder) / "a", shapes, seed=1),
+                 "b": write_gguf(Path(folder) / "b.gguf", shapes, seed=2)}
+        for name, file in files.items():
+            executor.load_adapter(name, file)
+        compare(executor, tokenizer, f"torch, weights {executor.weight_formats}")
+        executor.close()
+        executor = LlamaCppExecutor(path, n_parallel=8)
+        for name, file in files.items():
+            executor.load_adapter(name, file)
+        compare(executor, tokenizer, "llama_cpp")
+        executor.close()
 
 
 if __name__ == "__main__":

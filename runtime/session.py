@@ -56,6 +56,8 @@ class Session:
                                   "itself; give each adapter a name of its own.")
             executor.load_adapter(name, path.strip(), self.settings.engine.max_loras)
             self.adapters[name] = path.strip()
+        # Their slots come out of the KV budget (before any request: the pool is empty).
+        self.engine.switcher.fit_pool("LoRA adapters")
 
     @property
     def vocab_size(self) -> int:

@@ -171,10 +171,6 @@ def build_models(settings: SettingsRequest, events, cascade: str | None, knobs: 
             if len(sessions) > 1:
                 raise ConfigError("--lora-modules adapts one base model; serve one --model "
                                   "with it.")
-            if events is not None and events.publishes:
-                raise ConfigError("--kv-events-config does not yet put the adapter into the "
-                                  "block hashes it publishes (vLLM does), so it cannot be "
-                                  "used with --lora-modules.")
             sessions[0].load_adapters(lora_modules)
         chosen = cascade_config(sessions, cascade, knobs) if cascade else None
         if events is not None and events.publishes:

@@ -30,6 +30,14 @@ class RequestState(Progress):
     deadline: float | None
     priority: int
     num_output_tokens: int = 0
+    lora: str | None = None
+    """The LoRA adapter it runs with (None: the base model)."""
+
+    @classmethod
+    def arriving(cls, req: Request) -> RequestState:
+        """An arriving request's initial state (a step record's `arrived` entry)."""
+        return cls(req.request_id, req.arrival_time, req.num_prompt_tokens,
+                   req.sampling.max_tokens, req.deadline, req.priority, lora=req.sampling.lora)
 
     @classmethod
     def of(cls, req: Request) -> RequestState:
@@ -39,16 +47,18 @@ class RequestState(Progress):
         progress["occupancy"] = dataclasses.replace(req.occupancy)
         return cls(req.request_id, req.arrival_time, req.num_prompt_tokens,
                    req.sampling.max_tokens, req.deadline, req.priority,
-                   num_output_tokens=req.num_output_tokens, **progress)
+                   num_output_tokens=req.num_output_tokens, lora=req.sampling.lora,
+                   **progress)
 
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.num_output_tokens
 
     def arrival_json(self) -> list:
-        """The compact form a step record's `arrived` list holds."""
+        """The compact form a step record's `arrived` list holds (with an adapter: then 0
+        output tokens and its name, so runs recorded before read as they were)."""
         return [self.request_id, self.arrival_time, self.num_prompt_tokens, self.max_tokens,
-                self.deadline, self.priority]
+                self.deadline, self.priority, *((0, self.lora) if self.lora else ())]
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -242,9 +242,7 @@ class Engine:
                 on_request = getattr(self.recorder, "on_request", None)
                 if on_request is not None:
                     on_request(req)
-            record.arrived.append(RequestState(req.request_id, req.arrival_time,
-                                               req.num_prompt_tokens, req.sampling.max_tokens,
-                                               req.deadline, req.priority))
+            record.arrived.append(RequestState.arriving(req))
         return now
 
     @property

@@ -18,6 +18,7 @@ from kvdeck.runtime.core.config import EngineConfig
 from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.base import (
+    Adapters,
     Executor,
     HostTier,
     Offload,
@@ -88,14 +89,15 @@ class PoolSize:
         self.config, self.executor, self.groups = config, executor, groups
 
     def blocks(self, kv_format: str) -> int:
-        """Blocks the pool holds in `kv_format`: the budget (plus what weight offload frees)
-        over the bytes a block takes — the target's KV and, with a draft model, its
-        twin's."""
+        """Blocks the pool holds in `kv_format`: the budget (plus what weight offload frees,
+        less what LoRA adapters' slots take) over the bytes a block takes — the target's
+        KV and, with a draft model, its twin's."""
         e = self.executor
         return self.config.blocks_for_budget(
             self.block_bytes(kv_format) // self.config.block_size
             + draft_kv_bytes_per_token(e, kv_format),
-            e.offload_gain_bytes if has(e, Offload) else 0)
+            (e.offload_gain_bytes if has(e, Offload) else 0)
+            - (e.adapter_reserve_bytes if has(e, Adapters) else 0))
 
     def block_bytes(self, kv_format: str) -> int:
         """Bytes of the target's KV one block (one page, with layer groups: the layers of

@@ -174,6 +174,17 @@ class KnobSwitches:
                       "num_blocks": num_blocks, "dropped": dropped,
                       "preempted": tuple(preempted), "unswapped": tuple(unswapped)}
 
+    def fit_pool(self, why: str) -> Conversion | None:
+        """Re-lay the pool at the size its budget buys now, after device memory outside the
+        knobs changed hands (LoRA adapters loaded: `Session.load_adapters`); None when the
+        size stayed."""
+        num_blocks = self.pool.blocks(self.kv_format)
+        if num_blocks == self.kv.num_blocks:
+            return None
+        conv, _ = self._relayout(self.kv_format, num_blocks, why)
+        log.info("pool re-laid for %s: %d blocks", why, num_blocks)
+        return conv
+
     def _offload(self, old: Knobs, knobs: Knobs) -> Switch:
         """Move FFN weights to or from the host and give the device memory that frees (or
         take back what it needs) to the KV pool, re-laid in place."""

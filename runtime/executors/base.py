@@ -271,7 +271,12 @@ class Adapters(Protocol):
         ...
 
     def describe_adapters(self) -> str:
-        """e.g. 'LoRA 1/3 resident · 0.7 MiB' (empty without adapters)."""
+        """e.g. 'LoRA 1/3 resident · 0.7 of 1.4 MiB' (empty without adapters)."""
+        ...
+
+    @property
+    def adapter_reserve_bytes(self) -> int:
+        """Device bytes the adapters' slots can take at most, taken from the KV budget."""
         ...
 
 
@@ -287,7 +292,7 @@ class TokenEviction(Protocol):
 
 
 NEEDS = {KVConversion: "re-encodes its KV pool in place", HostTier: "has a host KV tier",
-         Adapters: "applies LoRA adapters (the torch executor)",
+         Adapters: "applies LoRA adapters (the torch and llama_cpp executors)",
          WeightFormats: "re-packs its weights", Offload: "offloads FFN weights to the host",
          Drafting: "runs a draft model",
          WindowGroups: "lays out KV pages of its own (the torch executor)",

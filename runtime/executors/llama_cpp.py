@@ -84,9 +84,9 @@ from kvdeck.runtime.executors.llama_cpp_context import (
     LlamaModel,
     Row,
     lib,
-    one_batch,
 )
 from kvdeck.runtime.executors.llama_cpp_draft import LlamaDraft
+from kvdeck.runtime.executors.llama_cpp_lora import LlamaAdapters
 from kvdeck.runtime.executors.llama_cpp_probe import resolve_repack
 from kvdeck.runtime.executors.online_fit import OnlineFit
 from kvdeck.runtime.executors.outputs import LogitsStage
@@ -152,6 +152,7 @@ class LlamaCppExecutor:
         ids = [int(t) for t in eos if t is not None]
         ids += [t for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0]
         self.weight_bytes = self._model.weight_bytes
+        self.adapters = LlamaAdapters(self._model, info.architecture)  # llama_cpp_lora.py
         self.draft: LlamaDraft | None = None
         if draft_model is not None:
             try:
@@ -190,6 +191,20 @@ class LlamaCppExecutor:
         after a KV-format switch."""
         self.timing = OnlineFit(StepFit(self.weight_bytes / 12e9,
                                         2.0 * self.weight_bytes / 0.6 / 50e9, 1e-9))
+
+    # -- LoRA adapters (`llama_cpp_lora.py`) --------------------------------------------------
+
+    def load_adapter(self, name: str, path: str | Path, max_loras: int = 0) -> int:
+        """Serve the adapter at `path` as `name` (every adapter stays loaded in llama.cpp:
+        `max_loras` bounds only the adapters in one batch, which the scheduler enforces)."""
+        return self.adapters.load(name, path)
+
+    def describe_adapters(self) -> str:
+        return self.adapters.describe()
+
+    @property
+    def adapter_reserve_bytes(self) -> int:
+        return sum(self.adapters.num_bytes.values())
 
     # -- context ----------------------------------------------------------------------------
 
@@ -253,7 +268,7 @@ class LlamaCppExecutor:
         before = sum(n for *_, n in running) * self.model_info.kv_bytes_per_token(self.kv_format)
         self.bind_kv(num_blocks, self.block_size, kv_format)
         moved = dict(zip(src, dst, strict=True))  # the pool's new block ids
-        groups = []
+        groups, names = [], []
         for rid, req, old, n in running:
             if not all(b in moved for b in old[:-(-n // self.block_size)]):
                 continue  # preempted by the switch (its blocks were freed): recomputes later
@@ -262,9 +277,11 @@ class LlamaCppExecutor:
             self._seq_of[rid] = seq
             self._running[rid] = (req, table)
             groups.append([(t, pos, seq, -1) for pos, t in enumerate(req.token_slice(0, n))])
+            names.append(req.sampling.lora)
             self._write(seq, table, 0, n)
             self._length[seq] = n
-        self._ctx.decode(groups, 0)
+        regrouped, adapters = self.adapters.group(groups, names, False)  # each its adapter
+        self._ctx.decode(regrouped, 0, adapters)
         after = sum(map(len, groups)) * self.model_info.kv_bytes_per_token(kv_format)
         return Conversion(time.perf_counter() - t0, True, before, after)
 
@@ -404,12 +421,13 @@ class LlamaCppExecutor:
                                                      prepared}, self.batch_invariant)
         groups, wants, scoring, num_out = self._lay_out(prepared)
         num_rows = sum(map(len, groups))
-        if not self.batch_invariant:
-            groups = one_batch(groups)  # one llama_decode for the whole step
+        # One llama_decode for the whole step (one per LoRA adapter in it).
+        groups, adapters = self.adapters.group(
+            groups, [c.request.sampling.lora for c, _, _ in prepared], not self.batch_invariant)
         job = MaskJob([c.request for c, _, _ in wants if not c.num_draft],
                       [(c.request, list(c.draft)) for c, _, _ in wants if c.num_draft])
         try:  # the grammar masks are computed while llama.cpp decodes
-            logits = self._ctx.decode(groups, num_out)
+            logits = self._ctx.decode(groups, num_out, adapters)
         finally:
             masks = job.wait()
         errors.update(job.errors)

@@ -47,6 +47,19 @@ def lib():
     return llama_cpp
 
 
+def set_adapter(ctx, adapter) -> None:
+    """Apply `adapter` (a loaded llama.cpp adapter, or None: the base model) to every row
+    `ctx` decodes next (`llama_cpp_lora.py`)."""
+    L = lib()
+    if adapter is None:
+        rc = L.llama_set_adapters_lora(ctx, None, 0, None)
+    else:
+        rc = L.llama_set_adapters_lora(ctx, (L.llama_adapter_lora_p_ctypes * 1)(adapter), 1,
+                                       (ctypes.c_float * 1)(1.0))
+    if rc != 0:
+        raise StepError(f"llama.cpp could not set a LoRA adapter on its context ({rc}).")
+
+
 class LlamaModel:
     """A GGUF loaded by llama.cpp (`n_gpu_layers` on a Metal or CUDA build; -1 all), with
     its weights re-packed for the CPU's gemm kernels (llama.cpp's extra buffer types: faster,
@@ -106,6 +119,8 @@ class LlamaContext:
         self.batch_size = cp.n_batch
         self.batch = L.llama_batch_init(cp.n_batch, 0, 1)
         self.vocab_size = model.vocab_size
+        self.adapter = None
+        """The LoRA adapter set on the context now (`llama_cpp_lora.py`; None: none)."""
 
     def remove(self, seq: int, start: int = 0) -> None:
         """Drop positions `start`.. of slot `seq`'s stream."""
@@ -118,16 +133,22 @@ class LlamaContext:
         L.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
         L.llama_memory_seq_rm(self.mem, dst, start, -1)
 
-    def decode(self, groups: list[list[Row]], num_out: int) -> torch.Tensor:
+    def decode(self, groups: list[list[Row]], num_out: int,
+               adapters: list | None = None) -> torch.Tensor:
         """Decode each group of rows in its own `llama_decode` (a group longer than the
-        batch in several); the logits rows as a float32 tensor [num_out, vocab]."""
+        batch in several), with `adapters[i]` set for group i (None: no LoRA adapter); the
+        logits rows as a float32 tensor [num_out, vocab]."""
         L = lib()
         if self.repack:
             crash_at("repack-decode")
         crash_at("decode")
         out = np.empty((num_out, self.vocab_size), dtype=np.float32)
         batch = self.batch
-        for rows in groups:
+        for index, rows in enumerate(groups):
+            adapter = adapters[index] if adapters else None
+            if adapter is not self.adapter:
+                set_adapter(self.ctx, adapter)
+                self.adapter = adapter
             for first in range(0, len(rows), self.batch_size):
                 part = rows[first:first + self.batch_size]
                 batch.n_tokens = len(part)

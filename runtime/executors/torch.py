@@ -22,6 +22,7 @@ from kvdeck.runtime.executors.link import measure_link
 from kvdeck.runtime.executors.online_fit import OnlineFit
 from kvdeck.runtime.executors.outputs import LogitsStage
 from kvdeck.runtime.executors.paged_kv import PagedBatch, PagedKVCache, paged_attention
+from kvdeck.runtime.executors.torch_adapters import TorchAdapters
 from kvdeck.runtime.executors.torch_weights import WeightPacker
 from kvdeck.runtime.kv.groups import LayerGroups, layer_groups
 from kvdeck.runtime.kv.transfers import Transfer
@@ -32,7 +33,7 @@ from kvdeck.runtime.models.kernels import (
     FLOAT,
     cpu_compute_dtype,
 )
-from kvdeck.runtime.models.lora import AdapterSet, check_fits, load_adapter, merge
+from kvdeck.runtime.models.lora import load_adapter, merge
 from kvdeck.runtime.models.offload import FFNOffload
 from kvdeck.runtime.models.transformer import Transformer
 from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
@@ -92,7 +93,7 @@ def pick_dtype(dtype: str | None, device: torch.device, kernel_cache: Path) -> s
     return dtype
 
 
-class TorchExecutor:
+class TorchExecutor(TorchAdapters):
     """Executor protocol implementation on a real model."""
 
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str | None = None,
@@ -178,22 +179,6 @@ class TorchExecutor:
         self.token_eviction = mode
         if self.draft is not None:
             self.draft.holes = mode != "off"
-
-    def load_adapter(self, name: str, path: str | Path, max_loras: int = 0) -> int:
-        """Serve the LoRA adapter at `path` as `name` (`runtime/models/lora.py`), at most
-        `max_loras` of them resident at once (0: all); its bytes. ConfigError when it does
-        not fit this model."""
-        adapter = load_adapter(name, path)
-        check_fits(adapter, self.model.masters, self.cfg.arch.name, self.cfg.arch.rope_style)
-        if self.model.adapters is None:
-            self.model.adapters = AdapterSet(self.device, self.model.dtype, max_loras)
-        self.model.adapters.add(adapter)
-        return adapter.num_bytes
-
-    def describe_adapters(self) -> str:
-        a = self.model.adapters
-        return "" if a is None else \
-            f"LoRA {len(a.adapters)}/{len(a.host)} resident · {a.num_bytes / 2**20:.1f} MiB"
 
     def _prior_fit(self) -> StepFit:
         """The step-time model until the executor's own steps pin it down (`online_fit.py`):
@@ -553,20 +538,6 @@ class TorchExecutor:
         """Draft tokens under the knobs' speculative method: n-gram prompt lookup over the
         request's latest tokens."""
         return propose_for(req, k, knobs)
-
-    def _load_adapters(self, plan: SchedulerOutput, t0: float) -> list[Transfer]:
-        """The step's adapters made resident: each load a timed host → device copy, each
-        unload (the least recently used, for a slot) a transfer of no bytes."""
-        start = time.perf_counter() - t0
-        loads, unloads = self.model.adapters.make_resident(
-            {c.request.sampling.lora for c in plan.chunks} - {None})
-        out = [Transfer("lora unload", "d2h", f"adapter {n}", 0, 0, start, 0.0, 0.0, 0.0)
-               for n in unloads]
-        for name, nbytes, seconds in loads:
-            out.append(Transfer("lora", "h2d", f"adapter {name}", 0, nbytes, start, seconds,
-                                nbytes / self.info.link_bandwidth, seconds))
-            start += seconds
-        return out
 
     def _transfer_blocks(self, copies: list, t0: float) -> list[Transfer]:
         """Perform the plan's tier copies in order (before copy-on-write and the forward

@@ -25,20 +25,23 @@ from collections.abc import Iterable, Iterator
 
 from kvdeck.runtime.fleet.kv_events import fold
 from kvdeck.runtime.kv.events import Cache, Demote, Evict, Promote
+from kvdeck.runtime.kv.state import adapter_of
 
 DEFAULT_SEED = "vllm-none-hash"
 """vLLM's seed of the first block's parent hash when `PYTHONHASHSEED` is not set."""
 
 
-def vllm_block_hash(parent: bytes | None, tokens: tuple[int, ...], seed: str) -> bytes:
+def vllm_block_hash(parent: bytes | None, tokens: tuple[int, ...], seed: str,
+                    lora: str | None = None) -> bytes:
     """The hash vLLM's prefix cache gives a full block of `tokens` after the block hashed
     `parent` (None: the first): SHA-256 of the pickled (parent, tokens, extra keys), the
     first block's parent being SHA-256 of the pickled seed (vLLM's default `sha256`
-    algorithm; no adapter, no multimodal keys). Checked against a real vLLM 0.32's events
-    in `tests/unit/test_kv_events.py`."""
+    algorithm). The extra keys are the LoRA adapter's name when the block was computed
+    under one (vLLM's `_gen_lora_extra_hash_keys`), else none; no multimodal keys. Checked
+    against a real vLLM 0.32's events in `tests/unit/test_kv_events.py`."""
     if parent is None:
         parent = _sha256(seed)
-    return _sha256((parent, tuple(tokens), None))
+    return _sha256((parent, tuple(tokens), (lora,) if lora else None))
 
 
 def _sha256(value) -> bytes:
@@ -68,8 +71,9 @@ class BlockEvents:
         self.block_size = block_size
         self.seed = env_seed() if seed is None else seed
         self.int_hashes = int_hashes
-        self._hashes: dict[int, tuple[int | bytes, bytes]] = {}
-        """Cached node id -> (published hash, vLLM's full digest) while the node is cached."""
+        self._hashes: dict[int, tuple[int | bytes, bytes, str | None]] = {}
+        """Cached node id -> (published hash, vLLM's full digest, its LoRA adapter) while
+        the node is cached."""
 
     def translate(self, kv_events: Iterable, tree) -> list[dict]:
         """A step's KV events (`StepRecord.kv`) as vLLM event maps."""
@@ -122,17 +126,20 @@ class BlockEvents:
         parent = self._hashes.get(ev.parent_id) if ev.parent_id else None
         if ev.parent_id and parent is None:
             return None  # its parent was never published: nothing a subscriber could place
-        digest = vllm_block_hash(parent[1] if parent else None, node.key, self.seed)
+        lora = parent[2] if parent else next(
+            (adapter_of(ns) for ns, root in tree.roots.items() if root is node.parent), None)
+        digest = vllm_block_hash(parent[1] if parent else None, node.key, self.seed, lora)
         h = fold(digest) if self.int_hashes else digest
-        self._hashes[ev.node_id] = (h, digest)
+        self._hashes[ev.node_id] = (h, digest, lora)
         return self._store_map(h, node, "GPU")
 
     def _store_map(self, h: int | bytes, node, medium: str) -> dict:
         parent = self._hashes.get(node.parent.node_id) if node.parent is not None else None
+        lora = self._hashes[node.node_id][2]
         return {"type": "BlockStored", "block_hashes": [h],
                 "parent_block_hash": parent[0] if parent else None,
                 "token_ids": list(node.key), "block_size": self.block_size, "lora_id": None,
-                "medium": medium, "lora_name": None, "group_idx": 0,
+                "medium": medium, "lora_name": lora, "group_idx": 0,
                 "kv_cache_spec_kind": "full_attention"}
 
 

@@ -66,6 +66,15 @@ class Figure:
         return getattr(getattr(obj, self.holder), self.name)
 
 
+LORA_MARK = "|lora:"
+"""Between an engine's namespace and an adapter's name in the adapter's namespace."""
+
+
+def adapter_of(namespace: str) -> str | None:
+    """The LoRA adapter whose blocks a prefix-cache namespace holds (None: the base)."""
+    return namespace.partition(LORA_MARK)[2] or None
+
+
 REPLAY_NAMESPACE = "replay"
 """The one root replay files nodes under (a trace has their ids, not their tokens)."""
 
@@ -124,7 +133,7 @@ class KVState:
         """The prefix-cache namespace of `req`'s blocks: the engine's (model, KV format),
         and its LoRA adapter's name when it runs one (vLLM keys blocks by adapter too)."""
         lora = req.sampling.lora
-        return self.namespace if lora is None else f"{self.namespace}|lora:{lora}"
+        return self.namespace if lora is None else f"{self.namespace}{LORA_MARK}{lora}"
 
     def apply(self, ev: KVEvent, extra: Any = None) -> None:
         """Change the state as `ev` says (and keep `ev` when recording). `extra`: what the

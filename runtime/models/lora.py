@@ -171,6 +171,32 @@ def check_fits(adapter: LoRAAdapter, masters: list[dict], arch: str, rope_style:
                 f"{a.shape[0]}), and this model's matrix is {w.shape[0]}×{w.shape[1]}.")
 
 
+def write_gguf(adapter: LoRAAdapter, path: Path, arch: str) -> Path:
+    """The adapter as llama.cpp's adapter GGUF (what `convert_lora_to_gguf.py` writes:
+    `general.type = adapter`, `adapter.lora.alpha`, `blk.N.<matrix>.weight.lora_{a,b}` in
+    float32) for a base model of architecture `arch`; llama.cpp scales by alpha / rank, so
+    alpha is the adapter's scale × rank (rsLoRA's too). Written to a temporary name and
+    renamed, so a reader never sees half a file."""
+    import gguf
+
+    names = {v: k for k, v in GGUF_TARGETS.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_suffix(".part")
+    w = gguf.GGUFWriter(str(part), arch)
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(adapter.scale * adapter.rank))
+    for (layer, matrix), (a, b) in sorted(adapter.updates.items()):
+        w.add_tensor(f"blk.{layer}.{names[matrix]}.weight.lora_a", a.float().numpy())
+        w.add_tensor(f"blk.{layer}.{names[matrix]}.weight.lora_b", b.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    part.replace(path)
+    return path
+
+
 def merge(tensors: dict[str, torch.Tensor], adapter: LoRAAdapter) -> None:
     """Add the adapter into a base model's loaded GGUF tensors, in place: the merged model a
     batched adapter must agree with."""
@@ -242,6 +268,15 @@ class AdapterSet:
     @property
     def num_bytes(self) -> int:
         return sum(a.num_bytes for a in self.adapters.values())
+
+    @property
+    def reserve_bytes(self) -> int:
+        """Device bytes the adapters can take at most: the `max_loras` largest (all, with
+        no limit) resident, each twice (its own copy and its columns in the stacked
+        updates). The KV pool's budget leaves them out, as vLLM sizes LoRA slots before
+        the KV cache."""
+        sizes = sorted((a.num_bytes for a in self.host.values()), reverse=True)
+        return 2 * sum(sizes[:self.max_loras or len(sizes)])
 
     def make_resident(self, needed: set[str]) -> tuple[list[tuple[str, int, float]],
                                                        list[str]]:

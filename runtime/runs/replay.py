@@ -294,7 +294,8 @@ class TraceState:
                            r.num_computed_tokens, r.num_output_tokens, r.max_tokens,
                            r.num_cached_tokens, r.arrival_time, r.admitted_time, r.deadline,
                            r.priority, r.num_preemptions,
-                           tuple(self.tables.get(r.request_id, ())), r.occupancy.values())
+                           tuple(self.tables.get(r.request_id, ())), r.occupancy.values(),
+                           r.lora)
 
     def snapshot(self) -> EngineSnapshot:
         """The console's view of the engine after the last applied record."""

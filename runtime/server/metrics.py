@@ -101,16 +101,7 @@ class SnapshotCollector:
             yield counter("kvdeck:check_failures",
                           "Finished answers that failed their answer check (finished, not "
                           "good).", figures.num_check_failures)
-        blocks = GaugeMetricFamily("kvdeck:kv_blocks", "KV blocks by state.",
-                                   labels=["model_name", "state"])
-        for code, name in enumerate(STATE_NAMES):
-            blocks.add_metric([self.model, name], kv.count(code))
-        yield blocks
-        yield counter("kvdeck:kv_evictions", "Prefix-cache blocks evicted.", kv.num_evictions)
-        yield counter("kvdeck:kv_cow_copies", "Copy-on-write block copies.", kv.num_cow_copies)
-        if kv.eviction:
-            yield counter("kvdeck:kv_token_evicted_blocks", "Blocks token-level eviction "
-                          "(--kv-eviction) dropped from requests' tables.", kv.num_evicted_blocks)
+        yield from self._kv(kv, counter)
         t = snap.transfers
         if t is not None:
             yield from self._transfers(t, gauge, counter)
@@ -126,6 +117,20 @@ class SnapshotCollector:
         yield gauge("kvdeck:sim_lag_seconds", "How far a paced simulation is behind the "
                     "wall clock (0 when keeping up).", snap.lag_s)
 
+
+    def _kv(self, kv, counter):
+        """The pool's blocks by state, and what left it (prefix-cache and token-level
+        evictions) or was copied."""
+        blocks = GaugeMetricFamily("kvdeck:kv_blocks", "KV blocks by state.",
+                                   labels=["model_name", "state"])
+        for code, name in enumerate(STATE_NAMES):
+            blocks.add_metric([self.model, name], kv.count(code))
+        yield blocks
+        yield counter("kvdeck:kv_evictions", "Prefix-cache blocks evicted.", kv.num_evictions)
+        yield counter("kvdeck:kv_cow_copies", "Copy-on-write block copies.", kv.num_cow_copies)
+        if kv.eviction:
+            yield counter("kvdeck:kv_token_evicted_blocks", "Blocks token-level eviction "
+                          "(--kv-eviction) dropped from requests' tables.", kv.num_evicted_blocks)
 
     def _lora(self, snap) -> GaugeMetricFamily:
         """vLLM's `lora_requests_info`: the adapters of running and of waiting requests, as

@@ -111,9 +111,9 @@ def test_the_server_lists_adapters_and_routes_by_name(server) -> None:
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (("--executor", "llama_cpp", "--lora-modules", "a=ADAPTER"),
-     "--lora-modules needs an executor that applies LoRA adapters (the torch executor); "
-     "the llama_cpp executor does not."),
+    (("--executor", "sim", "--lora-modules", "a=ADAPTER"),
+     "--lora-modules needs an executor that applies LoRA adapters (the torch and llama_cpp "
+     "executors); the sim executor does not."),
     (("--executor", "torch", "--lora-modules", "a"), "--lora-modules takes NAME=PATH"),
     (("--executor", "torch", "--model", "qwen2.5-coder-0.5b", "--lora-modules",
       "a=ADAPTER"), "The LoRA adapter 'a' was made for another base model"),
@@ -159,8 +159,9 @@ def test_each_shipped_adapter_changes_the_answers_it_was_trained_on(gemma_path) 
 def test_one_slot_serves_three_adapters_loading_them_on_demand(gemma_path, adapter_files,
                                                                tmp_path) -> None:
     """--max-loras 1: requests for three adapters all finish, each with the answer it gives
-    when every adapter is resident; the loads and unloads are transfers of the steps that
-    needed them, recorded, and a replay of the run counts them too."""
+    when every adapter is resident; the slots' bytes come out of the KV budget; the loads
+    and unloads are transfers of the steps that needed them, recorded, and a replay of the
+    run counts them too and shows each request's adapter."""
     from kvdeck.runtime.executors.torch import TorchExecutor
     from kvdeck.runtime.runs.recording import record_headless
     from kvdeck.runtime.runs.replay import load_replay
@@ -180,6 +181,13 @@ def test_one_slot_serves_three_adapters_loading_them_on_demand(gemma_path, adapt
         engine = Engine(EngineConfig(kv_memory_bytes=256 << 20, max_loras=slots,
                                      knobs=Knobs(max_num_seqs=8)), executor,
                         tokenizer=tokenizer)
+        # One slot reserves the largest adapter (its copy and its stacked columns), none
+        # all three; the pool gets what is left of the budget.
+        sizes = sorted(executor.model.adapters.host[n].num_bytes for n in files)
+        reserve = executor.adapter_reserve_bytes
+        assert reserve == 2 * (sizes[-1] if slots else sum(sizes))
+        assert engine.kv.num_blocks == ((256 << 20) - reserve) // (
+            16 * executor.kv_bytes_per_token(engine.switcher.kv_format))
         recorder = record_headless(engine, tmp_path / f"run{slots}")
         reqs = [engine.add_request(tokenizer.encode(p), SamplingParams(
             temperature=0.0, max_tokens=8, ignore_eos=True, lora=lora)) for p, lora in items]
@@ -203,8 +211,11 @@ def test_one_slot_serves_three_adapters_loading_them_on_demand(gemma_path, adapt
     # each in place of the one before.
     assert loads == ["adapter b", "adapter c"] and unloads == ["adapter a", "adapter b"]
     state = replay.initial_state()
+    shown = set()
     for step in replay.steps:
         state.apply(step)
+        shown |= {v.lora for v in state.snapshot().running}
+    assert shown == {"a", "b", "c"}
     assert state.transfers_view().counters["weight_bytes"] == sum(
         t.bytes for t in moved if t.kind == "lora") > 0
     assert not [t for step in load_replay(tmp_path / "run0").steps for t in step.transfers]

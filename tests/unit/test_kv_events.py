@@ -261,3 +261,34 @@ def test_kvdeck_hashes_blocks_as_vllm_does() -> None:
             first = next(x for x in raw if x.get("kv_cache_spec_kind") == "full_attention")
             assert first["block_hashes"][0] == vllm_block_hash(
                 None, tuple(first["token_ids"][:BLOCK]), "0")
+
+
+def test_an_adapters_blocks_are_hashed_and_named_with_it() -> None:
+    """A block computed under a LoRA adapter is published as vLLM publishes it: the
+    adapter's name among the hash's extra keys and in `lora_name`. The same tokens under
+    the base model hash differently and carry no name."""
+    from kvdeck.runtime.core.request import Request, SamplingParams
+    from kvdeck.runtime.fleet.block_events import BlockEvents
+    from kvdeck.runtime.kv.manager import BlockManager
+
+    mgr = BlockManager(32, 4)
+    events = BlockEvents(4, seed="0")
+    tokens = list(range(10, 19))
+    for rid, lora in (("base", None), ("tuned", "capitals")):
+        req = Request(rid, tokens, SamplingParams(max_tokens=2, lora=lora))
+        mgr.admit(req, len(tokens), False)
+        req.num_computed_tokens = len(tokens)
+        mgr.cache_computed(req)
+    stored = [e for e in events.translate(mgr.take_events(), mgr.tree)
+              if e["type"] == "BlockStored"]
+    by_name: dict = {}
+    for e in stored:
+        by_name.setdefault(e["lora_name"], []).append(e)
+    assert set(by_name) == {None, "capitals"}
+    for lora, blocks in by_name.items():
+        parent = None
+        for e in blocks:
+            digest = vllm_block_hash(parent, tuple(e["token_ids"]), "0", lora)
+            assert e["block_hashes"] == [fold(digest)]
+            parent = digest
+    assert by_name[None][0]["block_hashes"] != by_name["capitals"][0]["block_hashes"]
