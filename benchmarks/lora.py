@@ -2,8 +2,9 @@
 
 Model: Gemma 3 270M (the embedded GGUF) on the torch executor (its default weights for this
 machine), then on the llama_cpp executor (one `llama_decode` per adapter in a step, so a
-mixed step is three passes over the weights there). Adapters: two rank-8 adapters on q, v, up and down projections of every layer (one
-PEFT folder, one llama.cpp GGUF; `tests/adapters.py`). Workload: eight prompts submitted
+mixed step is three passes over the weights there). Adapters: two rank-8 adapters on q,
+v, up and down projections of every layer (one PEFT folder, one llama.cpp GGUF;
+`tests/adapters.py`). Workload: eight prompts submitted
 together (all eight decode in one batch), greedy, exactly 64 output tokens each; "mixed"
 sends three to the base, three to adapter a, two to b. Three rounds of each, interleaved;
 printed: each run's output tokens per second (median of its rounds) and mixed/base.
