@@ -45,7 +45,7 @@ def quality(
     tokens on three prompts), on the CPU. Figures are cached per model and format; the
     console shows them beside the weight_format and kv_format knobs. With --kv-eviction,
     what token-level eviction costs on the same text served through the engine in a pool
-    smaller than it (top-1 agreement, mean |Δ log p|, perplexity against full KV)."""
+    smaller than it (top-1 agreement, mean |Δlogit|, perplexity against full KV)."""
     from dataclasses import asdict
 
     from kvdeck.runtime.text.eviction_quality import measure_eviction

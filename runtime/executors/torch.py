@@ -126,7 +126,8 @@ class TorchExecutor(TorchAdapters):
         self.record_logits = record_logits
         self.logits_log: list[tuple[str, int, torch.Tensor]] = []
         """With `record_logits`: (request id, position of the sampled token, logits) per
-        sampled token — for tests and numerics inspection, not for serving."""
+        sampled token, and (request id, first position, logits [n, vocab]) per chunk's
+        scored prompt positions — for tests and quality figures, not for serving."""
         g = read_gguf(Path(model_path))
         try:
             self.cfg: ModelConfig = model_config(g)
@@ -469,7 +470,10 @@ class TorchExecutor(TorchAdapters):
         for c in plan.chunks:  # `hidden` holds the chunks' rows in plan order
             if c.prompt_scored:
                 first = row + c.prompt_scored.start - c.start
-                out.score(c, hidden[first:first + len(c.prompt_scored)])
+                out.score(c, rows := hidden[first:first + len(c.prompt_scored)])
+                if self.record_logits:
+                    self.logits_log.append((c.request_id, c.prompt_scored.start,
+                                            self.model.logits(rows).float().cpu()))
             row += c.num_new_tokens
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

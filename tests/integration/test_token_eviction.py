@@ -119,7 +119,7 @@ def test_quality_reports_what_eviction_costs_on_gemma3(gemma_path: Path) -> None
                          "heavy-hitter: 4 sink + 128 recent + 64 heaviest tokens kept"}
     for q in rows.values():
         assert q["tokens"] > q["pool_blocks"] * 16 and q["evicted_blocks"] > 0
-        assert 0.0 < q["top1_agreement"] <= 1.0 and q["mean_abs_dlogp"] >= 0.0
+        assert 0.0 < q["top1_agreement"] <= 1.0 and q["mean_abs_dlogit"] >= 0.0
         assert q["scored_from"] == 16 + 128
     # StreamingLLM's finding: the window alone loses far more than with its sink tokens.
     sink = rows["sink-window: 4 sink + 128 recent tokens kept"]
