@@ -13,14 +13,15 @@ from rich.console import Group
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid
+from textual.containers import Grid, Vertical
 from textual.widgets import Header, Static
 from textual.worker import get_current_worker
 
 from kvdeck.console.base_app import ConsoleApp
 from kvdeck.console.widgets.footer import KeysFooter
 from kvdeck.console.widgets.metrics import sparkline
-from kvdeck.console.widgets.remote_prefix import UNKNOWN, segment_text
+from kvdeck.console.widgets.prefix_tree import PrefixTreePanel
+from kvdeck.console.widgets.remote_prefix import UNKNOWN
 from kvdeck.console.widgets.routing import RoutingPanel
 from kvdeck.runtime.errors import KvdeckError
 from kvdeck.runtime.fleet.fleet_tree import segments
@@ -37,8 +38,10 @@ class AttachApp(ConsoleApp):
     TITLE = "kvdeck attach"
     CSS = """
     Grid { grid-size: 3 2; }
-    Grid > Static { border: round $primary; padding: 0 1; height: 1fr; }
-    Grid > Static.stale { color: $text-disabled; border: round $warning; }
+    Grid > .panel { border: round $primary; padding: 0 1; height: 1fr; }
+    Grid > .panel.stale { color: $text-disabled; border: round $warning; }
+    #prefix { height: auto; }
+    #prefix-tree { border: none; padding: 0; display: none; }
     """
     BINDINGS = [Binding("q", "quit", "Quit", id="attach.quit"),
                 Binding("t", "next_theme", "Theme", id="attach.theme"),
@@ -72,7 +75,11 @@ class AttachApp(ConsoleApp):
             for name, title in (("queue", "Queue"), ("kv", "KV cache"), ("prefix", "Prefix cache"),
                                 ("latency", "Latency"), ("spec", "Speculation"),
                                 ("status", "Remote")):
-                panel = Static(id=name)
+                if name == "prefix":  # figures, then the tree its KV events build
+                    panel = Vertical(Static(id="prefix"), PrefixTreePanel(id="prefix-tree"),
+                                     id="prefix-cell", classes="panel")
+                else:
+                    panel = Static(id=name, classes="panel")
                 panel.border_title = title
                 yield panel
         yield KeysFooter()
@@ -130,7 +137,7 @@ class AttachApp(ConsoleApp):
         st = self.status
         stale = error is not None and st is not None
         age = f"stale: no answer for {now - self.last_ok:,.0f} s" if stale else ""
-        for panel in self.query("Grid > Static"):
+        for panel in self.query("Grid > .panel"):
             panel.set_class(stale and panel.id != "status", "stale")
             if panel.id != "status":
                 panel.border_subtitle = age
@@ -169,7 +176,7 @@ class AttachApp(ConsoleApp):
         if self.events is not None:
             kv.append_text(self._residency(st))
             prefix.append("\n")
-            prefix.append_text(self._tree(self.query_one("#prefix", Static).size.width))
+            prefix.append_text(self._tree())
         else:
             prefix.append("\nthe tree needs the server's KV events: --kv-events ENDPOINT "
                           "(docs/attach.md)", style="dim")
@@ -210,7 +217,8 @@ class AttachApp(ConsoleApp):
                     (f", {cpu:,} on CPU" if cpu else "") +
                     (f" · {cache.block_size}-token blocks" if cache.block_size else ""))
 
-    def _tree(self, width: int) -> Text:
+    def _tree(self) -> Text:
+        """The events' figures; the tree itself goes to the prefix tree panel."""
         segs, status, cache = self.events
         now = time.monotonic()
         head = Text(f"KV events: {status.messages:,} messages"
@@ -225,9 +233,12 @@ class AttachApp(ConsoleApp):
         if status.unknown:
             head.append(f"\nskipped: {', '.join(f'{k} ×{v}' for k, v in status.unknown.items())}",
                         style="dim")
-        head.append(f"\n{UNKNOWN}\n", style="dim")
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
-        return head + segment_text(segs, decode, width)
+        head.append(f"\n{UNKNOWN}", style="dim")
+        tree = self.query_one(PrefixTreePanel)
+        tree.display = True
+        tree.show_segments(segs, self.tokenizer.decode if self.tokenizer is not None else None,
+                           f"{len(segs):,} segments")
+        return head
 
     @staticmethod
     def _num(x: float | None) -> str:

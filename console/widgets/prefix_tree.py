@@ -3,7 +3,11 @@ users, hits, the retention value (estimated hit chance `p`, `V_h = p·T_r` in ms
 recompute saved, and `p*`, the hit chance above which keeping it on the host tier pays;
 live engines only), last access and evictability. The snapshot already folds single-child chains
 into segments. The tree is rebuilt from each snapshot, keeping the segments the operator
-collapsed and the cursor's segment."""
+collapsed and the cursor's segment.
+
+The same panel shows a remote replica's cache as its KV events tell it (`kvdeck attach
+--kv-events`: `show_segments`), with what events can say about each segment
+(`remote_prefix.py`)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from rich.text import Text
 from textual import events
 from textual.widgets import Tree
 
+from kvdeck.console.widgets.remote_prefix import segment_label
 from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 
@@ -62,8 +67,7 @@ class PrefixTreePanel(Tree[int]):
             return
         path = next((set(v.block_table) for v in snap.running
                      if v.request_id == self.selected), set())
-        branches = {0: self.root}
-        parents = {n.parent_id for n in nodes}
+        rows = []
         for n in nodes:
             on_path = n.block >= 0 and n.block in path
             label = Text(f"[{n.start_token}:{n.end_token})",
@@ -81,12 +85,34 @@ class PrefixTreePanel(Tree[int]):
                 label.append(" evictable", style="blue")
             if on_path:
                 label.append(f" ◀ {self.selected}", style="bold yellow")
-            parent = branches.get(n.parent_id, self.root)
-            if n.node_id in parents:
-                node = parent.add(label, data=n.node_id,
-                                  expand=n.node_id not in self.collapsed_ids)
+            rows.append((n.node_id, n.parent_id, label))
+        self._fill(rows, cursor)
+
+    def show_segments(self, segs: list, decode=None, subtitle: str = "") -> None:
+        """A remote replica's cached segments (`fleet_tree.Segment`, parents first), each
+        labelled with what its KV events say (`decode(tokens) -> str` adds its text)."""
+        self.border_subtitle = subtitle
+        cursor = self.cursor_node.data if self.cursor_node is not None else None
+        self.clear()
+        self.show_root = not segs
+        if not segs:
+            self.root.set_label(Text("no cached block announced yet", style="dim"))
+            return
+        width = max(self.size.width - 6, 40)
+        self._fill([(s.seg_id, s.parent_id, segment_label(s, decode, width)) for s in segs],
+                   cursor)
+
+    def _fill(self, rows: list[tuple[int, int, Text]], cursor: int | None) -> None:
+        """Add `(id, parent id, label)` rows, parents first (parent 0: the root), keeping
+        what the operator collapsed and the cursor's row."""
+        branches = {0: self.root}
+        parents = {parent for _, parent, _ in rows}
+        for node_id, parent_id, label in rows:
+            parent = branches.get(parent_id, self.root)
+            if node_id in parents:
+                node = parent.add(label, data=node_id, expand=node_id not in self.collapsed_ids)
             else:
-                node = parent.add_leaf(label, data=n.node_id)
-            branches[n.node_id] = node
-            if n.node_id == cursor:
+                node = parent.add_leaf(label, data=node_id)
+            branches[node_id] = node
+            if node_id == cursor:
                 self.move_cursor(node)

@@ -1,8 +1,8 @@
 """A remote replica's prefix cache as its KV events tell it (`kvdeck attach --kv-events`):
-one line per segment, indented by depth — token span, blocks, where it lives (medium and
-KV-cache groups), its text where a tokenizer is given — and, for placeholders, that they
-were stored before kvdeck attached. What events cannot say (users, hits, eviction order)
-is said once, not guessed."""
+the label of each segment in the prefix tree panel (`PrefixTreePanel.show_segments`) —
+token span, blocks, where it lives (medium and KV-cache groups), its text where a
+tokenizer is given — and, for placeholders, that they were stored before kvdeck attached.
+What events cannot say (users, hits, eviction order) is said once, not guessed."""
 
 from __future__ import annotations
 
@@ -31,26 +31,18 @@ def groups(s: Segment) -> str:
     return " group" + ("s " if len(g) > 1 else " ") + ",".join(map(str, g))
 
 
-def segment_text(segs: list[Segment], decode=None, width: int = 80,
-                 limit: int = 200) -> Text:
-    """The segments as indented lines (`decode(tokens) -> str` adds their text)."""
-    depth: dict[int, int] = {0: -1}
-    out = Text()
-    for s in segs[:limit]:
-        d = depth[s.seg_id] = depth.get(s.parent_id, -1) + 1
-        line = Text("  " * d + span(s), style="bold" if not s.placeholder else "yellow")
-        if s.num_blocks > 1:
-            line.append(f" {s.num_blocks} blocks", style="dim")
-        if not s.placeholder:
-            line.append(" " + "+".join(s.media), style="cyan" if s.media == ("GPU",)
-                        else "magenta")
-            line.append(groups(s), style="dim")
-        if decode is not None and s.tokens:
-            room = max(width - len(line.plain) - 4, 8)
-            text = decode(list(s.tokens[:64])).replace("\n", "⏎")
-            line.append(f" “{text[:room]}”", style="green")
-        out.append_text(line)
-        out.append("\n")
-    if len(segs) > limit:
-        out.append(f"… {len(segs) - limit} more segments\n", style="dim")
-    return out
+def segment_label(s: Segment, decode=None, width: int = 80) -> Text:
+    """One segment as a tree label: its span, blocks, where it lives (medium and groups),
+    and its text when `decode(tokens) -> str` is given; a placeholder says what it is."""
+    line = Text(span(s), style="bold" if not s.placeholder else "yellow")
+    if s.num_blocks > 1:
+        line.append(f" {s.num_blocks} blocks", style="dim")
+    if not s.placeholder:
+        line.append(" " + "+".join(s.media), style="cyan" if s.media == ("GPU",)
+                    else "magenta")
+        line.append(groups(s), style="dim")
+    if decode is not None and s.tokens:
+        room = max(width - len(line.plain) - 4, 8)
+        text = decode(list(s.tokens[:64])).replace("\n", "⏎")
+        line.append(f" “{text[:room]}”", style="green")
+    return line

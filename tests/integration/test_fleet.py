@@ -147,3 +147,39 @@ def test_histogram_deltas_are_the_recent_observations() -> None:
     recent = delta(before, after)
     assert recent.count == 20 and recent.quantile(0.5) == pytest.approx(0.55)
     assert delta(after, before) is None  # the server restarted
+
+
+async def test_attach_draws_a_replicas_events_in_the_prefix_tree_panel(gemma_path) -> None:
+    """`kvdeck attach URL --kv-events`: the replica's cached segments in the same prefix
+    tree panel kvdeck's own engine uses, span, medium and text decoded, a prompt sharing
+    the first one's prefix a child of the shared segment."""
+    import asyncio
+
+    from kvdeck.console.screens.attach import AttachApp
+    from kvdeck.console.widgets.prefix_tree import PrefixTreePanel
+    from kvdeck.runtime.text.tokenizer import Tokenizer
+
+    rng = random.Random(7)
+    shared = [rng.randrange(100, 30_000) for _ in range(2 * BLOCK)]
+    tok = Tokenizer(gemma_path)
+    with ExitStack() as stack:
+        spec, srv = replica(stack, "a")
+        app = AttachApp(spec.url, interval_s=0.2, kv_events=spec.kv_events,
+                        kv_replay=spec.kv_replay, tokenizer=tok)
+        async with app.run_test(size=(160, 48)):
+            for _ in range(2):
+                send(srv, shared + [rng.randrange(100, 30_000) for _ in range(BLOCK + 1)])
+                idle(srv)
+            tree = app.query_one(PrefixTreePanel)
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                if tree.display and len(tree.root.children) == 1 and \
+                        len(tree.root.children[0].children) == 2:
+                    break
+            (shared_node,) = tree.root.children
+            label = str(shared_node.label)
+            assert label.startswith(f"[0:{2 * BLOCK}) 2 blocks GPU group 0 “")
+            assert "“" + tok.decode(shared).replace("\n", "⏎")[:6] in label
+            assert [str(c.label).split()[0] for c in shared_node.children] == \
+                [f"[{2 * BLOCK}:{3 * BLOCK})"] * 2
+            assert tree.border_subtitle == "3 segments"
