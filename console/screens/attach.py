@@ -40,7 +40,7 @@ class AttachApp(ConsoleApp):
     Grid { grid-size: 3 2; }
     Grid > .panel { border: round $primary; padding: 0 1; height: 1fr; }
     Grid > .panel.stale { color: $text-disabled; border: round $warning; }
-    #prefix { height: auto; }
+    #prefix { height: auto; max-height: 50%; }
     #prefix-tree { border: none; padding: 0; display: none; }
     """
     BINDINGS = [Binding("q", "quit", "Quit", id="attach.quit"),
