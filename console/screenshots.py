@@ -114,11 +114,29 @@ async def _shoot_fleet(out: Path) -> None:
                 await pilot.pause(0.6)
                 app.save_screenshot(filename=name, path=str(out))
             print(f"wrote {out / name}")
+        await _shoot_attach(out, specs[0])
     finally:
         for srv in servers:
             srv.stop()
         for pub in publishers:
             pub.close()
+
+
+async def _shoot_attach(out: Path, spec) -> None:
+    """`kvdeck attach` on one of the fleet's replicas with its KV events: the prefix tree
+    panel drawing the replica's cached segments, decoded."""
+    from kvdeck.console.screens.attach import AttachApp
+    from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
+    from kvdeck.runtime.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(resolve_model(DEFAULT_MODEL))
+    for size, name in (((160, 48), "attach-160x48.svg"), ((80, 24), "attach-80x24.svg")):
+        app = AttachApp(spec.url, 0.3, kv_events=spec.kv_events, kv_replay=spec.kv_replay,
+                        tokenizer=tokenizer)
+        async with app.run_test(size=size) as pilot:
+            await pilot.pause(2.0)
+            app.save_screenshot(filename=name, path=str(out))
+        print(f"wrote {out / name}")
 
 
 def main(out: Path = Path("screenshots")) -> None:
