@@ -83,7 +83,7 @@ def preempt_now(sched: Scheduler, req: Request, now: float,
     resumes where it stopped)."""
     sched.running.remove(req)
     if swap:
-        n = sched.kv.swap_out(req)
+        n = sched.kv.swaps.swap_out(req)
         req.status = RequestStatus.SWAPPED
         why = f"{n:,} blocks swapped out to the host"
         sched.num_swapped += 1
@@ -103,7 +103,7 @@ def unswap_all(sched: Scheduler, now: float, why: str) -> list[str]:
     out = []
     for req in sched.waiting:
         if req.status is RequestStatus.SWAPPED:
-            sched.kv.unswap(req)
+            sched.kv.swaps.unswap(req)
             req.status = RequestStatus.PREEMPTED
             _dropped(sched, req)
             req.events.append((now, f"host copy dropped ({why}): to be recomputed"))

@@ -442,14 +442,14 @@ class Scheduler:
         if n == 0:
             plan.limit = "ITL target (itl_target_ms): the step has no room for more"
             return False
-        if not kv.can_swap_in(req, n, full):
+        if not kv.swaps.can_swap_in(req, n, full):
             plan.limit = (f"KV pool full: swapped-out {req.request_id} needs "
-                          f"{kv.swap_in_blocks(req, n, full):,} blocks to come back, "
+                          f"{kv.swaps.swap_in_blocks(req, n, full):,} blocks to come back, "
                           f"{kv.num_available_blocks():,} are available")
             return False
         self.waiting.remove(req)
         num_blocks = len(kv.host_tables[req.request_id])
-        plan.cow_copies.extend(kv.swap_in(req, n, full))
+        plan.cow_copies.extend(kv.swaps.swap_in(req, n, full))
         req.events.append((now, f"swapped in: {num_blocks:,} blocks copied back"))
         req.status = RequestStatus.RUNNING
         self.running.append(req)

@@ -151,7 +151,7 @@ class KnobSwitches:
         Returns the conversion and the switch's pool fields."""
         kv, now = self.kv, self.clock.now()
         unswapped = self.scheduler.unswap_all(now, why)
-        kv.drop_host_tier(kv.host.num_blocks)
+        kv.swaps.drop_host_tier(kv.host.num_blocks)
         preempted = self.scheduler.preempt_to_fit(
             num_blocks, now, f"the pool shrank to {num_blocks:,} blocks ({why})")
         dropped = 0
@@ -165,7 +165,7 @@ class KnobSwitches:
         conv = capability(self.executor, KVConversion, "changing kv_format live").convert_kv(
             kv_format, num_blocks, src, [where[b] for b in src])
         host_blocks = self.pool.host_blocks(kv_format)
-        kv.drop_host_tier(host_blocks)
+        kv.swaps.drop_host_tier(host_blocks)
         if isinstance(self.executor, HostTier):
             self.executor.bind_host_kv(host_blocks)
         self.kv_format = kv_format

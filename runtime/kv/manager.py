@@ -13,7 +13,7 @@ Blocks referenced by a step that is still executing are not reused: a release wh
 `in_flight` is set is deferred until `end_step()`.
 
 With a host tier (`kv/tiers.py`, `host_blocks > 0`) a preempted request's computed blocks
-can be swapped out (`swap_out`) and back (`swap_in`), and the prefix tree demotes evicted
+can be swapped out and back (`swaps`, `kv/swaps.py`), and the prefix tree demotes evicted
 blocks there and promotes them on a hit. Every copy between the tiers is queued in `copies`
 in the order it was decided — `(kind, direction, what, [[src, dst], ...])` — and the
 scheduler hands them to the executor with the next plan, which performs them in that order
@@ -43,7 +43,7 @@ _NO_BLOCKS: list[int] = []
 """The table of a request holding no block (never written: tables change by events)."""
 
 
-class BlockManager(HostSwaps):
+class BlockManager:
     """Paged KV decisions for one engine. With layer groups (`groups`, `kv/window.py`)
     its blocks are pages and each request also has sliding-window tables."""
 
@@ -89,6 +89,8 @@ class BlockManager(HostSwaps):
         assert not eviction.on or (groups is None and not host_blocks), \
             "token-level eviction has no window pages and no host tier"
         self.eviction = TokenEvictor(eviction, st, self._apply)
+        self.swaps = HostSwaps(self)
+        """Swapping to the host tier and back (`kv/swaps.py`)."""
 
     # -- the state's figures ----------------------------------------------------------------
 

@@ -223,7 +223,7 @@ class PrefixTree:
 
     def move_blocks(self, moves: dict[int, int], bytes_per_block: int) -> None:
         """The pool moved cached blocks (`old -> new`) and changed its block size in bytes
-        (the host tier is empty then: `BlockManager.drop_host_tier`)."""
+        (the host tier is empty then: `HostSwaps.drop_host_tier`)."""
         for node in self.node_of_block.values():
             node.block = moves.get(node.block, node.block)
             if node.local:

@@ -169,13 +169,13 @@ class HostTierMachine(KVMachine):
     @rule(rid=KVMachine.requests)
     def swap_out(self, rid):
         req = self._req(rid)
-        if req is None or not self.mgr.can_swap_out(
+        if req is None or not self.mgr.swaps.can_swap_out(
                 self.mgr.blocks_needed(req.num_computed_tokens)):
             return
         self._tick()
         table = list(self.mgr.table(rid))
         computed = req.num_computed_tokens
-        n = self.mgr.swap_out(req)
+        n = self.mgr.swaps.swap_out(req)
         assert rid not in self.mgr.tables and len(self.mgr.host_tables[rid]) == n
         (kind, direction, what, pairs), = [c for c in self.mgr.take_copies() if c[0] == "swap"]
         assert (kind, direction, what) == ("swap", "d2h", rid)
@@ -188,12 +188,12 @@ class HostTierMachine(KVMachine):
         if not self.swapped:
             return
         rid, req = next(iter(self.swapped.items()))
-        if not self.mgr.can_swap_in(req, 1, full):
+        if not self.mgr.swaps.can_swap_in(req, 1, full):
             return
         self._tick()
         hosts = list(self.mgr.host_tables[rid])
         computed = req.num_computed_tokens
-        self.mgr.swap_in(req, 0, full)
+        self.mgr.swaps.swap_in(req, 0, full)
         copies = [c for c in self.mgr.take_copies() if c[0] == "swap"]
         assert copies[-1][1] == "h2d" and [p[0] for p in copies[-1][3]] == hosts
         assert [p[1] for p in copies[-1][3]] == self.mgr.table(rid)[:len(hosts)]
@@ -213,7 +213,7 @@ class HostTierMachine(KVMachine):
 
     @rule(blocks=st.integers(0, 12))
     def drop_host_tier(self, blocks):
-        for rid in self.mgr.drop_host_tier(blocks):
+        for rid in self.mgr.swaps.drop_host_tier(blocks):
             req = self.swapped.pop(rid)
             req.num_computed_tokens = 0
         assert self.mgr.host.num_used == 0 and self.mgr.host.num_blocks == blocks
@@ -273,21 +273,21 @@ def test_long_random_sequences_over_both_tiers_keep_every_count() -> None:
         elif op < 0.55 and live:
             rid = rng.choice(sorted(live))
             req = live[rid]
-            if mgr.can_swap_out(mgr.blocks_needed(req.num_computed_tokens)):
-                mgr.swap_out(req)
+            if mgr.swaps.can_swap_out(mgr.blocks_needed(req.num_computed_tokens)):
+                mgr.swaps.swap_out(req)
                 swapped[rid] = live.pop(rid)
         elif op < 0.7 and swapped:
             rid = rng.choice(sorted(swapped))
             req = swapped[rid]
-            if mgr.can_swap_in(req, 0, False):
-                mgr.swap_in(req, 0, False)
+            if mgr.swaps.can_swap_in(req, 0, False):
+                mgr.swaps.swap_in(req, 0, False)
                 live[rid] = swapped.pop(rid)
         elif op < 0.85:
             mgr.tree.evict_one()
         elif op < 0.88 and swapped:
             mgr.release(swapped.pop(rng.choice(sorted(swapped))))
         elif op < 0.885:
-            for rid in mgr.drop_host_tier(rng.choice((16, 12))):
+            for rid in mgr.swaps.drop_host_tier(rng.choice((16, 12))):
                 req = swapped.pop(rid)
                 req.num_computed_tokens = 0
                 mgr.release(req)

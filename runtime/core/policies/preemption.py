@@ -81,7 +81,7 @@ def arrival_victim(running: list[Request], head: Request) -> Request | None:
 def preemption_mode(req: Request, mode: str, kv: BlockManager, estimate: Estimator) -> str:
     """How `req` would be preempted now under the `preemption` knob `mode`: `swap` or
     `recompute`."""
-    if mode == "recompute" or not kv.can_swap_out(kv.blocks_needed(req.num_computed_tokens)):
+    if mode == "recompute" or not kv.swaps.can_swap_out(kv.blocks_needed(req.num_computed_tokens)):
         return "recompute"
     if mode == "swap":
         return "swap"
