@@ -216,7 +216,8 @@ class _Reach:
         self.reads = [[k for k in range(f, e) if r.table[k] >= 0] for r, f, e in
                       zip(rows, firsts, self.ends, strict=True)] if holes else None
         """Per row, the table indices it reads (None: every one from `first` to its end)."""
-        self.width = max((self._count(i) for i in self.decode), default=0)
+        self.width = max((self.ends[i] - firsts[i] for i in self.decode), default=0) \
+            if self.reads is None else max((len(self.reads[i]) for i in self.decode), default=0)
         self.decode_masks: dict[int | None, torch.Tensor] = {}
         if self.decode:
             qpos = self._t([rows[i].start for i in self.decode])[:, None]
@@ -237,10 +238,6 @@ class _Reach:
                 else torch.arange(firsts[i] * p, self.ends[i] * p, device=device)[None, :]
             self.prefill_masks.append({w: _window_mask(qpos, kpos, qpos.new_tensor(start + n), w)
                                        for w in windows})
-
-    def _count(self, i: int) -> int:
-        """Blocks row `i` reads."""
-        return len(self.reads[i]) if self.reads is not None else self.ends[i] - self.firsts[i]
 
     def _positions(self, i: int, pad: bool) -> list[int]:
         """The key positions row `i` reads (with `pad`, padded to the decode width)."""

@@ -127,13 +127,11 @@ class TokenEvictor:
         return min(blocks, self.policy.kept_blocks(p) + -(-min(chunk_size, num_tokens) // p)
                    + 1)
 
-    def cacheable(self, req: Request) -> int:
-        """How many of `req`'s leading blocks the prefix cache may give it or take from it:
-        all, or none when it is long enough to evict (the module docstring says why)."""
-        if not self.on or req.max_total_tokens <= \
-                self.sink_blocks * self.state.block_size + self.policy.recent_tokens:
-            return 1 << 62
-        return 0
+    def shares_prefix(self, req: Request) -> bool:
+        """Whether the prefix cache may give `req` blocks or take its blocks: not when it is
+        long enough to evict (the module docstring says why)."""
+        return not self.on or req.max_total_tokens <= \
+            self.sink_blocks * self.state.block_size + self.policy.recent_tokens
 
     def after_step(self, req: Request, scores: list[float] | None) -> None:
         """Evict what `req` no longer keeps, given the attention its rows put on each block
@@ -152,13 +150,12 @@ class TokenEvictor:
         start = max(self.decided.get(rid, 0), self.sink_blocks)
         if first_recent <= start and not scores:
             return
-        acc = None
-        if self.heavy_blocks or scores:
-            acc = self.scores.setdefault(rid, {})
+        acc = self.scores.setdefault(rid, {}) if self.heavy_blocks else None
+        if acc is not None:
             for k, s in enumerate(scores or ()):
                 if s:
                     acc[k] = acc.get(k, 0.0) + s
-        new = [k for k in range(start, first_recent) if table[k] >= 0]
+        new = list(range(start, first_recent))  # undecided blocks are never holes
         if acc is None:
             victims = new
         else:  # the heaviest stay; ties go to the later block

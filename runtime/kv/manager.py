@@ -201,10 +201,14 @@ class BlockManager:
 
     def prefix_chain(self, req: Request) -> list[PrefixNode]:
         """The cached nodes an admission of `req` would reuse now (no side effects)."""
-        if not self.enable_caching:
+        return self._match(req, self._reusable(req)) if self.enable_caching else []
+
+    def _match(self, req: Request, reusable: list[int]) -> list[PrefixNode]:
+        """The cached chain `req` may reuse of its `reusable` tokens (none for a request long
+        enough to evict its own KV: `TokenEvictor.shares_prefix`)."""
+        if not self.eviction.shares_prefix(req):
             return []
-        chain = self.tree.match(self.state.namespace_of(req), self._reusable(req))
-        return self.window.cut(chain[:self.eviction.cacheable(req)])
+        return self.window.cut(self.tree.match(self.state.namespace_of(req), reusable))
 
     def peek_prefix(self, req: Request) -> int:
         """Cached tokens an admission of `req` would reuse now (no side effects)."""
@@ -240,8 +244,7 @@ class BlockManager:
         chain: list[PrefixNode] = []
         if self.enable_caching:
             reusable = self._reusable(req)
-            chain = self.window.cut(self.tree.match(self.state.namespace_of(req), reusable)
-                                    [:self.eviction.cacheable(req)])
+            chain = self._match(req, reusable)
             if self.admission.k > 1:
                 p = self.block_size
                 prompt = req.prompt_token_ids
@@ -386,7 +389,7 @@ class BlockManager:
         When the tree already holds identical content in another block, the request switches
         to the cached block and frees its duplicate, so shared prefixes are stored once.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or not self.eviction.shares_prefix(req):
             return
         rid = req.request_id
         chain = self._chains[rid]
@@ -394,7 +397,7 @@ class BlockManager:
         if req.num_computed_tokens // p <= len(chain):
             return  # no newly completed block (most decode steps)
         table = self.tables.get(rid, _NO_BLOCKS)
-        full = min(req.num_computed_tokens // p, len(table), self.eviction.cacheable(req))
+        full = min(req.num_computed_tokens // p, len(table))
         pool, st = self.pool, self.state
         window = self.groups is not None
         while len(chain) < full:

@@ -33,8 +33,7 @@ class HostSwaps:
 
     def can_swap_out(self, num_blocks: int) -> bool:
         """Whether the host tier can take `num_blocks` blocks (dropping demoted prefixes)."""
-        m = self.m
-        return 0 < num_blocks <= m.host.num_free + m.host.num_demoted
+        return 0 < num_blocks <= self.m.host.num_free + self.m.host.num_demoted
 
     def swap_out(self, req: Request) -> int:
         """Copy `req`'s computed blocks to the host tier and release its device blocks
@@ -54,15 +53,13 @@ class HostSwaps:
 
     def swap_in_blocks(self, req: Request, num_new_tokens: int, reserve_full: bool) -> int:
         """Device blocks a swap-in of `req` with its next `num_new_tokens` tokens needs."""
-        m = self.m
         tokens = req.max_total_tokens if reserve_full else \
             req.num_computed_tokens + num_new_tokens
-        return m.blocks_needed(tokens)
+        return self.m.blocks_needed(tokens)
 
     def can_swap_in(self, req: Request, num_new_tokens: int, reserve_full: bool) -> bool:
-        m = self.m
         return self.swap_in_blocks(req, num_new_tokens, reserve_full) <= \
-            m.num_available_blocks()
+            self.m.num_available_blocks()
 
     def swap_in(self, req: Request, num_new_tokens: int, reserve_full: bool
                 ) -> list[tuple[int, int]]:
@@ -86,5 +83,4 @@ class HostSwaps:
 
     def unswap(self, req: Request) -> None:
         """Drop swapped-out `req`'s host copy (aborted, or it will recompute)."""
-        m = self.m
-        m.apply(ev.Unswap(req.request_id))
+        self.m.apply(ev.Unswap(req.request_id))
