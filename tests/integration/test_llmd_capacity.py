@@ -38,23 +38,16 @@ def test_prefix_aware_routing_ranks_as_llm_d_measured(tmp_path):
                     default_executor="sim")
     arrivals = load_arrivals(stages_file(tmp_path))
     top = {}
-    second = {}
     for router in ("weighted", "least-loaded", "random"):
         result = run_fleet(settings, replica_roles(4, 0, 0), ClusterConfig(router=router),
                            arrivals)
         assert result["summary"]["cards"] == 16
         assert result["summary"]["num_requests"] == len(arrivals)
         top[router] = result["stages"][-1]
-        second[router] = result["stages"][1]
     tok = {r: s["output_tokens_per_s"] for r, s in top.items()}
     ttft = {r: s["ttft_p90_s"] for r, s in top.items()}
-    # The order llm-d measured, on throughput and on TTFT p90.
+    # The order llm-d measured, on throughput and on TTFT p90, and the margins.
     assert tok["weighted"] > tok["least-loaded"] > tok["random"]
     assert ttft["weighted"] < ttft["least-loaded"] < ttft["random"]
     assert tok["weighted"] >= 1.5 * tok["random"]
-    # TTFT p90 lower by a wide margin where the prefix-routed fleet is not saturated
-    # (10 req/s): 20× with the stages at full length, when the caches are warm by then. At
-    # the top stage the modelled cards (roofline at the profile's 0.5 MBU, 1,000-token
-    # answers) saturate under every router, and the ratio is smaller (docs/fleet-sim.md).
-    assert second["weighted"]["ttft_p90_s"] * (20 if FULL else 4) <= \
-        second["random"]["ttft_p90_s"]
+    assert ttft["weighted"] * 20 <= ttft["random"]
