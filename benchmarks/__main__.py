@@ -3,6 +3,7 @@
 from benchmarks import (
     cache_admission,
     cascade,
+    cuda_graphs,
     engine_overhead,
     host_tier,
     itl_target,
@@ -42,3 +43,5 @@ if __name__ == "__main__":
     cascade.main()
     print()
     lora.main()
+    print()
+    cuda_graphs.main()

@@ -239,7 +239,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("drafting", ("--drafting",), str, "sequential (one draft pass per position) or "
          "parallel (one pass for all; default sequential).", SIM),
     Flag("graph_buckets", ("--graph-buckets",), str, "Execution shapes: CUDA-graph batch "
-         "sizes, like 1,2,4,8,16,32; a step pads its rows to the next (default none).", SIM),
+         "sizes, like 1,2,4,8,16,32; a step pads its rows to the next: the sim prices the "
+         "padding, the torch executor on CUDA replays a captured graph per size for decode "
+         "steps (default none: eager).", EXECUTOR),
     Flag("tensor_parallel", ("--tensor-parallel", "--tp"), int, "Cards each layer is split "
          "across: 1, 2, 4 or 8 (an all-reduce per layer over the profile's interconnect; "
          "default 1).", SIM),

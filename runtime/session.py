@@ -96,7 +96,8 @@ def build_executor(settings: Settings, sim: SimConfig | None = None,
                          int4_group_size=s.int4_group_size,
                          int8_group_size=s.int8_group_size,
                          weight_activations=s.weight_activations,
-                         draft_model=resolve_model(s.draft_model) if s.draft_model else None)
+                         draft_model=resolve_model(s.draft_model) if s.draft_model else None,
+                         graph_buckets=settings.sim.graph_buckets)
 
 
 def _real_tokenizer(model: str | Path):

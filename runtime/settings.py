@@ -124,6 +124,8 @@ class Settings:
                 if f.name != "knobs":
                     out[f.name] = getattr(part, f.name)
         out.update(dataclasses.asdict(self.engine.knobs))
+        if self.executor == "torch" and self.sim.graph_buckets:  # CUDA graphs' sizes
+            out["graph_buckets"] = self.sim.graph_buckets
         return out
 
 

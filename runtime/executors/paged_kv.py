@@ -42,17 +42,21 @@ class PagedKVCache:
     `kv_codecs.py`), every part shaped `[num_blocks, block_size, kv_heads, ...]`."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, codec: KVCodec, device: torch.device, pin: bool = False):
+                 head_dim: int, codec: KVCodec, device: torch.device, pin: bool = False,
+                 spare: int = 0):
         """`pin`: page-locked host memory (a host tier beside a CUDA pool: its copies then
-        run at the link's full speed)."""
+        run at the link's full speed). `spare`: blocks past `num_blocks` that no table
+        names, which CUDA graphs' padding rows write into (`torch_graphs.py`)."""
         self.codec = codec
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.spare = spare
         self.num_layers = num_layers
         self.head_dim = head_dim
 
         def parts() -> list[torch.Tensor]:
-            return [torch.zeros((num_blocks, block_size, num_kv_heads, *shape), dtype=dtype,
+            return [torch.zeros((num_blocks + spare, block_size, num_kv_heads, *shape),
+                                dtype=dtype,
                                 device=device, pin_memory=pin)
                     for shape, dtype in codec.part_shapes(head_dim)]
 
@@ -65,7 +69,13 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.num_bytes // self.num_blocks
+        return self.num_bytes // (self.num_blocks + self.spare)
+
+    @property
+    def spare_block(self) -> int:
+        """The first spare block's id (see `spare`)."""
+        assert self.spare, "a pool without spare blocks"
+        return self.num_blocks
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's contents into block dst, in every layer."""
@@ -128,7 +138,7 @@ class PagedKVCache:
         device = self.k[0][0].device
         num_kv_heads = self.k[0][0].shape[2]
         new = PagedKVCache(self.num_layers, num_blocks, self.block_size, num_kv_heads,
-                           self.head_dim, codec, device)
+                           self.head_dim, codec, device, spare=self.spare)
         if codec.name == self.codec.name:  # the same format re-laid: bytes move as they are
             for i in range(0, len(src), batch_blocks):
                 self.copy_to(new, [[a, b] for a, b in zip(src[i:i + batch_blocks],

@@ -86,7 +86,8 @@ class SimConfig:
     `parallel`: one pass drafts all k positions (a parallel-draft network)."""
     graph_buckets: str = ""
     """Execution shapes: CUDA-graph batch sizes, comma-separated (empty: none). A step of at
-    most the largest runs padded to the next one, and the padding rows are priced."""
+    most the largest runs padded to the next one, and the padding rows are priced. The
+    torch executor takes it too: on CUDA its decode steps replay graphs of these sizes."""
     tensor_parallel: int = 1
     """Cards each layer is split across (an all-reduce per layer over the interconnect)."""
     pipeline_parallel: int = 1

@@ -23,6 +23,7 @@ from kvdeck.runtime.executors.online_fit import OnlineFit
 from kvdeck.runtime.executors.outputs import LogitsStage
 from kvdeck.runtime.executors.paged_kv import PagedBatch, PagedKVCache, paged_attention
 from kvdeck.runtime.executors.torch_adapters import TorchAdapters
+from kvdeck.runtime.executors.torch_graphs import DecodeGraphs
 from kvdeck.runtime.executors.torch_weights import WeightPacker
 from kvdeck.runtime.kv.groups import LayerGroups, layer_groups
 from kvdeck.runtime.kv.transfers import Transfer
@@ -39,6 +40,7 @@ from kvdeck.runtime.models.transformer import Transformer
 from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
 from kvdeck.runtime.models.weights import load_tensors
 from kvdeck.runtime.planning.profiles import StepFit
+from kvdeck.runtime.planning.step_time import parse_buckets
 from kvdeck.runtime.resources import cache_dir
 from kvdeck.runtime.spec.draft_model import DraftModel
 from kvdeck.runtime.spec.ngram import propose_for
@@ -101,7 +103,7 @@ class TorchExecutor(TorchAdapters):
                  greedy_shortlist: bool = True, int4_group_size: int = 32,
                  int8_group_size: int = 64, weight_activations: str = "measured",
                  kernel_cache: Path | None = None, draft_model: str | Path | None = None,
-                 merge_adapter: str | Path | None = None):
+                 merge_adapter: str | Path | None = None, graph_buckets: str = ""):
         """`int4_group_size`: inputs per scale/zero pair of int4 weights (32, 64, 128 or
         256); `int8_group_size`: inputs per scale of int8 weights (0: one per output channel;
         see `WeightOnlyInt8` for why 64). `weight_activations`: the dtype int8/int4 matrices
@@ -113,8 +115,11 @@ class TorchExecutor(TorchAdapters):
         applies its `weight_format` knob through `set_weight_formats`. `draft_model`: a
         GGUF with the same tokenizer, loaded beside the target for `speculative_method =
         draft` (`runtime/spec/draft_model.py`). `merge_adapter`: a LoRA adapter added into
-        the weights at load (the merged model batched adapters must agree with)."""
+        the weights at load (the merged model batched adapters must agree with).
+        `graph_buckets`: on CUDA, decode steps replay CUDA graphs of these row counts
+        (`torch_graphs.py`); elsewhere they run eagerly, as without it."""
         self.device = pick_device(device)
+        self.graphs = DecodeGraphs(parse_buckets(graph_buckets), self.device)
         kernel_cache = kernel_cache if kernel_cache is not None else cache_dir() / "kernels"
         dtype = pick_dtype(dtype, self.device, kernel_cache)
         if threads is not None:
@@ -230,6 +235,7 @@ class TorchExecutor(TorchAdapters):
         if offload is not None and formats.get("ffn") != self.weight_formats.get("ffn"):
             self._set_offload(0, 1)
         self.model.set_weight_formats(formats, self.packer.pack)
+        self.graphs.reset()
         if offload is not None and self.offload is None:
             self._set_offload(len(offload.offloaded), offload.num_buffers)
         self.weight_formats = dict(self.model.weight_formats)
@@ -261,7 +267,7 @@ class TorchExecutor(TorchAdapters):
             q = QualityCache.for_executor(self, "weights").get(f"weights {fmt}")
             if q is not None:
                 quality.append(("weight_format", q.short()))
-        kernels = pk.kernel_lines()
+        kernels = pk.kernel_lines() + self.graphs.lines()
         return WeightsView(format_weight_format(self.weight_formats), self.resident_weight_bytes,
                            detail, kernels, tuple(quality))
 
@@ -306,6 +312,7 @@ class TorchExecutor(TorchAdapters):
         return Conversion(time.perf_counter() - t0, True, before, self.resident_weight_bytes)
 
     def _set_offload(self, num_layers: int, num_buffers: int) -> None:
+        self.graphs.reset()
         if self.offload is not None:
             self.offload.restore()
             self.offload = self.model.offload = None
@@ -371,7 +378,8 @@ class TorchExecutor(TorchAdapters):
         self.groups = groups
         slots = groups.page_layers if groups is not None else info.num_layers
         self.kv = PagedKVCache(slots, num_blocks, block_size, info.num_kv_heads, info.head_dim,
-                               codec, self.device)
+                               codec, self.device, spare=int(self.graphs.on))
+        self.graphs.reset()
         if self.draft is not None:
             self.draft.bind(num_blocks, block_size, kv_format)
 
@@ -386,6 +394,7 @@ class TorchExecutor(TorchAdapters):
         old = self.kv
         self.host_kv = None  # emptied by the engine; re-bound in the new format
         self.kv = old.convert(codec, num_blocks, src, dst)  # same layout: pages stay pages
+        self.graphs.reset()
         if self.draft is not None:  # block ids moved: the twins are recomputed as needed
             self.draft.bind(num_blocks, old.block_size, kv_format)
         if self.device.type == "cuda":
@@ -443,8 +452,9 @@ class TorchExecutor(TorchAdapters):
                                  self.groups, evicting != "off", evicting == "heavy-hitter")
         cfg, kv = self.cfg, self.kv
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-            return paged_attention(kv, batch, layer, cfg.window(layer), cfg.attn_scale, q, k, v)
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   b: PagedBatch = batch):  # a CUDA graph passes its static batch
+            return paged_attention(kv, b, layer, cfg.window(layer), cfg.attn_scale, q, k, v)
 
         if self.model.adapters is not None:  # rows in plan order, as the batch packs them
             transfers += self._load_adapters(plan, t0)
@@ -454,7 +464,11 @@ class TorchExecutor(TorchAdapters):
         job = MaskJob([c.request for c in sampling],
                       [(c.request, list(c.draft)) for c in plan.chunks if c.num_draft])
         try:  # the grammar masks are computed while the forward pass runs
-            hidden = self.model.forward(batch.tokens, batch.positions, attend)
+            graphed = self.graphs.run(batch, kv, self.model.forward, attend) \
+                if self.offload is None and self.model.adapters is None \
+                and self.graphs.fits(batch) else None
+            hidden, padded = graphed if graphed is not None else \
+                (self.model.forward(batch.tokens, batch.positions, attend), 0)
         finally:
             masks = job.wait()
         out = LogitsStage(self.seed, self.info.eos_token_ids, self.model.logits,
@@ -487,7 +501,7 @@ class TorchExecutor(TorchAdapters):
         if draft_seconds:
             weights += self.draft.weight_bytes * self.draft.last_passes
         timing = StepTiming(seconds, True, plan.num_prefill_tokens, plan.num_decode_tokens,
-                            plan.num_pairs, weights + kv_read)
+                            plan.num_pairs, weights + kv_read, padded_rows=padded)
         if not transfers:  # copies would blur the compute model; drafting has its own
             self.timing.observe(batch.tokens.numel(), timing.num_pairs, seconds - draft_seconds)
         return StepResult(out.sampled, timing, errors=job.errors, logprobs=out.logprobs,
