@@ -234,6 +234,14 @@ class Request(Progress):
     its prompt's blocks when the prompt is computed (`Scheduler._start_branches`)."""
     branched: bool = False
     """Its branches have started (or there were none to start)."""
+    block_keys: list[tuple[int, ...]] = field(default_factory=list)
+    """Its full blocks' tokens as tuples (the prefix tree's keys), each made once by
+    `keys_of`: tokens are only ever appended, so a block's key never changes."""
+    block_keys_size: int = 0
+    """The block size `block_keys` were cut at."""
+    matched: list = field(default_factory=list)
+    """The prefix-tree nodes its latest lookup matched (`PrefixTree.match` goes on from
+    them rather than from the root)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -271,6 +279,17 @@ class Request(Progress):
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    def keys_of(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        """`block_keys`, holding at least the keys of its first `num_blocks` full blocks of
+        `block_size` tokens (a long prompt's are cut once, not at every lookup)."""
+        keys = self.block_keys
+        if self.block_keys_size != block_size:
+            keys.clear()
+            self.block_keys_size = block_size
+        for k in range(len(keys), num_blocks):
+            keys.append(tuple(self.token_slice(k * block_size, (k + 1) * block_size)))
+        return keys
 
     @property
     def num_prompt_scored(self) -> int | None:

@@ -25,6 +25,7 @@ a demotion decided after it.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
 
 from kvdeck.runtime.core.request import Request
@@ -208,7 +209,10 @@ class BlockManager:
         enough to evict its own KV: `TokenEvictor.shares_prefix`)."""
         if not self.eviction.shares_prefix(req):
             return []
-        return self.window.cut(self.tree.match(self.state.namespace_of(req), reusable))
+        n, p = len(reusable) // self.block_size, self.block_size
+        req.matched = self.tree.match(self.state.namespace_of(req), req.keys_of(n, p), n,
+                                      req.matched)
+        return self.window.cut(req.matched)
 
     def peek_prefix(self, req: Request) -> int:
         """Cached tokens an admission of `req` would reuse now (no side effects)."""
@@ -225,13 +229,21 @@ class BlockManager:
         hit = max(len(chain) * self.block_size, req.remote_kv_tokens)
         target = req.max_total_tokens if reserve_full else hit + num_new_tokens
         # Demoted blocks in the chain are promoted into device blocks of their own.
-        need = self.blocks_needed(target) - sum(1 for n in chain if not n.on_host)
+        need = self.blocks_needed(target) - (sum(1 for n in chain if not n.on_host)
+                                             if self.tree.host_nodes else len(chain))
         if self.groups:
             need += (self.blocks_needed(target) - len(chain)) * self.local_pages
+        available = self.num_available_blocks()
+        if need > available:  # reusing the chain can only lower what is available
+            return False
         # Reused blocks that are currently evictable stop being available once referenced.
-        evictable = sum(1 for n in chain if n.block >= 0 and self.pool.refcount[n.block] == 1)
-        evictable += self.window.hit_evictable(chain)
-        return need <= self.num_available_blocks() - evictable
+        # Along a chain the used nodes come first (a request holds a whole chain), then the
+        # cache-only device nodes, then the host nodes: the middle run is found by bisection.
+        rc = self.pool.refcount
+        first_unused = bisect_left(chain, True, key=lambda n: n.block < 0 or rc[n.block] == 1)
+        first_host = bisect_left(chain, True, key=lambda n: n.block < 0, lo=first_unused)
+        evictable = first_host - first_unused + self.window.hit_evictable(chain)
+        return need <= available - evictable
 
     def admit(self, req: Request, num_new_tokens: int, reserve_full: bool) -> list[tuple[int, int]]:
         """Start (or restart) `req`: reuse its cached prefix, allocate the first chunk, and
@@ -259,7 +271,7 @@ class BlockManager:
             if node.on_host:
                 self._promote(rid, node)
             self.apply(ev.Ref(rid, i, node.block))
-        self._chains[rid] = chain
+        self._chains[rid] = list(chain)  # grows as blocks are cached; `req.matched` not
         self.window.admit(rid, chain)
         hit = len(chain) * self.block_size
         req.num_computed_tokens = hit
@@ -400,9 +412,10 @@ class BlockManager:
         full = min(req.num_computed_tokens // p, len(table))
         pool, st = self.pool, self.state
         window = self.groups is not None
+        keys = req.keys_of(full, p)
         while len(chain) < full:
             k = len(chain)
-            key = tuple(req.token_slice(k * p, (k + 1) * p))
+            key = keys[k]
             parent = chain[-1] if chain else None
             twin = (parent or self.tree.root(st.namespace_of(req))).children.get(key)
             if twin is not None and twin.on_host and not window:

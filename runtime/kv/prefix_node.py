@@ -63,3 +63,30 @@ def pop_oldest(heap: list[tuple[int, int, PrefixNode]], leaves: set[PrefixNode]
                 return node
         heap[:] = [(n.last_access, n.node_id, n) for n in leaves]
         heapq.heapify(heap)
+
+
+def block_keys(tokens: list[int], block_size: int) -> list[tuple[int, ...]]:
+    """The prefix tree's keys of the full blocks of `tokens`."""
+    return [tuple(tokens[s:s + block_size]) for s in range(0, len(tokens) - block_size + 1,
+                                                           block_size)]
+
+
+def walk(root: PrefixNode, keys: list[tuple[int, ...]], num_blocks: int | None,
+         known: list[PrefixNode] | None, nodes: dict[int, PrefixNode]) -> list[PrefixNode]:
+    """The nodes under `root` along the blocks `keys` (at most `num_blocks`) while they are
+    cached. `known`: an earlier walk of the same keys (a waiting request's last), gone on
+    from its deepest node where that is still in the tree (`nodes`): only leaves are
+    evicted, so then every node above it is too."""
+    node: PrefixNode | None = root
+    chain: list[PrefixNode] = []
+    if known and known[0].parent is root and nodes.get(known[-1].node_id) is known[-1]:
+        chain = known[:num_blocks]
+        if len(chain) < len(known):
+            return chain
+        node = chain[-1]
+    for key in keys[len(chain):num_blocks]:
+        node = node.children.get(key)
+        if node is None:
+            break
+        chain.append(node)
+    return chain

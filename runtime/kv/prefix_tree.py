@@ -53,6 +53,7 @@ from kvdeck.runtime.kv.prefix_node import (
     break_even_hit_rate,
     default_recompute_cost,
     pop_oldest,
+    walk,
 )
 from kvdeck.runtime.kv.tiers import HOST_DEMOTED, HostTier
 
@@ -125,19 +126,11 @@ class PrefixTree:
             self.roots[namespace] = node
         return node
 
-    def match(self, namespace: str, tokens: list[int]) -> list[PrefixNode]:
-        """The chain of cached nodes covering the longest full-block prefix of `tokens`
-        (no side effects; `record_lookup` counts a lookup that is acted on)."""
-        p = self.block_size
-        node = self.root(namespace)
-        chain: list[PrefixNode] = []
-        for start in range(0, len(tokens) - p + 1, p):
-            child = node.children.get(tuple(tokens[start:start + p]))
-            if child is None:
-                break
-            chain.append(child)
-            node = child
-        return chain
+    def match(self, namespace: str, keys: list[tuple[int, ...]], num_blocks: int | None = None,
+              known: list[PrefixNode] | None = None) -> list[PrefixNode]:
+        """The cached chain along the blocks whose tokens are `keys` (a request's `keys_of`,
+        or `block_keys`; `walk`). No side effects: `record_lookup` counts a lookup acted on."""
+        return walk(self.root(namespace), keys, num_blocks, known, self.nodes)
 
     def record_lookup(self, chain: list[PrefixNode], num_query_tokens: int, now: int) -> None:
         """Count a lookup of `num_query_tokens` tokens that reused `chain`: hit statistics,
@@ -248,7 +241,8 @@ class PrefixTree:
     def _note_if_evictable(self, node: PrefixNode) -> None:
         if node.block < 0 or self.pool.refcount[node.block] != 1:
             return  # the root, a host node, or in use
-        if any(c.block >= 0 for c in node.children.values()):
+        if node.children and (not self.host_nodes  # then every child is on the device
+                              or any(c.block >= 0 for c in node.children.values())):
             return
         if node not in self._leaves:
             self._leaves.add(node)

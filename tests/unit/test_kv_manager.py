@@ -7,6 +7,7 @@ import pytest
 from kvdeck.runtime.core.request import Request, SamplingParams
 from kvdeck.runtime.kv.events import Evict
 from kvdeck.runtime.kv.manager import BlockManager
+from kvdeck.runtime.kv.prefix_node import block_keys
 
 
 def make(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:
@@ -143,7 +144,7 @@ def test_eviction_order(policy: str) -> None:
     mgr.release(again)
     mgr.check_integrity()
     # Under both policies the cold block goes first: least recent, and fewest hits.
-    cold_block = mgr.tree.match("default", [10, 11])[0].block
+    cold_block = mgr.tree.match("default", block_keys([10, 11], mgr.block_size))[0].block
     assert mgr.tree.evict_one() == cold_block
     mgr.check_integrity()
 

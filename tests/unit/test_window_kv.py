@@ -11,6 +11,7 @@ from hypothesis.stateful import rule
 from kvdeck.runtime.core.request import Request, SamplingParams
 from kvdeck.runtime.kv.groups import LayerGroups, layer_groups
 from kvdeck.runtime.kv.manager import BlockManager
+from kvdeck.runtime.kv.prefix_node import block_keys
 from tests.unit.test_kv_properties import KVMachine
 
 # 3 full-attention and 5 local layers: pages of 3 layers, a window block is 2 pages.
@@ -83,7 +84,8 @@ def test_prefix_hit_needs_the_cached_window_before_it():
     assert mgr.peek_prefix(b) == 32
     # Without the window pages of block 6 a hit at depth 8 (or 7) would read them: the
     # deepest usable hit ends at block 6.
-    node6 = mgr.tree.match(mgr.namespace, prompt)[6]
+    chain = mgr.tree.match(mgr.namespace, block_keys(prompt, mgr.block_size))
+    node6 = chain[6]
     mgr.tree.drop_local(node6)
     mgr.check_integrity()
     assert mgr.peek_prefix(b) == 24
@@ -91,7 +93,7 @@ def test_prefix_hit_needs_the_cached_window_before_it():
     assert b.num_computed_tokens == 24
     # The hit brings the window before it (blocks 4 and 5), not the blocks behind it.
     assert [t[:6] for t in mgr.window_tables["b"]] == \
-        [[-1] * 4 + [n.local[t] for n in mgr.tree.match(mgr.namespace, prompt)[4:6]]
+        [[-1] * 4 + [n.local[t] for n in chain[4:6]]
          for t in range(2)]
     mgr.check_integrity()
 
