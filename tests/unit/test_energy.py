@@ -6,6 +6,7 @@ nothing is readable; the sim's modelled energy in run summaries."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvdeck.runtime.core.config import EngineConfig
 from kvdeck.runtime.core.engine import Engine
@@ -74,3 +75,24 @@ def test_a_real_executor_s_snapshot_says_what_it_can_read(tiny_llama) -> None:
     else:  # this machine: no NVML counter, no readable RAPL files — said, never made up
         assert energy["joules"] is None and energy["source"] == meter.source
     engine.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_nvml_counts_the_energy_of_gpu_work(tmp_path) -> None:
+    """On an NVIDIA GPU the meter reads NVML's counter: a second of matrix products adds
+    joules, no more than the cards' power limit allows in that time."""
+    import time
+
+    from kvdeck.runtime.planning.power import nvml_power
+
+    meter = EnergyMeter.probe(tmp_path)  # no RAPL files here: NVML alone
+    assert meter.readable and meter.source.startswith("NVML")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start, t0 = meter.joules(), time.perf_counter()
+    while time.perf_counter() - t0 < 1.0:
+        a @ a
+    torch.cuda.synchronize()
+    joules, seconds = meter.joules() - start, time.perf_counter() - t0
+    limit = nvml_power(0).limit_w * torch.cuda.device_count()
+    assert 0 < joules <= limit * seconds * 1.2
