@@ -6,6 +6,11 @@ No server lets a client time its steps, but its token stream shows them:
   sending it to its first token is a step that computes `c` tokens plus the request's way
   through the server (HTTP in, tokenizing, the token streamed out), which the fit keeps
   apart as `overhead_s` — the decode gaps have none of it.
+- **Prefill on a cached prefix.** A prompt of `h` tokens, then the same prompt with `c`
+  more: the second's time to first token is a step computing `c` tokens over `h` cached
+  ones, as chunks that extend a long history do. It counts only where the server says it
+  reused the prefix (`cached_tokens` in its usage, or llama-server's `cache_n`); a server
+  that says nothing gives no such point.
 - **Decode.** `b` requests of `L` prompt tokens sent at once, `M` outputs each: from the
   moment the last of them has its first token until the first of them ends, all `b` decode
   together, and the gaps between one request's streamed tokens are steps of `b` rows at
@@ -14,7 +19,7 @@ No server lets a client time its steps, but its token stream shows them:
 The points go through the same fit as an executor's sweep (`calibrate.fit_step_model`), and
 the measured decode steps become the profile's `[decode.<hw>]` table. Prompts are random
 token ids below 32,000 (in every modern vocabulary), new for every request, so no probe
-hits the server's prefix cache. Requests ask for exact lengths with `ignore_eos`.
+hits the server's prefix cache unasked. Requests ask for exact lengths with `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -52,16 +57,18 @@ from kvdeck.runtime.runs.trace import Arrival
 @dataclass(frozen=True)
 class Probes:
     """What to send: prefill lengths, (batch, prompt length) decode cases, outputs per
-    decode request, and repeats of each prefill."""
+    decode request, repeats of each prefill, and (cached history, new tokens) prefills."""
 
     prefill: tuple[int, ...]
     decode: tuple[tuple[int, int], ...]
     outputs: int
     repeats: int
+    history: tuple[tuple[int, int], ...] = ()
 
 
-FULL = Probes((64, 256, 512), tuple((b, n) for b in (1, 4, 8) for n in (64, 384)), 24, 3)
-QUICK = Probes((32, 128), ((1, 32), (4, 32)), 12, 2)
+FULL = Probes((64, 256, 512), tuple((b, n) for b in (1, 4, 8) for n in (64, 384)), 24, 3,
+              ((256, 64), (512, 64), (256, 256)))
+QUICK = Probes((32, 128), ((1, 32), (4, 32)), 12, 2, ((128, 32),))
 
 
 class ProbeError(KvdeckError):
@@ -94,6 +101,17 @@ def prefill_point(requests: list[dict], c: int) -> Point:
     """A prefill of `c` tokens: the median time from send to first token."""
     seconds = statistics.median(r["ttft"] - r["queue_time"] for r in requests)
     return Point("prefill", c, causal_pairs(c, 0), f"prefill {c}", seconds, c, outside=True)
+
+
+def history_point(requests: list[dict], h: int, c: int) -> Point | None:
+    """`c` tokens computed over `h` cached ones: the median time from send to first token of
+    the requests the server says reused at least `h` tokens (None: none did)."""
+    hits = [r for r in requests if r["cached_tokens"] >= h]
+    if not hits:
+        return None
+    seconds = statistics.median(r["ttft"] - r["queue_time"] for r in hits)
+    return Point("prefill", c, causal_pairs(c, h), f"prefill {c} on {h}", seconds, h + c,
+                 outside=True)
 
 
 def decode_point(requests: list[dict], b: int, prompt: int, outputs: int) -> Point | None:
@@ -130,6 +148,19 @@ def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = Non
                     for p in _prompts(rng, probes.repeats, c)]
         points.append(prefill_point(_send(url, model, arrivals, api_key, 1), c))
         progress(f"  {points[-1].label}: {points[-1].seconds * 1e3:.1f} ms")
+    for h, c in probes.history:
+        again = []
+        for base in _prompts(rng, probes.repeats, h):  # the prefix, then it with c more
+            _send(url, model, [Arrival(0.0, h, 1, prompt_tokens=base)], api_key, 1)
+            more = base + _prompts(rng, 1, c)[0]
+            again += _send(url, model, [Arrival(0.0, h + c, 1, prompt_tokens=more)], api_key, 1)
+        point = history_point(again, h, c)
+        if point is None:
+            progress(f"  prefill {c} on {h}: the server did not say it reused the {h}-token "
+                     "prefix (vLLM: --enable-prompt-tokens-details); no point")
+            continue
+        points.append(point)
+        progress(f"  {point.label}: {point.seconds * 1e3:.1f} ms")
     for b, n in probes.decode:
         arrivals = [Arrival(0.0, n, probes.outputs, prompt_tokens=p)
                     for p in _prompts(rng, b, n)]

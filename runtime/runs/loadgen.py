@@ -5,6 +5,9 @@ lengths with `max_tokens` set to the traced output and `ignore_eos` (vLLM's exte
 lengths are exact. Timings follow vLLM's serving benchmark: TTFT is the time to the first
 streamed chunk with content, ITL the gaps between content chunks, E2E the time to the last
 byte, TPOT = (E2E − TTFT) / (output tokens − 1), output tokens from the final usage chunk.
+Cached prompt tokens are the server's own account: the usage chunk's
+`prompt_tokens_details.cached_tokens` (vLLM with `--enable-prompt-tokens-details`, kvdeck)
+or llama-server's `timings.cache_n`; 0 where it gives none.
 Summaries (percentiles, throughput, goodput under SLOs) use the same code as `run-trace`.
 
 For servers that differ from vLLM's request shape (llama-cpp-python's server takes no
@@ -157,7 +160,7 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, a: Arrival, rid
     arrival = arrival if arrival is not None else sent
     times: list[float] = []
     parts: list[str] = []
-    output_tokens = 0
+    output_tokens = cached = 0
     status, reason = "finished_length", None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as r:
@@ -174,6 +177,10 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, a: Arrival, rid
                         break
                     if chunk.get("usage"):
                         output_tokens = chunk["usage"]["completion_tokens"]
+                        cached = (chunk["usage"].get("prompt_tokens_details") or {}).get(
+                            "cached_tokens") or cached
+                    if chunk.get("timings"):  # llama-server's own account of the prompt
+                        cached = chunk["timings"].get("cache_n") or cached
                     texts = [c.get("text") or (c.get("delta") or {}).get("content") or ""
                              for c in chunk.get("choices", [])]
                     if any(texts):
@@ -201,7 +208,7 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, a: Arrival, rid
     rel = [t - start for t in times]
     return RequestMetrics(
         rid, status, reason, arrival - start, sent - start, rel[0] if rel else None,
-        end - start if ok else None, a.prompt_len, output_tokens, 0, 0, ttft, tpot, e2e,
+        end - start if ok else None, a.prompt_len, output_tokens, cached, 0, ttft, tpot, e2e,
         sent - arrival,
         tuple(b - a_ for a_, b in zip(times, times[1:], strict=False)), None, None), \
         "".join(parts)

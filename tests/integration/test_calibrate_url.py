@@ -15,6 +15,7 @@ from kvdeck.runtime.planning.probe import (
     QUICK,
     ProbeError,
     decode_point,
+    history_point,
     prefill_point,
     probe,
     server_name,
@@ -46,6 +47,15 @@ def test_a_prefill_point_is_the_time_from_send_to_first_token() -> None:
     assert p.kind == "prefill" and p.new_tokens == 256 and p.seconds == pytest.approx(0.06)
 
 
+def test_a_history_point_counts_only_requests_that_reused_the_prefix() -> None:
+    reqs = [dict(stream(0, [], ttft=t), cached_tokens=c) for t, c in
+            ((0.03, 256), (0.05, 256), (0.40, 0))]  # the last computed all 320 again
+    p = history_point(reqs, 256, 64)
+    assert p.label == "prefill 64 on 256" and p.seconds == pytest.approx(0.04)
+    assert p.pairs == 64 * 256 + 64 * 65 // 2 and p.context == 320
+    assert history_point(reqs[2:], 256, 64) is None
+
+
 def test_server_profile_names_are_bare_toml_keys() -> None:
     assert server_name("http://127.0.0.1:8080/v1") == "server-127-0-0-1-8080"
     assert server_name("https://gpu.example.com/v1") == "server-gpu-example-com"
@@ -67,7 +77,11 @@ def test_probing_the_paced_sim_finds_the_steps_it_prices() -> None:
         priced = sim.estimate_step_seconds(p.new_tokens, p.pairs, p.context)
         assert p.seconds == pytest.approx(priced, rel=0.2), p.label
     prefill = [p for p in points if p.kind == "prefill"]
-    assert len(prefill) == len(QUICK.prefill)
+    # The history probes too: the server says it reused each prefix, and the step computes
+    # the new tokens over it.
+    assert len(prefill) == len(QUICK.prefill) + len(QUICK.history)
+    assert [p.label for p in prefill[len(QUICK.prefill):]] == \
+        [f"prefill {c} on {h}" for h, c in QUICK.history]
     for p in prefill:  # the step, plus the request's way in and out: never less
         assert p.seconds >= 0.9 * sim.estimate_step_seconds(p.new_tokens, p.pairs, p.context)
 
