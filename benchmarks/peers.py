@@ -205,7 +205,10 @@ def vllm(gguf: Path, alias: str, threads: int, *flags: str) -> Server:
         str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
         "--served-model-name", alias, "--host", "127.0.0.1", "--port", str(port),
         "--enforce-eager", "--max-model-len", "4096", "--dtype", "bfloat16",
-        "--enable-prefix-caching", *flags], f"http://127.0.0.1:{port}/v1",
+        # It then says in its usage how many prompt tokens it found cached (what calibrate's
+        # history probes and kvdeck bench read).
+        "--enable-prefix-caching", "--enable-prompt-tokens-details", *flags],
+        f"http://127.0.0.1:{port}/v1",
         f"vLLM {version} ({VLLM_SPEC})",
         env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
              "HF_HUB_OFFLINE": "1"})
