@@ -228,21 +228,21 @@ class BlockManager:
             chain = self.prefix_chain(req)
         hit = max(len(chain) * self.block_size, req.remote_kv_tokens)
         target = req.max_total_tokens if reserve_full else hit + num_new_tokens
+        # Along a chain the used nodes come first (a request holds a whole chain), then the
+        # cache-only device nodes, then the host ones (host residency is closed downwards):
+        # each run is found by bisection.
+        on_device = bisect_left(chain, True, key=lambda n: n.block < 0)
         # Demoted blocks in the chain are promoted into device blocks of their own.
-        need = self.blocks_needed(target) - (sum(1 for n in chain if not n.on_host)
-                                             if self.tree.host_nodes else len(chain))
+        need = self.blocks_needed(target) - on_device
         if self.groups:
             need += (self.blocks_needed(target) - len(chain)) * self.local_pages
         available = self.num_available_blocks()
         if need > available:  # reusing the chain can only lower what is available
             return False
         # Reused blocks that are currently evictable stop being available once referenced.
-        # Along a chain the used nodes come first (a request holds a whole chain), then the
-        # cache-only device nodes, then the host nodes: the middle run is found by bisection.
         rc = self.pool.refcount
-        first_unused = bisect_left(chain, True, key=lambda n: n.block < 0 or rc[n.block] == 1)
-        first_host = bisect_left(chain, True, key=lambda n: n.block < 0, lo=first_unused)
-        evictable = first_host - first_unused + self.window.hit_evictable(chain)
+        used = bisect_left(chain, True, key=lambda n: rc[n.block] == 1, hi=on_device)
+        evictable = on_device - used + self.window.hit_evictable(chain)
         return need <= available - evictable
 
     def admit(self, req: Request, num_new_tokens: int, reserve_full: bool) -> list[tuple[int, int]]:
