@@ -56,6 +56,19 @@ def qwen_pair() -> tuple[Path, Path]:
         pytest.skip(str(e))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` need a CUDA device: skipped, with that reason, where torch sees
+    none (one rule here rather than a skip condition beside every such test)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 # -- the suite's own memory ------------------------------------------------------------------
 # The machine has 24 GiB, and models that fixtures or the allocator keep add up. After each
 # test the process's resident memory is sampled; the run ends with the peak (the kernel's

@@ -464,11 +464,9 @@ class TorchExecutor(TorchAdapters):
         job = MaskJob([c.request for c in sampling],
                       [(c.request, list(c.draft)) for c in plan.chunks if c.num_draft])
         try:  # the grammar masks are computed while the forward pass runs
-            graphed = self.graphs.run(batch, kv, self.model.forward, attend) \
-                if self.offload is None and self.model.adapters is None \
-                and self.graphs.fits(batch) else None
-            hidden, padded = graphed if graphed is not None else \
-                (self.model.forward(batch.tokens, batch.positions, attend), 0)
+            hidden, padded = self.graphs.forward(
+                batch, kv, self.model.forward, attend,
+                eager=self.offload is not None or self.model.adapters is not None)
         finally:
             masks = job.wait()
         out = LogitsStage(self.seed, self.info.eos_token_ids, self.model.logits,

@@ -20,7 +20,7 @@ offloaded weights run eagerly, as do steps with more rows than the largest bucke
 
 A graph replays the tensors it was captured on: binding or converting the pool, changing
 weight formats or offload drops every graph (`reset`). A capture that fails turns graphs
-off for the executor with its reason (`describe`); steps then run eagerly."""
+off for the executor with its reason (`lines`); steps then run eagerly."""
 
 from __future__ import annotations
 
@@ -88,24 +88,31 @@ class DecodeGraphs:
             self.pool_bytes = 0
             torch.cuda.empty_cache()
 
-    def fits(self, batch: PagedBatch) -> bool:
-        """Whether `batch` can replay a graph: every row decodes one token, no row reads a
-        table with holes or is scored, and there are no more rows than the largest
-        bucket. (The executor checks what the batch does not show: adapters, offload.)"""
-        if not self.on:
-            return False
-        ok = (not self.off and batch.decode_rows is not None and not batch.prefills
-              and not batch.verify and batch.scored is None
-              and batch.tokens.numel() <= self.buckets[-1])
-        if not ok:
+    def forward(self, batch: PagedBatch, kv: PagedKVCache, forward: Forward, attend: Attend,
+                eager: bool = False) -> tuple[torch.Tensor, int]:
+        """The final hidden states of `batch`'s rows and the padding rows run: by replaying
+        (capturing first if needed) the graph of its shape where one can run it, else by
+        `forward` itself. `eager`: what the batch does not show rules graphs out (adapters,
+        offload)."""
+        if self.on and not eager and self._fits(batch):
+            out = self._replay(batch, kv, forward, attend)
+            if out is not None:
+                return out
+        if self.on:
             self.eager_steps += 1
-        return ok
+        return forward(batch.tokens, batch.positions, attend), 0
 
-    def run(self, batch: PagedBatch, kv: PagedKVCache, forward: Forward, attend: Attend
-            ) -> tuple[torch.Tensor, int] | None:
-        """The final hidden states of `batch`'s rows and the padding rows run, by replaying
-        (capturing first if needed) the graph of its shape; None when the capture failed
-        (graphs are then off, and the step runs eagerly)."""
+    def _fits(self, batch: PagedBatch) -> bool:
+        """Every row decodes one token, no row reads a table with holes or is scored, no
+        more rows than the largest bucket, and no capture has failed."""
+        return (not self.off and batch.decode_rows is not None and not batch.prefills
+                and not batch.verify and batch.scored is None
+                and batch.tokens.numel() <= self.buckets[-1])
+
+    def _replay(self, batch: PagedBatch, kv: PagedKVCache, forward: Forward, attend: Attend
+                ) -> tuple[torch.Tensor, int] | None:
+        """Replay the graph of `batch`'s shape; None when its capture failed (graphs are
+        then off for good)."""
         n = batch.tokens.numel()
         rows = padded_rows(n, self.buckets)
         widths = tuple((key, width_bucket(ix.decode_blocks.shape[1]))
@@ -119,7 +126,6 @@ class DecodeGraphs:
                 self.off = f"a CUDA graph of {rows} rows failed to capture ({e})"
                 log.warning("decode graphs off: %s", self.off)
                 self.reset()
-                self.eager_steps += 1
                 return None
             self.graphs[key] = g
         _fill(g.batch, batch, n, kv)

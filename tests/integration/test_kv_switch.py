@@ -170,7 +170,6 @@ def test_quantizing_mid_run_keeps_every_request_alive(tiny: Path, fmt: str) -> N
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_switch_keeps_tokens(tiny: Path) -> None:
     def engine(fmt: str) -> Engine:
         ex = TorchExecutor(tiny, device="cuda", dtype="fp32")

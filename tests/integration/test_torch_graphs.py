@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvdeck.runtime.core.config import EngineConfig, Knobs
 from kvdeck.runtime.core.engine import Engine
@@ -17,7 +16,6 @@ from kvdeck.runtime.executors.torch_graphs import width_bucket
 from kvdeck.runtime.session import build_session
 from kvdeck.runtime.settings import load
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # Lengths that spread the decode rows over several buckets and block-table widths.
 PROMPTS = [[3 + (i * 11 + j) % 90 for j in range(n)] for i, n in enumerate((2, 9, 31, 5, 50))]
@@ -68,7 +66,6 @@ def test_the_setting_reaches_the_torch_executor(tiny_llama: Path) -> None:
 
 
 @pytest.mark.cuda
-@CUDA
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_gemma3"])
 def test_decode_graphs_give_the_eager_tokens(model: str, request) -> None:
     path = request.getfixturevalue(model)
@@ -82,7 +79,6 @@ def test_decode_graphs_give_the_eager_tokens(model: str, request) -> None:
 
 
 @pytest.mark.cuda
-@CUDA
 def test_grouped_pages_and_a_format_switch_keep_the_eager_tokens(tiny_gemma3: Path) -> None:
     eager = run(tiny_gemma3, "cuda", "", free_window_kv=True, switch_at=6)[0]
     graphed, e, _ = run(tiny_gemma3, "cuda", "2,4,8", free_window_kv=True, switch_at=6)

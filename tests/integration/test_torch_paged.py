@@ -144,7 +144,6 @@ def test_bad_arguments_are_refused(tiny_models, tmp_path: Path) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_paged_equals_contiguous(tiny_models) -> None:
     ex = TorchExecutor(tiny_models["gemma3"], device="cuda", dtype="fp32", record_logits=True)
     e = Engine(EngineConfig(block_size=4, num_blocks=128,

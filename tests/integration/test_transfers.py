@@ -182,11 +182,7 @@ def test_offload_switched_mid_run_keeps_tokens_and_resizes_the_pool(
         e.set_knobs(offload_layers=5)
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 @pytest.mark.cuda
-@CUDA
 def test_two_buffers_beat_one_on_cuda(tmp_path: Path) -> None:
     """A model whose FFN copies (201 MB per layer in bf16, ~3.7 ms over PCIe Gen5) and FFN
     compute (8K-token prefill steps, 1.65 TFLOP per layer) are of the same order: with two
@@ -225,7 +221,6 @@ def test_two_buffers_beat_one_on_cuda(tmp_path: Path) -> None:
 
 
 @pytest.mark.cuda
-@CUDA
 def test_swap_demotion_and_offload_keep_tokens_on_cuda(tiny: Path) -> None:
     def engine(**kw) -> Engine:
         ex = TorchExecutor(tiny, device="cuda", dtype="fp32")

@@ -78,7 +78,6 @@ def test_a_real_executor_s_snapshot_says_what_it_can_read(tiny_llama) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_nvml_counts_the_energy_of_gpu_work(tmp_path) -> None:
     """On an NVIDIA GPU the meter reads NVML's counter: a second of matrix products adds
     joules, no more than the cards' power limit allows in that time."""

@@ -9,7 +9,7 @@ import torch
 from kvdeck.runtime.planning.power import nvml_power
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.cuda
 def test_nvml_gives_a_plausible_limit_and_draw() -> None:
     reading = nvml_power(0)
     assert reading is not None

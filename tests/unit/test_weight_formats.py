@@ -154,7 +154,6 @@ def test_sim_prices_weight_and_kv_formats_by_their_bytes(timing: str) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_cuda_packed_matmul_equals_its_reference(fmt) -> None:
     """On CUDA int4 with bf16 activations uses `_weight_int4pack_mm`, int8 the fallback."""
