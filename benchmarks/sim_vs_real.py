@@ -59,8 +59,9 @@ TOLERANCE = {"kvdeck (llama_cpp)": 0.15, "kvdeck (torch)": 0.15, "llama-server":
 
 def alone_seconds(fit: StepFit, prompt: int, outputs: int) -> float:
     """One request alone through the fitted model: its prefill, then one step per output."""
-    prefill = fit.seconds(prompt, causal_pairs(prompt, 0), 1)
-    decode = sum(fit.seconds(1, causal_pairs(1, prompt + i), 1) for i in range(outputs - 1))
+    prefill = fit.seconds(prompt, causal_pairs(prompt, 0), 1, prompt)
+    decode = sum(fit.seconds(1, causal_pairs(1, prompt + i), 1, prompt + i + 1)
+                 for i in range(outputs - 1))
     return prefill + decode
 
 

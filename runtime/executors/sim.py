@@ -354,7 +354,7 @@ class SimExecutor:
                      + num_context_tokens * (self._kv_bytes_per_token
                                              - self._fitted_kv_bytes_per_token))
             return fitted_seconds(self.fit, self.hardware, extra, num_new_tokens, num_pairs,
-                                  num_sampled)
+                                  num_sampled, num_context_tokens)
         return roofline_seconds(self.model, self.hardware, self.weight_bytes,
                                 self._kv_bytes_per_token, num_new_tokens, num_pairs,
                                 num_context_tokens)

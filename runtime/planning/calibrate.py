@@ -2,9 +2,10 @@
 
 The sweep times prefill chunks of `c` tokens on `h` cached ones and decode steps of `b`
 requests at context `L`, through the real engine and KV manager. A least-squares fit of
-`seconds = fixed + per_token × new_tokens + per_pair × causal_pairs` (coefficients kept
-non-negative) is written as a model profile plus a hardware profile for this machine, in
-the user profiles directory, where the sim executor finds them by name.
+`seconds = fixed + per_token × new_tokens + per_pair × causal_pairs [+ per_sample × sampled
+rows + per_context × KV positions read]` (coefficients kept non-negative) is written as a
+model profile plus a hardware profile for this machine, in the user profiles directory,
+where the sim executor finds them by name.
 """
 
 from __future__ import annotations
@@ -127,26 +128,28 @@ def efficiencies(points: list[Point], model: ModelProfile, bandwidth: float, flo
 
 def fit_step_model(points: list[Point]) -> StepFit:
     """Non-negative least squares over (1, new tokens, pairs, sampled rows, timed from
-    outside) by dropping negative terms. The sampled-rows term is left out when every point
-    samples as many rows as tokens or the same number (it would only repeat another column);
-    the outside term (a request's way through the server) only where some points, and not
-    all, were timed from a client."""
-    cols = [0, 1, 2, 3, 4]
-    if len({p.sampled for p in points}) < 2 or all(p.sampled == p.new_tokens for p in points):
-        cols.remove(3)
-    if len({p.outside for p in points}) < 2:
-        cols.remove(4)
-    a = np.array([[1.0, p.new_tokens, p.pairs, p.sampled, float(p.outside)] for p in points])
+    outside, KV positions read) by dropping negative terms. A column is left out where the
+    points cannot tell it from the others (every point samples as many rows as it has
+    tokens, or reads one position per pair); the outside term (a request's way through the
+    server) only where some points, and not all, were timed from a client."""
+    a = np.array([[1.0, p.new_tokens, p.pairs, p.sampled, float(p.outside), p.context]
+                  for p in points])
+    cols = [0, 1, 2]
+    for c in (3, 4, 5):
+        # A column the others already span would only split their coefficients at random.
+        if np.linalg.matrix_rank(a[:, [*cols, c]]) > np.linalg.matrix_rank(a[:, cols]):
+            cols.append(c)
     y = np.array([p.seconds for p in points])
     while True:
         coef, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
         if (coef >= 0).all():
             break
         cols.pop(int(np.argmin(coef)))
-    full = [0.0, 0.0, 0.0, 0.0, 0.0]
+    full = [0.0] * 6
     for c, v in zip(cols, coef, strict=True):
         full[c] = float(v)
-    return StepFit(*full)
+    return StepFit(full[0], full[1], full[2], per_sample_s=full[3], overhead_s=full[4],
+                   per_context_s=full[5])
 
 
 def sweep(ex: TorchExecutor, quick: bool = False, progress=print) -> list[Point]:

@@ -145,10 +145,15 @@ def _measured_local(device: str = "cpu") -> HardwareProfile:
 @dataclass(frozen=True)
 class StepFit:
     """`fixed + per_token × new tokens + per_pair × causal pairs [+ per_sample × rows whose
-    logits are computed]` (seconds). The last term is what a wide output head costs per
-    sampled row (Gemma 3's 262,144-token head is 63 % of the 270M model's matrix weights, so
-    a decode row costs several times a prefill token); `kvdeck calibrate` fits it, callers
-    that do not know the sampled rows leave it out."""
+    logits are computed] [+ per_context × KV positions read]` (seconds). The per-sample term
+    is what a wide output head costs per sampled row (Gemma 3's 262,144-token head is 63 % of
+    the 270M model's matrix weights, so a decode row costs several times a prefill token).
+    The per-context term is what reading a cached position costs apart from the pairs it
+    joins: a decode row reads its whole context for one pair each, a prefill chunk of `c`
+    tokens reads `h + c` positions for `c·h + c(c+1)/2` pairs, so one pair coefficient
+    cannot price both (measured: llama.cpp's fit found no pair cost at all and priced deep
+    decode steps low). `kvdeck calibrate` fits both; callers that do not know the sampled
+    rows or the context leave them out."""
 
     fixed_s: float
     per_token_s: float
@@ -159,17 +164,18 @@ class StepFit:
     first token streamed out — as `kvdeck calibrate --url` separates it from the steps it
     times from outside (0: fitted inside an executor). Not part of a step: the sim's runs
     take a request in this long after it was sent (`runs/runner.py`)."""
+    per_context_s: float = 0.0
 
-    def seconds(self, num_new_tokens: float, num_pairs: float, num_sampled: float = 0.0
-                ) -> float:
+    def seconds(self, num_new_tokens: float, num_pairs: float, num_sampled: float = 0.0,
+                num_context: float = 0.0) -> float:
         return self.fixed_s + self.per_token_s * num_new_tokens + self.per_pair_s * num_pairs \
-            + self.per_sample_s * num_sampled
+            + self.per_sample_s * num_sampled + self.per_context_s * num_context
 
     def to_json(self) -> dict[str, float]:
         """In the units a profile's `[fit.<hw>]` table and `calibrate --json` give."""
         return {"fixed_ms": self.fixed_s * 1e3, "per_token_us": self.per_token_s * 1e6,
                 "per_pair_ns": self.per_pair_s * 1e9, "per_sample_us": self.per_sample_s * 1e6,
-                "overhead_ms": self.overhead_s * 1e3}
+                "overhead_ms": self.overhead_s * 1e3, "per_context_ns": self.per_context_s * 1e9}
 
 
 def matrix_params(info) -> int:
@@ -341,7 +347,9 @@ class ModelProfile:
                                _number(f, "per_sample_us", where, default=0.0, positive=False,
                                        table=t) / 1e6,
                                _number(f, "overhead_ms", where, default=0.0, positive=False,
-                                       table=t) / 1e3)
+                                       table=t) / 1e3,
+                               _number(f, "per_context_ns", where, default=0.0, positive=False,
+                                       table=t) / 1e9)
         decode_times, prefill_mfu, kv_convert = _decode_tables(d, where)
         kv_dtype = str(d.get("kv_dtype", "bf16"))
         if kv_dtype not in KV_FORMATS:

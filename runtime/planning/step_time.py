@@ -15,7 +15,8 @@ agree by construction (docs/architecture.md, "Step time").
 - **Roofline:** `max(F / (P·MFU), D / (β·MBU))`, with `F = 2·matrix_params·n_new +
   4·pairs·heads·head_dim·layers` (matmuls, then attention's QKᵀ and PV over the causal
   query–key pairs) and `D = D_w + context·k` (weights once, the batch's KV once).
-- **Fitted:** `fixed + per_token·n_new + per_pair·pairs`, measured with the profile's own
+- **Fitted:** `fixed + per_token·n_new + per_pair·pairs [+ per_sample·rows sampled +
+  per_context·positions read]`, measured with the profile's own
   weight and KV formats; other formats change the bytes a step reads, priced at the card's
   bandwidth (`extra / (β·MBU)`, never below a tenth of the fitted time). Used where no
   measured steps exist.
@@ -53,6 +54,28 @@ def padded_rows(num_new: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= num_new)
 
 
+def graph_pool_bytes(model: ModelProfile, rows: int, positions: int, act_bytes: int = 2
+                     ) -> int:
+    """The memory CUDA graphs keep for replay, as the torch executor captures them
+    (`executors/torch_graphs.py`): one pool shared by every graph, as large as the live
+    tensors of the largest step captured, which peak in attention. Per row: the residual
+    stream, the query and the attention output (`3·heads·d` activations, the residual's
+    width taken as the query's), one layer's keys and values gathered along the row's
+    table (`2·kv_heads·d·positions`, same dtype) and the scores with their softmax
+    (`2·heads·positions` in fp32). Checked against the pool the torch executor measured on
+    an NVIDIA H200 (Gemma 3 270M's shape, 64 rows at 96 positions, bf16): 6.6 MiB by this,
+    6.7 MiB measured. Attention kernels that read the pool in place (vLLM's) hold less."""
+    h, d, kvh = model.num_heads, model.head_dim, model.num_kv_heads
+    per_row = act_bytes * (3 * h * d + 2 * kvh * d * positions) + 4 * 2 * h * positions
+    return rows * per_row
+
+
+def graph_reserve(model: ModelProfile, buckets: tuple[int, ...], positions: int) -> int:
+    """What graphs at `buckets` keep out of the KV budget: the pool of the largest bucket at
+    `positions` (a request's longest context), 0 without buckets."""
+    return graph_pool_bytes(model, buckets[-1], positions) if buckets else 0
+
+
 def attention_flops(model: ModelProfile, num_pairs: float) -> float:
     """QKᵀ and PV over `num_pairs` causal query–key pairs, every head and layer."""
     return 4.0 * num_pairs * model.num_heads * model.head_dim * model.num_layers
@@ -69,11 +92,12 @@ def roofline_seconds(model: ModelProfile, hw: HardwareProfile, weight_bytes: flo
 
 
 def fitted_seconds(fit: StepFit, hw: HardwareProfile, extra_bytes: float, num_new: float,
-                   num_pairs: float, num_sampled: float = 0.0) -> float:
+                   num_pairs: float, num_sampled: float = 0.0, num_context: float = 0.0
+                   ) -> float:
     """One step by the fitted model, plus `extra_bytes` read beyond what the fit measured
-    (negative when a smaller format reads less); `num_sampled` rows priced by the fit's
-    per-sample term where it has one."""
-    seconds = fit.seconds(num_new, num_pairs, num_sampled)
+    (negative when a smaller format reads less); `num_sampled` rows and `num_context` KV
+    positions read priced by the fit's per-sample and per-context terms where it has them."""
+    seconds = fit.seconds(num_new, num_pairs, num_sampled, num_context)
     return max(seconds + extra_bytes / (hw.bandwidth_bytes_per_s * hw.mbu), seconds * 0.1)
 
 

@@ -58,6 +58,34 @@ def test_fit_recovers_the_cost_of_sampled_rows() -> None:
         pytest.approx(truth)
 
 
+def test_fit_tells_a_position_read_from_a_pair_computed() -> None:
+    """A decode row reads its whole context for one pair each; a prefill chunk reads h + c
+    positions for c·h + c(c+1)/2 pairs. Steps that pay for reading apart from computing are
+    priced right at both ends only with both terms (one pair term missed llama.cpp's deep
+    decode steps), and points with prefills on no history alone cannot separate them."""
+    truth = (0.002, 5e-5, 2e-9, 3e-4, 4e-7)  # fixed, token, pair, sample, position read
+
+    def point(kind: str, n: int, pairs: int, context: int, sampled: int) -> Point:
+        s = truth[0] + truth[1] * n + truth[2] * pairs + truth[3] * sampled \
+            + truth[4] * context
+        return Point(kind, n, pairs, "", s, context, sampled)
+
+    pts = [point("prefill", c, causal_pairs(c, h), h + c, 1)
+           for c in (64, 256, 512) for h in (0, 256, 512)]
+    pts += [point("decode", b, b * causal_pairs(1, L), b * (L + 1), b)
+            for b in (1, 2, 4) for L in (128, 512, 1024)]
+    fit = fit_step_model(pts)
+    assert (fit.fixed_s, fit.per_token_s, fit.per_pair_s, fit.per_sample_s,
+            fit.per_context_s) == pytest.approx(truth)
+    deep = Point("decode", 8, 8 * causal_pairs(1, 4096), "", 0.0, 8 * 4097, 8)
+    assert fit.seconds(deep.new_tokens, deep.pairs, deep.sampled, deep.context) == \
+        pytest.approx(point("decode", 8, deep.pairs, deep.context, 8).seconds)
+    # Decode rows read one position per pair: without prefills on history, nothing tells
+    # the position term from the pair term, and the fit keeps the pair term alone.
+    only_decode = [p for p in pts if p.kind == "decode"]
+    assert fit_step_model(only_decode).per_context_s == 0.0
+
+
 def test_efficiencies_are_the_best_points_against_the_peaks() -> None:
     model = ModelProfile("m", "llama", 2, 4, 2, 8, "fp32", 4_000_000, 4_000_000, 4096, 4.0)
     k = model.kv_bytes_per_token()  # 2 × 2 layers × 2 heads × 8 × 4 B = 256
