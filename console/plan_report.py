@@ -59,6 +59,11 @@ def render_plan(out: Console, planner: Planner, plan: Plan, plane: bool = True) 
                         for name in ("measured", "fit", "roofline") if step[name] is not None)
     out.print(f"decode step at batch {step['batch']}, context {step['context']}: {models}",
               highlight=False)
+    if f["graph_buckets"]:
+        out.print(f"CUDA graphs at {','.join(map(str, f['graph_buckets']))} rows: "
+                  f"{f['graph_pool_bytes'] / 2**20:,.1f} MiB kept for replay (estimated: the "
+                  "largest graph's live tensors as kvdeck's torch executor captures it), "
+                  "outside the KV budget", highlight=False)
     figures = Table(title="per KV format")
     for col in ("format", "KV B/token", "GiB/request", "fit", "fit shared",
                 "D(b,L) GB/step", "KV > weights at b ≥"):

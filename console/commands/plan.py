@@ -26,7 +26,8 @@ def plan(
                                  help="Workload profile (profiles/workloads/)."),
     kv_budget: float = typer.Option(None, "--kv-budget",
                                     help="GiB for KV and auxiliary buffers (default: the "
-                                         "card's memory less the weights, less 10 %)."),
+                                         "card's memory less the weights, less 10 %, "
+                                         "less --graph-buckets' replay memory)."),
     deadline: float = typer.Option(None, "--deadline",
                                    help="Completion deadline in seconds (default: the "
                                         "workload's)."),
@@ -71,13 +72,14 @@ def plan(
         _plan_layouts(chosen, hw, mp, wl, kv_budget, deadline, draft, block_size,
                       max_batched_tokens, timing, graph_buckets, as_json, svg)
         return
-    budget = _kv_budget(kv_budget, hw, mp)
+    from kvdeck.runtime.planning.step_time import graph_reserve, parse_buckets
+
+    buckets = guarded(lambda: parse_buckets(graph_buckets))
+    budget = _kv_budget(kv_budget, hw, mp, graph_reserve(mp, buckets, wl.final_tokens))
     if deadline is not None:
         guarded(lambda: check_float("--deadline", deadline, 1e-6, 1e6))
-    from kvdeck.runtime.planning.step_time import parse_buckets
-
     planner = Planner(hw, mp, wl, budget, deadline, _drafts(draft, mp), block_size,
-                      max_batched_tokens, timing, guarded(lambda: parse_buckets(graph_buckets)))
+                      max_batched_tokens, timing, buckets)
     result = planner.plan()
     if svg is not None:
         title = f"{mp.name} on {hw.name}, {wl.name}: memory vs completion"
@@ -97,7 +99,7 @@ def _plan_layouts(chosen, hw, mp, wl, kv_budget, deadline, draft, block_size,
     from kvdeck.console.plan_report import layouts_json, render_layouts, render_plan
     from kvdeck.runtime.planning import layouts as lay
     from kvdeck.runtime.planning.planner import Planner
-    from kvdeck.runtime.planning.step_time import parse_buckets
+    from kvdeck.runtime.planning.step_time import graph_reserve, parse_buckets
 
     if kv_budget is not None:
         fail("--kv-budget is one card's; over layouts each gets what its cards leave at 90 % "
@@ -111,7 +113,7 @@ def _plan_layouts(chosen, hw, mp, wl, kv_budget, deadline, draft, block_size,
     plans = guarded(lambda: lay.plan_layouts(
         lambda layout, budget: Planner(hw, mp, wl, budget, deadline, drafts, block_size,
                                        max_batched_tokens, timing, buckets, layout),
-        chosen, mp, hw))
+        chosen, mp, hw, graph_reserve(mp, buckets, wl.final_tokens)))
     verdict = lay.verdict(plans, mp, hw)
     best = lay.cheapest(plans)
     if as_json:
@@ -152,13 +154,14 @@ def _profiles(hardware: str, model: str, workload: str, timing: str) -> tuple:
     return hw, mp, wl
 
 
-def _kv_budget(kv_budget: float | None, hw, mp) -> float:
+def _kv_budget(kv_budget: float | None, hw, mp, reserve: int) -> float:
     """Bytes for KV and auxiliary buffers: `--kv-budget` GiB, or the card's memory less the
-    weights, less 10 %."""
+    weights, less 10 %, less `reserve` (CUDA graphs' replay memory, which the chapter
+    counts outside the KV budget, as `--kv-budget` is)."""
     if kv_budget is not None:
         guarded(lambda: check_float("--kv-budget", kv_budget, 1e-6, 1e6))
         return kv_budget * 2**30
-    budget = (hw.memory_bytes - mp.weight_bytes) * 0.9
+    budget = (hw.memory_bytes - mp.weight_bytes) * 0.9 - reserve
     if budget <= 0:
         fail(f"{mp.name}'s weights ({mp.weight_bytes / 2**30:.1f} GiB) do not fit "
              f"{hw.name}'s memory ({hw.memory_bytes / 2**30:.1f} GiB); give --kv-budget.")

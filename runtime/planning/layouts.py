@@ -69,12 +69,13 @@ def fits_one_card(model: ModelProfile, hardware: HardwareProfile) -> bool:
 
 
 def plan_layouts(make: callable, layouts: tuple[Layout, ...], model: ModelProfile,
-                 hardware: HardwareProfile) -> list[LayoutPlan]:
-    """Each layout planned: `make(layout, budget)` builds its Planner."""
+                 hardware: HardwareProfile, reserve: int = 0) -> list[LayoutPlan]:
+    """Each layout planned: `make(layout, budget)` builds its Planner; `reserve` bytes of
+    each layout's memory are kept out of its KV budget (CUDA graphs' replay memory)."""
     out = []
     for layout in layouts:
         try:
-            budget = layout.kv_budget_bytes(model, hardware, UTILIZATION)
+            budget = layout.kv_budget_bytes(model, hardware, UTILIZATION, reserve)
         except ConfigError as e:
             out.append(LayoutPlan(layout, None, None, 0.0, str(e)))
             continue

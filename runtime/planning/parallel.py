@@ -95,10 +95,12 @@ class Layout:
         return (self.pp - 1) / (m + self.pp - 1)
 
     def kv_budget_bytes(self, model: ModelProfile, hardware: HardwareProfile,
-                        utilization: float = 0.9) -> int:
+                        utilization: float = 0.9, reserve: int = 0) -> int:
         """What the cards leave for KV: `cards × memory × utilization` less the weights
-        (split across them); refuses a layout that cannot hold the model."""
-        free = int(self.cards * hardware.memory_bytes * utilization) - model.weight_bytes
+        (split across them) and `reserve` bytes kept for other buffers (CUDA graphs' replay
+        memory, `step_time.graph_reserve`); refuses a layout that cannot hold the model."""
+        free = int(self.cards * hardware.memory_bytes * utilization) - model.weight_bytes \
+            - reserve
         if free <= 0:
             raise ConfigError(
                 f"{self.name} on {hardware.name} cannot hold {model.name}: its weights take "

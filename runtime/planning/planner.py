@@ -41,6 +41,7 @@ from kvdeck.runtime.planning.schemes import (
 from kvdeck.runtime.planning.step_time import (
     Measured,
     fitted_seconds,
+    graph_reserve,
     padded_rows,
     roofline_seconds,
 )
@@ -116,10 +117,7 @@ class Planner:
 
     @property
     def final_tokens(self) -> int:
-        """KV positions a request holds after its whole output: `prompt + output − 1` (the
-        last token is never written)."""
-        w = self.workload
-        return w.prompt_tokens + w.output_tokens - 1
+        return self.workload.final_tokens
 
     @property
     def shared_blocks(self) -> int:
@@ -182,7 +180,8 @@ class Planner:
                                          num_context * k, kv_format, num_new, num_pairs)
         if timing == "fit" and self.fit is not None:
             extra = num_context * (k - self.kv_bytes_per_token(self.model.kv_dtype))
-            return fitted_seconds(self.fit, self.hw, extra, num_new, num_pairs, num_sampled)
+            return fitted_seconds(self.fit, self.hw, extra, num_new, num_pairs, num_sampled,
+                                  num_context)
         return roofline_seconds(self.model, self.hw, self.model.matrix_weight_bytes, k,
                                 num_new, num_pairs, num_context)
 
@@ -549,4 +548,7 @@ class Planner:
                 if self.measured is not None else None,
             },
             "weight_bytes_read_per_step": self.model.matrix_weight_bytes,
+            "graph_buckets": list(self.graph_buckets),
+            "graph_pool_bytes": graph_reserve(self.model, self.graph_buckets,
+                                              self.final_tokens),
         }

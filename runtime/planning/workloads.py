@@ -60,6 +60,12 @@ class Workload:
     """The shared prefix is in the prefix cache before the requests come (a warm server):
     a scheme that shares it computes only each prompt past it."""
 
+    @property
+    def final_tokens(self) -> int:
+        """KV positions a request holds after its whole output: `prompt + output − 1` (the
+        last token is never written)."""
+        return self.prompt_tokens + self.output_tokens - 1
+
     @classmethod
     def load(cls, name: str) -> Workload:
         d, where = _load("workloads", name)

@@ -139,3 +139,32 @@ def test_a_model_that_fits_one_card_plans_on_one_card_as_before() -> None:
     one = json.loads(kvdeck(*REFERENCE, "--json").stdout)
     explicit = json.loads(kvdeck(*REFERENCE, "--json", "--layouts", "TP1").stdout)
     assert one == explicit and "layouts" not in one
+
+
+def test_graph_replay_memory_comes_out_of_the_derived_kv_budget() -> None:
+    """The chapter counts graph replay buffers outside the KV budget (`M_u`): without
+    --kv-budget the planner leaves them out of what the card gives KV, and says how much."""
+    base = ("plan", "--hardware", "rtx-pro-6000", "--model", "qwen3-8b", "--workload",
+            "long-burst", "--json")
+    plain = json.loads(kvdeck(*base).stdout)
+    shaped = json.loads(kvdeck(*base, "--graph-buckets", "1,2,4,8,16").stdout)
+    reserve = shaped["figures"]["graph_pool_bytes"]
+    # 16 rows at 8,447 positions (the last output is never attended): Qwen3-8B's 32 query
+    # heads and 8 KV heads of 128, one layer's keys and values gathered, bf16.
+    assert reserve == 16 * (2 * (3 * 32 * 128 + 2 * 8 * 128 * 8447) + 8 * 32 * 8447)
+    assert plain["figures"]["graph_pool_bytes"] == 0
+    assert plain["kv_budget_bytes"] - shaped["kv_budget_bytes"] == reserve
+    text = kvdeck(*base[:-1], "--graph-buckets", "1,2,4,8,16").stdout
+    assert f"CUDA graphs at 1,2,4,8,16 rows: {reserve / 2**20:,.1f} MiB kept for replay" in text
+
+
+def test_the_graph_pool_estimate_against_the_pool_measured_on_an_h200() -> None:
+    """`graph_pool_bytes` against the one pool measured so far: the torch executor on an
+    NVIDIA H200, Gemma 3 270M's shape in bf16, graphs up to 64 rows at 96 positions
+    (`benchmarks/cuda_graphs.py`, docs/executors.md): 6.7 MiB."""
+    from kvdeck.runtime.planning.profiles import ModelProfile
+    from kvdeck.runtime.planning.step_time import graph_pool_bytes
+
+    gemma = ModelProfile.load("gemma3-270m")
+    assert (gemma.num_heads, gemma.num_kv_heads, gemma.head_dim) == (4, 1, 256)
+    assert abs(graph_pool_bytes(gemma, 64, 96) / (6.7 * 2**20) - 1) < 0.05
