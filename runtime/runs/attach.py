@@ -45,6 +45,7 @@ NAMES = {
         "pool_tokens": "sglang:max_total_num_tokens",
         "prompt_tokens": "sglang:prompt_tokens_total",
         "generation_tokens": "sglang:generation_tokens_total",
+        "prompt_cached": "sglang:cached_tokens_total",
     },
     "llama.cpp": {
         "running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred",
@@ -203,18 +204,20 @@ def parse_metrics(text: str) -> RemoteStatus:
     st.prompt_tokens = pick("prompt_tokens", scalars)
     st.generation_tokens = pick("generation_tokens", scalars)
     queries, hits = pick("prefix_queries", scalars), pick("prefix_hits", scalars)
-    st.hit_rate = pick("hit_rate", scalars)
     by_source = {src: v for (name, src), v in labelled.items()
                  if name == "vllm:prompt_tokens_by_source_total"}
     cached = pick("prompt_cached", scalars)
-    if st.hit_rate is None and sum(by_source.values()):
+    # Counted since the server started, the same way on every engine, so replicas compare.
+    if sum(by_source.values()):
         # Prompt tokens by where their KV came from: the figure vLLM keeps exact since it
         # fixed an over-count in prefix_cache_hits_total.
         st.hit_rate = by_source.get("local_cache_hit", 0.0) / sum(by_source.values())
-    elif st.hit_rate is None and cached is not None and st.prompt_tokens:
+    elif cached is not None and st.prompt_tokens:
         st.hit_rate = cached / st.prompt_tokens
-    elif st.hit_rate is None and queries:
+    elif queries:
         st.hit_rate = (hits or 0.0) / queries
+    else:  # SGLang before its cached-token counter: the last prefill batch's rate
+        st.hit_rate = pick("hit_rate", scalars)
     info = {k: v for (name, k), v in labelled.items() if name == "vllm:cache_config_info"}
     st.num_gpu_blocks, st.block_size = info.get("num_gpu_blocks"), info.get("block_size")
     st.pool_tokens = pick("pool_tokens", scalars) or (

@@ -28,7 +28,12 @@ def test_vllm() -> None:
 def test_sglang() -> None:
     st = parse_metrics((DATA / "sglang.txt").read_text())
     assert st.engine == "sglang" and (st.running, st.waiting) == (28, 5)
-    assert st.kv_usage == 0.28 and st.hit_rate == 0.0075
+    # The hit rate from the counters (cached / prompt tokens since start), as for vLLM; the
+    # gauge, the last prefill batch's rate, only where a server has no counter.
+    assert st.kv_usage == 0.28 and st.hit_rate == pytest.approx(2_032_225 / 8_128_902)
+    older = "\n".join(line for line in (DATA / "sglang.txt").read_text().splitlines()
+                      if "cached_tokens_total" not in line)
+    assert parse_metrics(older).hit_rate == 0.0075
     assert st.ttft.quantile(0.99) == pytest.approx(0.99)
     assert "preemptions" in st.missing() and "speculative acceptance" in st.missing()
     assert (st.requests_done, st.generation_tokens) == (83, 7_557_572)
