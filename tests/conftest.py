@@ -78,6 +78,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _samples: list[tuple[int, int, str]] = []
 """(RSS before the test's set-up, RSS after its teardown, node id)."""
 _before: dict[str, int] = {}
+_peak_during = ("", 0)
+"""The test during which the high-water mark last rose (its own peak is the run's), and
+the mark before it."""
+
+
+def _high_water() -> int:
+    """The process's peak resident memory so far, in bytes (ru_maxrss is in KiB on Linux,
+    bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak * (1 if sys.platform == "darwin" else 1024)
 
 
 def _rss() -> int:
@@ -103,7 +113,10 @@ def _release_freed_memory() -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     _before[item.nodeid] = _rss()
+    item.stash[_MARK] = _high_water()
 
+
+_MARK = pytest.StashKey[int]()
 
 RELEASE_AFTER_GROWTH = 256 << 20
 """A test that grew the process by more than this is followed by a collection: a model
@@ -118,14 +131,18 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
             or _rss() - before > RELEASE_AFTER_GROWTH):
         _release_freed_memory()  # after a module's fixtures were torn down, or a big test
     _samples.append((before, _rss(), item.nodeid))
+    global _peak_during
+    mark = item.stash.get(_MARK, 0)
+    if _high_water() > mark:
+        _peak_during = (item.nodeid, mark)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    # ru_maxrss is in KiB on Linux, bytes on macOS.
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak *= 1 if sys.platform == "darwin" else 1024
+    peak = _high_water()
     write = terminalreporter.write_line
     write(f"pytest peak RSS {peak / 2**30:.2f} GiB (this process; the budget is 8 GiB)")
+    if _peak_during[0]:
+        write(f"  reached during {_peak_during[0]} (from {_peak_during[1] / 2**30:.2f} GiB)")
     for _, after, nodeid in sorted(_samples, key=lambda s: -s[1])[:3]:
         write(f"  {after / 2**30:.2f} GiB held after {nodeid}")
     for before, after, nodeid in sorted(_samples, key=lambda s: s[0] - s[1])[:3]:
