@@ -59,14 +59,14 @@ def qwen_pair() -> tuple[Path, Path]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `cuda` need a CUDA device: skipped, with that reason, where torch sees
     none (one rule here rather than a skip condition beside every such test)."""
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    if not marked:
+        return  # torch is not imported for a run that has no such test
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+    if not torch.cuda.is_available():
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
 # -- the suite's own memory ------------------------------------------------------------------
@@ -77,7 +77,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 _samples: list[tuple[int, int, str]] = []
 """(RSS before the test's set-up, RSS after its teardown, node id)."""
-_before: dict[str, int] = {}
+_before: dict[str, tuple[int, int]] = {}
+"""Per running test: (RSS, the high-water mark) before its set-up."""
 _peak_during = ("", 0)
 """The test during which the high-water mark last rose (its own peak is the run's), and
 the mark before it."""
@@ -112,11 +113,8 @@ def _release_freed_memory() -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    _before[item.nodeid] = _rss()
-    item.stash[_MARK] = _high_water()
+    _before[item.nodeid] = (_rss(), _high_water())
 
-
-_MARK = pytest.StashKey[int]()
 
 RELEASE_AFTER_GROWTH = 256 << 20
 """A test that grew the process by more than this is followed by a collection: a model
@@ -126,13 +124,12 @@ next generation-2 pass, and the next test loads its own on top."""
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    before = _before.pop(item.nodeid, 0)
+    before, mark = _before.pop(item.nodeid, (0, 0))
     if (nextitem is None or nextitem.module is not item.module
             or _rss() - before > RELEASE_AFTER_GROWTH):
         _release_freed_memory()  # after a module's fixtures were torn down, or a big test
     _samples.append((before, _rss(), item.nodeid))
     global _peak_during
-    mark = item.stash.get(_MARK, 0)
     if _high_water() > mark:
         _peak_during = (item.nodeid, mark)
 
