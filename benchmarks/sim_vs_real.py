@@ -7,11 +7,15 @@
 `make bench` runs the first, `make clients` the second (the peers install into
 `.venv-clients/` on first use, as for `make bench-serve`).
 
-For each server: start it on Gemma 3 270M (8 sequences at most), fit the step model to it
-from outside (`kvdeck calibrate --url`'s probes, `runtime/planning/probe.py`), then run two
-traces twice — through the sim executor with the fitted profile (`kvdeck run-trace
---timing fit`: the prediction) and against the server (`kvdeck bench`: the measurement) —
-and set the medians of TTFT and TPOT and the output throughput side by side.
+For each server: start it on Gemma 3 270M (8 sequences at most), probe it from outside
+(`kvdeck calibrate --url`'s probes, `runtime/planning/probe.py`), measure two traces against
+it (`kvdeck bench`), and probe it again with new prompts. The step model is fitted to the
+mean of each probe's two timings, and the traces are predicted through the sim executor
+with that profile (`kvdeck run-trace --timing fit`); the medians of TTFT and TPOT and the
+output throughput are set side by side. How far the server's own probe timings moved
+between the two rounds (the drift, after / before) is reported beside them: on a shared
+2-core machine a server's steps can move by more than the bounds below within minutes,
+and no prediction can follow the server closer than the server follows itself.
 
 The traces, with token ids written out so both sides see the same prompts:
 - **Mooncake excerpt:** the shipped Mooncake conversation sample's first 16 requests, prompts
@@ -31,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,7 +45,7 @@ from pathlib import Path
 from benchmarks import peers
 from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
-from kvdeck.runtime.planning.calibrate import fit_step_model
+from kvdeck.runtime.planning.calibrate import Point, fit_step_model
 from kvdeck.runtime.planning.probe import FULL, probe, server_name, write_server_profiles
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, StepFit
 from kvdeck.runtime.runs.loadgen import cap_arrivals
@@ -102,12 +107,37 @@ def figures(summary: dict) -> dict[str, float]:
             "output_tokens_per_s": summary["output_tokens_per_s"]}
 
 
+def merged(before: list[Point], after: list[Point]) -> list[Point]:
+    """Each probe timed in both rounds, at the mean of its two times (a probe one round
+    lacks — a server that did not say it reused a prefix that time — is left out)."""
+    again = {p.label: p.seconds for p in after}
+    return [replace(p, seconds=(p.seconds + again[p.label]) / 2)
+            for p in before if p.label in again]
+
+
+def drift(before: list[Point], after: list[Point]) -> dict[str, float]:
+    """The server's own probe timings after the traces over those before: median and
+    range of the per-probe ratios."""
+    again = {p.label: p.seconds for p in after}
+    ratios = sorted(again[p.label] / p.seconds for p in before if p.label in again)
+    return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+
+
 def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[dict]:
-    """Calibrate against `server` from outside, then predict (the sim run with `sim_flags`,
-    the server's own batching settings) and measure both traces."""
+    """Probe `server` from outside, measure both traces on it, probe it again; then fit
+    the step model to both rounds and predict the traces (the sim run with `sim_flags`, the
+    server's own batching settings)."""
     hw = server_name(server.url)
     base, card = ModelProfile.load(DEFAULT_MODEL), HardwareProfile.load("local")
-    points = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None)
+    before = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None)
+    # The traces' rates come from the first round's fit: they are fixed before any
+    # trace is sent.
+    traces = write_traces(folder, fit_step_model(before))
+    measured = {trace: figures(kvdeck_cli("bench", str(path), "--url", server.url,
+                                          "--model", DEFAULT_MODEL))
+                for trace, path in traces.items()}
+    after = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None, seed=1)
+    points = merged(before, after)
     fit = fit_step_model(points)
     profile = f"{DEFAULT_MODEL}-{hw}"
     # The fitted profiles go to the run's own folder, not the user's profiles: each server
@@ -123,16 +153,14 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
         else:
             os.environ["KVDECK_CACHE"] = saved
     rows = []
-    for trace, path in write_traces(folder, fit).items():
+    for trace, path in traces.items():
         predicted = figures(kvdeck_cli(
             "run-trace", str(path), "--executor", "sim", "--model-profile", profile,
             "--hardware", hw, "--timing", "fit", *sim_flags, env=env))
-        measured = figures(kvdeck_cli("bench", str(path), "--url", server.url, "--model",
-                                      DEFAULT_MODEL))
         rows.append({"server": server.name, "trace": trace, "predicted": predicted,
-                     "measured": measured,
-                     "ratio": {k: predicted[k] / measured[k] for k in predicted},
-                     "fit": fit.to_json()})
+                     "measured": measured[trace],
+                     "ratio": {k: predicted[k] / measured[trace][k] for k in predicted},
+                     "fit": fit.to_json(), "drift": drift(before, after)})
     return rows
 
 
@@ -159,9 +187,9 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
 
 def show(rows: list[dict]) -> None:
     print(f"{'server':<20} {'trace':<17} {'TTFT p50 pred/meas':>22} {'TPOT p50 pred/meas':>22} "
-          f"{'tok/s pred/meas':>18}")
+          f"{'tok/s pred/meas':>18}  server drift")
     for r in rows:
-        p, m, q = r["predicted"], r["measured"], r["ratio"]
+        p, m, q, d = r["predicted"], r["measured"], r["ratio"], r["drift"]
         bound = TOLERANCE.get(r["server"], 0.15)
         held = all(abs(q[k] - 1) <= bound for k in ("ttft_p50_s", "tpot_p50_s"))
         ttft = f"{p['ttft_p50_s'] * 1e3:7.0f}/{m['ttft_p50_s'] * 1e3:<5.0f} ms"
@@ -169,7 +197,8 @@ def show(rows: list[dict]) -> None:
         rate = f"{p['output_tokens_per_s']:6.0f}/{m['output_tokens_per_s']:<5.0f}"
         print(f"{r['server']:<20} {r['trace']:<17} {ttft} {q['ttft_p50_s']:5.2f} "
               f"{tpot} {q['tpot_p50_s']:5.2f} {rate} {q['output_tokens_per_s']:4.2f}  "
-              f"{'within' if held else 'MISSES'} ±{bound:.0%}")
+              f"{'within' if held else 'MISSES'} ±{bound:.0%}  "
+              f"{d['median']:.2f} ({d['min']:.2f}–{d['max']:.2f})")
 
 
 def main(with_peers: bool = False, out_dir: Path = Path("bench-results"),

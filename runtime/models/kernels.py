@@ -18,7 +18,14 @@ dtype) pair, the time of one product at 1, 8 and 32 rows. From the table:
   dense is at least as fast.
 
 Results are cached per machine, torch version, thread count, device and shapes in
-`$KVDECK_CACHE/kernels/` (a JSON file), so only the first start pays (a few seconds).
+`$KVDECK_CACHE/kernels/` (a JSON file), so only the first start pays (a few seconds). A
+cached table is trusted only as far as the machine is as fast now as when it was measured:
+every start times one reference product (a few milliseconds), and a table taken while
+the reference ran `REMEASURE_FASTER` times slower than now — a busy machine, or another
+host under the same CPU name — is measured again. On a 2-core AMD EPYC, a table taken under
+load (the int8 head at 607 ms a row, against 9 ms on the idle machine) had kept the output
+head in bf16, and a torch server's batch-1 decode step at 80 ms where 47 was measured with
+a table taken idle.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ class KernelTable:
     seconds_spent: float = 0.0
     cached: bool = False
     machine: dict[str, str] = field(default_factory=dict)
+    reference_s: float = 0.0
+    """The reference product's time while the table was measured (the slower of before
+    and after; 0: a table from before references were kept)."""
 
     def time(self, group: str, fmt: str, act: str, rows: int) -> float:
         """Seconds for `rows` rows (interpolated linearly between measured row counts)."""
@@ -117,7 +127,8 @@ class KernelTable:
 
     def to_json(self) -> dict:
         return {"version": VERSION, "times": self.times, "compute": self.compute,
-                "seconds_spent": self.seconds_spent, "machine": self.machine}
+                "seconds_spent": self.seconds_spent, "machine": self.machine,
+                "reference_s": self.reference_s}
 
 
 def cpuinfo(field: str) -> str | None:
@@ -159,6 +170,7 @@ def measure(shapes: dict[str, tuple[int, int]], device: torch.device, compute: s
             group_size: int = 32, int8_group_size: int = 0, reps: int = 3) -> KernelTable:
     """Time every candidate pair on random weights of each group's shape (out, in)."""
     t_start = time.perf_counter()
+    reference = reference_seconds(device)
     gen = torch.Generator().manual_seed(0)
     times: dict[str, dict[str, dict[str, float | None]]] = {}
     for group, (n_full, k) in shapes.items():
@@ -190,7 +202,31 @@ def measure(shapes: dict[str, tuple[int, int]], device: torch.device, compute: s
                 best_one = min(best_one, row["1"])
             times[group][f"{fmt}/{act}"] = row
             del m
-    return KernelTable(times, compute, time.perf_counter() - t_start, False, _machine(device))
+    reference = max(reference, reference_seconds(device))
+    return KernelTable(times, compute, time.perf_counter() - t_start, False, _machine(device),
+                       reference)
+
+
+REMEASURE_FASTER = 1.5
+"""A cached table is measured again when the reference product now runs this many times
+faster than while the table was measured. Slower now leaves it: this start is the busy
+one, and the table was taken in better conditions."""
+
+
+@torch.inference_mode()
+def reference_seconds(device: torch.device) -> float:
+    """How fast the machine is at this moment: one fixed product (8 rows through the
+    fp32 `CPU_DTYPE_SHAPE` matrix), best of 20."""
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(*CPU_DTYPE_SHAPE, generator=gen) * 0.02).to(device)
+    x = torch.randn(8, CPU_DTYPE_SHAPE[1], generator=gen).to(device)
+    return _time_once(lambda a: torch.nn.functional.linear(a, w), x, device, 20)
+
+
+def stale(cached_reference_s: float, now_s: float) -> bool:
+    """Whether a table whose reference took `cached_reference_s` is measured again, the
+    reference taking `now_s` now: where it has none, or the machine is clearly faster now."""
+    return cached_reference_s <= 0 or now_s * REMEASURE_FASTER < cached_reference_s
 
 
 def load_or_measure(shapes: dict[str, tuple[int, int]], device: torch.device, compute: str,
@@ -207,8 +243,14 @@ def load_or_measure(shapes: dict[str, tuple[int, int]], device: torch.device, co
         try:
             d = json.loads(path.read_text())
             if d.get("version") == VERSION:
-                return KernelTable(d["times"], d["compute"], d.get("seconds_spent", 0.0), True,
-                                   d.get("machine", {}))
+                cached = KernelTable(d["times"], d["compute"], d.get("seconds_spent", 0.0),
+                                     True, d.get("machine", {}), d.get("reference_s", 0.0))
+                now = reference_seconds(device)
+                if not stale(cached.reference_s, now):
+                    return cached
+                log.info("the kernel table at %s was measured with the reference product at "
+                         "%.3f ms, %.3f ms now: measuring again", path,
+                         cached.reference_s * 1e3, now * 1e3)
         except (OSError, ValueError, KeyError):
             pass  # no cache yet, or an unreadable one: measure again
     table = measure(shapes, device, compute, group_size, int8_group_size)

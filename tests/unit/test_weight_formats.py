@@ -4,12 +4,14 @@ rules, and the sim's pricing."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
-from kvdeck.runtime.models.kernels import KernelTable
+from kvdeck.runtime.models.kernels import KernelTable, load_or_measure, stale
 from kvdeck.runtime.models.linear import AutoMatrix, WeightOnlyInt4, WeightOnlyInt8, pack_matrix
 from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
 
@@ -119,6 +121,27 @@ def test_kernel_table_rules() -> None:
     t.times["ffn"]["fp32/fp32"]["1"] = 3.3
     assert t.fastest("ffn", ("fp32", "bf16", "int8"), 1, within=0.15) == "fp32"
     assert t.fastest("ffn", ("fp32", "bf16", "int8"), 1) == "int8"
+
+
+def test_a_kernel_table_measured_on_a_slower_machine_is_measured_again(tmp_path) -> None:
+    """A table is kept only while the machine is about as fast as when it was measured: one
+    taken while the reference product ran 1.5 times slower than now is measured again; one
+    from a faster moment (this start is the busy one) is kept."""
+    assert stale(0.0, 1e-3)  # a table from before references were kept
+    assert stale(2e-3, 1e-3) and not stale(1.4e-3, 1e-3) and not stale(0.5e-3, 1e-3)
+    shapes, cpu = {"attn": (64, 64)}, torch.device("cpu")
+    first = load_or_measure(shapes, cpu, "fp32", tmp_path)
+    assert not first.cached and first.reference_s > 0
+    (path,) = tmp_path.glob("*.json")
+    d = json.loads(path.read_text())
+    d["reference_s"] = 1e-9  # as if measured on a machine far faster than this one
+    path.write_text(json.dumps(d))
+    assert load_or_measure(shapes, cpu, "fp32", tmp_path).cached
+    d["reference_s"] = 1e3  # as if measured while the machine crawled
+    path.write_text(json.dumps(d))
+    again = load_or_measure(shapes, cpu, "fp32", tmp_path)
+    assert not again.cached  # measured again, and saved with this moment's reference
+    assert json.loads(path.read_text())["reference_s"] == again.reference_s < 1e3
 
 
 @pytest.mark.parametrize("timing", ["measured", "fit"])

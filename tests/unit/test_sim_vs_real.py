@@ -1,0 +1,26 @@
+"""The sim-against-real benchmark's own arithmetic: the fit's points from two probe rounds,
+and the server's drift between them."""
+
+from benchmarks.sim_vs_real import drift, merged
+from kvdeck.runtime.planning.calibrate import Point
+
+
+def point(label: str, seconds: float) -> Point:
+    return Point("prefill", 64, 2080, label, seconds, 64, 1, True)
+
+
+def test_points_are_the_mean_of_both_rounds_and_a_probe_one_round_lacks_is_left_out():
+    before = [point("prefill 64", 0.100), point("prefill 64 on 512", 0.150),
+              point("prefill 256", 0.300)]
+    after = [point("prefill 64", 0.140), point("prefill 256", 0.240)]
+    got = merged(before, after)
+    assert [p.label for p in got] == ["prefill 64", "prefill 256"]
+    assert [round(p.seconds, 6) for p in got] == [0.12, 0.27]
+    assert got[0].new_tokens == 64 and got[0].outside  # the rest of the point kept
+
+
+def test_drift_is_after_over_before_per_probe():
+    before = [point("a", 0.100), point("b", 0.200), point("c", 0.400), point("d", 1.0)]
+    after = [point("a", 0.150), point("b", 0.180), point("c", 0.400)]
+    got = drift(before, after)
+    assert {k: round(v, 9) for k, v in got.items()} == {"median": 1.0, "min": 0.9, "max": 1.5}
