@@ -22,10 +22,8 @@ Results are cached per machine, torch version, thread count, device and shapes i
 cached table is trusted only as far as the machine is as fast now as when it was measured:
 every start times one reference product (a few milliseconds), and a table taken while
 the reference ran `REMEASURE_FASTER` times slower than now — a busy machine, or another
-host under the same CPU name — is measured again. On a 2-core AMD EPYC, a table taken under
-load (the int8 head at 607 ms a row, against 9 ms on the idle machine) had kept the output
-head in bf16, and a torch server's batch-1 decode step at 80 ms where 47 was measured with
-a table taken idle.
+host under the same CPU name — is measured again: a table taken under load misjudges which
+format is fastest (docs/benchmarks.md gives the case that found it).
 """
 
 from __future__ import annotations
