@@ -117,9 +117,12 @@ def merged(before: list[Point], after: list[Point]) -> list[Point]:
 
 def drift(before: list[Point], after: list[Point]) -> dict[str, float]:
     """The server's own probe timings after the traces over those before: median and
-    range of the per-probe ratios."""
+    range of the per-probe ratios (NaN where the rounds have no probe in common)."""
     again = {p.label: p.seconds for p in after}
-    ratios = sorted(again[p.label] / p.seconds for p in before if p.label in again)
+    ratios = sorted(again[p.label] / p.seconds for p in before
+                    if p.label in again and p.seconds > 0)
+    if not ratios:
+        return dict.fromkeys(("median", "min", "max"), float("nan"))
     return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
 
 
@@ -152,7 +155,7 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
             del os.environ["KVDECK_CACHE"]
         else:
             os.environ["KVDECK_CACHE"] = saved
-    rows = []
+    rows, moved = [], drift(before, after)
     for trace, path in traces.items():
         predicted = figures(kvdeck_cli(
             "run-trace", str(path), "--executor", "sim", "--model-profile", profile,
@@ -160,7 +163,7 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
         rows.append({"server": server.name, "trace": trace, "predicted": predicted,
                      "measured": measured[trace],
                      "ratio": {k: predicted[k] / measured[trace][k] for k in predicted},
-                     "fit": fit.to_json(), "drift": drift(before, after)})
+                     "fit": fit.to_json(), "drift": moved})
     return rows
 
 
@@ -186,7 +189,7 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
 
 
 def show(rows: list[dict]) -> None:
-    print(f"{'server':<20} {'trace':<17} {'TTFT p50 pred/meas':>22} {'TPOT p50 pred/meas':>22} "
+    print(f"{'server':<24} {'trace':<17} {'TTFT p50 pred/meas':>22} {'TPOT p50 pred/meas':>22} "
           f"{'tok/s pred/meas':>18}  server drift")
     for r in rows:
         p, m, q, d = r["predicted"], r["measured"], r["ratio"], r["drift"]
@@ -197,7 +200,7 @@ def show(rows: list[dict]) -> None:
         ttft = f"{p['ttft_p50_s'] * 1e3:7.0f}/{m['ttft_p50_s'] * 1e3:<5.0f} ms"
         tpot = f"{p['tpot_p50_s'] * 1e3:6.1f}/{m['tpot_p50_s'] * 1e3:<5.1f} ms"
         rate = f"{p['output_tokens_per_s']:6.0f}/{m['output_tokens_per_s']:<5.0f}"
-        print(f"{r['server']:<20} {r['trace']:<17} {ttft} {q['ttft_p50_s']:5.2f} "
+        print(f"{r['server']:<24} {r['trace']:<17} {ttft} {q['ttft_p50_s']:5.2f} "
               f"{tpot} {q['tpot_p50_s']:5.2f} {rate} {q['output_tokens_per_s']:4.2f}  "
               f"{'within' if held else 'MISSES'} ±{bound:.0%}  "
               f"{d['median']:.2f} ({d['min']:.2f}–{d['max']:.2f})")

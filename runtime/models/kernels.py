@@ -21,9 +21,10 @@ Results are cached per machine, torch version, thread count, device and shapes i
 `$KVDECK_CACHE/kernels/` (a JSON file), so only the first start pays (a few seconds). A
 cached table is trusted only as far as the machine is as fast now as when it was measured:
 every start times one reference product (a few milliseconds), and a table taken while
-the reference ran `REMEASURE_FASTER` times slower than now — a busy machine, or another
-host under the same CPU name — is measured again: a table taken under load misjudges which
-format is fastest (docs/benchmarks.md gives the case that found it).
+the reference ran `REMEASURE_FASTER` times slower than now — on a machine busy through the
+measurement, or on another host under the same CPU name — is measured again: a table
+taken under load misjudges which format is fastest (docs/benchmarks.md gives the case that
+found it). The CPU's compute dtype, cached beside it, is checked the same way.
 """
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ class KernelTable:
     cached: bool = False
     machine: dict[str, str] = field(default_factory=dict)
     reference_s: float = 0.0
-    """The reference product's time while the table was measured (the slower of before
-    and after; 0: a table from before references were kept)."""
+    """The reference product's time while the table was measured: the faster of before
+    and after (the measurement itself may slow the machine, by heat or clocks, and the
+    slower would have every later start measure again); 0: a table from before
+    references were kept."""
 
     def time(self, group: str, fmt: str, act: str, rows: int) -> float:
         """Seconds for `rows` rows (interpolated linearly between measured row counts)."""
@@ -200,7 +203,7 @@ def measure(shapes: dict[str, tuple[int, int]], device: torch.device, compute: s
                 best_one = min(best_one, row["1"])
             times[group][f"{fmt}/{act}"] = row
             del m
-    reference = max(reference, reference_seconds(device))
+    reference = min(reference, reference_seconds(device))
     return KernelTable(times, compute, time.perf_counter() - t_start, False, _machine(device),
                        reference)
 
@@ -211,13 +214,18 @@ faster than while the table was measured. Slower now leaves it: this start is th
 one, and the table was taken in better conditions."""
 
 
+def _reference_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference product's matrix (`CPU_DTYPE_SHAPE`, fp32) and its 8 rows."""
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(*CPU_DTYPE_SHAPE, generator=gen) * 0.02,
+            torch.randn(8, CPU_DTYPE_SHAPE[1], generator=gen))
+
+
 @torch.inference_mode()
 def reference_seconds(device: torch.device) -> float:
-    """How fast the machine is at this moment: one fixed product (8 rows through the
-    fp32 `CPU_DTYPE_SHAPE` matrix), best of 20."""
-    gen = torch.Generator().manual_seed(0)
-    w = (torch.randn(*CPU_DTYPE_SHAPE, generator=gen) * 0.02).to(device)
-    x = torch.randn(8, CPU_DTYPE_SHAPE[1], generator=gen).to(device)
+    """How fast the machine is at this moment: the reference product in fp32, best of
+    20 (the time `cpu_compute_dtype` keeps as its fp32 figure)."""
+    w, x = (t.to(device) for t in _reference_inputs())
     return _time_once(lambda a: torch.nn.functional.linear(a, w), x, device, 20)
 
 
@@ -242,14 +250,16 @@ def load_or_measure(shapes: dict[str, tuple[int, int]], device: torch.device, co
             d = json.loads(path.read_text())
             if d.get("version") == VERSION:
                 cached = KernelTable(d["times"], d["compute"], d.get("seconds_spent", 0.0),
-                                     True, d.get("machine", {}), d.get("reference_s", 0.0))
+                                     True, d.get("machine", {}),
+                                     float(d.get("reference_s") or 0.0))
                 now = reference_seconds(device)
                 if not stale(cached.reference_s, now):
                     return cached
-                log.info("the kernel table at %s was measured with the reference product at "
-                         "%.3f ms, %.3f ms now: measuring again", path,
-                         cached.reference_s * 1e3, now * 1e3)
-        except (OSError, ValueError, KeyError):
+                log.info("the kernel table at %s %s: measuring again", path,
+                         f"was measured with the reference product at "
+                         f"{cached.reference_s * 1e3:.3f} ms, {now * 1e3:.3f} ms now"
+                         if cached.reference_s else "has no reference time")
+        except (OSError, ValueError, KeyError, TypeError):
             pass  # no cache yet, or an unreadable one: measure again
     table = measure(shapes, device, compute, group_size, int8_group_size)
     if path is not None:
@@ -281,12 +291,14 @@ def cpu_compute_dtype(cache_dir: Path | None) -> str:
     path = cache_dir / f"cpu-dtype-{key[:16]}.json" if cache_dir is not None else None
     if path is not None:
         try:
-            return json.loads(path.read_text())["dtype"]
-        except (OSError, ValueError, KeyError):
+            d = json.loads(path.read_text())
+            # Its fp32 time is the reference product's: timed again where the machine is
+            # clearly faster now (the choice was made on a busy machine).
+            if not stale(float(d["seconds"]["fp32"]), reference_seconds(device)):
+                return d["dtype"]
+        except (OSError, ValueError, KeyError, TypeError):
             pass
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(*CPU_DTYPE_SHAPE, generator=gen) * 0.02
-    x = torch.randn(8, CPU_DTYPE_SHAPE[1], generator=gen)
+    w, x = _reference_inputs()
     seconds = {}
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         wd, xd = w.to(dt), x.to(dt)

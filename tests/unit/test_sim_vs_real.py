@@ -6,6 +6,7 @@ from kvdeck.runtime.planning.calibrate import Point
 
 
 def point(label: str, seconds: float) -> Point:
+    """A prefill probe of 64 tokens, timed from outside, under `label`."""
     return Point("prefill", 64, 2080, label, seconds, 64, 1, True)
 
 
@@ -24,3 +25,8 @@ def test_drift_is_after_over_before_per_probe():
     after = [point("a", 0.150), point("b", 0.180), point("c", 0.400)]
     got = drift(before, after)
     assert {k: round(v, 9) for k, v in got.items()} == {"median": 1.0, "min": 0.9, "max": 1.5}
+
+
+def test_drift_without_a_probe_in_common_is_not_a_number():
+    got = drift([point("a", 0.1)], [point("b", 0.1)])
+    assert all(v != v for v in got.values())  # NaN, and no exception mid-benchmark

@@ -11,7 +11,12 @@ import torch
 
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
-from kvdeck.runtime.models.kernels import KernelTable, load_or_measure, stale
+from kvdeck.runtime.models.kernels import (
+    KernelTable,
+    cpu_compute_dtype,
+    load_or_measure,
+    stale,
+)
 from kvdeck.runtime.models.linear import AutoMatrix, WeightOnlyInt4, WeightOnlyInt8, pack_matrix
 from kvdeck.runtime.models.weight_formats import format_weight_format, parse_weight_format
 
@@ -123,10 +128,10 @@ def test_kernel_table_rules() -> None:
     assert t.fastest("ffn", ("fp32", "bf16", "int8"), 1) == "int8"
 
 
-def test_a_kernel_table_measured_on_a_slower_machine_is_measured_again(tmp_path) -> None:
+def test_kernel_caches_taken_on_a_slower_machine_are_measured_again(tmp_path) -> None:
     """A table is kept only while the machine is about as fast as when it was measured: one
     taken while the reference product ran 1.5 times slower than now is measured again; one
-    from a faster moment (this start is the busy one) is kept."""
+    from a faster moment (this start is the busy one) is kept. So is the CPU's dtype."""
     assert stale(0.0, 1e-3)  # a table from before references were kept
     assert stale(2e-3, 1e-3) and not stale(1.4e-3, 1e-3) and not stale(0.5e-3, 1e-3)
     shapes, cpu = {"attn": (64, 64)}, torch.device("cpu")
@@ -142,6 +147,21 @@ def test_a_kernel_table_measured_on_a_slower_machine_is_measured_again(tmp_path)
     again = load_or_measure(shapes, cpu, "fp32", tmp_path)
     assert not again.cached  # measured again, and saved with this moment's reference
     assert json.loads(path.read_text())["reference_s"] == again.reference_s < 1e3
+    d["reference_s"] = None  # an unreadable figure: measured again, not a failed start
+    path.write_text(json.dumps(d))
+    assert not load_or_measure(shapes, cpu, "fp32", tmp_path).cached
+    # The CPU's compute dtype, cached beside the tables, is checked by the same rule: its
+    # fp32 time is the reference product's.
+    first_dtype = cpu_compute_dtype(tmp_path)
+    (choice,) = tmp_path.glob("cpu-dtype-*.json")
+    d = json.loads(choice.read_text())
+    d["dtype"], d["seconds"]["fp32"] = "kept", 1e-9
+    choice.write_text(json.dumps(d))
+    assert cpu_compute_dtype(tmp_path) == "kept"
+    d["seconds"]["fp32"] = 1e3
+    choice.write_text(json.dumps(d))
+    assert cpu_compute_dtype(tmp_path) == first_dtype  # timed again, and saved
+    assert json.loads(choice.read_text())["seconds"]["fp32"] < 1e3
 
 
 @pytest.mark.parametrize("timing", ["measured", "fit"])
