@@ -222,10 +222,10 @@ def _reference_inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.inference_mode()
-def reference_seconds(device: torch.device) -> float:
-    """How fast the machine is at this moment: the reference product in fp32, best of
-    20 (the time `cpu_compute_dtype` keeps as its fp32 figure)."""
-    w, x = (t.to(device) for t in _reference_inputs())
+def reference_seconds(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
+    """How fast the machine is at this moment: the reference product, best of 20 (in
+    fp32; `cpu_compute_dtype` times it in bf16 too)."""
+    w, x = (t.to(device=device, dtype=dtype) for t in _reference_inputs())
     return _time_once(lambda a: torch.nn.functional.linear(a, w), x, device, 20)
 
 
@@ -289,21 +289,17 @@ def cpu_compute_dtype(cache_dir: Path | None) -> str:
     key = hashlib.sha1(json.dumps({"machine": machine, "shape": CPU_DTYPE_SHAPE,
                                    "version": VERSION}, sort_keys=True).encode()).hexdigest()
     path = cache_dir / f"cpu-dtype-{key[:16]}.json" if cache_dir is not None else None
+    now = reference_seconds(device)
     if path is not None:
         try:
             d = json.loads(path.read_text())
             # Its fp32 time is the reference product's: timed again where the machine is
             # clearly faster now (the choice was made on a busy machine).
-            if not stale(float(d["seconds"]["fp32"]), reference_seconds(device)):
+            if not stale(float(d["seconds"]["fp32"]), now):
                 return d["dtype"]
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    w, x = _reference_inputs()
-    seconds = {}
-    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        wd, xd = w.to(dt), x.to(dt)
-        seconds[name] = _time_once(lambda a, wd=wd: torch.nn.functional.linear(a, wd), xd,
-                                   device, 20)
+    seconds = {"fp32": now, "bf16": reference_seconds(device, torch.bfloat16)}
     dtype = "bf16" if seconds["fp32"] >= CPU_DTYPE_GAIN * seconds["bf16"] else "fp32"
     if path is not None:
         try:
