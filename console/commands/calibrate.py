@@ -85,9 +85,10 @@ def calibrate(
 
 
 def _rows(points, fit) -> list[dict]:
+    from kvdeck.runtime.planning.calibrate import point_seconds
+
     rows = [{"point": p.label, "measured_ms": p.seconds * 1e3,
-             "fit_ms": fit.seconds(p.new_tokens, p.pairs, p.sampled, p.context) * 1e3}
-            for p in points]
+             "fit_ms": point_seconds(fit, p) * 1e3} for p in points]
     for r in rows:
         r["error_pct"] = 100 * (r["fit_ms"] - r["measured_ms"]) / r["measured_ms"]
     return rows
@@ -99,7 +100,11 @@ def _table(rows: list[dict], fit) -> None:
     table = Table(title=f"step = {fit.fixed_s * 1e3:.3f} ms + {fit.per_token_s * 1e6:.2f} µs × "
                         f"tokens + {fit.per_pair_s * 1e9:.4f} ns × pairs + "
                         f"{fit.per_sample_s * 1e6:.2f} µs × sampled rows + "
-                        f"{fit.per_context_s * 1e9:.2f} ns × positions read")
+                        f"{fit.per_context_s * 1e9:.2f} ns × positions read"
+                        + (f" + {fit.mixed_s * 1e3:.2f} ms if prompt and decode rows mix"
+                           if fit.mixed_s else "")
+                        + (f"; {fit.overhead_s * 1e3:.2f} ms per request outside its steps"
+                           if fit.overhead_s else ""))
     for col in ("point", "measured ms", "fit ms", "error"):
         table.add_column(col, justify="left" if col == "point" else "right")
     for r in rows:

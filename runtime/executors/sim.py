@@ -333,10 +333,12 @@ class SimExecutor:
         return t, out
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
-                              num_context_tokens: int, num_sampled: int = 0) -> float:
+                              num_context_tokens: int, num_sampled: int = 0,
+                              mixed: bool = False) -> float:
         """Priced with its padding under execution shapes (padding rows attend nothing and
         read no KV: they cost matmul rows). `num_sampled`: rows through the output head,
-        which a fit with a per-sample term prices (`execute` knows them; the scheduler's
+        which a fit with a per-sample term prices, and `mixed`: prompt tokens beside decode
+        rows, which a fit with a mixed term prices (`execute` knows both; the scheduler's
         estimates, which do not, leave them out)."""
         num_new_tokens = padded_rows(num_new_tokens, self.buckets)
         if self.layout.cards > 1:
@@ -354,7 +356,7 @@ class SimExecutor:
                      + num_context_tokens * (self._kv_bytes_per_token
                                              - self._fitted_kv_bytes_per_token))
             return fitted_seconds(self.fit, self.hardware, extra, num_new_tokens, num_pairs,
-                                  num_sampled, num_context_tokens)
+                                  num_sampled, num_context_tokens, mixed)
         return roofline_seconds(self.model, self.hardware, self.weight_bytes,
                                 self._kv_bytes_per_token, num_new_tokens, num_pairs,
                                 num_context_tokens)
@@ -423,9 +425,9 @@ class SimExecutor:
         # Rows through the output head, counted outside the hot loop: one per sampled token
         # and every verified position (the n > 1 samples of one prompt share its last row
         # but count one each: a few rows too many, at one step).
-        seconds = self.estimate_step_seconds(num_new, num_pairs, context,
-                                             len(sampled) + verify_rows) \
-            if plan.chunks else 0.0
+        seconds = self.estimate_step_seconds(
+            num_new, num_pairs, context, len(sampled) + verify_rows,
+            bool(plan.num_prefill_tokens and plan.num_decode_tokens)) if plan.chunks else 0.0
         transfers: list[Transfer] = []
         if plan.transfers:
             copy_seconds, transfers = self._price_transfers(plan.transfers)

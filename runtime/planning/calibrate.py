@@ -35,9 +35,13 @@ if TYPE_CHECKING:  # torch is imported only by those who time an executor
     from kvdeck.runtime.executors.torch import TorchExecutor
 
 FULL_SWEEP = {"prefill": [(c, h) for c in (16, 64, 256) for h in (0, 256, 1024)],
-              "decode": [(b, ctx) for b in (1, 4, 16) for ctx in (128, 512, 1024)]}
+              "decode": [(b, ctx) for b in (1, 4, 16) for ctx in (128, 512, 1024)],
+              "mixed": [(64, 512)]}
 QUICK_SWEEP = {"prefill": [(c, h) for c in (8, 32) for h in (0, 64)],
-               "decode": [(b, ctx) for b in (1, 4) for ctx in (16, 64)]}
+               "decode": [(b, ctx) for b in (1, 4) for ctx in (16, 64)],
+               "mixed": [(8, 64)]}
+"""`mixed`: (prompt tokens, decode context) — a fresh prompt run in one step beside a
+request decoding at that context."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,18 @@ class Point:
     outside: bool = False
     """Timed by a client from sending to the first token: the request's way through the
     server is in it (`StepFit.overhead_s` takes it)."""
+
+    @property
+    def mixed(self) -> bool:
+        """A step that ran prompt tokens and a decode row together (kind "mixed")."""
+        return self.kind == "mixed"
+
+
+def mixed_point(c: int, ctx: int, seconds: float, label: str = "") -> Point:
+    """A step that computed a fresh prompt of `c` tokens beside one decode row at context
+    `ctx` (both sampled)."""
+    return Point("mixed", c + 1, causal_pairs(c, 0) + causal_pairs(1, ctx),
+                 label or f"prefill {c} beside decode 1 at {ctx}", seconds, c + ctx + 1, 2)
 
 
 def _engine(ex: TorchExecutor, blocks_needed: int) -> Engine:
@@ -109,6 +125,22 @@ def _time_decode(ex: TorchExecutor, b: int, ctx: int, steps: int) -> float:
     return seconds
 
 
+def _time_mixed(ex: TorchExecutor, c: int, ctx: int, repeats: int) -> float:
+    vocab = ex.cfg.info.vocab_size
+    times = []
+    for r in range(repeats):
+        e = _engine(ex, (ctx + c) // 16 + 8)
+        e.add_request(_prompt(ctx, r, vocab), SamplingParams(max_tokens=4, ignore_eos=True))
+        while not e.scheduler.running or not e.scheduler.running[0].is_decoding:
+            e.step()
+        e.add_request(_prompt(c, r + 1, vocab), SamplingParams(max_tokens=1))
+        rec = e.step()  # the decode row and the whole prompt, in one step
+        assert rec is not None and rec.dt is not None
+        times.append(rec.dt)
+        e.run_until_idle()
+    return statistics.median(times)
+
+
 def efficiencies(points: list[Point], model: ModelProfile, bandwidth: float, flops: float
                  ) -> tuple[float, float]:
     """(MFU, MBU) this model's steps reach against the measured peaks: the best prefill
@@ -126,16 +158,25 @@ def efficiencies(points: list[Point], model: ModelProfile, bandwidth: float, flo
     return min(max(mfu, 1e-6), 1.0), min(max(mbu, 1e-6), 1.0)
 
 
+def point_seconds(fit: StepFit, p: Point) -> float:
+    """What `fit` gives for the step `p` timed, as `p` was timed (a point timed from outside
+    carries the request's way through the server)."""
+    return fit.seconds(p.new_tokens, p.pairs, p.sampled, p.context, p.mixed) \
+        + (fit.overhead_s if p.outside else 0.0)
+
+
 def fit_step_model(points: list[Point]) -> StepFit:
     """Non-negative least squares over (1, new tokens, pairs, sampled rows, timed from
-    outside, KV positions read) by dropping negative terms. A column is left out where the
-    points cannot tell it from the others (every point samples as many rows as it has
+    outside, KV positions read, mixed) by dropping negative terms. A column is left out where
+    the points cannot tell it from the others (every point samples as many rows as it has
     tokens, or reads one position per pair); the outside term (a request's way through the
-    server) only where some points, and not all, were timed from a client."""
-    a = np.array([[1.0, p.new_tokens, p.pairs, p.sampled, float(p.outside), p.context]
-                  for p in points])
+    server) only where some points, and not all, were timed from a client; the mixed term
+    (what a step carrying both prompt tokens and decode rows costs beyond them) only where
+    such a step was timed."""
+    a = np.array([[1.0, p.new_tokens, p.pairs, p.sampled, float(p.outside), p.context,
+                   float(p.mixed)] for p in points])
     cols = [0, 1, 2]
-    for c in (3, 4, 5):
+    for c in (3, 4, 5, 6):
         # A column the others already span would only split their coefficients at random.
         if np.linalg.matrix_rank(a[:, [*cols, c]]) > np.linalg.matrix_rank(a[:, cols]):
             cols.append(c)
@@ -145,11 +186,11 @@ def fit_step_model(points: list[Point]) -> StepFit:
         if (coef >= 0).all():
             break
         cols.pop(int(np.argmin(coef)))
-    full = [0.0] * 6
+    full = [0.0] * 7
     for c, v in zip(cols, coef, strict=True):
         full[c] = float(v)
     return StepFit(full[0], full[1], full[2], per_sample_s=full[3], overhead_s=full[4],
-                   per_context_s=full[5])
+                   per_context_s=full[5], mixed_s=full[6])
 
 
 def sweep(ex: TorchExecutor, quick: bool = False, progress=print) -> list[Point]:
@@ -163,6 +204,10 @@ def sweep(ex: TorchExecutor, quick: bool = False, progress=print) -> list[Point]
         s = _time_decode(ex, b, ctx, steps=3 if quick else 6)
         points.append(Point("decode", b, b * causal_pairs(1, ctx), f"decode {b} at {ctx}", s,
                             b * (ctx + 1), b))
+        progress(f"  {points[-1].label}: {s * 1e3:.1f} ms")
+    for c, ctx in plan["mixed"]:
+        s = _time_mixed(ex, c, ctx, repeats=2 if quick else 3)
+        points.append(mixed_point(c, ctx, s))
         progress(f"  {points[-1].label}: {s * 1e3:.1f} ms")
     return points
 

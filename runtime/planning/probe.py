@@ -15,6 +15,12 @@ No server lets a client time its steps, but its token stream shows them:
   moment the last of them has its first token until the first of them ends, all `b` decode
   together, and the gaps between one request's streamed tokens are steps of `b` rows at
   about context `L + M/2` (their median is the point).
+- **A prompt beside a decode.** One request of `L` prompt tokens decoding, and while it
+  does, prompts of `c` tokens sent one at a time: where a prompt's first token comes out
+  with one of the decoder's tokens, they were computed in one step, and the decoder's gap
+  before that token is the step's time. Such steps cost more than their tokens on some
+  servers (two attention paths, one for prompt chunks and one for decode rows); the fit
+  keeps that apart as `mixed_s`. A server that never runs them together gives no point.
 
 The points go through the same fit as an executor's sweep (`calibrate.fit_step_model`), and
 the measured decode steps become the profile's `[decode.<hw>]` table. Prompts are random
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import random
 import re
 import statistics
@@ -40,8 +47,10 @@ from kvdeck.runtime.errors import KvdeckError
 from kvdeck.runtime.planning.calibrate import (
     Point,
     efficiencies,
+    fit_step_model,
     fit_toml,
     hardware_toml,
+    mixed_point,
     model_toml,
     profile_paths,
 )
@@ -64,11 +73,13 @@ class Probes:
     outputs: int
     repeats: int
     history: tuple[tuple[int, int], ...] = ()
+    mixed: tuple[tuple[int, int], ...] = ()
+    """(decoding request's prompt tokens, prompt tokens sent beside it)."""
 
 
 FULL = Probes((64, 256, 512), tuple((b, n) for b in (1, 4, 8) for n in (64, 384)), 24, 3,
-              ((256, 64), (512, 64), (256, 256)))
-QUICK = Probes((32, 128), ((1, 32), (4, 32)), 12, 2, ((128, 32),))
+              ((256, 64), (512, 64), (256, 256)), ((384, 64),))
+QUICK = Probes((32, 128), ((1, 32), (4, 32)), 12, 2, ((128, 32),), ((32, 32),))
 
 
 class ProbeError(KvdeckError):
@@ -89,10 +100,12 @@ def _send(url: str, model: str, arrivals: list[Arrival], api_key: str | None,
     if bad:
         raise ProbeError(f"The server at {url} did not finish a probe request "
                          f"({bad[0]['status']}: {bad[0]['reason']}).")
-    short = [r for r in out["requests"] if r["output_tokens"] < arrivals[0].output_len]
+    short = [(r, a) for r, a in zip(out["requests"], arrivals, strict=True)
+             if r["output_tokens"] < a.output_len]
     if short:
-        raise ProbeError(f"The server at {url} streamed {short[0]['output_tokens']} tokens "
-                         f"where {arrivals[0].output_len} were asked with ignore_eos; a probe "
+        r, a = short[0]
+        raise ProbeError(f"The server at {url} streamed {r['output_tokens']} tokens "
+                         f"where {a.output_len} were asked with ignore_eos; a probe "
                          "needs exact lengths.")
     return out["requests"]
 
@@ -114,16 +127,19 @@ def history_point(requests: list[dict], h: int, c: int) -> Point | None:
                  outside=True)
 
 
+def _stream(r: dict) -> list[float]:
+    """When each of a request's tokens came out (the run's clock)."""
+    t = [r["first_token"]]
+    for gap in r["itls"]:
+        t.append(t[-1] + gap)
+    return t
+
+
 def decode_point(requests: list[dict], b: int, prompt: int, outputs: int) -> Point | None:
     """Steps of `b` rows: the median gap between streamed tokens while all `b` decode (the
     window from the last first token to the first last token); None when no gap falls in
     it (the server ran them one after another)."""
-    streams = []
-    for r in requests:
-        t = [r["first_token"]]
-        for gap in r["itls"]:
-            t.append(t[-1] + gap)
-        streams.append(t)
+    streams = [_stream(r) for r in requests]
     start = max(t[0] for t in streams)
     end = min(t[-1] for t in streams)
     gaps = [b_ - a for t in streams for a, b_ in zip(t, t[1:], strict=False)
@@ -133,6 +149,48 @@ def decode_point(requests: list[dict], b: int, prompt: int, outputs: int) -> Poi
     context = prompt + outputs // 2
     return Point("decode", b, b * causal_pairs(1, context), f"decode {b} at {context}",
                  statistics.median(gaps), b * (context + 1), b)
+
+
+def mixed_steps(decoder: dict, prompts: list[dict]) -> list[tuple[float, int]]:
+    """(step seconds, decoder's tokens so far) for each prompt whose first token came out
+    with one of the decoder's tokens — within a quarter of the decoder's median gap, where a
+    prompt run in a step of its own would land a whole decode step away."""
+    t = _stream(decoder)
+    gaps = [b - a for a, b in zip(t, t[1:], strict=False)]
+    if not gaps:
+        return []
+    near = statistics.median(gaps) / 4
+    out = []
+    for p in prompts:
+        j = min(range(1, len(t)), key=lambda i: abs(t[i] - p["first_token"]))
+        if abs(t[j] - p["first_token"]) <= near:
+            out.append((t[j] - t[j - 1], j))
+    return out
+
+
+def _mixed(url: str, model: str, rng: random.Random, probes: Probes, prompt: int, c: int,
+           fit: StepFit, api_key: str | None) -> Point | None:
+    """One decoder of `prompt` tokens and, while it decodes, `probes.repeats` prompts of
+    `c` tokens, each sent four decode steps after the one before it should be done (as the
+    fit of the probes so far times them; the decoder asks for tokens enough to outlast
+    them): the median of the steps that ran a prompt beside it, or None."""
+    step = fit.seconds(1, causal_pairs(1, prompt), 1, prompt + 1)
+    start = fit.overhead_s + fit.seconds(prompt, causal_pairs(prompt, 0), 1, prompt) \
+        + 4 * step
+    gap = fit.overhead_s + fit.seconds(c, causal_pairs(c, 0), 1, c) + 4 * step
+    outputs = math.ceil((start + probes.repeats * gap) / step) + 8
+    arrivals = [Arrival(0.0, prompt, outputs, prompt_tokens=_prompts(rng, 1, prompt)[0])]
+    arrivals += [Arrival(start + gap * i, c, 1, prompt_tokens=p)
+                 for i, p in enumerate(_prompts(rng, probes.repeats, c))]
+    done = _send(url, model, arrivals, api_key, None)
+    steps = mixed_steps(done[0], done[1:])
+    if not steps:
+        return None
+    # Labelled by the decoder's prompt, not the context reached, so that the same probe
+    # in another round carries the same label.
+    return mixed_point(c, prompt + int(statistics.median(j for _, j in steps)),
+                       statistics.median(s for s, _ in steps),
+                       f"prefill {c} beside a decode of {prompt}")
 
 
 def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = None,
@@ -168,6 +226,16 @@ def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = Non
         if point is None:
             progress(f"  decode {b} at {n}: the server never decoded all {b} together; "
                      "no point")
+            continue
+        points.append(point)
+        progress(f"  {point.label}: {point.seconds * 1e3:.1f} ms")
+    for prompt, c in probes.mixed:
+        if not any(p.kind == "decode" for p in points):
+            break
+        point = _mixed(url, model, rng, probes, prompt, c, fit_step_model(points), api_key)
+        if point is None:
+            progress(f"  prefill {c} beside a decode of {prompt}: the server never ran a "
+                     "prompt in the same step as a decode; no point")
             continue
         points.append(point)
         progress(f"  {point.label}: {point.seconds * 1e3:.1f} ms")

@@ -165,17 +165,23 @@ class StepFit:
     times from outside (0: fitted inside an executor). Not part of a step: the sim's runs
     take a request in this long after it was sent (`runs/runner.py`)."""
     per_context_s: float = 0.0
+    mixed_s: float = 0.0
+    """What a step that carries both prompt chunks and decode rows costs beyond its tokens
+    (kvdeck's torch executor runs its prompt chunks and its decode rows through two attention
+    paths; see docs/calibrate.md for what it measures). 0 where no mixed step was timed."""
 
     def seconds(self, num_new_tokens: float, num_pairs: float, num_sampled: float = 0.0,
-                num_context: float = 0.0) -> float:
+                num_context: float = 0.0, mixed: bool = False) -> float:
         return self.fixed_s + self.per_token_s * num_new_tokens + self.per_pair_s * num_pairs \
-            + self.per_sample_s * num_sampled + self.per_context_s * num_context
+            + self.per_sample_s * num_sampled + self.per_context_s * num_context \
+            + (self.mixed_s if mixed else 0.0)
 
     def to_json(self) -> dict[str, float]:
         """In the units a profile's `[fit.<hw>]` table and `calibrate --json` give."""
         return {"fixed_ms": self.fixed_s * 1e3, "per_token_us": self.per_token_s * 1e6,
                 "per_pair_ns": self.per_pair_s * 1e9, "per_sample_us": self.per_sample_s * 1e6,
-                "overhead_ms": self.overhead_s * 1e3, "per_context_ns": self.per_context_s * 1e9}
+                "overhead_ms": self.overhead_s * 1e3, "per_context_ns": self.per_context_s * 1e9,
+                "mixed_ms": self.mixed_s * 1e3}
 
 
 def matrix_params(info) -> int:
@@ -349,7 +355,9 @@ class ModelProfile:
                                _number(f, "overhead_ms", where, default=0.0, positive=False,
                                        table=t) / 1e3,
                                _number(f, "per_context_ns", where, default=0.0, positive=False,
-                                       table=t) / 1e9)
+                                       table=t) / 1e9,
+                               _number(f, "mixed_ms", where, default=0.0, positive=False,
+                                       table=t) / 1e3)
         decode_times, prefill_mfu, kv_convert = _decode_tables(d, where)
         kv_dtype = str(d.get("kv_dtype", "bf16"))
         if kv_dtype not in KV_FORMATS:

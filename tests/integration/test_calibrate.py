@@ -18,7 +18,13 @@ from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.planning.calibrate import Point, efficiencies, fit_step_model
+from kvdeck.runtime.planning.calibrate import (
+    Point,
+    efficiencies,
+    fit_step_model,
+    mixed_point,
+    point_seconds,
+)
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile
 from kvdeck.runtime.resources import profiles_dir
 from kvdeck.runtime.runs.runner import run_arrivals
@@ -105,7 +111,8 @@ def test_calibrate_writes_profiles_the_sim_can_use(tiny_llama: Path, tmp_path: P
                "--json", env=env)
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
-    assert len(data["points"]) == 8 and all(p["measured_ms"] > 0 for p in data["points"])
+    assert len(data["points"]) == 9 and all(p["measured_ms"] > 0 for p in data["points"])
+    assert data["points"][-1]["point"] == "prefill 8 beside decode 1 at 64"
     assert min(data["fit"].values()) >= 0
     hw = Path(data["hardware_profile"]).stem
     code = (
@@ -177,6 +184,62 @@ def test_fit_keeps_a_servers_overhead_apart_from_its_steps() -> None:
     assert fit.overhead_s == pytest.approx(overhead) and fit.fixed_s == pytest.approx(fixed)
     assert fit.per_sample_s == pytest.approx(per_sample)
     assert fit_step_model([dataclasses.replace(p, outside=False) for p in pts]).overhead_s == 0
+
+
+def test_fit_keeps_the_cost_of_a_step_mixing_prompt_and_decode_apart() -> None:
+    """A step that runs a prompt beside decode rows can cost more than its tokens (two
+    attention paths in one step); one timed such step gives the fit its mixed term, and
+    without one the term is 0 rather than a guess."""
+    fixed, per_token, per_pair, per_sample, mixed = 0.02, 3e-4, 2e-9, 4e-3, 0.045
+
+    def cost(n: int, pairs: int, sampled: int, is_mixed: bool) -> float:
+        return fixed + per_token * n + per_pair * pairs + per_sample * sampled \
+            + (mixed if is_mixed else 0.0)
+
+    pts = [Point("prefill", c, causal_pairs(c, 0), "", cost(c, causal_pairs(c, 0), 1, False),
+                 c, 1) for c in (64, 256, 512)]
+    pts += [Point("decode", b, b * causal_pairs(1, h), "",
+                  cost(b, b * causal_pairs(1, h), b, False), b * (h + 1), b)
+            for b in (1, 4, 8) for h in (64, 384)]
+    plain = fit_step_model(pts)
+    assert plain.mixed_s == 0.0
+    pairs = causal_pairs(64, 0) + causal_pairs(1, 400)
+    pts.append(mixed_point(64, 400, cost(65, pairs, 2, True)))
+    fit = fit_step_model(pts)
+    assert fit.mixed_s == pytest.approx(mixed) and fit.fixed_s == pytest.approx(fixed)
+    assert point_seconds(fit, pts[-1]) == pytest.approx(pts[-1].seconds)
+
+
+def test_the_sim_prices_a_step_mixing_prompt_and_decode_with_the_fits_mixed_term(
+        tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
+    models = tmp_path / "profiles" / "models"
+    models.mkdir(parents=True)
+    shipped = (profiles_dir() / "models" / "qwen3-8b.toml").read_text()
+    for name, mixed in (("plain", 0), ("mixing", 30)):
+        (models / f"{name}.toml").write_text(
+            shipped.replace('name = "qwen3-8b"', f'name = "{name}"')
+            + "\n[fit.rtx-pro-6000-probed]\nfixed_ms = 20\nper_token_us = 30\n"
+            f"per_pair_ns = 0\nmixed_ms = {mixed}\n")
+    hw = tmp_path / "profiles" / "hardware"
+    hw.mkdir(parents=True)
+    hw.joinpath("rtx-pro-6000-probed.toml").write_text(
+        (profiles_dir() / "hardware" / "rtx-pro-6000.toml").read_text().replace(
+            'name = "rtx-pro-6000"', 'name = "rtx-pro-6000-probed"'))
+    times = {}
+    for name in ("plain", "mixing"):
+        engine = Engine(EngineConfig(kv_memory_bytes=1 << 30, block_size=16), SimExecutor(
+            SimConfig(model_profile=name, hardware="rtx-pro-6000-probed", timing="fit")))
+        engine.add_request(list(range(10, 42)), SamplingParams(max_tokens=6))
+        first = engine.step()  # the first prompt alone
+        engine.add_request(list(range(50, 66)), SamplingParams(max_tokens=2))
+        both = engine.step()  # its decode row beside the second prompt
+        assert both.num_decode == 1 and len(both.plan) == 2
+        times[name] = (first.dt, both.dt)
+        engine.run_until_idle()
+        engine.close()
+    assert times["mixing"][0] == pytest.approx(times["plain"][0])
+    assert times["mixing"][1] - times["plain"][1] == pytest.approx(0.030)
 
 
 def test_a_sim_fitted_from_outside_takes_requests_in_after_their_way_through_http(

@@ -16,6 +16,7 @@ from kvdeck.runtime.planning.probe import (
     ProbeError,
     decode_point,
     history_point,
+    mixed_steps,
     prefill_point,
     probe,
     server_name,
@@ -39,6 +40,16 @@ def test_decode_points_take_only_the_gaps_while_every_request_decodes() -> None:
     assert p.context == 2 * (104 + 1)
     # One after the other: no moment when both decode, so no point.
     assert decode_point([stream(1.0, [0.01] * 3), stream(2.0, [0.01] * 3)], 2, 100, 4) is None
+
+
+def test_a_mixed_step_is_the_decoders_gap_that_ends_with_a_prompts_first_token() -> None:
+    # The decoder's steps take 10 ms, and 40 where a prompt ran beside it (ending at 1.07);
+    # a second prompt's first token at 1.125 falls between two of its tokens: that prompt
+    # ran in a step of its own, and gives no mixed step.
+    decoder = stream(1.00, [0.01, 0.01, 0.01, 0.04, 0.01, 0.01, 0.03, 0.01, 0.01])
+    prompts = [stream(1.0701, []), stream(1.125, [])]
+    assert mixed_steps(decoder, prompts) == [(pytest.approx(0.04), 4)]
+    assert mixed_steps(decoder, []) == [] and mixed_steps(stream(1.0, []), prompts) == []
 
 
 def test_a_prefill_point_is_the_time_from_send_to_first_token() -> None:
@@ -84,6 +95,15 @@ def test_probing_the_paced_sim_finds_the_steps_it_prices() -> None:
         [f"prefill {c} on {h}" for h, c in QUICK.history]
     for p in prefill:  # the step, plus the request's way in and out: never less
         assert p.seconds >= 0.9 * sim.estimate_step_seconds(p.new_tokens, p.pairs, p.context)
+    # A prompt sent while a request decodes runs in the decode's step (the sim's scheduler
+    # puts them together), and the decoder's gap that ends with the prompt's first token is
+    # that step, priced by the sim as its tokens.
+    (mixed,) = [p for p in points if p.kind == "mixed"]
+    prompt, c = QUICK.mixed[0]
+    assert mixed.label == f"prefill {c} beside a decode of {prompt}"
+    assert mixed.new_tokens == c + 1 and mixed.sampled == 2 and mixed.context > c + prompt
+    assert mixed.seconds == pytest.approx(
+        sim.estimate_step_seconds(mixed.new_tokens, mixed.pairs, mixed.context), rel=0.2)
 
 
 def test_calibrate_url_writes_profiles_the_sim_runs_with(tmp_path) -> None:
