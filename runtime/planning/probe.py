@@ -111,15 +111,20 @@ def _send(url: str, model: str, arrivals: list[Arrival], api_key: str | None,
 
 
 def prefill_point(requests: list[dict], c: int) -> Point:
-    """A prefill of `c` tokens: the median time from send to first token."""
-    seconds = statistics.median(r["ttft"] - r["queue_time"] for r in requests)
+    """A prefill of `c` tokens: the median time from send to first token (of the requests
+    whose token streamed any text: a piece of a character streams none, and has no time)."""
+    timed = [r["ttft"] - r["queue_time"] for r in requests if r["ttft"] is not None]
+    if not timed:
+        raise ProbeError(f"No {c}-token probe's output streamed any text; nothing to time "
+                         "its first token by.")
+    seconds = statistics.median(timed)
     return Point("prefill", c, causal_pairs(c, 0), f"prefill {c}", seconds, c, outside=True)
 
 
 def history_point(requests: list[dict], h: int, c: int) -> Point | None:
     """`c` tokens computed over `h` cached ones: the median time from send to first token of
     the requests the server says reused at least `h` tokens (None: none did)."""
-    hits = [r for r in requests if r["cached_tokens"] >= h]
+    hits = [r for r in requests if r["cached_tokens"] >= h and r["ttft"] is not None]
     if not hits:
         return None
     seconds = statistics.median(r["ttft"] - r["queue_time"] for r in hits)
@@ -128,7 +133,10 @@ def history_point(requests: list[dict], h: int, c: int) -> Point | None:
 
 
 def _stream(r: dict) -> list[float]:
-    """When each of a request's tokens came out (the run's clock)."""
+    """When each of a request's tokens came out (the run's clock; none where it streamed
+    no text)."""
+    if r["first_token"] is None:
+        return []
     t = [r["first_token"]]
     for gap in r["itls"]:
         t.append(t[-1] + gap)
@@ -139,7 +147,9 @@ def decode_point(requests: list[dict], b: int, prompt: int, outputs: int) -> Poi
     """Steps of `b` rows: the median gap between streamed tokens while all `b` decode (the
     window from the last first token to the first last token); None when no gap falls in
     it (the server ran them one after another)."""
-    streams = [_stream(r) for r in requests]
+    streams = [t for t in map(_stream, requests) if t]
+    if len(streams) < b:
+        return None
     start = max(t[0] for t in streams)
     end = min(t[-1] for t in streams)
     gaps = [b_ - a for t in streams for a, b_ in zip(t, t[1:], strict=False)
@@ -154,7 +164,8 @@ def decode_point(requests: list[dict], b: int, prompt: int, outputs: int) -> Poi
 def mixed_steps(decoder: dict, prompts: list[dict]) -> list[tuple[float, int]]:
     """(step seconds, decoder's tokens so far) for each prompt whose first token came out
     with one of the decoder's tokens — within a quarter of the decoder's median gap, where a
-    prompt run in a step of its own would land a whole decode step away."""
+    prompt run in a step of its own would land a whole decode step away. A prompt whose
+    token streamed no text (a piece of a character) has no time and is left out."""
     t = _stream(decoder)
     gaps = [b - a for a, b in zip(t, t[1:], strict=False)]
     if not gaps:
@@ -162,6 +173,8 @@ def mixed_steps(decoder: dict, prompts: list[dict]) -> list[tuple[float, int]]:
     near = statistics.median(gaps) / 4
     out = []
     for p in prompts:
+        if p["first_token"] is None:  # its one token streamed no text: no time to match
+            continue
         j = min(range(1, len(t)), key=lambda i: abs(t[i] - p["first_token"]))
         if abs(t[j] - p["first_token"]) <= near:
             out.append((t[j] - t[j - 1], j))

@@ -47,7 +47,7 @@ def test_a_mixed_step_is_the_decoders_gap_that_ends_with_a_prompts_first_token()
     # a second prompt's first token at 1.125 falls between two of its tokens: that prompt
     # ran in a step of its own, and gives no mixed step.
     decoder = stream(1.00, [0.01, 0.01, 0.01, 0.04, 0.01, 0.01, 0.03, 0.01, 0.01])
-    prompts = [stream(1.0701, []), stream(1.125, [])]
+    prompts = [stream(1.0701, []), stream(1.125, []), {"first_token": None, "itls": ()}]
     assert mixed_steps(decoder, prompts) == [(pytest.approx(0.04), 4)]
     assert mixed_steps(decoder, []) == [] and mixed_steps(stream(1.0, []), prompts) == []
 
@@ -56,6 +56,12 @@ def test_a_prefill_point_is_the_time_from_send_to_first_token() -> None:
     reqs = [stream(0, [], queue=q, ttft=t) for q, t in ((0.0, 0.05), (0.1, 0.16), (0.0, 0.07))]
     p = prefill_point(reqs, 256)
     assert p.kind == "prefill" and p.new_tokens == 256 and p.seconds == pytest.approx(0.06)
+    # A token that streamed no text (a piece of a character) has no time: left out, and
+    # where no request has one, one sentence rather than a fit of nothing.
+    silent = {"first_token": None, "itls": (), "ttft": None, "queue_time": 0.0}
+    assert prefill_point([*reqs, silent], 256).seconds == pytest.approx(0.06)
+    with pytest.raises(ProbeError, match="streamed any text"):
+        prefill_point([silent], 256)
 
 
 def test_a_history_point_counts_only_requests_that_reused_the_prefix() -> None:
