@@ -334,12 +334,13 @@ class SimExecutor:
 
     def estimate_step_seconds(self, num_new_tokens: int, num_pairs: int,
                               num_context_tokens: int, num_sampled: int = 0,
-                              mixed: bool = False) -> float:
+                              shape: str = "") -> float:
         """Priced with its padding under execution shapes (padding rows attend nothing and
         read no KV: they cost matmul rows). `num_sampled`: rows through the output head,
-        which a fit with a per-sample term prices, and `mixed`: prompt tokens beside decode
-        rows, which a fit with a mixed term prices (`execute` knows both; the scheduler's
-        estimates, which do not, leave them out)."""
+        which a fit with a per-sample term prices; `shape`: "mixed" (prompt tokens beside
+        decode rows, which a fit with a mixed term prices) or "prefill" (prompt tokens
+        only, which the profile's measured prefill steps correct). `execute` knows both;
+        the scheduler's estimates, which do not, leave them out."""
         num_new_tokens = padded_rows(num_new_tokens, self.buckets)
         if self.layout.cards > 1:
             return layout_step_seconds(self.model, self.hardware, self.layout,
@@ -355,8 +356,11 @@ class SimExecutor:
             extra = (self.weight_bytes - self.model.matrix_weight_bytes
                      + num_context_tokens * (self._kv_bytes_per_token
                                              - self._fitted_kv_bytes_per_token))
+            factor = self.model.prefill_factor(
+                self.hardware.name, self.fit, num_new_tokens,
+                num_context_tokens - num_new_tokens) if shape == "prefill" else 1.0
             return fitted_seconds(self.fit, self.hardware, extra, num_new_tokens, num_pairs,
-                                  num_sampled, num_context_tokens, mixed)
+                                  num_sampled, num_context_tokens, shape == "mixed", factor)
         return roofline_seconds(self.model, self.hardware, self.weight_bytes,
                                 self._kv_bytes_per_token, num_new_tokens, num_pairs,
                                 num_context_tokens)
@@ -425,9 +429,11 @@ class SimExecutor:
         # Rows through the output head, counted outside the hot loop: one per sampled token
         # and every verified position (the n > 1 samples of one prompt share its last row
         # but count one each: a few rows too many, at one step).
-        seconds = self.estimate_step_seconds(
-            num_new, num_pairs, context, len(sampled) + verify_rows,
-            bool(plan.num_prefill_tokens and plan.num_decode_tokens)) if plan.chunks else 0.0
+        shape = "" if not plan.num_prefill_tokens else \
+            "mixed" if plan.num_decode_tokens else "prefill"
+        seconds = self.estimate_step_seconds(num_new, num_pairs, context,
+                                             len(sampled) + verify_rows, shape) \
+            if plan.chunks else 0.0
         transfers: list[Transfer] = []
         if plan.transfers:
             copy_seconds, transfers = self._price_transfers(plan.transfers)

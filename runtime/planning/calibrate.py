@@ -231,13 +231,24 @@ def model_toml(m: ModelProfile) -> str:
 
 
 def fit_toml(fit: StepFit, hw: str, points: list[Point]) -> str:
-    """`[fit.<hw>]` and, where decode steps were measured, `[decode.<hw>]`."""
+    """`[fit.<hw>]` and, where decode or prefill steps were measured, `[decode.<hw>]` and
+    `[prefill.<hw>]` (a step timed from outside without the request's way through the
+    server, which the fit took apart)."""
     decode = [p for p in points if p.kind == "decode"]
+    # A step timed from outside less the fitted way through the server; a point that
+    # leaves nothing of its step (a fit that put it all in the way) gives no correction.
+    prefill = [(p, p.seconds - (fit.overhead_s if p.outside else 0.0))
+               for p in points if p.kind == "prefill"]
+    prefill = [(p, s) for p, s in prefill if s > 0]
     return (f"[fit.{hw}]\n" + "".join(f"{k} = {v:.6f}\n" for k, v in fit.to_json().items())
             + (f"\n# Measured decode steps, [batch, context, ms]: kvdeck plan interpolates them.\n"
                f"[decode.{hw}]\npoints = [" + ", ".join(
                    f"[{p.new_tokens}, {p.context // p.new_tokens - 1}, {p.seconds * 1e3:.3f}]"
-                   for p in decode) + "]\n" if decode else ""))
+                   for p in decode) + "]\n" if decode else "")
+            + (f"\n# Measured prefill steps, [new tokens, cached tokens, ms]: fitted prefill "
+               f"steps are corrected by them.\n[prefill.{hw}]\npoints = [" + ", ".join(
+                   f"[{p.new_tokens}, {p.context - p.new_tokens}, {s * 1e3:.3f}]"
+                   for p, s in prefill) + "]\n" if prefill else ""))
 
 
 def hardware_toml(name: str, description: str, memory: int, bandwidth: float, flops: float,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvdeck.runtime.core.config import tomllib
+from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.kv.formats import KV_FORMATS, kv_bytes_per_token
 from kvdeck.runtime.models.weight_formats import GROUPS
@@ -224,6 +225,11 @@ class ModelProfile:
     decode_times: dict[str, tuple[tuple[int, int, float], ...]] = field(default_factory=dict)
     """Measured decode steps by hardware profile name: (batch, context, seconds), written
     by `kvdeck calibrate`; the planner interpolates them (`decode_seconds`)."""
+    prefill_times: dict[str, tuple[tuple[int, int, float], ...]] = field(
+        default_factory=dict)
+    """Measured prefill steps by hardware profile name: (new tokens, cached tokens before
+    them, seconds of the step alone), written by `kvdeck calibrate`; a fitted step is
+    corrected by them (`prefill_factor`)."""
     group_bytes: dict[str, int] = field(default_factory=dict)
     """Matrix bytes per weight group (`attn`, `ffn`, `head`): from the GGUF's tensors, or
     the profile's `[weight_groups]` table; empty when a profile gives none."""
@@ -278,6 +284,32 @@ class ModelProfile:
         if hi == lo:
             return max(at(lo), 0.0)
         return max(at(lo) + (at(hi) - at(lo)) * (batch - lo) / (hi - lo), 0.0)
+
+    def prefill_factor(self, hardware: str, fit: StepFit, tokens: int, history: int
+                       ) -> float:
+        """How far the measured prefill steps on `hardware` sit from `fit` near a step of
+        `tokens` new tokens on `history` cached ones: their measured / fitted ratios,
+        weighted by the inverse square of their distance in (log tokens, log history) —
+        exactly a measured step's ratio at that step. A linear fit through steps whose cost
+        is not linear in their tokens (a CPU's matmuls speed up and slow down with the
+        shape) misses each by up to 15 %, and a trace that runs one kind of step over and
+        over inherits that miss; the correction keeps the fit between the measurements and
+        the measurements where they are. 1 without measured prefill steps."""
+        points = self.prefill_times.get(hardware)
+        if not points:
+            return 1.0
+        here = (math.log2(max(tokens, 1)), math.log2(1 + history))
+        num = den = 0.0
+        for n, h, seconds in points:
+            fitted = fit.seconds(n, causal_pairs(n, h), 1, n + h)
+            if fitted <= 0:
+                continue
+            d2 = (here[0] - math.log2(n)) ** 2 + (here[1] - math.log2(1 + h)) ** 2
+            if d2 < 1e-12:
+                return seconds / fitted
+            num += seconds / fitted / d2
+            den += 1 / d2
+        return num / den if den else 1.0
 
     def kv_bytes_per_token(self, kv_format: str | None = None) -> int:
         """K and V bytes of one token in every layer (a context within every window)."""
@@ -359,6 +391,7 @@ class ModelProfile:
                                _number(f, "mixed_ms", where, default=0.0, positive=False,
                                        table=t) / 1e3)
         decode_times, prefill_mfu, kv_convert = _decode_tables(d, where)
+        prefill_times = _prefill_tables(d, where)
         kv_dtype = str(d.get("kv_dtype", "bf16"))
         if kv_dtype not in KV_FORMATS:
             raise ConfigError(f"Profile {where}: kv_dtype must be one of "
@@ -392,6 +425,7 @@ class ModelProfile:
             num_local_layers=local,
             source=where,
             decode_times=decode_times,
+            prefill_times=prefill_times,
             group_bytes=_weight_groups(d, where),
             prefill_mfu=prefill_mfu,
             kv_convert_s_per_byte=kv_convert,
@@ -425,6 +459,23 @@ def _decode_tables(d: dict, where: str) -> tuple[dict, dict, dict]:
                                      table=f"{t}.convert_ms_per_gb") / 1e3 / 1e9
                           for f in convert}
     return points_by, mfu_by, convert_by
+
+
+def _prefill_tables(d: dict, where: str) -> dict[str, tuple[tuple[int, int, float], ...]]:
+    """A model profile's `[prefill.<hardware>]` tables: the measured prefill steps
+    (`points`, [new tokens, cached tokens, milliseconds]) by hardware name."""
+    out = {}
+    for hw, table in d.get("prefill", {}).items():
+        points = table.get("points") if isinstance(table, dict) else None
+        if not isinstance(points, list) or not points or not all(
+                isinstance(p, list) and len(p) == 3 and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) for x in p)
+                and p[0] > 0 and p[1] >= 0 and p[2] > 0 for p in points):
+            raise ConfigError(f"Profile {where}: prefill.{hw}.points must be a list of "
+                              "[new tokens, cached tokens, milliseconds] triples (tokens "
+                              f"above 0, cached 0 or more, time above 0), got {points!r}.")
+        out[hw] = tuple((int(n), int(h), ms / 1e3) for n, h, ms in points)
+    return out
 
 
 def _weight_groups(d: dict, where: str) -> dict[str, int]:

@@ -93,12 +93,14 @@ def roofline_seconds(model: ModelProfile, hw: HardwareProfile, weight_bytes: flo
 
 def fitted_seconds(fit: StepFit, hw: HardwareProfile, extra_bytes: float, num_new: float,
                    num_pairs: float, num_sampled: float = 0.0, num_context: float = 0.0,
-                   mixed: bool = False) -> float:
+                   mixed: bool = False, factor: float = 1.0) -> float:
     """One step by the fitted model, plus `extra_bytes` read beyond what the fit measured
     (negative when a smaller format reads less); `num_sampled` rows and `num_context` KV
     positions read priced by the fit's per-sample and per-context terms where it has them,
-    and a step that carries prompt tokens beside decode rows (`mixed`) by its mixed term."""
-    seconds = fit.seconds(num_new, num_pairs, num_sampled, num_context, mixed)
+    a step that carries prompt tokens beside decode rows (`mixed`) by its mixed term, and
+    the fit scaled by `factor` (the measured steps' correction near this one:
+    `ModelProfile.prefill_factor`)."""
+    seconds = fit.seconds(num_new, num_pairs, num_sampled, num_context, mixed) * factor
     return max(seconds + extra_bytes / (hw.bandwidth_bytes_per_s * hw.mbu), seconds * 0.1)
 
 

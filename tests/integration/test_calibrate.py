@@ -16,6 +16,7 @@ from kvdeck.runtime.core.config import EngineConfig
 from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import SamplingParams
 from kvdeck.runtime.core.step_data import causal_pairs
+from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.executors.torch import TorchExecutor
 from kvdeck.runtime.planning.calibrate import (
@@ -136,6 +137,11 @@ def test_calibrate_writes_profiles_the_sim_can_use(tiny_llama: Path, tmp_path: P
     steps = {(p["point"], round(p["measured_ms"], 3)) for p in data["points"]
              if p["point"].startswith("decode")}
     assert {(f"decode {b} at {c}", round(s * 1e3, 3)) for b, c, s in decode} == steps
+    # The measured prefill steps too, each as [new tokens, cached tokens, seconds].
+    prefills = {(f"prefill {n} on {h}", round(s * 1e3, 3))
+                for n, h, s in ModelProfile.load("tiny").prefill_times[hw]}
+    assert prefills == {(p["point"], round(p["measured_ms"], 3)) for p in data["points"]
+                        if p["point"].startswith("prefill") and "beside" not in p["point"]}
     assert measured.link_bandwidth_bytes_per_s == pytest.approx(data["link_bytes_per_s"], rel=1e-5)
 
     # With the machine calibrated, a real executor's steps get the roofline readout: its
@@ -240,6 +246,48 @@ def test_the_sim_prices_a_step_mixing_prompt_and_decode_with_the_fits_mixed_term
         engine.close()
     assert times["mixing"][0] == pytest.approx(times["plain"][0])
     assert times["mixing"][1] - times["plain"][1] == pytest.approx(0.030)
+
+
+def test_measured_prefill_steps_correct_the_fit_where_they_were_measured(
+        tmp_path: Path, monkeypatch) -> None:
+    """A linear fit through prefill steps that are not linear in their tokens misses each;
+    the profile's measured steps put a step of a measured shape at its measured time, and
+    steps between them at a ratio between theirs."""
+    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
+    models = tmp_path / "profiles" / "models"
+    models.mkdir(parents=True)
+    hw = tmp_path / "profiles" / "hardware"
+    hw.mkdir(parents=True)
+    hw.joinpath("rtx-pro-6000-probed.toml").write_text(
+        (profiles_dir() / "hardware" / "rtx-pro-6000.toml").read_text().replace(
+            'name = "rtx-pro-6000"', 'name = "rtx-pro-6000-probed"'))
+    shipped = (profiles_dir() / "models" / "qwen3-8b.toml").read_text()
+    fit = "\n[fit.rtx-pro-6000-probed]\nfixed_ms = 20\nper_token_us = 100\nper_pair_ns = 0\n"
+    # The fit prices 32 tokens at 23.2 ms and 128 at 32.8 ms; they were measured at 29 and
+    # 30 ms.
+    measured = "\n[prefill.rtx-pro-6000-probed]\npoints = [[32, 0, 29.0], [128, 0, 30.0]]\n"
+    (models / "measured.toml").write_text(
+        shipped.replace('name = "qwen3-8b"', 'name = "measured"') + fit + measured)
+    model = ModelProfile.load("measured")
+    linear = model.fits["rtx-pro-6000-probed"]
+    assert model.prefill_times["rtx-pro-6000-probed"] == ((32, 0, 0.029), (128, 0, 0.030))
+    assert model.prefill_factor("rtx-pro-6000-probed", linear, 32, 0) == \
+        pytest.approx(29.0 / 23.2)
+    between = model.prefill_factor("rtx-pro-6000-probed", linear, 64, 0)
+    assert 30.0 / 32.8 < between < 29.0 / 23.2
+    assert model.prefill_factor("elsewhere", linear, 32, 0) == 1.0
+    engine = Engine(EngineConfig(kv_memory_bytes=1 << 30, block_size=16), SimExecutor(
+        SimConfig(model_profile="measured", hardware="rtx-pro-6000-probed", timing="fit")))
+    engine.add_request(list(range(10, 42)), SamplingParams(max_tokens=2))
+    assert engine.step().dt == pytest.approx(0.029)  # the prompt alone: the measured step
+    assert engine.step().dt == pytest.approx(linear.seconds(1, 33, 0, 33))  # a decode: the fit
+    engine.close()
+    # A table that is not [tokens, cached, ms] triples is one sentence.
+    (models / "bad.toml").write_text(
+        shipped.replace('name = "qwen3-8b"', 'name = "bad"') + fit
+        + "\n[prefill.rtx-pro-6000-probed]\npoints = [[32, 29.0]]\n")
+    with pytest.raises(ConfigError, match="new tokens, cached tokens, milliseconds"):
+        ModelProfile.load("bad")
 
 
 def test_a_sim_fitted_from_outside_takes_requests_in_after_their_way_through_http(
