@@ -338,8 +338,8 @@ class SimExecutor:
         """Priced with its padding under execution shapes (padding rows attend nothing and
         read no KV: they cost matmul rows). `num_sampled`: rows through the output head,
         which a fit with a per-sample term prices; `shape`: "mixed" (prompt tokens beside
-        decode rows, which a fit with a mixed term prices) or "prefill" (prompt tokens
-        only, which the profile's measured prefill steps correct). `execute` knows both;
+        decode rows, which a fit with a mixed term prices) or "prefill" (one prompt chunk
+        alone, which the profile's measured prefill steps correct). `execute` knows both;
         the scheduler's estimates, which do not, leave them out."""
         num_new_tokens = padded_rows(num_new_tokens, self.buckets)
         if self.layout.cards > 1:
@@ -429,8 +429,10 @@ class SimExecutor:
         # Rows through the output head, counted outside the hot loop: one per sampled token
         # and every verified position (the n > 1 samples of one prompt share its last row
         # but count one each: a few rows too many, at one step).
-        shape = "" if not plan.num_prefill_tokens else \
-            "mixed" if plan.num_decode_tokens else "prefill"
+        # A measured prefill step is one prompt chunk alone: only such a step is corrected
+        # by them (several chunks in one step are a shape no probe timed).
+        shape = "" if not plan.num_prefill_tokens else "mixed" if plan.num_decode_tokens \
+            else "prefill" if len(plan.chunks) == 1 else ""
         seconds = self.estimate_step_seconds(num_new, num_pairs, context,
                                              len(sampled) + verify_rows, shape) \
             if plan.chunks else 0.0

@@ -281,6 +281,12 @@ def test_measured_prefill_steps_correct_the_fit_where_they_were_measured(
     engine.add_request(list(range(10, 42)), SamplingParams(max_tokens=2))
     assert engine.step().dt == pytest.approx(0.029)  # the prompt alone: the measured step
     assert engine.step().dt == pytest.approx(linear.seconds(1, 33, 0, 33))  # a decode: the fit
+    engine.run_until_idle()
+    # Two prompts in one step are a shape no measured step had: the fit prices it.
+    engine.add_request(list(range(100, 132)), SamplingParams(max_tokens=1))
+    engine.add_request(list(range(200, 232)), SamplingParams(max_tokens=1))
+    both = engine.step()
+    assert len(both.plan) == 2 and both.dt == pytest.approx(linear.seconds(64, 0, 0, 64))
     engine.close()
     # A table that is not [tokens, cached, ms] triples is one sentence.
     (models / "bad.toml").write_text(
