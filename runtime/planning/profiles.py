@@ -169,7 +169,7 @@ class StepFit:
     mixed_s: float = 0.0
     """What a step that carries both prompt chunks and decode rows costs beyond its tokens
     (kvdeck's torch executor runs its prompt chunks and its decode rows through two attention
-    paths; see docs/calibrate.md for what it measures). 0 where no mixed step was timed."""
+    paths; docs/planner.md says how calibrate times it). 0 where no mixed step was timed."""
 
     def seconds(self, num_new_tokens: float, num_pairs: float, num_sampled: float = 0.0,
                 num_context: float = 0.0, mixed: bool = False) -> float:
