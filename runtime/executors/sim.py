@@ -341,6 +341,7 @@ class SimExecutor:
         decode rows, which a fit with a mixed term prices) or "prefill" (one prompt chunk
         alone, which the profile's measured prefill steps correct). `execute` knows both;
         the scheduler's estimates, which do not, leave them out."""
+        history = num_context_tokens - num_new_tokens  # before padding: pads cache nothing
         num_new_tokens = padded_rows(num_new_tokens, self.buckets)
         if self.layout.cards > 1:
             return layout_step_seconds(self.model, self.hardware, self.layout,
@@ -356,9 +357,8 @@ class SimExecutor:
             extra = (self.weight_bytes - self.model.matrix_weight_bytes
                      + num_context_tokens * (self._kv_bytes_per_token
                                              - self._fitted_kv_bytes_per_token))
-            factor = self.model.prefill_factor(
-                self.hardware.name, self.fit, num_new_tokens,
-                num_context_tokens - num_new_tokens) if shape == "prefill" else 1.0
+            factor = self.model.prefill_factor(self.hardware.name, self.fit, num_new_tokens,
+                                               history) if shape == "prefill" else 1.0
             return fitted_seconds(self.fit, self.hardware, extra, num_new_tokens, num_pairs,
                                   num_sampled, num_context_tokens, shape == "mixed", factor)
         return roofline_seconds(self.model, self.hardware, self.weight_bytes,

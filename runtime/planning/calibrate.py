@@ -239,7 +239,7 @@ def fit_toml(fit: StepFit, hw: str, points: list[Point]) -> str:
     # leaves nothing of its step (a fit that put it all in the way) gives no correction.
     prefill = [(p, p.seconds - (fit.overhead_s if p.outside else 0.0))
                for p in points if p.kind == "prefill"]
-    prefill = [(p, s) for p, s in prefill if s > 0]
+    prefill = [(p, s) for p, s in prefill if round(s * 1e3, 3) > 0]
     return (f"[fit.{hw}]\n" + "".join(f"{k} = {v:.6f}\n" for k, v in fit.to_json().items())
             + (f"\n# Measured decode steps, [batch, context, ms]: kvdeck plan interpolates them.\n"
                f"[decode.{hw}]\npoints = [" + ", ".join(

@@ -201,7 +201,8 @@ def _mixed(url: str, model: str, rng: random.Random, probes: Probes, prompt: int
         return None
     # Labelled by the decoder's prompt, not the context reached, so that the same probe
     # in another round carries the same label.
-    return mixed_point(c, prompt + int(statistics.median(j for _, j in steps)),
+    # The step that streamed the decoder's token j read its prompt and j − 1 outputs.
+    return mixed_point(c, prompt + int(statistics.median(j for _, j in steps)) - 1,
                        statistics.median(s for s, _ in steps),
                        f"prefill {c} beside a decode of {prompt}")
 

@@ -146,7 +146,8 @@ def _measured_local(device: str = "cpu") -> HardwareProfile:
 @dataclass(frozen=True)
 class StepFit:
     """`fixed + per_token × new tokens + per_pair × causal pairs [+ per_sample × rows whose
-    logits are computed] [+ per_context × KV positions read]` (seconds). The per-sample term
+    logits are computed] [+ per_context × KV positions read] [+ mixed, in a step that runs
+    prompt tokens beside decode rows]` (seconds). The per-sample term
     is what a wide output head costs per sampled row (Gemma 3's 262,144-token head is 63 % of
     the 270M model's matrix weights, so a decode row costs several times a prefill token).
     The per-context term is what reading a cached position costs apart from the pairs it
@@ -292,13 +293,14 @@ class ModelProfile:
         weighted by the inverse square of their distance in (log tokens, log history) —
         exactly a measured step's ratio at that step. A linear fit through steps whose cost
         is not linear in their tokens (a CPU's matmuls speed up and slow down with the
-        shape) misses each by up to 15 %, and a trace that runs one kind of step over and
-        over inherits that miss; the correction keeps the fit between the measurements and
-        the measurements where they are. 1 without measured prefill steps."""
+        shape) misses each (torch on 2 cores: by −10 to +12 %), and a trace that runs one
+        kind of step over and over inherits that miss; the correction keeps the fit
+        between the measurements and the measurements where they are. 1 without measured
+        prefill steps."""
         points = self.prefill_times.get(hardware)
         if not points:
             return 1.0
-        here = (math.log2(max(tokens, 1)), math.log2(1 + history))
+        here = (math.log2(max(tokens, 1)), math.log2(1 + max(history, 0)))
         num = den = 0.0
         for n, h, seconds in points:
             fitted = fit.seconds(n, causal_pairs(n, h), 1, n + h)
@@ -465,15 +467,21 @@ def _prefill_tables(d: dict, where: str) -> dict[str, tuple[tuple[int, int, floa
     """A model profile's `[prefill.<hardware>]` tables: the measured prefill steps
     (`points`, [new tokens, cached tokens, milliseconds]) by hardware name."""
     out = {}
-    for hw, table in d.get("prefill", {}).items():
+    tables = d.get("prefill", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(f"Profile {where}: prefill must be a table of [prefill.<hardware>] "
+                          f"tables, got {tables!r}.")
+    for hw, table in tables.items():
         points = table.get("points") if isinstance(table, dict) else None
         if not isinstance(points, list) or not points or not all(
-                isinstance(p, list) and len(p) == 3 and all(
-                    isinstance(x, (int, float)) and not isinstance(x, bool) for x in p)
+                isinstance(p, list) and len(p) == 3
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in p[:2])
+                and isinstance(p[2], (int, float)) and not isinstance(p[2], bool)
                 and p[0] > 0 and p[1] >= 0 and p[2] > 0 for p in points):
             raise ConfigError(f"Profile {where}: prefill.{hw}.points must be a list of "
-                              "[new tokens, cached tokens, milliseconds] triples (tokens "
-                              f"above 0, cached 0 or more, time above 0), got {points!r}.")
+                              "[new tokens, cached tokens, milliseconds] triples (whole "
+                              "tokens above 0, whole cached tokens 0 or more, time above 0), "
+                              f"got {points!r}.")
         out[hw] = tuple((int(n), int(h), ms / 1e3) for n, h, ms in points)
     return out
 

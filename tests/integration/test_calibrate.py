@@ -192,6 +192,21 @@ def test_fit_keeps_a_servers_overhead_apart_from_its_steps() -> None:
     assert fit_step_model([dataclasses.replace(p, outside=False) for p in pts]).overhead_s == 0
 
 
+def probed_profiles(tmp_path: Path, monkeypatch) -> tuple[Path, str]:
+    """A user profiles folder under `tmp_path` with hardware `rtx-pro-6000-probed` (the
+    shipped card under a name no shipped model profile has a fit for): the models folder
+    to write into, and the shipped qwen3-8b profile's text to start from."""
+    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
+    models = tmp_path / "profiles" / "models"
+    models.mkdir(parents=True)
+    hw = tmp_path / "profiles" / "hardware"
+    hw.mkdir(parents=True)
+    hw.joinpath("rtx-pro-6000-probed.toml").write_text(
+        (profiles_dir() / "hardware" / "rtx-pro-6000.toml").read_text().replace(
+            'name = "rtx-pro-6000"', 'name = "rtx-pro-6000-probed"'))
+    return models, (profiles_dir() / "models" / "qwen3-8b.toml").read_text()
+
+
 def test_fit_keeps_the_cost_of_a_step_mixing_prompt_and_decode_apart() -> None:
     """A step that runs a prompt beside decode rows can cost more than its tokens (two
     attention paths in one step); one timed such step gives the fit its mixed term, and
@@ -218,20 +233,12 @@ def test_fit_keeps_the_cost_of_a_step_mixing_prompt_and_decode_apart() -> None:
 
 def test_the_sim_prices_a_step_mixing_prompt_and_decode_with_the_fits_mixed_term(
         tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
-    models = tmp_path / "profiles" / "models"
-    models.mkdir(parents=True)
-    shipped = (profiles_dir() / "models" / "qwen3-8b.toml").read_text()
+    models, shipped = probed_profiles(tmp_path, monkeypatch)
     for name, mixed in (("plain", 0), ("mixing", 30)):
         (models / f"{name}.toml").write_text(
             shipped.replace('name = "qwen3-8b"', f'name = "{name}"')
             + "\n[fit.rtx-pro-6000-probed]\nfixed_ms = 20\nper_token_us = 30\n"
             f"per_pair_ns = 0\nmixed_ms = {mixed}\n")
-    hw = tmp_path / "profiles" / "hardware"
-    hw.mkdir(parents=True)
-    hw.joinpath("rtx-pro-6000-probed.toml").write_text(
-        (profiles_dir() / "hardware" / "rtx-pro-6000.toml").read_text().replace(
-            'name = "rtx-pro-6000"', 'name = "rtx-pro-6000-probed"'))
     times = {}
     for name in ("plain", "mixing"):
         engine = Engine(EngineConfig(kv_memory_bytes=1 << 30, block_size=16), SimExecutor(
@@ -253,24 +260,21 @@ def test_measured_prefill_steps_correct_the_fit_where_they_were_measured(
     """A linear fit through prefill steps that are not linear in their tokens misses each;
     the profile's measured steps put a step of a measured shape at its measured time, and
     steps between them at a ratio between theirs."""
-    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
-    models = tmp_path / "profiles" / "models"
-    models.mkdir(parents=True)
-    hw = tmp_path / "profiles" / "hardware"
-    hw.mkdir(parents=True)
-    hw.joinpath("rtx-pro-6000-probed.toml").write_text(
-        (profiles_dir() / "hardware" / "rtx-pro-6000.toml").read_text().replace(
-            'name = "rtx-pro-6000"', 'name = "rtx-pro-6000-probed"'))
-    shipped = (profiles_dir() / "models" / "qwen3-8b.toml").read_text()
+    models, shipped = probed_profiles(tmp_path, monkeypatch)
     fit = "\n[fit.rtx-pro-6000-probed]\nfixed_ms = 20\nper_token_us = 100\nper_pair_ns = 0\n"
     # The fit prices 32 tokens at 23.2 ms and 128 at 32.8 ms; they were measured at 29 and
     # 30 ms.
-    measured = "\n[prefill.rtx-pro-6000-probed]\npoints = [[32, 0, 29.0], [128, 0, 30.0]]\n"
+    measured = ("\n[prefill.rtx-pro-6000-probed]\n"
+                "points = [[32, 0, 29.0], [128, 0, 30.0], [16, 512, 40.0]]\n")
     (models / "measured.toml").write_text(
         shipped.replace('name = "qwen3-8b"', 'name = "measured"') + fit + measured)
     model = ModelProfile.load("measured")
     linear = model.fits["rtx-pro-6000-probed"]
-    assert model.prefill_times["rtx-pro-6000-probed"] == ((32, 0, 0.029), (128, 0, 0.030))
+    assert model.prefill_times["rtx-pro-6000-probed"] == \
+        ((32, 0, 0.029), (128, 0, 0.030), (16, 512, 0.040))
+    # 16 tokens on 512 cached: the fit's 21.6 ms, measured at 40 (cached tokens count).
+    assert model.prefill_factor("rtx-pro-6000-probed", linear, 16, 512) == \
+        pytest.approx(40.0 / 21.6)
     assert model.prefill_factor("rtx-pro-6000-probed", linear, 32, 0) == \
         pytest.approx(29.0 / 23.2)
     between = model.prefill_factor("rtx-pro-6000-probed", linear, 64, 0)
@@ -288,6 +292,14 @@ def test_measured_prefill_steps_correct_the_fit_where_they_were_measured(
     both = engine.step()
     assert len(both.plan) == 2 and both.dt == pytest.approx(linear.seconds(64, 0, 0, 64))
     engine.close()
+    # Under execution shapes a prompt's rows are padded; the padding caches nothing.
+    padded = Engine(EngineConfig(kv_memory_bytes=1 << 30, block_size=16), SimExecutor(
+        SimConfig(model_profile="measured", hardware="rtx-pro-6000-probed", timing="fit",
+                  graph_buckets="16,32")))
+    padded.add_request(list(range(10, 15)), SamplingParams(max_tokens=1))
+    step = padded.step()
+    assert step.padding == 11 and step.dt > 0
+    padded.close()
     # A table that is not [tokens, cached, ms] triples is one sentence.
     (models / "bad.toml").write_text(
         shipped.replace('name = "qwen3-8b"', 'name = "bad"') + fit
@@ -298,20 +310,12 @@ def test_measured_prefill_steps_correct_the_fit_where_they_were_measured(
 
 def test_a_sim_fitted_from_outside_takes_requests_in_after_their_way_through_http(
         tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
-    models = tmp_path / "profiles" / "models"
-    models.mkdir(parents=True)
-    shipped = (profiles_dir() / "models" / "qwen3-8b.toml").read_text()
+    models, shipped = probed_profiles(tmp_path, monkeypatch)
     (models / "outside.toml").write_text(shipped.replace('name = "qwen3-8b"',
                                                          'name = "outside"') +
                                          "\n[fit.rtx-pro-6000-probed]\nfixed_ms = 20\n"
                                          "per_token_us = 30\nper_pair_ns = 0\n"
                                          "per_sample_us = 0\noverhead_ms = 9\n")
-    hw = tmp_path / "profiles" / "hardware"
-    hw.mkdir(parents=True)
-    hw.joinpath("rtx-pro-6000-probed.toml").write_text(
-        (profiles_dir() / "hardware" / "rtx-pro-6000.toml").read_text().replace(
-            'name = "rtx-pro-6000"', 'name = "rtx-pro-6000-probed"'))
     sim = SimExecutor(SimConfig(model_profile="outside", hardware="rtx-pro-6000-probed",
                                 timing="fit"))
     assert sim.request_overhead_s == pytest.approx(0.009)
