@@ -13,6 +13,7 @@ model on a 96 GB card with hundreds of 8K-token requests runs on a laptop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from dataclasses import dataclass
 
@@ -159,6 +160,10 @@ class SimExecutor:
         self.layout = Layout(config.tensor_parallel, config.pipeline_parallel)
         self.timing = self._resolve_timing()
         self.fit = self._resolve_fit()
+        # A trace repeats its step shapes: each shape's correction is worked out once, not
+        # in every step.
+        self._prefill_factor = functools.lru_cache(maxsize=4096)(functools.partial(
+            self.model.prefill_factor, self.hardware.name, self.fit))
         self.measured = Measured.of(self.model, self.hardware) \
             if self.timing == "measured" else None
         self._kv_format = self.model.kv_dtype
@@ -357,8 +362,8 @@ class SimExecutor:
             extra = (self.weight_bytes - self.model.matrix_weight_bytes
                      + num_context_tokens * (self._kv_bytes_per_token
                                              - self._fitted_kv_bytes_per_token))
-            factor = self.model.prefill_factor(self.hardware.name, self.fit, num_new_tokens,
-                                               history) if shape == "prefill" else 1.0
+            factor = self._prefill_factor(num_new_tokens, history) \
+                if shape == "prefill" else 1.0
             return fitted_seconds(self.fit, self.hardware, extra, num_new_tokens, num_pairs,
                                   num_sampled, num_context_tokens, shape == "mixed", factor)
         return roofline_seconds(self.model, self.hardware, self.weight_bytes,
