@@ -164,6 +164,8 @@ class SimExecutor:
         # in every step.
         self._prefill_factor = functools.lru_cache(maxsize=4096)(functools.partial(
             self.model.prefill_factor, self.hardware.name, self.fit))
+        self._decode_factor = functools.lru_cache(maxsize=4096)(functools.partial(
+            self.model.decode_factor, self.hardware.name, self.fit))
         self.measured = Measured.of(self.model, self.hardware) \
             if self.timing == "measured" else None
         self._kv_format = self.model.kv_dtype
@@ -343,10 +345,11 @@ class SimExecutor:
         """Priced with its padding under execution shapes (padding rows attend nothing and
         read no KV: they cost matmul rows). `num_sampled`: rows through the output head,
         which a fit with a per-sample term prices; `shape`: "mixed" (prompt tokens beside
-        decode rows, which a fit with a mixed term prices) or "prefill" (one prompt chunk
-        alone, which the profile's measured prefill steps correct). `execute` knows both;
+        decode rows, which a fit with a mixed term prices), "prefill" (one prompt chunk
+        alone, which the profile's measured prefill steps correct) or "decode" (one token
+        for each row, which its measured decode steps correct). `execute` knows both;
         the scheduler's estimates, which do not, leave them out."""
-        history = num_context_tokens - num_new_tokens  # before padding: pads cache nothing
+        rows, history = num_new_tokens, num_context_tokens - num_new_tokens  # pads cache nothing
         num_new_tokens = padded_rows(num_new_tokens, self.buckets)
         if self.layout.cards > 1:
             return layout_step_seconds(self.model, self.hardware, self.layout,
@@ -362,8 +365,12 @@ class SimExecutor:
             extra = (self.weight_bytes - self.model.matrix_weight_bytes
                      + num_context_tokens * (self._kv_bytes_per_token
                                              - self._fitted_kv_bytes_per_token))
-            factor = self._prefill_factor(num_new_tokens, history) \
-                if shape == "prefill" else 1.0
+            if shape == "prefill":
+                factor = self._prefill_factor(num_new_tokens, history)
+            elif shape == "decode":  # each row's positions before its token
+                factor = self._decode_factor(rows, history // rows)
+            else:
+                factor = 1.0
             return fitted_seconds(self.fit, self.hardware, extra, num_new_tokens, num_pairs,
                                   num_sampled, num_context_tokens, shape == "mixed", factor)
         return roofline_seconds(self.model, self.hardware, self.weight_bytes,
@@ -435,9 +442,13 @@ class SimExecutor:
         # and every verified position (the n > 1 samples of one prompt share its last row
         # but count one each: a few rows too many, at one step).
         # A measured prefill step is one prompt chunk alone: only such a step is corrected
-        # by them (several chunks in one step are a shape no probe timed).
-        shape = "" if not plan.num_prefill_tokens else "mixed" if plan.num_decode_tokens \
-            else "prefill" if len(plan.chunks) == 1 else ""
+        # by them (several chunks in one step are a shape no probe timed); a measured decode
+        # step is one token for each row, no drafts.
+        if plan.num_prefill_tokens:
+            shape = "mixed" if plan.num_decode_tokens else \
+                "prefill" if len(plan.chunks) == 1 else ""
+        else:
+            shape = "decode" if num_new == len(plan.chunks) else ""
         seconds = self.estimate_step_seconds(num_new, num_pairs, context,
                                              len(sampled) + verify_rows, shape) \
             if plan.chunks else 0.0

@@ -77,7 +77,9 @@ class Probes:
     """(decoding request's prompt tokens, prompt tokens sent beside it)."""
 
 
-FULL = Probes((64, 256, 512), tuple((b, n) for b in (1, 4, 8) for n in (64, 384)), 24, 3,
+# Two and three rows too: a server that runs its rows one after another there (llama-server
+# does) is not on the line through one, four and eight.
+FULL = Probes((64, 256, 512), tuple((b, n) for b in (1, 2, 3, 4, 8) for n in (64, 384)), 24, 3,
               ((256, 64), (512, 64), (256, 256)), ((384, 64),))
 QUICK = Probes((32, 128), ((1, 32), (4, 32)), 12, 2, ((128, 32),), ((32, 32),))
 

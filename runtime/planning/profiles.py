@@ -313,6 +313,39 @@ class ModelProfile:
             den += 1 / d2
         return num / den if den else 1.0
 
+    def decode_factor(self, hardware: str, fit: StepFit, batch: int, context: int) -> float:
+        """How far the measured decode steps on `hardware` sit from `fit` at a step of
+        `batch` rows, each on `context` earlier positions: at each measured batch the
+        measured / fitted ratio, linear in log context between its measured contexts (the
+        nearest one's beyond them), then linear in the batch between the measured batches
+        around `batch` (the nearest one's beyond them). A line through decode steps misses
+        the batches where a server's step is not linear in its rows (llama-server on
+        Gemma 3 ran one, two and three rows in 21, 42 and 63 ms, four in about 50), and a
+        trace that runs two or three rows for most of its steps inherits that miss. A ratio,
+        not the measured time, carries past the measured contexts, so the fit's context
+        term still grows the step there. 1 without measured decode steps."""
+        points = self.decode_times.get(hardware)
+        if not points:
+            return 1.0
+        curves: dict[int, list[tuple[float, float]]] = {}
+        for b, c, seconds in points:
+            fitted = fit.seconds(b, b * causal_pairs(1, c), b, b * (c + 1))
+            if fitted > 0:
+                curves.setdefault(b, []).append((math.log2(1 + c), seconds / fitted))
+        if not curves:
+            return 1.0
+        x = math.log2(1 + max(context, 0))
+
+        def at(b: int) -> float:
+            return _clamped_line(sorted(curves[b]), x)
+
+        batches = sorted(curves)
+        lo = max((b for b in batches if b <= batch), default=batches[0])
+        hi = min((b for b in batches if b >= batch), default=batches[-1])
+        if lo == hi:
+            return at(lo)
+        return at(lo) + (at(hi) - at(lo)) * (batch - lo) / (hi - lo)
+
     def kv_bytes_per_token(self, kv_format: str | None = None) -> int:
         """K and V bytes of one token in every layer (a context within every window)."""
         fmt = KV_FORMATS[kv_format or self.kv_dtype]
@@ -498,3 +531,13 @@ def _weight_groups(d: dict, where: str) -> dict[str, int]:
         raise ConfigError(f"Profile {where}: weight_groups must give attn, ffn and head, each "
                           f"a whole number of bytes above 0, got {table!r}.")
     return {g: table[g] for g in GROUPS}
+
+
+def _clamped_line(points: list[tuple[float, float]], x: float) -> float:
+    """`points` (ascending x) joined by straight lines, held level beyond the ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1:
+            return y1 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -307,6 +308,46 @@ def test_measured_prefill_steps_correct_the_fit_where_they_were_measured(
     with pytest.raises(ConfigError, match="new tokens, cached tokens, milliseconds"):
         ModelProfile.load("bad")
 
+
+
+def test_measured_decode_steps_correct_the_fit_between_and_beyond_them(
+        tmp_path: Path, monkeypatch) -> None:
+    """A server whose decode step is not linear in its rows (one row after another up to
+    three, then batched) is off a line through its steps; the profile's measured decode
+    steps put a step of a measured shape at its measured time, a batch between two measured
+    ones at a ratio between theirs, and a context past the measured ones at the nearest
+    one's ratio over the fit."""
+    models, shipped = probed_profiles(tmp_path, monkeypatch)
+    # Every decode row costs 1 ms over 20 ms fixed: b rows at 20 + b ms, at any context.
+    fit = ("\n[fit.rtx-pro-6000-probed]\nfixed_ms = 20\nper_token_us = 1000\n"
+           "per_pair_ns = 0\n")
+    measured = ("\n[decode.rtx-pro-6000-probed]\n"
+                "points = [[1, 100, 21.0], [2, 100, 44.0], [4, 100, 36.0], [2, 400, 33.0]]\n")
+    (models / "rows.toml").write_text(
+        shipped.replace('name = "qwen3-8b"', 'name = "rows"') + fit + measured)
+    model = ModelProfile.load("rows")
+    hw, linear = "rtx-pro-6000-probed", model.fits["rtx-pro-6000-probed"]
+    assert model.decode_factor(hw, linear, 1, 100) == pytest.approx(1.0)
+    assert model.decode_factor(hw, linear, 2, 100) == pytest.approx(44 / 22)
+    assert model.decode_factor(hw, linear, 4, 100) == pytest.approx(36 / 24)
+    # Three rows: halfway between two's ratio and four's.
+    assert model.decode_factor(hw, linear, 3, 100) == pytest.approx((2.0 + 1.5) / 2)
+    # Two rows at 200: along two's ratios in log context; past 400, 400's ratio.
+    along = (math.log2(201) - math.log2(101)) / (math.log2(401) - math.log2(101))
+    assert model.decode_factor(hw, linear, 2, 200) == pytest.approx(2.0 - 0.5 * along)
+    assert model.decode_factor(hw, linear, 2, 5000) == pytest.approx(33 / 22)
+    # Past the largest batch measured, its ratio; elsewhere, none.
+    assert model.decode_factor(hw, linear, 8, 100) == pytest.approx(1.5)
+    assert model.decode_factor("elsewhere", linear, 2, 100) == 1.0
+    engine = Engine(EngineConfig(kv_memory_bytes=1 << 30, block_size=16), SimExecutor(
+        SimConfig(model_profile="rows", hardware=hw, timing="fit")))
+    engine.add_request(list(range(10, 110)), SamplingParams(max_tokens=3))
+    engine.add_request(list(range(200, 300)), SamplingParams(max_tokens=3))
+    assert len(engine.step().plan) == 2  # both prompts in one step
+    # Both decode on 100 positions: the measured 44 ms, where the fit says 22.
+    assert engine.step().dt == pytest.approx(0.044)
+    engine.run_until_idle()
+    engine.close()
 
 def test_a_sim_fitted_from_outside_takes_requests_in_after_their_way_through_http(
         tmp_path: Path, monkeypatch) -> None:
