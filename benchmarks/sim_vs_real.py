@@ -172,14 +172,13 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
     llama-server with 8 slots (`--no-repack`: the one start that works on every CPU here)
     and vLLM's CPU build; each with the batching settings the sim runs its prediction with
     (the server's own: kvdeck's real executors' token budget of 512 and chunk of 256,
-    llama-server's batch of 2,048, vLLM told 2,048). llama-server shares its batch evenly
-    among the slots whose prompts it is computing (measured: a burst of eight 768-token
-    prompts got their first tokens within 3 ms of each other, 8.47 s after they were
-    sent), where kvdeck's scheduler finishes them in order; the sim stands in for that with
-    chunks of 2,048 / 8 = 256 tokens, which splits the batch as llama-server does when all
-    eight slots have prompts (and a lone prompt into chunks it would compute in one). Its
-    slots share no prefix with each other (a slot reuses only its own previous prompt),
-    so its prediction runs with prefix caching off."""
+    llama-server's batch of 2,048, vLLM told 2,048). llama-server advances the prompts of
+    all its slots together (measured: a burst of eight 768-token prompts got their first
+    tokens within 3 ms of each other, 8.47 s after they were sent), where kvdeck's
+    scheduler by default finishes them in order: its prediction runs with the batch shared
+    evenly among the prompts (`--prefill-share even`). Its slots share no prefix with each
+    other (a slot reuses only its own previous prompt), so its prediction runs with prefix
+    caching off."""
     seqs = ["--max-num-seqs", str(MAX_SEQS)]
     if not with_peers:
         return [(peers.kvdeck(ex, DEFAULT_MODEL, THREADS, *seqs),
@@ -187,9 +186,9 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
                 for ex in ("llama_cpp", "torch")]
     gguf = resolve_model(DEFAULT_MODEL)
     wide = [*seqs, "--max-num-batched-tokens", "2048", "--chunk-size", "2048"]
-    shared = [*seqs, "--max-num-batched-tokens", "2048", "--chunk-size", str(2048 // MAX_SEQS)]
+    even = [*wide, "--prefill-share", "even"]
     return [(peers.llama_server(gguf, DEFAULT_MODEL, THREADS, repack=False),
-             [*shared, "--no-enable-prefix-caching"]),
+             [*even, "--no-enable-prefix-caching"]),
             (peers.vllm(gguf, DEFAULT_MODEL, THREADS, *seqs, "--max-num-batched-tokens",
                         "2048"), wide)]
 

@@ -157,6 +157,10 @@ FLAGS: tuple[Flag, ...] = (
          f"Most prompt tokens per request per iteration ({_defaults('chunk_size')}).", KNOBS),
     Flag("scheduling", ("--scheduling",), str, _one_of("scheduling"), KNOBS),
     Flag("queue_policy", ("--queue-policy",), str, _one_of("queue_policy"), KNOBS),
+    Flag("prefill_share", ("--prefill-share",), str, "How prompts share the token budget "
+         "left after decodes: in_order (each its chunk, in admission order, as vLLM) or even "
+         "(the same share each, so a burst's prompts finish together, as llama-server) "
+         "(default in_order).", KNOBS),
     Flag("sjf_max_wait_s", ("--sjf-max-wait-s",), float, "Aging bound for sjf (default 30).",
          KNOBS),
     Flag("priority_max_wait_s", ("--priority-max-wait-s",), float,

@@ -33,6 +33,9 @@ EVICTION_POLICIES = ("lru", "value")
 DEADLINE_ACTIONS = ("reject", "wait")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 """Speculative decoding: off, or n-gram prompt lookup (`runtime/spec/`)."""
+PREFILL_SHARES = ("in_order", "even")
+"""How prompt tokens share a step's budget: in admission order, each its chunk, or evenly
+(`policies/prompt_share.py`)."""
 DRAFT_LENGTHS = ("adaptive", "fixed")
 """Draft length per request: chosen each step by the marginal-cost rule, or always the most."""
 KNOB_CHOICES: dict[str, tuple[str, ...]] = {
@@ -40,7 +43,7 @@ KNOB_CHOICES: dict[str, tuple[str, ...]] = {
     "reservation": RESERVATION_POLICIES, "preemption": PREEMPTION_MODES,
     "eviction_policy": EVICTION_POLICIES, "on_deadline_miss": DEADLINE_ACTIONS,
     "kv_format": tuple(KV_FORMATS), "speculative_method": SPECULATIVE_METHODS,
-    "draft_length": DRAFT_LENGTHS,
+    "draft_length": DRAFT_LENGTHS, "prefill_share": PREFILL_SHARES,
 }
 """The knobs whose values are a fixed list, and the list."""
 
@@ -77,6 +80,10 @@ class Knobs:
     """Most prompt tokens one request may prefill in one iteration."""
     scheduling: str = "continuous"
     queue_policy: str = "fcfs"
+    prefill_share: str = "in_order"
+    """How the budget left after decode rows goes to prompts: `in_order`, each its chunk in
+    admission order (vLLM, SGLang), or `even`, the same share for every prompt being
+    computed, so a burst's prompts finish together (llama-server)."""
     sjf_max_wait_s: float = 30.0
     """Under `sjf`, a request that has waited this long goes ahead of shorter ones (aging)."""
     priority_max_wait_s: float = 30.0

@@ -23,6 +23,7 @@ a preemption is `preempt.py`; when a request stops after a token, `stop_rules.py
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 
@@ -31,6 +32,7 @@ from kvdeck.runtime.core.config import EngineConfig, Knobs
 from kvdeck.runtime.core.policies.admission import DeadlineAdmission, lora_slot_limit, never_fits
 from kvdeck.runtime.core.policies.draft_length import DraftLengths
 from kvdeck.runtime.core.policies.preemption import preemption_mode
+from kvdeck.runtime.core.policies.prompt_share import even_share
 from kvdeck.runtime.core.policies.queue_order import queue_order
 from kvdeck.runtime.core.request import Request, RequestStatus
 from kvdeck.runtime.core.step_budget import StepBudget, StepTotals
@@ -80,6 +82,8 @@ class Scheduler:
         """Running requests with prompt tokens left to compute, as of this step's plan."""
         self._target: StepBudget | None = None
         """While planning under an ITL target, the step's predicted time so far."""
+        self._share = 0
+        """Most prompt tokens one request may take this step (`prefill_share`)."""
 
     # -- knobs ------------------------------------------------------------------------------
 
@@ -197,6 +201,8 @@ class Scheduler:
                 prefills.append(r)
         self._prefilling = prefills
         budget = self._schedule_decodes(decodes, plan, budget, scheduled)
+        self._share = self._even_share(prefills, budget, len(scheduled), now) \
+            if k.prefill_share == "even" else budget
         self._target = StepBudget(self.estimate, plan.chunks, plan.itl_target_s,
                                   self.kv.block_size) if plan.itl_target_s else None
         for req in prefills:
@@ -232,10 +238,24 @@ class Scheduler:
         return plan
 
     def _chunk(self, start: int, pending: int, budget: int) -> int:
-        """Tokens of a prefill chunk from `start`: at most `pending`, `chunk_size` and the
-        token budget, and under an ITL target what keeps the predicted step within it."""
-        n = min(pending, self.knobs.chunk_size, budget)
+        """Tokens of a prefill chunk from `start`: at most `pending`, `chunk_size`, the
+        token budget and the step's share, and under an ITL target what keeps the predicted
+        step within it."""
+        n = min(pending, self.knobs.chunk_size, budget, self._share)
         return self._target.cap(start, n) if self._target is not None else n
+
+    def _even_share(self, prefills: list[Request], budget: int, num_scheduled: int,
+                    now: float) -> int:
+        """`budget` shared evenly (`policies/prompt_share.py`) among the running prompts
+        and the waiting requests that could join them this step (a waiting prompt counts
+        whole: its cache hit is not looked up for this)."""
+        k = self.knobs
+        pending = [min(r.num_pending_tokens, k.chunk_size) for r in prefills]
+        room = k.max_num_seqs - num_scheduled - len(pending)
+        if room > 0 and self.waiting and not (k.scheduling == "static" and self.running):
+            pending += [min(r.num_tokens - r.num_computed_tokens, k.chunk_size)
+                        for r in itertools.islice(queue_order(self.waiting, k, now), room)]
+        return even_share(budget, pending) if pending else budget
 
     def _schedule_decodes(self, decodes: list[Request], plan: SchedulerOutput, budget: int,
                           scheduled: set[str]) -> int:
@@ -258,7 +278,10 @@ class Scheduler:
             if req.status is not running:
                 continue  # preempted to make room for an earlier decode
             rid = req.request_id
-            k, draft = self._draft(req, budget, len(decodes)) if speculate else (0, ())
+            k, draft = self.drafts.draft(req, self.knobs, budget,
+                                         self.max_model_len - req.num_tokens - 1,
+                                         len(decodes), self.propose) \
+                if speculate else (0, ())
             if k:
                 # A draft model's tokens come in the step (`ScheduledChunk.draft`).
                 cows = preempt.make_room(self, req, 1 + k, scheduled, plan)
@@ -284,30 +307,6 @@ class Scheduler:
         # Verify rows are decode work: one step scores a decoding request's next positions.
         plan.num_decode_tokens += len(chunks) + drafted
         return budget
-
-    def _draft(self, req: Request, budget: int, num_decodes: int
-               ) -> tuple[int, tuple[int, ...]]:
-        """(draft positions, draft tokens) for a decoding request; (0, ()) when it should
-        decode one token: it asked for logprobs (they come a token a step) or logit
-        processors (penalties, a bias, min_p, min_tokens: each token's scores depend on the
-        tokens before it, which a draft would have to replay), or has no room left for more.
-        Under `speculative_method = draft` the tokens are left empty: the executor's draft
-        model writes them in the step."""
-        sp = req.sampling
-        if sp.logprobs is not None or sp.processes_logits:
-            return 0, ()
-        k = min(self.knobs.num_speculative_tokens, sp.max_tokens - len(req.output_token_ids) - 1,
-                self.max_model_len - req.num_tokens - 1, budget - 1)
-        if k <= 0:
-            return 0, ()
-        model = self.knobs.speculative_method == "draft"
-        draft = () if model else tuple(self.propose(req, k)[:k])
-        most = k if model else len(draft)
-        # Adaptive lengths follow measured step times; a seeded request promises the same
-        # output every run, so it keeps the fixed length (its draws depend on it).
-        if most and self.knobs.draft_length == "adaptive" and sp.seed is None:
-            most = self.drafts.length(req, most, num_decodes if model else 0)
-        return most, draft[:most]
 
     def _add_prefill(self, plan: SchedulerOutput, req: Request, n: int) -> None:
         """A prefill chunk of `n` tokens (decodes are planned inline, in _schedule_decodes)."""

@@ -9,6 +9,7 @@ import pytest
 
 from kvdeck.runtime.core.config import EngineConfig, Knobs
 from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.policies.prompt_share import even_share
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.core.step_record import StepRecord
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
@@ -81,6 +82,34 @@ def test_decodes_first_and_long_prompts_chunked() -> None:
     assert len(long_chunks) == -(-397 // 48)  # 9 chunks: the decode never crowds it out here
     assert_drained(e)
 
+
+
+def test_even_share_fills_the_budget_level_with_what_each_prompt_needs() -> None:
+    # 20 fits under the level; the four others split what is left: (300 − 20) / 4.
+    assert even_share(300, [20, 200, 200, 200, 200]) == 70
+    assert even_share(1000, [20, 200, 200]) == 1000  # every prompt fits whole
+    assert even_share(3, [5, 5, 5, 5]) == 1  # never 0: the budget runs out first
+
+
+@pytest.mark.parametrize("share", ["in_order", "even"])
+def test_prompts_arriving_together_finish_together_under_an_even_share(share: str) -> None:
+    """Four 200-token prompts and a 20-token one, a budget of 300: in order, the first two
+    long prompts have their first tokens a step or more before the last; shared evenly, the
+    short one takes what it needs and the four long ones finish in the same step."""
+    e = engine(max_num_batched_tokens=300, chunk_size=2048, prefill_share=share)
+    for i in range(4):
+        e.add_request([3 + i] * 200, SamplingParams(max_tokens=4), request_id=f"long{i}")
+    e.add_request([9] * 20, SamplingParams(max_tokens=4), request_id="short")
+    records = plans(e)
+    done = {c.request_id: i for i, rec in enumerate(records) for c in rec.plan
+            if c.start + c.num_new_tokens == (20 if c.request_id == "short" else 200)}
+    assert all(sum(c.num_new_tokens for c in rec.plan) <= 300 for rec in records)
+    assert [c.num_new_tokens for c in records[0].plan] == \
+        ([200, 100] if share == "in_order" else [70, 70, 70, 70, 20])
+    finished = {done[f"long{i}"] for i in range(4)}
+    assert len(finished) == (1 if share == "even" else 3)
+    assert len(e.completed) == 5 and all(r.num_output_tokens == 4 for r in e.completed)
+    assert_drained(e)
 
 def test_static_mode_never_admits_into_a_running_group() -> None:
     e = engine(max_num_seqs=4, scheduling="static", enable_prefix_caching=False)

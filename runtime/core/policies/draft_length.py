@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvdeck.runtime.core.config import Knobs
 from kvdeck.runtime.core.request import Request
 from kvdeck.runtime.core.step_data import Estimator, causal_pairs
 from kvdeck.runtime.spec.stats import MAX_POSITIONS, SpecStats
@@ -28,6 +29,31 @@ class DraftLengths:
         """Per speculating request: (accepted, tried) per draft position."""
         self.last_step = (0.0, 0)
         """(seconds, tokens emitted) of the latest step: T and N of the rule."""
+
+    def draft(self, req: Request, knobs: Knobs, budget: int, room: int, num_decodes: int,
+              propose: Callable[[Request, int], list[int]]) -> tuple[int, tuple[int, ...]]:
+        """(draft positions, draft tokens) for a decoding request with `room` positions
+        left before the model's length; (0, ()) when it should decode one token: it asked
+        for logprobs (they come a token a step) or logit processors (penalties, a bias,
+        min_p, min_tokens: each token's scores depend on the tokens before it, which a
+        draft would have to replay), or has no room left for more. Under
+        `speculative_method = draft` the tokens are left empty: the executor's draft model
+        writes them in the step."""
+        sp = req.sampling
+        if sp.logprobs is not None or sp.processes_logits:
+            return 0, ()
+        k = min(knobs.num_speculative_tokens, sp.max_tokens - len(req.output_token_ids) - 1,
+                room, budget - 1)
+        if k <= 0:
+            return 0, ()
+        model = knobs.speculative_method == "draft"
+        draft = () if model else tuple(propose(req, k)[:k])
+        most = k if model else len(draft)
+        # Adaptive lengths follow measured step times; a seeded request promises the same
+        # output every run, so it keeps the fixed length (its draws depend on it).
+        if most and knobs.draft_length == "adaptive" and sp.seed is None:
+            most = self.length(req, most, num_decodes if model else 0)
+        return most, draft[:most]
 
     def length(self, req: Request, most: int, num_drafting: int = 0) -> int:
         """How many draft tokens `req` should verify this step, at most `most`: lengthen
