@@ -9,7 +9,8 @@
 
 For each server: start it on Gemma 3 270M (8 sequences at most), probe it from outside
 (`kvdeck calibrate --url`'s probes, `runtime/planning/probe.py`), measure two traces against
-it (`kvdeck bench`), and probe it again with new prompts. The step model is fitted to the
+it (`kvdeck bench`), each on the server started afresh (the sim starts empty too), and
+probe it again with new prompts. The step model is fitted to the
 mean of each probe's two timings, and the traces are predicted through the sim executor
 with that profile (`kvdeck run-trace --timing fit`); the medians of TTFT and TPOT and the
 output throughput are set side by side. How far the server's own probe timings moved
@@ -136,9 +137,15 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
     # The traces' rates come from the first round's fit: they are fixed before any
     # trace is sent.
     traces = write_traces(folder, fit_step_model(before))
-    measured = {trace: figures(kvdeck_cli("bench", str(path), "--url", server.url,
-                                          "--model", DEFAULT_MODEL))
-                for trace, path in traces.items()}
+    measured = {}
+    for trace, path in traces.items():
+        # Each trace meets a server just started, as the sim starts: empty caches, and
+        # llama-server's slots in their first order (which of them two requests take
+        # decides whether they decode in one pass or two: `executors/server_slots.py`).
+        server.stop()
+        server.start(DEFAULT_MODEL)
+        measured[trace] = figures(kvdeck_cli("bench", str(path), "--url", server.url,
+                                             "--model", DEFAULT_MODEL))
     after = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None, seed=1)
     points = merged(before, after)
     fit = fit_step_model(points)
@@ -176,9 +183,11 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
     all its slots together (measured: a burst of eight 768-token prompts got their first
     tokens within 3 ms of each other, 8.47 s after they were sent), where kvdeck's
     scheduler by default finishes them in order: its prediction runs with the batch shared
-    evenly among the prompts (`--prefill-share even`). Its slots share no prefix with each
-    other (a slot reuses only its own previous prompt), so its prediction runs with prefix
-    caching off."""
+    evenly among the prompts (`--prefill-share even`), and with its slots
+    (`--server-slots 8`): its KV is kept per slot, and the decode rows of slots that are
+    not neighbours run in passes of their own. Its slots share no prefix with each other (a
+    slot reuses only its own previous prompt), so its prediction runs with prefix caching
+    off."""
     seqs = ["--max-num-seqs", str(MAX_SEQS)]
     if not with_peers:
         return [(peers.kvdeck(ex, DEFAULT_MODEL, THREADS, *seqs),
@@ -186,7 +195,7 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
                 for ex in ("llama_cpp", "torch")]
     gguf = resolve_model(DEFAULT_MODEL)
     wide = [*seqs, "--max-num-batched-tokens", "2048", "--chunk-size", "2048"]
-    even = [*wide, "--prefill-share", "even"]
+    even = [*wide, "--prefill-share", "even", "--server-slots", str(MAX_SEQS)]
     return [(peers.llama_server(gguf, DEFAULT_MODEL, THREADS, repack=False),
              [*even, "--no-enable-prefix-caching"]),
             (peers.vllm(gguf, DEFAULT_MODEL, THREADS, *seqs, "--max-num-batched-tokens",

@@ -254,6 +254,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("memory_utilization", ("--memory-utilization",), float, "Above 0: the KV budget is "
          "what the layout's cards leave at this share of their memory less the weights "
          "(vLLM's --gpu-memory-utilization; default 0: --kv-memory-gib).", SIM),
+    Flag("server_slots", ("--server-slots",), int, "Above 0: price decode steps as "
+         "llama-server with N slots (-np N, KV per slot) runs them: requests take slots as "
+         "it assigns them, and each run of neighbouring slots decodes in a pass of its own "
+         "(default 0: one pass for every row).", SIM),
     Flag("fail_at_step", ("--fail-at-step",), int, "Fault injection: the simulated executor "
          "fails for good on this step.", SIM),
 )

@@ -21,6 +21,7 @@ from kvdeck.runtime.core.config import check_choice, check_float, check_int
 from kvdeck.runtime.core.step_data import Conversion, SchedulerOutput, StepResult, StepTiming
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.base import ExecutorInfo, WeightsView
+from kvdeck.runtime.executors.server_slots import ServerSlots
 from kvdeck.runtime.kv.formats import KV_FORMATS
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.transfers import Transfer
@@ -97,6 +98,9 @@ class SimConfig:
     """Above 0: the KV budget is what the layout's cards leave at this share of their
     memory, less the weights (vLLM's `--gpu-memory-utilization`), instead of
     `kv_memory_bytes`."""
+    server_slots: int = 0
+    """Above 0: price decode steps as llama-server with this many slots (`-np`, KV per
+    slot) runs them: a pass per run of neighbouring slots (`server_slots.py`)."""
     fail_at_step: int | None = None
     """Fault injection: the executor fails for good (as a lost device would) on its n-th
     executed step, so clients, dashboards and the console can be tested against a dying
@@ -117,6 +121,7 @@ class SimConfig:
         check_choice("drafting", self.drafting, DRAFTING)
         parse_buckets(self.graph_buckets)
         check_float("memory_utilization", self.memory_utilization, 0.0, 1.0)
+        check_int("server_slots", self.server_slots, 0, 4096)
         layout = Layout(self.tensor_parallel, self.pipeline_parallel)
         if layout.cards > 1 and self.timing in ("measured", "fit"):
             raise ConfigError(f"{layout.name} is priced by the roofline across its cards (a "
@@ -194,6 +199,7 @@ class SimExecutor:
         self.offload_layers = 0
         self.offload_buffers = 2
         self._acceptance = config.acceptance_profile()
+        self.slots = ServerSlots(config.server_slots) if config.server_slots else None
 
     def _resolve_timing(self) -> str:
         """The step model: `auto` is measured where the profile has measured steps on the
@@ -449,9 +455,15 @@ class SimExecutor:
                 "prefill" if len(plan.chunks) == 1 else ""
         else:
             shape = "decode" if num_new == len(plan.chunks) else ""
-        seconds = self.estimate_step_seconds(num_new, num_pairs, context,
-                                             len(sampled) + verify_rows, shape) \
-            if plan.chunks else 0.0
+        if self.slots is not None:
+            slots = [self.slots.slot(c.request) for c in plan.chunks]
+        if not plan.chunks:
+            seconds = 0.0
+        elif self.slots is not None and shape in ("decode", "mixed"):
+            seconds = self._by_slot_runs(plan.chunks, slots)
+        else:
+            seconds = self.estimate_step_seconds(num_new, num_pairs, context,
+                                                 len(sampled) + verify_rows, shape)
         transfers: list[Transfer] = []
         if plan.transfers:
             copy_seconds, transfers = self._price_transfers(plan.transfers)
@@ -471,6 +483,27 @@ class SimExecutor:
         )
         return StepResult(sampled, timing, transfers=transfers, draft_seconds=draft_seconds,
                           spec=spec)
+
+    def _by_slot_runs(self, chunks: list, slots: list[int]) -> float:
+        """A step as llama-server runs it (`server_slots.py`): a pass for each run of
+        neighbouring slots' decode rows, one after another, then the prompt chunks (a
+        decode row and a prompt share a micro-batch for one token at most)."""
+        total, decodes = 0.0, []
+        new = pairs = context = 0
+        for i, c in enumerate(chunks):
+            if c.num_new_tokens == 1 and c.request.output_token_ids and not c.num_draft:
+                decodes.append(i)
+            else:
+                n, h = c.num_new_tokens, c.start
+                new, pairs, context = new + n, pairs + n * h + n * (n + 1) // 2, context + h + n
+        for run in self.slots.runs([slots[i] for i in decodes]):
+            ctx = sum(chunks[decodes[j]].start + 1 for j in run)  # each row's pairs, positions
+            total += self.estimate_step_seconds(len(run), ctx, ctx, len(run), "decode")
+        if new:
+            total += self.estimate_step_seconds(
+                new, pairs, context, len(chunks) - len(decodes),
+                "prefill" if len(chunks) - len(decodes) == 1 else "")
+        return total
 
     def propose(self, req, k: int, knobs) -> list[int]:
         """Modelled drafts: always `k` tokens (their values do not matter here; acceptance
@@ -559,6 +592,8 @@ class SimExecutor:
     def forget(self, request_id: str) -> None:
         """Drop per-request memo state once a request has finished."""
         self._rid_hash.pop(request_id, None)
+        if self.slots is not None:
+            self.slots.release(request_id)
 
     def close(self) -> None:
         self._rid_hash.clear()

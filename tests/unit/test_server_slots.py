@@ -1,0 +1,64 @@
+"""llama-server's slots in the sim (`executors/server_slots.py`): which slot a request
+takes, and a decode step priced as a pass per run of neighbouring slots."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.engine import Engine
+from kvdeck.runtime.core.request import Request, SamplingParams
+from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors.server_slots import ServerSlots
+from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
+
+
+def request(rid: str, prompt: list[int]) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=4))
+
+
+def test_slots_are_taken_by_shared_prefix_else_least_recently_used() -> None:
+    slots = ServerSlots(4)
+    # Never used: llama-server's least-recently-used loop keeps the last of equals.
+    assert slots.slot(request("a", list(range(100)))) == 3
+    assert slots.slot(request("b", list(range(500, 600)))) == 2
+    assert slots.slot(request("a", [1])) == 3  # a request keeps its slot
+    slots.release("a")
+    # Sharing 20 of 100 tokens with slot 3's last prompt (over a tenth): that slot.
+    assert slots.slot(request("c", list(range(20)) + [9_999] * 80)) == 3
+    slots.release("b")
+    # Sharing 5 of 100 with slot 2's (not over a tenth): the least recently used, 1.
+    assert slots.slot(request("d", list(range(500, 505)) + [7] * 95)) == 1
+    assert slots.runs([3, 1, 2, 6]) == [[1, 2, 0], [3]]
+
+
+def engine(server_slots: int) -> Engine:
+    # Every row 1 ms over a fixed 20 ms: b rows in one pass take 20 + b ms.
+    sim = SimExecutor(SimConfig(model_profile="qwen3-8b", hardware="h100-sxm", timing="fit",
+                                fixed_ms=20, per_token_us=1000, per_pair_ns=0,
+                                server_slots=server_slots))
+    return Engine(EngineConfig(kv_memory_bytes=1 << 30, knobs=Knobs(max_num_seqs=4)), sim)
+
+
+@pytest.mark.parametrize("server_slots", [0, 4])
+def test_decode_rows_of_slots_apart_run_in_passes_of_their_own(server_slots: int) -> None:
+    """A, B and C take slots 3, 2 and 1; once B has ended, A and C decode in slots that
+    are not neighbours: two passes of one row with slots, one pass of two without."""
+    e = engine(server_slots)
+    e.add_request(list(range(10, 26)), SamplingParams(max_tokens=12), request_id="A")
+    e.add_request(list(range(30, 46)), SamplingParams(max_tokens=3), request_id="B")
+    e.add_request(list(range(50, 66)), SamplingParams(max_tokens=12), request_id="C")
+    times: dict[tuple[str, ...], float] = {}
+    while e.has_work:
+        step = e.step()
+        if step.num_decode == len(step.plan):
+            times[tuple(sorted(c.request_id for c in step.plan))] = step.dt
+        e.check_integrity()
+    assert times[("A", "B", "C")] == pytest.approx(0.023)  # slots 1–3: one pass
+    assert times[("A", "C")] == pytest.approx(0.042 if server_slots else 0.022)
+    assert len(e.completed) == 3
+
+
+def test_server_slots_must_be_a_count() -> None:
+    with pytest.raises(ConfigError, match="server_slots must be an integer from 0"):
+        SimConfig(server_slots=-1)
