@@ -20,8 +20,14 @@ a step, in slots 0 and 1 or 3 and 4, 28.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from kvdeck.runtime.core.request import Request
+from kvdeck.runtime.core.step_data import ScheduledChunk
+
+StepEstimate = Callable[[int, int, int, int, str], float]
+"""(new tokens, causal pairs, positions read, rows sampled, shape) -> seconds of one pass
+(`SimExecutor.estimate_step_seconds`)."""
 
 SIMILARITY = 0.1
 """llama-server's default `--slot-prompt-similarity`."""
@@ -85,6 +91,27 @@ class ServerSlots:
                 out.append([i])
         return out
 
+
+    def step_seconds(self, chunks: list[ScheduledChunk], slots: list[int],
+                     estimate: StepEstimate) -> float:
+        """A step as llama-server runs it: a pass for each run of neighbouring slots' decode
+        rows, one after another, then the prompt chunks (a decode row and a prompt share a
+        micro-batch for one token at most); `slots` are the chunks' slots."""
+        total, decodes = 0.0, []
+        new = pairs = context = 0
+        for i, c in enumerate(chunks):
+            if c.num_new_tokens == 1 and c.request.output_token_ids and not c.num_draft:
+                decodes.append(i)
+            else:
+                n, h = c.num_new_tokens, c.start
+                new, pairs, context = new + n, pairs + n * h + n * (n + 1) // 2, context + h + n
+        for run in self.runs([slots[i] for i in decodes]):
+            ctx = sum(chunks[decodes[j]].start + 1 for j in run)  # each row's pairs, positions
+            total += estimate(len(run), ctx, ctx, len(run), "decode")
+        if new:
+            prompts = len(chunks) - len(decodes)
+            total += estimate(new, pairs, context, prompts, "prefill" if prompts == 1 else "")
+        return total
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
     n = 0

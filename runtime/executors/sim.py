@@ -166,11 +166,13 @@ class SimExecutor:
         self.timing = self._resolve_timing()
         self.fit = self._resolve_fit()
         # A trace repeats its step shapes: each shape's correction is worked out once, not
-        # in every step.
+        # in every step. A fit given in the settings is not the one the profile's measured
+        # steps correct: it is taken as it is.
+        given = (config.fixed_ms, config.per_token_us, config.per_pair_ns) != (None,) * 3
         self._prefill_factor = functools.lru_cache(maxsize=4096)(functools.partial(
-            self.model.prefill_factor, self.hardware.name, self.fit))
+            self.model.prefill_factor, "" if given else self.hardware.name, self.fit))
         self._decode_factor = functools.lru_cache(maxsize=4096)(functools.partial(
-            self.model.decode_factor, self.hardware.name, self.fit))
+            self.model.decode_factor, "" if given else self.hardware.name, self.fit))
         self.measured = Measured.of(self.model, self.hardware) \
             if self.timing == "measured" else None
         self._kv_format = self.model.kv_dtype
@@ -460,7 +462,7 @@ class SimExecutor:
         if not plan.chunks:
             seconds = 0.0
         elif self.slots is not None and shape in ("decode", "mixed"):
-            seconds = self._by_slot_runs(plan.chunks, slots)
+            seconds = self.slots.step_seconds(plan.chunks, slots, self.estimate_step_seconds)
         else:
             seconds = self.estimate_step_seconds(num_new, num_pairs, context,
                                                  len(sampled) + verify_rows, shape)
@@ -483,27 +485,6 @@ class SimExecutor:
         )
         return StepResult(sampled, timing, transfers=transfers, draft_seconds=draft_seconds,
                           spec=spec)
-
-    def _by_slot_runs(self, chunks: list, slots: list[int]) -> float:
-        """A step as llama-server runs it (`server_slots.py`): a pass for each run of
-        neighbouring slots' decode rows, one after another, then the prompt chunks (a
-        decode row and a prompt share a micro-batch for one token at most)."""
-        total, decodes = 0.0, []
-        new = pairs = context = 0
-        for i, c in enumerate(chunks):
-            if c.num_new_tokens == 1 and c.request.output_token_ids and not c.num_draft:
-                decodes.append(i)
-            else:
-                n, h = c.num_new_tokens, c.start
-                new, pairs, context = new + n, pairs + n * h + n * (n + 1) // 2, context + h + n
-        for run in self.slots.runs([slots[i] for i in decodes]):
-            ctx = sum(chunks[decodes[j]].start + 1 for j in run)  # each row's pairs, positions
-            total += self.estimate_step_seconds(len(run), ctx, ctx, len(run), "decode")
-        if new:
-            total += self.estimate_step_seconds(
-                new, pairs, context, len(chunks) - len(decodes),
-                "prefill" if len(chunks) - len(decodes) == 1 else "")
-        return total
 
     def propose(self, req, k: int, knobs) -> list[int]:
         """Modelled drafts: always `k` tokens (their values do not matter here; acceptance
