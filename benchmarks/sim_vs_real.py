@@ -60,9 +60,9 @@ MAX_SEQS = 8
 REQUESTS = 16
 PROMPT_CAP, OUTPUTS, PREFIX, OWN = 768, 32, 512, 64
 VOCAB = 32_000
+"""Token ids are drawn below this (every modern vocabulary has them)."""
 APART = 0.005
 """Seconds between requests the Mooncake sample gives one instant (see `write_traces`)."""
-"""Token ids are drawn below this (every modern vocabulary has them)."""
 TOLERANCE = {"kvdeck (llama_cpp)": 0.15, "kvdeck (torch)": 0.15, "llama-server": 0.15,
              "vLLM (CPU, bf16)": 0.25}
 """The issue's bounds on |predicted / measured − 1| for the TTFT and TPOT medians."""
@@ -83,15 +83,13 @@ def write_traces(folder: Path, fit: StepFit) -> dict[str, Path]:
     mean_prompt = sum(a.prompt_len for a in moon) / len(moon)
     gap = alone_seconds(fit, int(mean_prompt), OUTPUTS) * 2  # half the rate of one alone
     span = moon[-1].arrival_s or 1.0
-    moon = [replace(a, arrival_s=a.arrival_s / span * gap * (len(moon) - 1),
+    # Requests of one instant go APART seconds apart in the trace's order: sent at once,
+    # they reach the server in whatever order their connections win, and the sim, which
+    # takes them in order, would predict another request's time for each.
+    same = [sum(b.arrival_s == a.arrival_s for b in moon[:i]) for i, a in enumerate(moon)]
+    moon = [replace(a, arrival_s=a.arrival_s / span * gap * (len(moon) - 1) + APART * same[i],
                     prompt_tokens=tuple(synthesize_tokens(a, i, VOCAB)), hash_ids=None)
             for i, a in enumerate(moon)]
-    # Requests of one instant go APART ms apart in the trace's order: sent at once, they
-    # reach the server in whatever order their connections win, and the sim, which takes
-    # them in order, would predict another request's time for each.
-    for i in range(1, len(moon)):
-        if moon[i].arrival_s < moon[i - 1].arrival_s + APART:
-            moon[i] = replace(moon[i], arrival_s=moon[i - 1].arrival_s + APART)
     prefix = [rng.randrange(100, VOCAB) for _ in range(PREFIX)]
     gap = alone_seconds(fit, PREFIX + OWN, OUTPUTS) * 2
     t, shared = 0.0, []

@@ -23,7 +23,6 @@ a preemption is `preempt.py`; when a request stops after a token, `stop_rules.py
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable
 
@@ -32,7 +31,7 @@ from kvdeck.runtime.core.config import EngineConfig, Knobs
 from kvdeck.runtime.core.policies.admission import DeadlineAdmission, lora_slot_limit, never_fits
 from kvdeck.runtime.core.policies.draft_length import DraftLengths
 from kvdeck.runtime.core.policies.preemption import preemption_mode
-from kvdeck.runtime.core.policies.prompt_share import even_share
+from kvdeck.runtime.core.policies.prompt_share import step_share
 from kvdeck.runtime.core.policies.queue_order import queue_order
 from kvdeck.runtime.core.request import Request, RequestStatus
 from kvdeck.runtime.core.step_budget import StepBudget, StepTotals
@@ -201,7 +200,8 @@ class Scheduler:
                 prefills.append(r)
         self._prefilling = prefills
         budget = self._schedule_decodes(decodes, plan, budget, scheduled)
-        self._share = self._even_share(prefills, budget, len(scheduled), now) \
+        self._share = step_share(self, prefills, budget, len(scheduled), now,
+                                 len(plan.preempted) <= for_arrival) \
             if k.prefill_share == "even" else budget
         self._target = StepBudget(self.estimate, plan.chunks, plan.itl_target_s,
                                   self.kv.block_size) if plan.itl_target_s else None
@@ -243,19 +243,6 @@ class Scheduler:
         step within it."""
         n = min(pending, self.knobs.chunk_size, budget, self._share)
         return self._target.cap(start, n) if self._target is not None else n
-
-    def _even_share(self, prefills: list[Request], budget: int, num_scheduled: int,
-                    now: float) -> int:
-        """`budget` shared evenly (`policies/prompt_share.py`) among the running prompts
-        and the waiting requests that could join them this step (a waiting prompt counts
-        whole: its cache hit is not looked up for this)."""
-        k = self.knobs
-        pending = [min(r.num_pending_tokens, k.chunk_size) for r in prefills]
-        room = k.max_num_seqs - num_scheduled - len(pending)
-        if room > 0 and self.waiting and not (k.scheduling == "static" and self.running):
-            pending += [min(r.num_tokens - r.num_computed_tokens, k.chunk_size)
-                        for r in itertools.islice(queue_order(self.waiting, k, now), room)]
-        return even_share(budget, pending) if pending else budget
 
     def _schedule_decodes(self, decodes: list[Request], plan: SchedulerOutput, budget: int,
                           scheduled: set[str]) -> int:

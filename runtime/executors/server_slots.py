@@ -13,7 +13,8 @@ Which slot a request takes is llama-server's choice, and this follows it: the id
 whose last prompt shares the longest prefix with the new one, where that prefix is over a
 tenth of the new prompt (`--slot-prompt-similarity`, default 0.1; the lowest-numbered of
 equals); else the idle slot used longest ago (the highest-numbered of equals: its loop
-keeps the last). Pinned with `id_slot`, two requests decoding in slots 0 and 2 took 44 ms
+keeps the last). A request beyond the slots waits for one in llama-server; run the sim
+with `--max-num-seqs` no more than N (past it, requests share a slot here). Pinned with `id_slot`, two requests decoding in slots 0 and 2 took 44 ms
 a step, in slots 0 and 1 or 3 and 4, 28.
 """
 
@@ -91,7 +92,6 @@ class ServerSlots:
                 out.append([i])
         return out
 
-
     def step_seconds(self, chunks: list[ScheduledChunk], slots: list[int],
                      estimate: StepEstimate) -> float:
         """A step as llama-server runs it: a pass for each run of neighbouring slots' decode
@@ -100,18 +100,25 @@ class ServerSlots:
         total, decodes = 0.0, []
         new = pairs = context = 0
         for i, c in enumerate(chunks):
-            if c.num_new_tokens == 1 and c.request.output_token_ids and not c.num_draft:
+            req = c.request
+            if c.num_new_tokens == 1 and c.start + 1 == req.num_tokens and not c.num_draft \
+                    and req.output_token_ids:
                 decodes.append(i)
             else:
                 n, h = c.num_new_tokens, c.start
                 new, pairs, context = new + n, pairs + n * h + n * (n + 1) // 2, context + h + n
         for run in self.runs([slots[i] for i in decodes]):
             ctx = sum(chunks[decodes[j]].start + 1 for j in run)  # each row's pairs, positions
-            total += estimate(len(run), ctx, ctx, len(run), "decode")
+            # The fit alone, not corrected by the measured decode steps: those of a server
+            # with slots ran in one pass or several as the requests' slots fell (two sent at
+            # once take neighbouring slots, or the last and the first), and here the passes
+            # are counted as they are.
+            total += estimate(len(run), ctx, ctx, len(run), "")
         if new:
             prompts = len(chunks) - len(decodes)
             total += estimate(new, pairs, context, prompts, "prefill" if prompts == 1 else "")
         return total
+
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
     n = 0

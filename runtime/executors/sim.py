@@ -457,8 +457,8 @@ class SimExecutor:
                 "prefill" if len(plan.chunks) == 1 else ""
         else:
             shape = "decode" if num_new == len(plan.chunks) else ""
-        if self.slots is not None:
-            slots = [self.slots.slot(c.request) for c in plan.chunks]
+        # Every request takes its slot when it is first scheduled, whatever the step.
+        slots = [] if self.slots is None else [self.slots.slot(c.request) for c in plan.chunks]
         if not plan.chunks:
             seconds = 0.0
         elif self.slots is not None and shape in ("decode", "mixed"):

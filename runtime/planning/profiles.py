@@ -319,9 +319,8 @@ class ModelProfile:
         measured / fitted ratio, linear in log context between its measured contexts (the
         nearest one's beyond them), then linear in the batch between the measured batches
         around `batch` (the nearest one's beyond them). A line through decode steps misses
-        the batches where a server's step is not linear in its rows (llama-server on
-        Gemma 3 ran one, two and three rows in 21, 42 and 63 ms, four in about 50), and a
-        trace that runs two or three rows for most of its steps inherits that miss. A ratio,
+        some of them (torch on 2 cores: one row at context 76 by +9 %), and a trace that
+        runs that shape step after step inherits the miss. A ratio,
         not the measured time, carries past the measured contexts, so the fit's context
         term still grows the step there. 1 without measured decode steps."""
         points = self.decode_times.get(hardware)

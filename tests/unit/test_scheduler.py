@@ -111,6 +111,20 @@ def test_prompts_arriving_together_finish_together_under_an_even_share(share: st
     assert len(e.completed) == 5 and all(r.num_output_tokens == 4 for r in e.completed)
     assert_drained(e)
 
+
+def test_even_share_leaves_out_a_request_waiting_for_a_prefix_being_computed() -> None:
+    """B waits (`prefix_wait`) for the blocks of A's prompt that A is computing: the even
+    share leaves it out, so A keeps the whole budget rather than half of it."""
+    e = engine(max_num_batched_tokens=256, chunk_size=2048, prefill_share="even")
+    prompt = [7 + i % 50 for i in range(512)]
+    e.add_request(prompt, SamplingParams(max_tokens=2), request_id="A")
+    assert [(c.request_id, c.num_new_tokens) for c in e.step().plan] == [("A", 256)]
+    e.add_request(prompt + [3] * 16, SamplingParams(max_tokens=2), request_id="B")
+    assert [(c.request_id, c.num_new_tokens) for c in e.step().plan] == [("A", 256)]
+    plans(e)
+    assert len(e.completed) == 2
+    assert_drained(e)
+
 def test_static_mode_never_admits_into_a_running_group() -> None:
     e = engine(max_num_seqs=4, scheduling="static", enable_prefix_caching=False)
     add_random(e, 12, seed=3, max_prompt=100)

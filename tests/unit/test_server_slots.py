@@ -62,3 +62,18 @@ def test_decode_rows_of_slots_apart_run_in_passes_of_their_own(server_slots: int
 def test_server_slots_must_be_a_count() -> None:
     with pytest.raises(ConfigError, match="server_slots must be an integer from 0"):
         SimConfig(server_slots=-1)
+
+
+def test_a_prompt_beside_decode_rows_runs_after_their_passes() -> None:
+    """With slots, a step carrying a prompt and decode rows is the decode rows' pass, then
+    the prompt's (a decode row and a prompt share a micro-batch for one token at most)."""
+    e = engine(4)
+    e.add_request(list(range(10, 26)), SamplingParams(max_tokens=8), request_id="A")
+    e.step()  # A's prompt; A then decodes in slot 3
+    e.add_request(list(range(30, 62)), SamplingParams(max_tokens=2), request_id="B")
+    step = e.step()
+    assert sorted((c.request_id, c.num_new_tokens) for c in step.plan) == [("A", 1), ("B", 32)]
+    # A's row: 20 + 1 ms; B's 32 prompt tokens: 20 + 32 ms.
+    assert step.dt == pytest.approx(0.021 + 0.052)
+    e.run_until_idle()
+    e.close()
