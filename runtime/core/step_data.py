@@ -25,6 +25,16 @@ def causal_pairs(num_new: int, num_prior: int) -> int:
     return num_new * num_prior + num_new * (num_new + 1) // 2
 
 
+def common_prefix(a, b) -> int:
+    """How many tokens two token sequences have in common from the start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass(slots=True)
 class ScheduledChunk:
     """One request's share of an iteration: `num_new_tokens` tokens from position `start`."""

@@ -7,15 +7,15 @@ llama.cpp then cuts a batch into micro-batches whose sequences have consecutive 
 one micro-batch, those of slots 2 and 5 as two, one after the other, each a whole pass
 over the weights. Measured on Gemma 3 270M (2 cores, 8 slots), in a trace's token
 streams: one request decoding took 22 ms a step, two 45 and three 67; two and three sent
-at once (neighbouring slots) took 28 and 42.
+at once (neighbouring slots) took 28 and 42. Pinned with `id_slot`, two requests decoding
+in slots 0 and 2 took 44 ms a step, in slots 0 and 1 or 3 and 4, 28.
 
 Which slot a request takes is llama-server's choice, and this follows it: the idle slot
 whose last prompt shares the longest prefix with the new one, where that prefix is over a
 tenth of the new prompt (`--slot-prompt-similarity`, default 0.1; the lowest-numbered of
 equals); else the idle slot used longest ago (the highest-numbered of equals: its loop
 keeps the last). A request beyond the slots waits for one in llama-server; run the sim
-with `--max-num-seqs` no more than N (past it, requests share a slot here). Pinned with `id_slot`, two requests decoding in slots 0 and 2 took 44 ms
-a step, in slots 0 and 1 or 3 and 4, 28.
+with `--max-num-seqs` no more than N (past it, requests share a slot here).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import itertools
 from collections.abc import Callable
 
 from kvdeck.runtime.core.request import Request
-from kvdeck.runtime.core.step_data import ScheduledChunk
+from kvdeck.runtime.core.step_data import ScheduledChunk, common_prefix
 
 StepEstimate = Callable[[int, int, int, int, str], float]
 """(new tokens, causal pairs, positions read, rows sampled, shape) -> seconds of one pass
@@ -64,7 +64,7 @@ class ServerSlots:
         prompt = req.prompt_token_ids
         best, best_len = None, 0
         for s in idle:
-            n = _common_prefix(self._last[s], prompt)
+            n = common_prefix(self._last[s], prompt)
             if n > best_len:
                 best, best_len = s, n
         if best is not None and best_len > SIMILARITY * len(prompt):
@@ -119,11 +119,3 @@ class ServerSlots:
             total += estimate(new, pairs, context, prompts, "prefill" if prompts == 1 else "")
         return total
 
-
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvdeck.runtime.core.step_data import common_prefix
 from kvdeck.runtime.executors.kv_codecs import KVCodec
 from kvdeck.runtime.models.transformer import Transformer
 from kvdeck.runtime.resources import PASSAGE, cache_dir
@@ -111,15 +112,6 @@ def compare(label: str, logits: torch.Tensor, ref: Reference) -> Quality:
     disagree = [(i, ref.margin[i]) for i, (a, b) in enumerate(zip(top1, ref.top1,
                                                                    strict=True)) if a != b]
     return Quality(label, 1 - len(disagree) / len(top1), dlogit, disagree)
-
-
-def identical_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class QualityCache:
@@ -220,7 +212,7 @@ def measure_formats(executor, tokenizer, weight_formats: tuple[str, ...],
                 if kv != "fp32" else None
             q = compare(label, teacher_forced_logits(executor.model, tokens, codec).cpu(), ref)
             if greedy:
-                q.identical_greedy = [identical_prefix(a, b) for a, b in
+                q.identical_greedy = [common_prefix(a, b) for a, b in
                                       zip(continuations(kv), ref_greedy, strict=True)]
             if caches:
                 caches[label.split()[0]].put(q)

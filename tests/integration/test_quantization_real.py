@@ -9,8 +9,9 @@ import pytest
 from kvdeck.runtime.core.config import EngineConfig, Knobs
 from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
+from kvdeck.runtime.core.step_data import common_prefix
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.text.quality import PROMPTS, identical_prefix, measure_formats
+from kvdeck.runtime.text.quality import PROMPTS, measure_formats
 from kvdeck.runtime.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,7 @@ def test_q8_0_kv_keeps_greedy_tokens_of_fp16_kv_and_beats_q4_0(gemma_path, token
     tokens — each where fp16's own top-two margin was a near-tie: 0.003 and 0.017.)"""
     ex = TorchExecutor(gemma_path, device="cpu", dtype="fp32", kernel_cache=None)
     fp16, q8 = greedy(ex, tokenizer, "fp16"), greedy(ex, tokenizer, "q8_0")
-    same = [identical_prefix(a, b) for a, b in zip(fp16, q8, strict=True)]
+    same = [common_prefix(a, b) for a, b in zip(fp16, q8, strict=True)]
     print(f"q8_0 KV vs fp16 KV, identical greedy tokens per prompt: {same}")
     assert all(n >= 16 for n in same)
     q8q, q4q = measure_formats(ex, tokenizer, (), ("q8_0", "q4_0"), greedy=False,
