@@ -4,7 +4,8 @@ Continuous batching under two budgets, tokens per iteration and sequences per it
 
 1. running requests in the decode phase get one token each, first;
 2. running requests still prefilling (a chunked prompt, or recomputation after preemption)
-   get chunks of at most `chunk_size` tokens from what budget is left;
+   get chunks of at most `chunk_size` tokens from what budget is left (under
+   `prefill_share = even`, at most an even share of it: `policies/prompt_share.py`);
 3. waiting requests are admitted in queue-policy order while both budgets, the KV pool and
    (with admission control) their deadlines allow. Admission stops at the first request that
    does not fit, so a large request is not starved by smaller ones behind it.
