@@ -32,7 +32,12 @@ from kvdeck.runtime.models.weight_formats import (
     parse_weight_format,
 )
 from kvdeck.runtime.planning.parallel import Layout, layout_step_seconds
-from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, StepFit
+from kvdeck.runtime.planning.profiles import (
+    HardwareProfile,
+    ModelProfile,
+    StepFit,
+    ratio_at,
+)
 from kvdeck.runtime.planning.step_time import (
     Measured,
     fitted_seconds,
@@ -171,8 +176,8 @@ class SimExecutor:
         given = (config.fixed_ms, config.per_token_us, config.per_pair_ns) != (None,) * 3
         self._prefill_factor = functools.lru_cache(maxsize=4096)(functools.partial(
             self.model.prefill_factor, "" if given else self.hardware.name, self.fit))
-        self._decode_factor = functools.lru_cache(maxsize=4096)(functools.partial(
-            self.model.decode_factor, "" if given else self.hardware.name, self.fit))
+        self._decode_ratios = {} if given else self.model.decode_ratios(self.hardware.name,
+                                                                        self.fit)
         self.measured = Measured.of(self.model, self.hardware) \
             if self.timing == "measured" else None
         self._kv_format = self.model.kv_dtype
@@ -376,7 +381,7 @@ class SimExecutor:
             if shape == "prefill":
                 factor = self._prefill_factor(num_new_tokens, history)
             elif shape == "decode":  # each row's positions before its token
-                factor = self._decode_factor(rows, history // rows)
+                factor = ratio_at(self._decode_ratios, rows, history // rows)
             else:
                 factor = 1.0
             return fitted_seconds(self.fit, self.hardware, extra, num_new_tokens, num_pairs,

@@ -323,27 +323,18 @@ class ModelProfile:
         runs that shape step after step inherits the miss. A ratio,
         not the measured time, carries past the measured contexts, so the fit's context
         term still grows the step there. 1 without measured decode steps."""
-        points = self.decode_times.get(hardware)
-        if not points:
-            return 1.0
+        return ratio_at(self.decode_ratios(hardware, fit), batch, context)
+
+    def decode_ratios(self, hardware: str, fit: StepFit) -> dict[int, list[tuple[float, float]]]:
+        """The measured decode steps on `hardware` over `fit`, by batch: (log2(1 + context),
+        measured / fitted) ascending — what `decode_factor` interpolates, worked out once
+        by a caller that asks for many steps (`ratio_at`)."""
         curves: dict[int, list[tuple[float, float]]] = {}
-        for b, c, seconds in points:
+        for b, c, seconds in self.decode_times.get(hardware, ()):
             fitted = fit.seconds(b, b * causal_pairs(1, c), b, b * (c + 1))
             if fitted > 0:
                 curves.setdefault(b, []).append((math.log2(1 + c), seconds / fitted))
-        if not curves:
-            return 1.0
-        x = math.log2(1 + max(context, 0))
-
-        def at(b: int) -> float:
-            return _clamped_line(sorted(curves[b]), x)
-
-        batches = sorted(curves)
-        lo = max((b for b in batches if b <= batch), default=batches[0])
-        hi = min((b for b in batches if b >= batch), default=batches[-1])
-        if lo == hi:
-            return at(lo)
-        return at(lo) + (at(hi) - at(lo)) * (batch - lo) / (hi - lo)
+        return {b: sorted(points) for b, points in curves.items()}
 
     def kv_bytes_per_token(self, kv_format: str | None = None) -> int:
         """K and V bytes of one token in every layer (a context within every window)."""
@@ -540,3 +531,17 @@ def _clamped_line(points: list[tuple[float, float]], x: float) -> float:
         if x <= x1:
             return y1 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
     return points[-1][1]
+
+
+def ratio_at(curves: dict[int, list[tuple[float, float]]], batch: int, context: int) -> float:
+    """`ModelProfile.decode_factor` from its `decode_ratios`: 1 where there are none."""
+    if not curves:
+        return 1.0
+    x = math.log2(1 + max(context, 0))
+    batches = sorted(curves)
+    lo = max((b for b in batches if b <= batch), default=batches[0])
+    hi = min((b for b in batches if b >= batch), default=batches[-1])
+    at_lo = _clamped_line(curves[lo], x)
+    if lo == hi:
+        return at_lo
+    return at_lo + (_clamped_line(curves[hi], x) - at_lo) * (batch - lo) / (hi - lo)
