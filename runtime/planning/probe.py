@@ -8,9 +8,10 @@ No server lets a client time its steps, but its token stream shows them:
   apart as `overhead_s` — the decode gaps have none of it.
 - **Prefill on a cached prefix.** A prompt of `h` tokens, then the same prompt with `c`
   more: the second's time to first token is a step computing `c` tokens over `h` cached
-  ones, as chunks that extend a long history do. It counts only where the server says it
-  reused the prefix (`cached_tokens` in its usage, or llama-server's `cache_n`); a server
-  that says nothing gives no such point.
+  ones, as chunks that extend a long history do — or over as many as the server says it
+  kept (`cached_tokens` in its usage, or llama-server's `cache_n`; llama-server keeps less
+  of it on models with sliding-window layers). A server that says nothing gives no such
+  point.
 - **Decode.** `b` requests of `L` prompt tokens sent at once, `M` outputs each: from the
   moment the last of them has its first token until the first of them ends, all `b` decode
   together, and the gaps between one request's streamed tokens are steps of `b` rows at
@@ -124,13 +125,21 @@ def prefill_point(requests: list[dict], c: int) -> Point:
 
 
 def history_point(requests: list[dict], h: int, c: int) -> Point | None:
-    """`c` tokens computed over `h` cached ones: the median time from send to first token of
-    the requests the server says reused at least `h` tokens (None: none did)."""
-    hits = [r for r in requests if r["cached_tokens"] >= h and r["ttft"] is not None]
-    if not hits:
+    """The `h + c`-token prompts sent after their first `h` tokens: each computed what the
+    server did not keep of them over what it kept. The point is the median time from send
+    to first token of the requests that kept the most common number of tokens, `k > 0` of
+    them (None: none kept any). `k` is `h` where the server keeps a prefix whole; llama-server
+    on a model with sliding-window layers keeps a slot's state only up to a checkpoint it
+    took near its last prompt's end, one token before it (251 of a 256-token prefix)."""
+    kept = [r["cached_tokens"] for r in requests
+            if 0 < r["cached_tokens"] <= h and r["ttft"] is not None]
+    if not kept:
         return None
-    seconds = statistics.median(r["ttft"] - r["queue_time"] for r in hits)
-    return Point("prefill", c, causal_pairs(c, h), f"prefill {c} on {h}", seconds, h + c,
+    k = statistics.mode(kept)
+    seconds = statistics.median(r["ttft"] - r["queue_time"] for r in requests
+                                if r["cached_tokens"] == k and r["ttft"] is not None)
+    n = h + c - k
+    return Point("prefill", n, causal_pairs(n, k), f"prefill {n} on {k}", seconds, h + c,
                  outside=True)
 
 
@@ -230,8 +239,8 @@ def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = Non
             again += _send(url, model, [Arrival(0.0, h + c, 1, prompt_tokens=more)], api_key, 1)
         point = history_point(again, h, c)
         if point is None:
-            progress(f"  prefill {c} on {h}: the server did not say it reused the {h}-token "
-                     "prefix (vLLM: --enable-prompt-tokens-details); no point")
+            progress(f"  prefill {c} on {h}: the server did not say it reused any of the "
+                     f"{h}-token prefix (vLLM: --enable-prompt-tokens-details); no point")
             continue
         points.append(point)
         progress(f"  {point.label}: {point.seconds * 1e3:.1f} ms")

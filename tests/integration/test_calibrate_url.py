@@ -64,13 +64,20 @@ def test_a_prefill_point_is_the_time_from_send_to_first_token() -> None:
         prefill_point([silent], 256)
 
 
-def test_a_history_point_counts_only_requests_that_reused_the_prefix() -> None:
+def test_a_history_point_is_what_the_server_computed_over_what_it_kept() -> None:
     reqs = [dict(stream(0, [], ttft=t), cached_tokens=c) for t, c in
             ((0.03, 256), (0.05, 256), (0.40, 0))]  # the last computed all 320 again
     p = history_point(reqs, 256, 64)
     assert p.label == "prefill 64 on 256" and p.seconds == pytest.approx(0.04)
     assert p.pairs == 64 * 256 + 64 * 65 // 2 and p.context == 320
     assert history_point(reqs[2:], 256, 64) is None
+    # llama-server on a sliding-window model keeps 251 of the 256 (a checkpoint): the
+    # point is the 69 tokens it computed over them.
+    part = [dict(stream(0, [], ttft=t), cached_tokens=c) for t, c in
+            ((0.06, 251), (0.07, 251), (0.05, 251), (0.40, 0))]
+    p = history_point(part, 256, 64)
+    assert p.label == "prefill 69 on 251" and p.seconds == pytest.approx(0.06)
+    assert p.new_tokens == 69 and p.pairs == 69 * 251 + 69 * 70 // 2 and p.context == 320
 
 
 def test_server_profile_names_are_bare_toml_keys() -> None:

@@ -171,8 +171,7 @@ async def test_live_loop_streams_snapshots_and_quits_cleanly(tmp_path) -> None:
 KNOB_VALUES = {
     "max_num_batched_tokens": ("1024", 1024), "max_num_seqs": ("8", 8),
     "chunk_size": ("64", 64), "scheduling": ("static", "static"),
-    "queue_policy": ("sjf", "sjf"), "prefill_share": ("even", "even"),
-    "sjf_max_wait_s": ("5", 5.0),
+    "queue_policy": ("sjf", "sjf"), "sjf_max_wait_s": ("5", 5.0),
     "reservation": ("full", "full"), "preemption": ("recompute", "recompute"),
     "enable_prefix_caching": ("false", False), "prefix_cache_capacity": ("100", 100),
     "prefix_wait": ("false", False),
