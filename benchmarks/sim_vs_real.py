@@ -59,6 +59,8 @@ THREADS = 2
 MAX_SEQS = 8
 REQUESTS = 16
 PROMPT_CAP, OUTPUTS, PREFIX, OWN = 768, 32, 512, 64
+LLAMA_BATCH, LLAMA_UBATCH = 2048, 512
+"""llama-server's default `-b` and `-ub`."""
 VOCAB = 32_000
 """Token ids are drawn below this (every modern vocabulary has them)."""
 APART = 0.005
@@ -188,27 +190,36 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
     llama-server with 8 slots (`--no-repack`: the one start that works on every CPU here)
     and vLLM's CPU build; each with the batching settings the sim runs its prediction with
     (the server's own: kvdeck's real executors' token budget of 512 and chunk of 256,
-    llama-server's batch of 2,048, vLLM told 2,048). llama-server advances the prompts of
-    all its slots together (measured: a burst of eight 768-token prompts got their first
-    tokens within 3 ms of each other, 8.47 s after they were sent), where kvdeck's
-    scheduler by default finishes them in order: its prediction runs with the batch shared
-    evenly among the prompts (`--prefill-share even`), and with its slots
-    (`--server-slots 8`): its KV is kept per slot, and the decode rows of slots that are
-    not neighbours run in passes of their own. Its slots share no prefix with each other (a
-    slot reuses only its own previous prompt), so its prediction runs with prefix caching
-    off."""
+    llama-server's batch of 2,048, vLLM told 2,048). llama-server's prediction runs with
+    its slots (`--server-slots 8`: its KV is kept per slot, the decode rows of slots that
+    are not neighbours run in passes of their own, prompts fill the batch in slot order,
+    and a slot keeps its last prompt), and with its prompt cuts on Gemma 3
+    (`llama_server_cuts`): a burst's prompts advance in pieces and have their first tokens
+    together. Its slots share no prefix with each other, so its prediction runs with
+    prefix caching off."""
     seqs = ["--max-num-seqs", str(MAX_SEQS)]
     if not with_peers:
         return [(peers.kvdeck(ex, DEFAULT_MODEL, THREADS, *seqs),
                  [*seqs, "--max-num-batched-tokens", "512", "--chunk-size", "256"])
                 for ex in ("llama_cpp", "torch")]
     gguf = resolve_model(DEFAULT_MODEL)
-    wide = [*seqs, "--max-num-batched-tokens", "2048", "--chunk-size", "2048"]
-    even = [*wide, "--prefill-share", "even", "--server-slots", str(MAX_SEQS)]
+    wide = [*seqs, "--max-num-batched-tokens", str(LLAMA_BATCH), "--chunk-size",
+            str(LLAMA_BATCH)]
+    slots = [*wide, "--server-slots", str(MAX_SEQS), "--no-enable-prefix-caching"]
     return [(peers.llama_server(gguf, DEFAULT_MODEL, THREADS, repack=False),
-             [*even, "--no-enable-prefix-caching"]),
+             [*slots, *llama_server_cuts()]),
             (peers.vllm(gguf, DEFAULT_MODEL, THREADS, *seqs, "--max-num-batched-tokens",
                         "2048"), wide)]
+
+
+def llama_server_cuts() -> list[str]:
+    """The sim's `--prompt-cuts` for llama-server on the model: on one with sliding-window
+    layers (Gemma 3) it checkpoints each prompt's state `4 + n_ubatch` and 4 tokens before
+    its end, each offset at most `n_batch` (its defaults: 512 and 2,048), ending the
+    prompt's batch there (its `server-context.cpp`; seen in its log at `-v`)."""
+    if not ModelProfile.load(DEFAULT_MODEL).sliding_window:
+        return []
+    return ["--prompt-cuts", f"{min(LLAMA_BATCH, 4 + LLAMA_UBATCH)},{min(LLAMA_BATCH, 4)}"]
 
 
 def show(rows: list[dict]) -> None:

@@ -147,6 +147,10 @@ FLAGS: tuple[Flag, ...] = (
          f"Token budget per iteration ({_defaults('max_num_batched_tokens')}).", ENGINE),
     Flag("enable_prefix_caching", ("--enable-prefix-caching/--no-enable-prefix-caching",),
          bool, "Share and cache prompt prefixes (default on).", ENGINE),
+    Flag("prompt_cuts", ("--prompt-cuts",), str, "Offsets before a prompt's end where its "
+         "prefill chunk ends, like 516,4: llama-server's context checkpoints (4 + ubatch and "
+         "4 tokens before the end, on models with sliding-window or recurrent layers) "
+         "(default none).", ENGINE),
     Flag("seed", ("--seed",), int, "Seed for sampling, sim tokens and traffic (default 0).",
          ENGINE),
     Flag("max_waiting", ("--max-waiting",), int,
@@ -157,10 +161,6 @@ FLAGS: tuple[Flag, ...] = (
          f"Most prompt tokens per request per iteration ({_defaults('chunk_size')}).", KNOBS),
     Flag("scheduling", ("--scheduling",), str, _one_of("scheduling"), KNOBS),
     Flag("queue_policy", ("--queue-policy",), str, _one_of("queue_policy"), KNOBS),
-    Flag("prefill_share", ("--prefill-share",), str, "How prompts share the token budget "
-         "left after decodes: in_order (each its chunk, in admission order, as vLLM) or even "
-         "(the same share each, so a burst's prompts finish together, as llama-server) "
-         "(default in_order).", KNOBS),
     Flag("sjf_max_wait_s", ("--sjf-max-wait-s",), float, "Aging bound for sjf (default 30).",
          KNOBS),
     Flag("priority_max_wait_s", ("--priority-max-wait-s",), float,

@@ -33,9 +33,6 @@ EVICTION_POLICIES = ("lru", "value")
 DEADLINE_ACTIONS = ("reject", "wait")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 """Speculative decoding: off, or n-gram prompt lookup (`runtime/spec/`)."""
-PREFILL_SHARES = ("in_order", "even")
-"""How prompt tokens share a step's budget: in admission order, each its chunk, or evenly
-(`policies/prompt_share.py`)."""
 DRAFT_LENGTHS = ("adaptive", "fixed")
 """Draft length per request: chosen each step by the marginal-cost rule, or always the most."""
 KNOB_CHOICES: dict[str, tuple[str, ...]] = {
@@ -43,7 +40,7 @@ KNOB_CHOICES: dict[str, tuple[str, ...]] = {
     "reservation": RESERVATION_POLICIES, "preemption": PREEMPTION_MODES,
     "eviction_policy": EVICTION_POLICIES, "on_deadline_miss": DEADLINE_ACTIONS,
     "kv_format": tuple(KV_FORMATS), "speculative_method": SPECULATIVE_METHODS,
-    "draft_length": DRAFT_LENGTHS, "prefill_share": PREFILL_SHARES,
+    "draft_length": DRAFT_LENGTHS,
 }
 """The knobs whose values are a fixed list, and the list."""
 
@@ -68,6 +65,21 @@ def check_bool(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be true or false, got {value!r}.")
 
 
+def parse_cuts(text: str) -> tuple[int, ...]:
+    """`prompt_cuts` as offsets, largest first: comma-separated token counts from 1 to
+    1,048,576, each once; an empty text is none."""
+    if not text.strip():
+        return ()
+    try:
+        cuts = tuple(sorted((int(x) for x in text.split(",")), reverse=True))
+    except ValueError:
+        cuts = (0,)
+    if any(not 1 <= c <= 1 << 20 for c in cuts) or len(set(cuts)) != len(cuts):
+        raise ConfigError(f"prompt_cuts must be comma-separated token counts from 1 to "
+                          f"1048576, each once, like 516,4; got {text!r}.")
+    return cuts
+
+
 @dataclass(frozen=True)
 class Knobs:
     """Settings an operator may change while the engine runs (applied between iterations)."""
@@ -80,10 +92,6 @@ class Knobs:
     """Most prompt tokens one request may prefill in one iteration."""
     scheduling: str = "continuous"
     queue_policy: str = "fcfs"
-    prefill_share: str = "in_order"
-    """How the budget left after decode rows goes to prompts: `in_order`, each its chunk in
-    admission order (vLLM, SGLang), or `even`, the same share for every prompt being
-    computed, so a burst's prompts finish together (llama-server)."""
     sjf_max_wait_s: float = 30.0
     """Under `sjf`, a request that has waited this long goes ahead of shorter ones (aging)."""
     priority_max_wait_s: float = 30.0
@@ -209,6 +217,11 @@ class EngineConfig:
     """Most LoRA adapters resident at once, hence in one batch (vLLM's `--max-loras`); an
     adapter no running request uses is unloaded for another, loaded again from the host on
     demand (`runtime/models/lora.py`). 0: every adapter stays resident."""
+    prompt_cuts: str = ""
+    """Offsets before a prompt's end at which its prefill chunk ends, comma-separated (empty:
+    none): llama-server ends a prompt's batch `4 + n_ubatch` and 4 tokens before its end on
+    a model with sliding-window or recurrent layers, to checkpoint its state there
+    (`policies/prompt_cuts.py`)."""
     seed: int = 0
     namespace: str = "default"
     """Prefix-cache namespace: model, adapter and KV format that make cached KV reusable."""
@@ -225,6 +238,7 @@ class EngineConfig:
         check_int("max_waiting", self.max_waiting, 1, 1 << 24)
         check_int("max_loras", self.max_loras, 0, 1 << 10)
         self.eviction.check(self.block_size)
+        parse_cuts(self.prompt_cuts)
         check_int("seed", self.seed, 0, (1 << 63) - 1)
 
     @property

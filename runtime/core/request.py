@@ -205,9 +205,11 @@ class Request(Progress):
     priority: int = 0
     """Lower runs first under the `priority` policy (as in vLLM)."""
     remote_kv_tokens: int = 0
-    """Prompt tokens whose KV another instance computed and sent (disaggregated prefill,
-    `runtime/cluster/`): its first admission takes them as computed, in fresh blocks, as
-    vLLM's KV connectors do; a preemption loses them (0 after that admission)."""
+    """Prompt tokens whose KV was computed outside the prefix cache: by another instance,
+    which sent it (disaggregated prefill, `runtime/cluster/`), or kept by the llama-server
+    slot the sim gives the request (`--server-slots`, set on admission). Admission takes
+    them as computed and cached, in fresh blocks, as vLLM's KV connectors do; a preemption
+    loses them (0 after that admission)."""
     num_arrival_preemptions: int = 0
     """Times a higher-priority arrival preempted it (bounded:
     `policies.preemption.ARRIVAL_PREEMPTIONS`)."""

@@ -4,8 +4,8 @@ Continuous batching under two budgets, tokens per iteration and sequences per it
 
 1. running requests in the decode phase get one token each, first;
 2. running requests still prefilling (a chunked prompt, or recomputation after preemption)
-   get chunks of at most `chunk_size` tokens from what budget is left (under
-   `prefill_share = even`, at most an even share of it: `policies/prompt_share.py`);
+   get chunks of at most `chunk_size` tokens from what budget is left, each ending at
+   the next of `prompt_cuts` where those are set (`policies/prompt_cuts.py`);
 3. waiting requests are admitted in queue-policy order while both budgets, the KV pool and
    (with admission control) their deadlines allow. Admission stops at the first request that
    does not fit, so a large request is not starved by smaller ones behind it.
@@ -26,13 +26,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvdeck.runtime.core import preempt
-from kvdeck.runtime.core.config import EngineConfig, Knobs
+from kvdeck.runtime.core.config import EngineConfig, Knobs, parse_cuts
 from kvdeck.runtime.core.policies.admission import DeadlineAdmission, lora_slot_limit, never_fits
 from kvdeck.runtime.core.policies.draft_length import DraftLengths
 from kvdeck.runtime.core.policies.preemption import preemption_mode
-from kvdeck.runtime.core.policies.prompt_share import step_share
+from kvdeck.runtime.core.policies.prompt_cuts import cut_chunk
 from kvdeck.runtime.core.policies.queue_order import queue_order
 from kvdeck.runtime.core.request import Request, RequestStatus
 from kvdeck.runtime.core.step_budget import StepBudget, StepTotals
@@ -40,6 +41,9 @@ from kvdeck.runtime.core.step_data import Estimator, ScheduledChunk, SchedulerOu
 from kvdeck.runtime.core.stop_rules import finish_reason, stop_after
 from kvdeck.runtime.kv.manager import BlockManager
 from kvdeck.runtime.spec.stats import SpecStats
+
+if TYPE_CHECKING:
+    from kvdeck.runtime.executors.server_slots import ServerSlots
 
 Proposer = Callable[[Request, int], list[int]]
 """(request, most tokens) -> draft tokens to follow its last token (speculative decoding)."""
@@ -82,8 +86,11 @@ class Scheduler:
         """Running requests with prompt tokens left to compute, as of this step's plan."""
         self._target: StepBudget | None = None
         """While planning under an ITL target, the step's predicted time so far."""
-        self._share = 0
-        """Most prompt tokens one request may take this step (`prefill_share`)."""
+        self._cuts = parse_cuts(config.prompt_cuts)
+        self.slots: ServerSlots | None = None
+        """The sim's llama-server slots (set by the engine): a request admitted takes a
+        slot, whose kept prompt tokens count as computed for it, and prompts fill the
+        step's budget in slot order, as llama-server's loop over its slots does."""
 
     # -- knobs ------------------------------------------------------------------------------
 
@@ -199,11 +206,10 @@ class Scheduler:
                 decodes.append(r)
             else:
                 prefills.append(r)
+        if self.slots is not None:
+            prefills.sort(key=self.slots.slot)
         self._prefilling = prefills
         budget = self._schedule_decodes(decodes, plan, budget, scheduled)
-        self._share = step_share(self, prefills, budget, len(scheduled), now,
-                                 len(plan.preempted) <= for_arrival) \
-            if k.prefill_share == "even" else budget
         self._target = StepBudget(self.estimate, plan.chunks, plan.itl_target_s,
                                   self.kv.block_size) if plan.itl_target_s else None
         for req in prefills:
@@ -239,10 +245,11 @@ class Scheduler:
         return plan
 
     def _chunk(self, start: int, pending: int, budget: int) -> int:
-        """Tokens of a prefill chunk from `start`: at most `pending`, `chunk_size`, the
-        token budget and the step's share, and under an ITL target what keeps the predicted
-        step within it."""
-        n = min(pending, self.knobs.chunk_size, budget, self._share)
+        """Tokens of a prefill chunk from `start`: at most `pending`, `chunk_size` and the
+        token budget, ending at the next of `prompt_cuts`, and under an ITL target what
+        keeps the predicted step within it."""
+        n = cut_chunk(start, start + pending, min(pending, self.knobs.chunk_size, budget),
+                      self._cuts)
         return self._target.cap(start, n) if self._target is not None else n
 
     def _schedule_decodes(self, decodes: list[Request], plan: SchedulerOutput, budget: int,
@@ -352,6 +359,8 @@ class Scheduler:
                 self.reject(req, never, now)
                 plan.rejected.append(req.request_id)
                 continue
+            if self.slots is not None:
+                req.remote_kv_tokens = self.slots.reuse(req, self._cuts)
             chain = self.kv.prefix_chain(req)
             hit = max(len(chain) * self.kv.block_size, req.remote_kv_tokens)
             if k.prefix_wait and k.enable_prefix_caching:

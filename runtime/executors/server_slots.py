@@ -44,6 +44,8 @@ class ServerSlots:
         self._holder: dict[str, Request] = {}
         self._last: list[tuple[int, ...]] = [()] * num_slots
         """Each slot's tokens when its request ended (llama-server keeps them cached)."""
+        self._prompt = [0] * num_slots
+        """The length of each slot's last prompt (where its checkpoints were)."""
         self._used = [-1] * num_slots
         self._clock = itertools.count()
 
@@ -55,6 +57,24 @@ class ServerSlots:
             self.of[req.request_id] = s
             self._holder[req.request_id] = req
         return s
+
+    def reuse(self, req: Request, cuts: tuple[int, ...]) -> int:
+        """Takes `req`'s slot (on admission, as llama-server launches a task into a slot) and
+        returns the prompt tokens that slot still holds for it: the prefix its last tokens
+        share with `req`'s prompt, at most all but the prompt's last token. With `cuts`
+        (`prompt_cuts`: a model with sliding-window layers) only up to the last of the
+        slot's checkpoints within that prefix, taken where its last prompt was cut: the
+        window's KV before them is gone, and llama-server restores the checkpoint and
+        computes its last token again (measured: 251 tokens kept of a checkpoint at 252, 59
+        of one at 60); none within it, the prompt is computed whole. A request the pool
+        then cannot take keeps its slot while it waits."""
+        s = self.slot(req)
+        prompt = req.prompt_token_ids
+        shared = min(common_prefix(self._last[s], prompt), len(prompt) - 1)
+        if cuts:
+            last = self._prompt[s]
+            shared = max((last - c - 1 for c in cuts if 0 < last - c <= shared), default=0)
+        return shared
 
     def _choose(self, req: Request) -> int:
         busy = set(self.of.values())
@@ -78,6 +98,7 @@ class ServerSlots:
         if s is None or req is None:
             return
         self._last[s] = tuple(req.prompt_token_ids) + tuple(req.output_token_ids)
+        self._prompt[s] = len(req.prompt_token_ids)
         self._used[s] = next(self._clock)
 
     def runs(self, slots: list[int]) -> list[list[int]]:

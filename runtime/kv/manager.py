@@ -276,9 +276,10 @@ class BlockManager:
         hit = len(chain) * self.block_size
         req.num_computed_tokens = hit
         req.num_cached_tokens = hit
-        if req.remote_kv_tokens > hit:  # sent by another instance: fresh blocks hold it
+        if req.remote_kv_tokens > hit:  # computed elsewhere: fresh blocks hold it
             self._grow(req, req.remote_kv_tokens - hit, False)
-            req.num_computed_tokens = req.remote_kv_tokens
+            # Counted as cached, as vLLM counts tokens its KV connector brought.
+            req.num_computed_tokens = req.num_cached_tokens = req.remote_kv_tokens
         req.remote_kv_tokens = 0
         if self.enable_caching:
             self.apply(ev.Hit(rid, hit), len(reusable))

@@ -9,9 +9,9 @@ import pytest
 
 from kvdeck.runtime.core.config import EngineConfig, Knobs
 from kvdeck.runtime.core.engine import Engine
-from kvdeck.runtime.core.policies.prompt_share import even_share
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.core.step_record import StepRecord
+from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 
 
@@ -83,47 +83,36 @@ def test_decodes_first_and_long_prompts_chunked() -> None:
     assert_drained(e)
 
 
-
-def test_even_share_fills_the_budget_level_with_what_each_prompt_needs() -> None:
-    # 20 fits under the level; the four others split what is left: (300 − 20) / 4.
-    assert even_share(300, [20, 200, 200, 200, 200]) == 70
-    assert even_share(1000, [20, 200, 200]) == 1000  # every prompt fits whole
-    assert even_share(3, [5, 5, 5, 5]) == 1  # never 0: the budget runs out first
-
-
-@pytest.mark.parametrize("share", ["in_order", "even"])
-def test_prompts_arriving_together_finish_together_under_an_even_share(share: str) -> None:
-    """Four 200-token prompts and a 20-token one, a budget of 300: in order, the first two
-    long prompts have their first tokens a step or more before the last; shared evenly, the
-    short one takes what it needs and the four long ones finish in the same step."""
-    e = engine(max_num_batched_tokens=300, chunk_size=2048, prefill_share=share)
-    for i in range(4):
-        e.add_request([3 + i] * 200, SamplingParams(max_tokens=4), request_id=f"long{i}")
-    e.add_request([9] * 20, SamplingParams(max_tokens=4), request_id="short")
-    records = plans(e)
-    done = {c.request_id: i for i, rec in enumerate(records) for c in rec.plan
-            if c.start + c.num_new_tokens == (20 if c.request_id == "short" else 200)}
-    assert all(sum(c.num_new_tokens for c in rec.plan) <= 300 for rec in records)
-    assert [c.num_new_tokens for c in records[0].plan] == \
-        ([200, 100] if share == "in_order" else [70, 70, 70, 70, 20])
-    finished = {done[f"long{i}"] for i in range(4)}
-    assert len(finished) == (1 if share == "even" else 3)
-    assert len(e.completed) == 5 and all(r.num_output_tokens == 4 for r in e.completed)
-    assert_drained(e)
-
-
-def test_even_share_leaves_out_a_request_waiting_for_a_prefix_being_computed() -> None:
-    """B waits (`prefix_wait`) for the blocks of A's prompt that A is computing: the even
-    share leaves it out, so A keeps the whole budget rather than half of it."""
-    e = engine(max_num_batched_tokens=256, chunk_size=2048, prefill_share="even")
-    prompt = [7 + i % 50 for i in range(512)]
-    e.add_request(prompt, SamplingParams(max_tokens=2), request_id="A")
-    assert [(c.request_id, c.num_new_tokens) for c in e.step().plan] == [("A", 256)]
-    e.add_request(prompt + [3] * 16, SamplingParams(max_tokens=2), request_id="B")
-    assert [(c.request_id, c.num_new_tokens) for c in e.step().plan] == [("A", 256)]
-    plans(e)
+@pytest.mark.parametrize("cuts", ["", "516,4"])
+def test_prompt_cuts_end_chunks_where_llama_server_checkpoints(cuts: str) -> None:
+    """With cuts at 516 and 4 tokens before a prompt's end (llama-server's on a model with
+    sliding-window layers, ubatch 512), a lone 768-token prompt runs as 252, 512 and 4
+    tokens, and a second sent after the first step catches up with it: their first tokens
+    come a step apart. Without cuts the first runs whole and is done before the second
+    starts."""
+    cfg = EngineConfig(num_blocks=256, prompt_cuts=cuts,
+                       knobs=Knobs(max_num_batched_tokens=2048, chunk_size=2048))
+    e = Engine(cfg, SimExecutor(SimConfig(), seed=1))
+    e.add_request([3 + i % 90 for i in range(768)], SamplingParams(max_tokens=3),
+                  request_id="A")
+    steps = [[(c.request_id, c.start, c.num_new_tokens) for c in e.step().plan]]
+    e.add_request([100 + i % 90 for i in range(768)], SamplingParams(max_tokens=3),
+                  request_id="B")
+    while e.has_work:
+        steps.append([(c.request_id, c.start, c.num_new_tokens) for c in e.step().plan])
+        e.check_integrity()
+    first = {rid: next(i for i, s in enumerate(steps) for r, start, n in s
+                       if r == rid and start + n == 768) for rid in "AB"}
+    if cuts:
+        assert steps[:3] == [[("A", 0, 252)], [("A", 252, 512), ("B", 0, 252)],
+                             [("A", 764, 4), ("B", 252, 512)]]
+        assert first == {"A": 2, "B": 3}
+    else:
+        assert steps[0] == [("A", 0, 768)] and first == {"A": 0, "B": 1}
     assert len(e.completed) == 2
-    assert_drained(e)
+    with pytest.raises(ConfigError, match="prompt_cuts must be comma-separated token counts"):
+        EngineConfig(prompt_cuts="516,x")
+
 
 def test_static_mode_never_admits_into_a_running_group() -> None:
     e = engine(max_num_seqs=4, scheduling="static", enable_prefix_caching=False)

@@ -77,3 +77,51 @@ def test_a_prompt_beside_decode_rows_runs_after_their_passes() -> None:
     assert step.dt == pytest.approx(0.021 + 0.052)
     e.run_until_idle()
     e.close()
+
+
+def test_a_slot_keeps_its_last_prompt_whole_or_up_to_a_checkpoint() -> None:
+    """A slot keeps the prefix its last prompt shares with the next, all of it; with
+    prompt cuts (a sliding-window model) only up to a checkpoint llama-server took at a
+    cut of that prompt, less the token it computes again."""
+    slots = ServerSlots(2)
+    assert slots.reuse(request("a", list(range(768))), ()) == 0  # a fresh slot: nothing
+    slots.release("a")
+    assert slots.reuse(request("b", list(range(512)) + [9_999] * 256), ()) == 512
+    slots.release("b")
+    # b's prompt (768) was cut 516 and 4 tokens before its end: checkpoints at 252 and
+    # 764; the 512 shared tokens reach the first.
+    assert slots.reuse(request("c", list(range(512)) + [7_777] * 256), (516, 4)) == 251
+    slots.release("c")
+    # Sharing 200 tokens (over a tenth: the same slot), short of any checkpoint: none kept.
+    assert slots.reuse(request("d", list(range(200)) + [5_555] * 568), (516, 4)) == 0
+    assert slots.of["d"] == slots.of.get("d") == 1
+
+
+def test_the_sim_reuses_slots_and_fills_prompts_in_slot_order() -> None:
+    """Through the engine: a request that follows another with the same first 512 tokens
+    starts computing at the slot's checkpoint (251 tokens cached); two prompts running at
+    once take the budget in slot order, the later (a lower slot) first."""
+    sim = SimExecutor(SimConfig(server_slots=4))
+    knobs = Knobs(max_num_batched_tokens=300, chunk_size=200, enable_prefix_caching=False)
+    e = Engine(EngineConfig(num_blocks=512, prompt_cuts="516,4", knobs=knobs), sim)
+    e.add_request(list(range(768)), SamplingParams(max_tokens=2), request_id="A")
+    while e.has_work:
+        e.step()
+    e.add_request(list(range(512)) + [9_999] * 256, SamplingParams(max_tokens=2),
+                  request_id="B")
+    first = e.step()
+    assert [(c.request_id, c.start) for c in first.plan] == [("B", 251)]
+    while e.has_work:
+        e.step()
+    assert e.completed[-1].num_cached_tokens == 251
+    e.add_request([3] * 400, SamplingParams(max_tokens=2), request_id="C")
+    e.add_request([4] * 400, SamplingParams(max_tokens=2), request_id="D")
+    assert [(c.request_id, c.num_new_tokens) for c in e.step().plan] == [("C", 200),
+                                                                         ("D", 100)]
+    assert sim.slots.of["D"] < sim.slots.of["C"]
+    assert [(c.request_id, c.num_new_tokens) for c in e.step().plan] == [("D", 200),
+                                                                         ("C", 100)]
+    while e.has_work:
+        e.step()
+        e.check_integrity()
+    assert len(e.completed) == 4
