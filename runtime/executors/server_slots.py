@@ -130,11 +130,9 @@ class ServerSlots:
                 new, pairs, context = new + n, pairs + n * h + n * (n + 1) // 2, context + h + n
         for run in self.runs([slots[i] for i in decodes]):
             ctx = sum(chunks[decodes[j]].start + 1 for j in run)  # each row's pairs, positions
-            # The fit alone, not corrected by the measured decode steps: those of a server
-            # with slots ran in one pass or several as the requests' slots fell (two sent at
-            # once take neighbouring slots, or the last and the first), and here the passes
-            # are counted as they are.
-            total += estimate(len(run), ctx, ctx, len(run), "")
+            # A pass of decode rows, corrected by the server's measured decode steps that
+            # surely ran as one pass (one row, every slot's: `SimExecutor` keeps only those).
+            total += estimate(len(run), ctx, ctx, len(run), "decode")
         if new:
             prompts = len(chunks) - len(decodes)
             total += estimate(new, pairs, context, prompts, "prefill" if prompts == 1 else "")

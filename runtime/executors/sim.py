@@ -176,8 +176,13 @@ class SimExecutor:
         given = (config.fixed_ms, config.per_token_us, config.per_pair_ns) != (None,) * 3
         self._prefill_factor = functools.lru_cache(maxsize=4096)(functools.partial(
             self.model.prefill_factor, "" if given else self.hardware.name, self.fit))
-        self._decode_ratios = {} if given else self.model.decode_ratios(self.hardware.name,
-                                                                        self.fit)
+        ratios = {} if given else self.model.decode_ratios(self.hardware.name, self.fit)
+        if config.server_slots:
+            # Behind llama-server's slots, only a probe's one row or every slot's rows surely
+            # ran as one pass (`server_slots.py`); two to four ran in one or more as their
+            # slots fell, and correct nothing.
+            ratios = {b: r for b, r in ratios.items() if b in (1, config.server_slots)}
+        self._decode_ratios = ratios
         self.measured = Measured.of(self.model, self.hardware) \
             if self.timing == "measured" else None
         self._kv_format = self.model.kv_dtype

@@ -348,6 +348,17 @@ def test_measured_decode_steps_correct_the_fit_between_and_beyond_them(
     assert engine.step().dt == pytest.approx(0.044)
     engine.run_until_idle()
     engine.close()
+    # Behind llama-server's 4 slots only the steps of one row and of four surely ran as one
+    # pass: the two rows, in neighbouring slots, are one pass priced between those ratios
+    # (1.0 and 1.5), not at the two rows' measured 44 ms (two passes on that server).
+    slotted = Engine(EngineConfig(kv_memory_bytes=1 << 30, block_size=16), SimExecutor(
+        SimConfig(model_profile="rows", hardware=hw, timing="fit", server_slots=4)))
+    slotted.add_request(list(range(10, 110)), SamplingParams(max_tokens=3))
+    slotted.add_request(list(range(200, 300)), SamplingParams(max_tokens=3))
+    assert len(slotted.step().plan) == 2
+    assert slotted.step().dt == pytest.approx(0.022 * (1.0 + 0.5 / 3))
+    slotted.run_until_idle()
+    slotted.close()
 
 def test_a_sim_fitted_from_outside_takes_requests_in_after_their_way_through_http(
         tmp_path: Path, monkeypatch) -> None:
