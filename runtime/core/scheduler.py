@@ -399,8 +399,7 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             plan.cow_copies.extend(self.kv.admit(req, n, full))
-            req.events.append((now, f"admitted, {req.num_cached_tokens:,} tokens from the "
-                                    "prefix cache"))
+            req.events.append((now, f"admitted, {req.num_cached_tokens:,} tokens cached"))
             req.status = RequestStatus.RUNNING
             if req.admitted_time is None:
                 req.admitted_time = now
