@@ -1,5 +1,7 @@
-"""llama-server's slots, for the sim to price a decode step as that server runs it
-(`--server-slots N`).
+"""llama-server's slots, for the sim to run requests as that server does (`--server-slots
+N`): which slot each takes, what its slot kept of the last prompt (`reuse`, asked by the
+scheduler on admission, which also fills a step's prompts in slot order), and a decode
+step priced as a pass per run of neighbouring slots.
 
 llama-server started with `-np N` (and no `--kv-unified`) keeps one KV stream per slot, and
 llama.cpp then cuts a batch into micro-batches whose sequences have consecutive ids
