@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+from kvdeck.runtime.core.policies.prompt_cuts import cut_points
 from kvdeck.runtime.core.request import Request
 from kvdeck.runtime.core.step_data import ScheduledChunk, common_prefix
 
@@ -74,8 +75,8 @@ class ServerSlots:
         prompt = req.prompt_token_ids
         shared = min(common_prefix(self._last[s], prompt), len(prompt) - 1)
         if cuts:
-            last = self._prompt[s]
-            shared = max((last - c - 1 for c in cuts if 0 < last - c <= shared), default=0)
+            shared = max((p - 1 for p in cut_points(self._prompt[s], cuts) if p <= shared),
+                         default=0)
         return shared
 
     def _choose(self, req: Request) -> int:

@@ -15,11 +15,14 @@ predicts those cases (`tests/unit/test_scheduler.py`).
 from __future__ import annotations
 
 
+def cut_points(end: int, cuts: tuple[int, ...]) -> list[int]:
+    """Where a prompt of `end` tokens is cut, ascending: `end - c` for each offset `c` of
+    `cuts` (largest first) that falls inside it. llama-server checkpoints there."""
+    return [end - c for c in cuts if c < end]
+
+
 def cut_chunk(start: int, end: int, n: int, cuts: tuple[int, ...]) -> int:
     """A chunk of `n` tokens from `start` of a prompt ending at `end`, shortened to end at
-    the first cut it would cross: `end - c` for each offset `c` of `cuts` (largest first).
-    With cuts 516 and 4, a lone 768-token prompt runs as 252, 512 and 4 tokens."""
-    for c in cuts:
-        if start < end - c < start + n:
-            return end - c - start
-    return n
+    the first cut it would cross. With cuts 516 and 4, a lone 768-token prompt runs as 252,
+    512 and 4 tokens."""
+    return next((p - start for p in cut_points(end, cuts) if start < p < start + n), n)
