@@ -76,13 +76,19 @@ class Probes:
     history: tuple[tuple[int, int], ...] = ()
     mixed: tuple[tuple[int, int], ...] = ()
     """(decoding request's prompt tokens, prompt tokens sent beside it)."""
+    wake: tuple[float, ...] = ()
+    """Idle seconds before a prompt of the first prefill length is sent again (`wake.py`)."""
 
 
 # Two and three rows too: a server that runs its rows one after another there (llama-server
-# does) is not on the line through one, four and eight.
+# does) is not on the line through one, four and eight. 256 new tokens over 512 cached is the
+# chunk a long prompt's second half runs as; without it the attention term rests on short
+# chunks alone, and moved between 0 and 363 ns a pair from one run to the next. Idle spells
+# up to 20 s: a trace's requests seconds apart leave the server idle that long between them.
 FULL = Probes((64, 256, 512), tuple((b, n) for b in (1, 2, 3, 4, 8) for n in (64, 384)), 24, 3,
-              ((256, 64), (512, 64), (256, 256)), ((384, 64),))
-QUICK = Probes((32, 128), ((1, 32), (4, 32)), 12, 2, ((128, 32),), ((32, 32),))
+              ((256, 64), (512, 64), (256, 256), (512, 256)), ((384, 64),),
+              (2.0, 5.0, 10.0, 20.0))
+QUICK = Probes((32, 128), ((1, 32), (4, 32)), 12, 2, ((128, 32),), ((32, 32),), (2.0,))
 
 
 class ProbeError(KvdeckError):
@@ -122,6 +128,14 @@ def prefill_point(requests: list[dict], c: int) -> Point:
                          "its first token by.")
     seconds = statistics.median(timed)
     return Point("prefill", c, causal_pairs(c, 0), f"prefill {c}", seconds, c, outside=True)
+
+
+def wake_point(requests: list[dict], alone: Point, idle: float) -> Point:
+    """A prompt of `alone`'s length sent after `idle` idle seconds: what its time from
+    send to first token took beyond `alone`'s (the same prompt sent back to back)."""
+    seconds = prefill_point(requests, alone.new_tokens).seconds - alone.seconds
+    return Point("wake", alone.new_tokens, alone.pairs, f"wake after {idle:g} s", seconds,
+                 alone.context, outside=True, idle_s=idle)
 
 
 def history_point(requests: list[dict], h: int, c: int) -> Point | None:
@@ -231,6 +245,14 @@ def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = Non
                     for p in _prompts(rng, probes.repeats, c)]
         points.append(prefill_point(_send(url, model, arrivals, api_key, 1), c))
         progress(f"  {points[-1].label}: {points[-1].seconds * 1e3:.1f} ms")
+    for idle in probes.wake if points else ():
+        # Sent `idle` seconds after the last probe finished, beside the first prefill probe's
+        # prompts sent back to back.
+        n = points[0].new_tokens
+        timed = _send(url, model, [Arrival(idle, n, 1, prompt_tokens=_prompts(rng, 1, n)[0])],
+                      api_key, 1)
+        points.append(wake_point(timed, points[0], idle))
+        progress(f"  {points[-1].label}: {points[-1].seconds * 1e3:+.1f} ms")
     for h, c in probes.history:
         again = []
         for base in _prompts(rng, probes.repeats, h):  # the prefix, then it with c more
