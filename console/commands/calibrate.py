@@ -88,7 +88,7 @@ def _rows(points, fit) -> list[dict]:
     from kvdeck.runtime.planning.calibrate import point_seconds
 
     rows = [{"point": p.label, "measured_ms": p.seconds * 1e3,
-             "fit_ms": point_seconds(fit, p) * 1e3} for p in points]
+             "fit_ms": point_seconds(fit, p) * 1e3} for p in points if p.kind != "wake"]
     for r in rows:
         r["error_pct"] = 100 * (r["fit_ms"] - r["measured_ms"]) / r["measured_ms"]
     return rows
@@ -137,10 +137,17 @@ def _from_server(url: str, model: str, api_key: str | None, model_profile: str |
     fit = fit_step_model(points)
     model_file, hw_file = write_server_profiles(url, base, profile, hw, fit, points, card)
     rows = _rows(points, fit)
+    wake = [{"idle_s": p.idle_s, "extra_ms": p.seconds * 1e3}
+            for p in points if p.kind == "wake"]
     if as_json:
-        print_json({"fit": fit.to_json(), "points": rows, "model_profile": str(model_file),
-                    "hardware_profile": str(hw_file), "url": url})
+        print_json({"fit": fit.to_json(), "points": rows, "wake": wake,
+                    "model_profile": str(model_file), "hardware_profile": str(hw_file),
+                    "url": url})
         return
     _table(rows, fit)
+    if wake:
+        out.print("first step after an idle spell, beyond the same step back to back: "
+                  + ", ".join(f"{w['extra_ms']:+.1f} ms after {w['idle_s']:g} s" for w in wake),
+                  highlight=False)
     out.print(f"wrote {model_file} and {hw_file}; predict a trace with them: kvdeck run-trace "
               f"TRACE --model-profile {profile} --hardware {hw} --timing fit", highlight=False)

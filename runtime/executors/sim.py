@@ -45,6 +45,7 @@ from kvdeck.runtime.planning.step_time import (
     parse_buckets,
     roofline_seconds,
 )
+from kvdeck.runtime.planning.wake import wake_seconds
 
 TIMING_MODES = ("auto", "measured", "fit", "roofline")
 DRAFTING = ("sequential", "parallel")
@@ -183,6 +184,10 @@ class SimExecutor:
             # slots fell, and correct nothing.
             ratios = {b: r for b, r in ratios.items() if b in (1, config.server_slots)}
         self._decode_ratios = ratios
+        # A server fitted from outside also pays for each idle spell in the step after it.
+        self._wake = self.model.wake_times.get(self.hardware.name, ()) \
+            if self.timing == "fit" else ()
+        self._free_at = 0.0  # when the last step ended, in modelled time
         self.measured = Measured.of(self.model, self.hardware) \
             if self.timing == "measured" else None
         self._kv_format = self.model.kv_dtype
@@ -485,6 +490,9 @@ class SimExecutor:
             seconds, weights = self._offload_timeline(seconds, copy_seconds)
             transfers.extend(weights)
         seconds += copy_seconds + draft_seconds
+        if plan.chunks:
+            seconds += wake_seconds(self._wake, plan.time - self._free_at)
+            self._free_at = plan.time + seconds
         timing = StepTiming(
             seconds=seconds, measured=False,
             num_prefill_tokens=plan.num_prefill_tokens,

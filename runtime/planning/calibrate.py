@@ -58,6 +58,9 @@ class Point:
     outside: bool = False
     """Timed by a client from sending to the first token: the request's way through the
     server is in it (`StepFit.overhead_s` takes it)."""
+    idle_s: float = 0.0
+    """Of a "wake" point: the idle seconds before its step, whose `seconds` are what the
+    step took beyond the same step sent right after another (`wake.py`); no step shape."""
 
     @property
     def mixed(self) -> bool:
@@ -173,6 +176,7 @@ def fit_step_model(points: list[Point]) -> StepFit:
     server) only where some points, and not all, were timed from a client; the mixed term
     (what a step carrying both prompt tokens and decode rows costs beyond them) only where
     such a step was timed."""
+    points = [p for p in points if p.kind != "wake"]  # what idling adds is no step's shape
     a = np.array([[1.0, p.new_tokens, p.pairs, p.sampled, float(p.outside), p.context,
                    float(p.mixed)] for p in points])
     cols = [0, 1, 2]
@@ -233,13 +237,14 @@ def model_toml(m: ModelProfile) -> str:
 def fit_toml(fit: StepFit, hw: str, points: list[Point]) -> str:
     """`[fit.<hw>]` and, where decode or prefill steps were measured, `[decode.<hw>]` and
     `[prefill.<hw>]` (a step timed from outside without the request's way through the
-    server, which the fit took apart)."""
+    server, which the fit took apart); where waking from idle was, `[wake.<hw>]`."""
     decode = [p for p in points if p.kind == "decode"]
     # A step timed from outside less the fitted way through the server; a point that
     # leaves nothing of its step (a fit that put it all in the way) gives no correction.
     prefill = [(p, p.seconds - (fit.overhead_s if p.outside else 0.0))
                for p in points if p.kind == "prefill"]
     prefill = [(p, s) for p, s in prefill if round(s * 1e3, 3) > 0]
+    wake = [p for p in points if p.kind == "wake"]
     return (f"[fit.{hw}]\n" + "".join(f"{k} = {v:.6f}\n" for k, v in fit.to_json().items())
             + (f"\n# Measured decode steps, [batch, context, ms]: kvdeck plan interpolates them.\n"
                f"[decode.{hw}]\npoints = [" + ", ".join(
@@ -248,7 +253,11 @@ def fit_toml(fit: StepFit, hw: str, points: list[Point]) -> str:
             + (f"\n# Measured prefill steps, [new tokens, cached tokens, ms]: fitted prefill "
                f"steps are corrected by them.\n[prefill.{hw}]\npoints = [" + ", ".join(
                    f"[{p.new_tokens}, {p.context - p.new_tokens}, {s * 1e3:.3f}]"
-                   for p, s in prefill) + "]\n" if prefill else ""))
+                   for p, s in prefill) + "]\n" if prefill else "")
+            + (f"\n# The first step after an idle spell, [idle seconds, extra ms]: the sim adds "
+               f"it.\n[wake.{hw}]\npoints = [" + ", ".join(
+                   f"[{p.idle_s:g}, {max(p.seconds, 0.0) * 1e3:.3f}]" for p in wake)
+               + "]\n" if wake else ""))
 
 
 def hardware_toml(name: str, description: str, memory: int, bandwidth: float, flops: float,

@@ -12,6 +12,7 @@ from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.kv.formats import KV_FORMATS, kv_bytes_per_token
 from kvdeck.runtime.models.weight_formats import GROUPS
+from kvdeck.runtime.planning.wake import Wake, wake_tables
 from kvdeck.runtime.resources import cache_dir, profile_names, profiles_dir
 
 
@@ -231,6 +232,10 @@ class ModelProfile:
     """Measured prefill steps by hardware profile name: (new tokens, cached tokens before
     them, seconds of the step alone), written by `kvdeck calibrate`; a fitted step is
     corrected by them (`prefill_factor`)."""
+    wake_times: dict[str, Wake] = field(default_factory=dict)
+    """What the first step after an idle spell costs beyond the same step back to back, by
+    hardware profile name: (idle seconds, extra seconds), written by `kvdeck calibrate --url`
+    (`wake.py`); the sim adds it after each idle spell."""
     group_bytes: dict[str, int] = field(default_factory=dict)
     """Matrix bytes per weight group (`attn`, `ffn`, `head`): from the GGUF's tensors, or
     the profile's `[weight_groups]` table; empty when a profile gives none."""
@@ -451,6 +456,7 @@ class ModelProfile:
             source=where,
             decode_times=decode_times,
             prefill_times=prefill_times,
+            wake_times=wake_tables(d, where),
             group_bytes=_weight_groups(d, where),
             prefill_mfu=prefill_mfu,
             kv_convert_s_per_byte=kv_convert,

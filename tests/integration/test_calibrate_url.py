@@ -134,7 +134,8 @@ def test_calibrate_url_writes_profiles_the_sim_runs_with(tmp_path) -> None:
     hw = server_name(srv.url)
     assert out["hardware_profile"].endswith(f"{hw}.toml") and len(out["points"]) >= 3
     text = (tmp_path / "profiles" / "models" / "probed.toml").read_text()
-    assert f"[fit.{hw}]" in text and f"[decode.{hw}]" in text
+    assert f"[fit.{hw}]" in text and f"[decode.{hw}]" in text and f"[wake.{hw}]" in text
+    assert [w["idle_s"] for w in out["wake"]] == list(QUICK.wake)
     t = kvdeck("run-trace", "azure-conv", "--limit", "4", "--model-profile", "probed",
                "--hardware", hw, "--timing", "fit", "--json")
     assert t.returncode == 0, t.stderr
