@@ -13,10 +13,12 @@ it (`kvdeck bench`), each on the server started afresh (the sim starts empty too
 probe it again with new prompts. The step model is fitted to the
 mean of each probe's two timings, and the traces are predicted through the sim executor
 with that profile (`kvdeck run-trace --timing fit`); the medians of TTFT and TPOT and the
-output throughput are set side by side. How far the server's own probe timings moved
-between the two rounds (the drift, after / before) is reported beside them: on a shared
-2-core machine a server's steps can move by more than the bounds below within minutes,
-and no prediction can follow the server closer than the server follows itself.
+output throughput are set side by side (`bench-results/sim_vs_real.json` keeps, beside
+them, the probe points, the traces and every request's figures on both sides). How far
+the server's own probe timings moved between the two rounds (the drift, after / before)
+is reported beside them: on a shared 2-core machine a server's steps can move by more
+than the bounds below within minutes, and no prediction can follow the server closer
+than the server follows itself.
 
 The traces, with token ids written out so both sides see the same prompts:
 - **Mooncake excerpt:** the shipped Mooncake conversation sample's first 16 requests, prompts
@@ -107,16 +109,24 @@ def write_traces(folder: Path, fit: StepFit) -> dict[str, Path]:
 
 
 def kvdeck_cli(*args: str, env: dict | None = None) -> dict:
+    """`kvdeck ARGS --json`'s answer: `summary` and `requests`."""
     r = subprocess.run([sys.executable, "-m", "kvdeck.console.cli", *args, "--json"],
                        capture_output=True, text=True, timeout=3600, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"kvdeck {args[0]} failed: {r.stderr.strip()[-500:]}")
-    return json.loads(r.stdout)["summary"]
+    return json.loads(r.stdout)
 
 
 def figures(summary: dict) -> dict[str, float]:
     return {"ttft_p50_s": summary["ttft_s"]["p50"], "tpot_p50_s": summary["tpot_s"]["p50"],
             "output_tokens_per_s": summary["output_tokens_per_s"]}
+
+
+def per_request(run: dict) -> list[dict]:
+    """Each request's arrival, prompt and cached tokens, TTFT and TPOT (arrival order), kept
+    in the results so that a run can be examined request by request afterwards."""
+    keys = ("arrival", "prompt_tokens", "cached_tokens", "ttft", "tpot")
+    return [{k: r.get(k) for k in keys} for r in run["requests"]]
 
 
 def merged(before: list[Point], after: list[Point]) -> list[Point]:
@@ -129,10 +139,11 @@ def merged(before: list[Point], after: list[Point]) -> list[Point]:
 
 def drift(before: list[Point], after: list[Point]) -> dict[str, float]:
     """The server's own probe timings after the traces over those before: median and
-    range of the per-probe ratios (NaN where the rounds have no probe in common)."""
+    range of the per-probe ratios (NaN where the rounds have no probe in common); a wake
+    point, the small difference of two steps, is no step of its own and is left out."""
     again = {p.label: p.seconds for p in after}
     ratios = sorted(again[p.label] / p.seconds for p in before
-                    if p.label in again and p.seconds > 0)
+                    if p.label in again and p.seconds > 0 and p.kind != "wake")
     if not ratios:
         return dict.fromkeys(("median", "min", "max"), float("nan"))
     return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
@@ -155,8 +166,8 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
         # decides whether they decode in one pass or two: `executors/server_slots.py`).
         server.stop()
         server.start(DEFAULT_MODEL)
-        measured[trace] = figures(kvdeck_cli("bench", str(path), "--url", server.url,
-                                             "--model", DEFAULT_MODEL))
+        measured[trace] = kvdeck_cli("bench", str(path), "--url", server.url,
+                                     "--model", DEFAULT_MODEL)
     after = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None, seed=1)
     points = merged(before, after)
     fit = fit_step_model(points)
@@ -175,13 +186,15 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
             os.environ["KVDECK_CACHE"] = saved
     rows, moved = [], drift(before, after)
     for trace, path in traces.items():
-        predicted = figures(kvdeck_cli(
-            "run-trace", str(path), "--executor", "sim", "--model-profile", profile,
-            "--hardware", hw, "--timing", "fit", *sim_flags, env=env))
+        sim = kvdeck_cli("run-trace", str(path), "--executor", "sim", "--model-profile",
+                         profile, "--hardware", hw, "--timing", "fit", *sim_flags, env=env)
+        predicted, real = figures(sim["summary"]), figures(measured[trace]["summary"])
         rows.append({"server": server.name, "trace": trace, "predicted": predicted,
-                     "measured": measured[trace],
-                     "ratio": {k: predicted[k] / measured[trace][k] for k in predicted},
-                     "fit": fit.to_json(), "drift": moved})
+                     "measured": real, "ratio": {k: predicted[k] / real[k] for k in predicted},
+                     "fit": fit.to_json(), "drift": moved, "sim_flags": sim_flags,
+                     "arrivals": path.read_text(), "points": [vars(p) for p in points],
+                     "requests": {"predicted": per_request(sim),
+                                  "measured": per_request(measured[trace])}})
     return rows
 
 
