@@ -9,9 +9,10 @@
 
 For each server: start it on Gemma 3 270M (8 sequences at most), probe it from outside
 (`kvdeck calibrate --url`'s probes, `runtime/planning/probe.py`), measure two traces against
-it (`kvdeck bench`), each on the server started afresh (the sim starts empty too), and
-probe it again with new prompts. The step model is fitted to the
-mean of each probe's two timings, and the traces are predicted through the sim executor
+it (`kvdeck bench`), each on the server started afresh (the sim starts empty too) and
+followed by the wake probes again (`probe.wake_probe`), and probe it again with new
+prompts. The step model is fitted to the median of each probe's timings (a wake point's
+over four rounds), and the traces are predicted through the sim executor
 with that profile (`kvdeck run-trace --timing fit`); the medians of TTFT and TPOT and the
 output throughput are set side by side (`bench-results/sim_vs_real.json` keeps, beside
 them, the probe points, the traces and every request's figures on both sides). How far
@@ -24,7 +25,7 @@ The traces, with token ids written out so both sides see the same prompts:
 - **Mooncake excerpt:** the shipped Mooncake conversation sample's first 16 requests, prompts
   cut to 768 tokens (their hash blocks kept, so shared blocks stay shared) and outputs to
   32, arrivals rescaled to this machine (below); requests the sample gives one instant
-  are sent 5 ms apart in its order, so that the server takes them in the order the sim
+  are sent 20 ms apart in its order, so that the server takes them in the order the sim
   does (sent at once, the later burst of six reached the torch server in another order,
   which moved its TTFT median between 0.94 and 1.21 of the prediction from run to run).
 - **Shared prefix:** 16 requests of a 512-token common prefix and 64 tokens of their own,
@@ -52,7 +53,13 @@ from benchmarks import peers
 from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 from kvdeck.runtime.planning.calibrate import Point, fit_step_model
-from kvdeck.runtime.planning.probe import FULL, probe, server_name, write_server_profiles
+from kvdeck.runtime.planning.probe import (
+    FULL,
+    probe,
+    server_name,
+    wake_probe,
+    write_server_profiles,
+)
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, StepFit
 from kvdeck.runtime.runs.loadgen import cap_arrivals
 from kvdeck.runtime.runs.trace import load_arrivals, synthesize_tokens
@@ -65,8 +72,10 @@ LLAMA_BATCH, LLAMA_UBATCH = 2048, 512
 """llama-server's default `-b` and `-ub`."""
 VOCAB = 32_000
 """Token ids are drawn below this (every modern vocabulary has them)."""
-APART = 0.005
-"""Seconds between requests the Mooncake sample gives one instant (see `write_traces`)."""
+APART = 0.02
+"""Seconds between requests the Mooncake sample gives one instant (see `write_traces`): more
+than a server just woken takes to file a request (5 ms apart, the first of a burst after a
+minute idle reached kvdeck's engine 4 ms after the next one)."""
 TOLERANCE = {"kvdeck (llama_cpp)": 0.15, "kvdeck (torch)": 0.15, "llama-server": 0.15,
              "vLLM (CPU, bf16)": 0.25}
 """The issue's bounds on |predicted / measured − 1| for the TTFT and TPOT medians."""
@@ -129,12 +138,17 @@ def per_request(run: dict) -> list[dict]:
     return [{k: r.get(k) for k in keys} for r in run["requests"]]
 
 
-def merged(before: list[Point], after: list[Point]) -> list[Point]:
-    """Each probe timed in both rounds, at the mean of its two times (a probe one round
-    lacks — a server that did not say it reused a prefix that time — is left out)."""
+def merged(before: list[Point], after: list[Point], wakes: list[list[Point]]) -> list[Point]:
+    """Each probe timed in both rounds, at the median of its times (a probe one round lacks
+    — a server that did not say it reused a prefix that time — is left out); a wake point at
+    the median of both rounds' and those of `wakes`, the rounds sent after each trace (a
+    median: one wake of 760 ms in a round where the others took 0–80 would set a mean)."""
     again = {p.label: p.seconds for p in after}
-    return [replace(p, seconds=(p.seconds + again[p.label]) / 2)
-            for p in before if p.label in again]
+    times = {p.label: [p.seconds] for p in before}
+    for p in (q for round_ in (after, *wakes) for q in round_):
+        times.setdefault(p.label, []).append(p.seconds)
+    return [replace(p, seconds=statistics.median(times[p.label])) for p in before
+            if p.label in again]
 
 
 def drift(before: list[Point], after: list[Point]) -> dict[str, float]:
@@ -159,7 +173,7 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
     # The traces' rates come from the first round's fit: they are fixed before any
     # trace is sent.
     traces = write_traces(folder, fit_step_model(before))
-    measured = {}
+    measured, wakes = {}, []
     for trace, path in traces.items():
         # Each trace meets a server just started, as the sim starts: empty caches, and
         # llama-server's slots in their first order (which of them two requests take
@@ -168,8 +182,14 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
         server.start(DEFAULT_MODEL)
         measured[trace] = kvdeck_cli("bench", str(path), "--url", server.url,
                                      "--model", DEFAULT_MODEL)
+        # How the machine wakes from idle changes within minutes; timed right after each
+        # trace, on the server that ran it, the wake points follow the traces closer than
+        # the two rounds alone (one found +38 ms after 5 s, one a quarter of an hour later
+        # nothing, while the trace between them paid 0–70 ms on waking).
+        wakes.append(wake_probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None,
+                                seed=2 + len(wakes)))
     after = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None, seed=1)
-    points = merged(before, after)
+    points = merged(before, after, wakes)
     fit = fit_step_model(points)
     profile = f"{DEFAULT_MODEL}-{hw}"
     # The fitted profiles go to the run's own folder, not the user's profiles: each server
@@ -193,6 +213,8 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
                      "measured": real, "ratio": {k: predicted[k] / real[k] for k in predicted},
                      "fit": fit.to_json(), "drift": moved, "sim_flags": sim_flags,
                      "arrivals": path.read_text(), "points": [vars(p) for p in points],
+                     "wake_rounds": [[vars(p) for p in r if p.kind == "wake"]
+                                     for r in (before, *wakes, after)],
                      "requests": {"predicted": per_request(sim),
                                   "measured": per_request(measured[trace])}})
     return rows

@@ -232,6 +232,33 @@ def _mixed(url: str, model: str, rng: random.Random, probes: Probes, prompt: int
                        f"prefill {c} beside a decode of {prompt}")
 
 
+def _wake(url: str, model: str, rng: random.Random, spells: tuple[float, ...], alone: Point,
+          api_key: str | None, progress: Callable[[str], None]) -> list[Point]:
+    """A prompt of `alone`'s length sent `idle` seconds after the last request finished, for
+    each of `spells`: the wake points against `alone` (the same prompt sent back to back)."""
+    points = []
+    for idle in spells:
+        n = alone.new_tokens
+        timed = _send(url, model, [Arrival(idle, n, 1, prompt_tokens=_prompts(rng, 1, n)[0])],
+                      api_key, 1)
+        points.append(wake_point(timed, alone, idle))
+        progress(f"  {points[-1].label}: {points[-1].seconds * 1e3:+.1f} ms")
+    return points
+
+
+def wake_probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = None,
+               progress: Callable[[str], None] = print, seed: int = 0) -> list[Point]:
+    """The wake points alone, the back-to-back prompt they are measured against timed anew.
+    How the machine wakes changes within minutes on a shared VM (a round of `probe` has
+    found +40 ms after 5 s, and one ten minutes later nothing), so a run that predicts a
+    trace sends this again beside it (`benchmarks/sim_vs_real.py`)."""
+    rng = random.Random(seed)
+    c = probes.prefill[0]
+    arrivals = [Arrival(0.0, c, 1, prompt_tokens=p) for p in _prompts(rng, probes.repeats, c)]
+    alone = prefill_point(_send(url, model, arrivals, api_key, 1), c)
+    return _wake(url, model, rng, probes.wake, alone, api_key, progress)
+
+
 def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = None,
           progress: Callable[[str], None] = print, seed: int = 0) -> list[Point]:
     """Probe the server at `url` (an OpenAI-compatible base URL serving `model`): its
@@ -245,14 +272,8 @@ def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = Non
                     for p in _prompts(rng, probes.repeats, c)]
         points.append(prefill_point(_send(url, model, arrivals, api_key, 1), c))
         progress(f"  {points[-1].label}: {points[-1].seconds * 1e3:.1f} ms")
-    for idle in probes.wake if points else ():
-        # Sent `idle` seconds after the last probe finished, beside the first prefill probe's
-        # prompts sent back to back.
-        n = points[0].new_tokens
-        timed = _send(url, model, [Arrival(idle, n, 1, prompt_tokens=_prompts(rng, 1, n)[0])],
-                      api_key, 1)
-        points.append(wake_point(timed, points[0], idle))
-        progress(f"  {points[-1].label}: {points[-1].seconds * 1e3:+.1f} ms")
+    if points:
+        points += _wake(url, model, rng, probes.wake, points[0], api_key, progress)
     for h, c in probes.history:
         again = []
         for base in _prompts(rng, probes.repeats, h):  # the prefix, then it with c more

@@ -40,3 +40,30 @@ def test_waiting_for_a_place_counts_from_the_scheduled_arrival(sim: ApiServer) -
     s = result["summary"]
     assert s["ttft_from_send_s"]["p50"] < s["ttft_s"]["p50"]
     assert s["queue_s"]["p50"] > 0
+
+
+def test_a_burst_after_an_idle_spell_goes_out_in_its_order_and_never_early(
+        sim: ApiServer) -> None:
+    """A long sleep ends early (`loadgen._until`): the host's first timer after idle fires
+    late, and a late wake sent a burst due milliseconds apart at once. No request goes
+    before its time."""
+    arrivals = [Arrival(0.0, 16, 2, request_id="first")]
+    arrivals += [Arrival(1.5 + 0.02 * i, 16, 2, request_id=f"b{i}") for i in range(4)]
+    result = asyncio.run(run_bench(f"http://127.0.0.1:{sim.port}/v1", "sim", arrivals,
+                                   warmup=False))
+    reqs = result["requests"]
+    assert [m["status"] for m in reqs] == ["finished_length"] * 5
+    assert all(m["admitted"] >= m["arrival"] for m in reqs)
+    sent = sorted(reqs, key=lambda m: m["admitted"])
+    assert [m["request_id"] for m in sent] == ["first", "b0", "b1", "b2", "b3"]
+
+
+def test_until_never_returns_before_its_time() -> None:
+    import time
+
+    from kvdeck.runtime.runs.loadgen import EARLY_S, _until
+
+    for ahead in (0.0, 0.01, EARLY_S + 0.05):
+        t = time.perf_counter() + ahead
+        asyncio.run(_until(t))
+        assert time.perf_counter() >= t

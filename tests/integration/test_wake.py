@@ -12,7 +12,7 @@ from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.planning.calibrate import Point, fit_step_model, fit_toml
-from kvdeck.runtime.planning.probe import Probes, prefill_point, probe, wake_point
+from kvdeck.runtime.planning.probe import Probes, prefill_point, probe, wake_point, wake_probe
 from kvdeck.runtime.planning.profiles import ModelProfile
 from kvdeck.runtime.planning.wake import pooled, wake_seconds
 from kvdeck.runtime.runs.runner import run_arrivals
@@ -98,8 +98,12 @@ def test_probes_find_the_wake_a_paced_sim_server_pays(tmp_path, monkeypatch) -> 
                      "--hardware", "rtx-pro-6000-probed", "--timing", "fit",
                      env={"KVDECK_CACHE": os.environ["KVDECK_CACHE"]}) as srv:
         points = probe(srv.url, "sim", few, progress=lambda m: None)
-    wake = {p.idle_s: p.seconds for p in points if p.kind == "wake"}
-    assert set(wake) == {1.0, 3.0}
-    # What the sim adds, and a little more: the machine's own waking is in it too (the
-    # server's HTTP path and the client's: 40 ms after 3 s in one run beside the suite).
-    assert 0.27 < wake[1.0] < 0.45 and 0.57 < wake[3.0] < 0.75
+        # Later, alone: the back-to-back prompt timed anew, and the same spells.
+        again = wake_probe(srv.url, "sim", few, progress=lambda m: None, seed=1)
+    for found in (points, again):
+        wake = {p.idle_s: p.seconds for p in found if p.kind == "wake"}
+        assert set(wake) == {1.0, 3.0}
+        # What the sim adds, and a little more: the machine's own waking is in it too (the
+        # server's HTTP path and the client's: 40 ms after 3 s in one run beside the suite).
+        assert 0.27 < wake[1.0] < 0.45 and 0.57 < wake[3.0] < 0.75
+    assert [p.kind for p in again] == ["wake", "wake"]

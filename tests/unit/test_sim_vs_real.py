@@ -10,14 +10,27 @@ def point(label: str, seconds: float) -> Point:
     return Point("prefill", 64, 2080, label, seconds, 64, 1, True)
 
 
-def test_points_are_the_mean_of_both_rounds_and_a_probe_one_round_lacks_is_left_out():
+def test_points_are_the_median_of_both_rounds_and_a_probe_one_round_lacks_is_left_out():
     before = [point("prefill 64", 0.100), point("prefill 64 on 512", 0.150),
               point("prefill 256", 0.300)]
     after = [point("prefill 64", 0.140), point("prefill 256", 0.240)]
-    got = merged(before, after)
+    got = merged(before, after, [])
     assert [p.label for p in got] == ["prefill 64", "prefill 256"]
     assert [round(p.seconds, 6) for p in got] == [0.12, 0.27]
     assert got[0].new_tokens == 64 and got[0].outside  # the rest of the point kept
+
+
+def test_a_wake_point_is_the_median_of_every_round_that_timed_it():
+    """Both probe rounds and the wake rounds sent after each trace."""
+    def wake(idle: float, seconds: float) -> Point:
+        return Point("wake", 64, 2080, f"wake after {idle:g} s", seconds, 64, outside=True,
+                     idle_s=idle)
+    before = [point("prefill 64", 0.100), wake(5, 0.000), wake(20, 0.010)]
+    after = [point("prefill 64", 0.100), wake(5, 0.010), wake(20, 0.020)]
+    got = merged(before, after, [[wake(5, 0.040), wake(20, 0.760)], [wake(5, 0.030)]])
+    assert [(p.label, round(p.seconds, 6)) for p in got] == [
+        ("prefill 64", 0.1), ("wake after 5 s", 0.02), ("wake after 20 s", 0.02)]
+    assert got[1].idle_s == 5 and got[1].kind == "wake"
 
 
 def test_drift_is_after_over_before_per_probe():
