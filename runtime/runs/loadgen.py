@@ -119,20 +119,20 @@ class Outcome:
 
 
 EARLY_S = 0.2
-"""How long before a request's time a long sleep ends (see `_until`)."""
+"""How long before a request's time a long sleep ends (see `_until`): more than the kernel's
+largest slack on a timeout (100 ms)."""
 
 
 async def _until(t: float) -> None:
-    """Sleep until `t` (perf_counter seconds), on time after a long idle too. The first
-    timer after seconds of idle fires late on a shared VM: 11 to 55 ms here, which sent a
-    burst due 5 ms apart all at once, and the server took them in another order. A sleep
-    longer than `EARLY_S` ends that much early and the rest goes in millisecond sleeps,
-    which a host just woken keeps to."""
+    """Sleep until `t` (perf_counter seconds), on time after a long idle too. Linux lets a
+    poll's timeout fire late by a thousandth of it, up to 100 ms (the slack of a task that
+    is not real-time): 11 ms after 10 s idle, 55 ms after a minute, which sent a burst
+    due 5 ms apart all at once, and the server took it in another order. So a long sleep
+    ends `EARLY_S` early and the rest is slept apart (its slack: a fifth of a millisecond)."""
     left = t - time.perf_counter()
     if left > EARLY_S:
         await asyncio.sleep(left - EARLY_S)
-    while (left := t - time.perf_counter()) > 0:
-        await asyncio.sleep(min(left, 0.001))
+    await asyncio.sleep(max(t - time.perf_counter(), 0.0))
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, a: Arrival, index: int,
