@@ -71,7 +71,8 @@ class BenchOptions:
     hash_block_tokens: Annotated[int, typer.Option(
         "--hash-block-tokens", help="Tokens per Mooncake hash id.")] = 512
     warmup: Annotated[bool, typer.Option(
-        "--warmup/--no-warmup", help="Send one uncounted short request first.")] = True
+        "--warmup/--no-warmup", help="Send one uncounted request first, its prompt as long as "
+        "the first arrival's (other tokens).")] = True
     retries: Annotated[int, typer.Option(
         "--retries", help="Send a request again, up to N times, while its answer fails its "
                           "check (a trace's \"check\") or it errors; reports the retries and "

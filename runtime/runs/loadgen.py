@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -247,9 +248,21 @@ def passage_prompts(tokenizer) -> Callable[[int, int], str]:
     return text
 
 
-WARMUP_PROMPT = list(range(3, 19))
-"""Sent once before the run is timed: 16 fixed token ids, shorter than any cache block a
-trace's prompts could share with it."""
+WARMUP_IDS = tuple(range(3, 19))
+"""The warm-up's token ids, repeated to its length: no trace's prompt starts with them, so the
+warm-up leaves no cache block a trace's prompts could share."""
+
+
+def warmup_body(model: str, shape: RequestShape, arrivals: Sequence[Arrival]) -> dict:
+    """The uncounted request sent before a run: a prompt as long as the first arrival's
+    (vLLM's serving benchmark sends that request itself first) and two outputs. A server's
+    first steps of a shape cost more than the same steps after: the first request of a
+    trace on a kvdeck torch server just started took 646–693 ms where the probes' steps
+    add up to 546–618, and a warm-up of 16 tokens had not run those steps."""
+    n = arrivals[0].prompt_len if arrivals else 16
+    prompt = shape.text_prompt(len(arrivals), n) if shape.text_prompt else \
+        list(itertools.islice(itertools.cycle(WARMUP_IDS), n))
+    return {"model": model, "max_tokens": 2, "prompt": prompt}
 
 
 async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *,
@@ -261,9 +274,9 @@ async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *,
     again up to `retries` times while its answer fails its check or it errors; returns
     `{"summary": ..., "requests": [...]}` (every send, retries included).
 
-    With `warmup`, one short request goes first and is not counted (as vLLM's serving
-    benchmark does), so first-request costs on either side do not land on the trace's first
-    arrivals."""
+    With `warmup`, one request as long as the first goes first and is not counted (as
+    vLLM's serving benchmark does; `warmup_body`), so first-request costs on either side do
+    not land on the trace's first arrivals."""
     endpoint = url.rstrip("/") + "/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency or 256)
@@ -271,9 +284,8 @@ async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *,
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         if warmup:
             try:
-                await client.post(endpoint, headers=headers, json={
-                    "model": model, "max_tokens": 1, "prompt": shape.text_prompt(0, 16)
-                    if shape.text_prompt else WARMUP_PROMPT})
+                await client.post(endpoint, headers=headers,
+                                  json=warmup_body(model, shape, arrivals))
             except httpx.HTTPError:
                 pass  # an unreachable server shows in every request's result below
         start = time.perf_counter()

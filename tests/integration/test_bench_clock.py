@@ -67,3 +67,14 @@ def test_until_never_returns_before_its_time() -> None:
         t = time.perf_counter() + ahead
         asyncio.run(_until(t))
         assert time.perf_counter() >= t
+
+
+def test_the_warm_up_is_as_long_as_the_first_prompt_and_shares_no_prefix_with_it() -> None:
+    from kvdeck.runtime.runs.loadgen import RequestShape, warmup_body
+
+    arrivals = [Arrival(0.0, 576, 8, prompt_tokens=tuple(range(100, 676))),
+                Arrival(1.0, 64, 8)]
+    body = warmup_body("m", RequestShape(), arrivals)
+    assert len(body["prompt"]) == 576 and body["max_tokens"] == 2
+    assert body["prompt"][0] != arrivals[0].prompt_tokens[0]
+    assert len(warmup_body("m", RequestShape(), [])["prompt"]) == 16
