@@ -6,8 +6,10 @@ longer the spell: a plain torch loop of bf16 matmuls over 190 MB of weights took
 to back, 42–55 ms after 5 idle seconds and 60–68 ms after 15–20 (the caches and the host's
 scheduling forget the process; only the first step pays). A kvdeck server's prefill of 64
 tokens on a cached 512-token prefix took 145–166 ms after under a second, 184–188 after 10
-and 205–217 after 15. A trace whose requests arrive seconds apart runs that first step
-again and again, and a step model fitted to probes sent back to back misses it.
+and 205–217 after 15 (from the time it was due; a client's timer after a long idle fires up
+to a thousandth of it late, which may be 10–20 ms of those). A trace whose requests arrive
+seconds apart runs that first step again and again, and a step model fitted to probes sent
+back to back misses it.
 
 `kvdeck calibrate --url` measures it (`Probes.wake`: one prompt sent after each idle spell,
 less the same prompt sent back to back), the profile keeps it as `[wake.<hardware>]`, and
