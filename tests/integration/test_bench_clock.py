@@ -44,8 +44,8 @@ def test_waiting_for_a_place_counts_from_the_scheduled_arrival(sim: ApiServer) -
 
 def test_a_burst_after_an_idle_spell_goes_out_in_its_order_and_never_early(
         sim: ApiServer) -> None:
-    """A long sleep ends early (`loadgen._until`): the host's first timer after idle fires
-    late, and a late wake sent a burst due milliseconds apart at once. No request goes
+    """A long sleep ends early (`loadgen._until`): Linux fires a long timeout late by a
+    thousandth of it, which sent a burst due milliseconds apart at once. No request goes
     before its time."""
     arrivals = [Arrival(0.0, 16, 2, request_id="first")]
     arrivals += [Arrival(1.5 + 0.02 * i, 16, 2, request_id=f"b{i}") for i in range(4)]
