@@ -236,9 +236,8 @@ def _wake(url: str, model: str, rng: random.Random, spells: tuple[float, ...], a
           api_key: str | None, progress: Callable[[str], None]) -> list[Point]:
     """A prompt of `alone`'s length sent `idle` seconds after the last request finished, for
     each of `spells`: the wake points against `alone` (the same prompt sent back to back)."""
-    points = []
+    points, n = [], alone.new_tokens
     for idle in spells:
-        n = alone.new_tokens
         timed = _send(url, model, [Arrival(idle, n, 1, prompt_tokens=_prompts(rng, 1, n)[0])],
                       api_key, 1)
         points.append(wake_point(timed, alone, idle))

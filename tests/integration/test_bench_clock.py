@@ -5,11 +5,12 @@ server), and the send is kept beside it (`admitted`, `queue_time`, `ttft_from_se
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from kvdeck.runtime.runs.loadgen import run_bench
+from kvdeck.runtime.runs.loadgen import EARLY_S, RequestShape, _until, run_bench, warmup_body
 from kvdeck.runtime.runs.trace import Arrival
 from kvdeck.runtime.server.serve import ApiServer
 from tests.servers import sim_in_process
@@ -59,10 +60,6 @@ def test_a_burst_after_an_idle_spell_goes_out_in_its_order_and_never_early(
 
 
 def test_until_never_returns_before_its_time() -> None:
-    import time
-
-    from kvdeck.runtime.runs.loadgen import EARLY_S, _until
-
     for ahead in (0.0, 0.01, EARLY_S + 0.05):
         t = time.perf_counter() + ahead
         asyncio.run(_until(t))
@@ -70,8 +67,6 @@ def test_until_never_returns_before_its_time() -> None:
 
 
 def test_the_warm_up_is_as_long_as_the_first_prompt_and_shares_no_prefix_with_it() -> None:
-    from kvdeck.runtime.runs.loadgen import RequestShape, warmup_body
-
     arrivals = [Arrival(0.0, 576, 8, prompt_tokens=tuple(range(100, 676))),
                 Arrival(1.0, 64, 8)]
     body = warmup_body("m", RequestShape(), arrivals)
