@@ -133,11 +133,11 @@ class KvdeckApp(ConsoleApp):
         self.setup_themes()
         self.query_one(HardwareStrip).refresh_readings()
         if self.hardware:
-            self.set_interval(1.0, self.query_one(HardwareStrip).refresh_readings)
+            self.every(1.0, self.query_one(HardwareStrip).refresh_readings)
         if self.routing is not None:
             routing = self.query_one(RoutingPanel)
             routing.show(self.routing())
-            self.set_interval(1.0, lambda: routing.show(self.routing()))
+            self.every(1.0, lambda: routing.show(self.routing()))
         snap = snapshot_of(self.engine)
         self.render_snapshot(snap)
         if self.settings is not None and self.settings.executor_choice:

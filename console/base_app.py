@@ -1,7 +1,9 @@
-"""What the live console and replay share: stylesheet, breakpoints, themes, help, and
-cycling the highlighted request."""
+"""What the live console and replay share: stylesheet, breakpoints, themes, help, timers,
+and cycling the highlighted request."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from textual.app import App
 
@@ -24,6 +26,15 @@ class ConsoleApp(App):
         for theme in load_themes():
             self.register_theme(theme)
         self.theme = "kvdeck-dark"
+
+    def every(self, seconds: float, callback: Callable[[], object]) -> None:
+        """Call `callback` every `seconds` while the app runs. An app's timer ticks outside
+        its message queue, so it can fire while the app closes, after its screens' widgets
+        are gone (a refresh that queries them raised NoMatches): those ticks are skipped."""
+        def tick() -> None:
+            if self.is_running:
+                callback()
+        self.set_interval(seconds, tick)
 
     def action_next_theme(self) -> None:
         names = [t.name for t in load_themes()]

@@ -132,7 +132,7 @@ class FleetApp(ConsoleApp):
         self.query_one(DataTable).add_columns(*COLUMNS)
         self.fleet.start()
         self.refresh_view()
-        self.set_interval(self.interval_s, self.refresh_view)
+        self.every(self.interval_s, self.refresh_view)
 
     def on_unmount(self) -> None:
         self.fleet.stop()

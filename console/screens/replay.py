@@ -87,7 +87,7 @@ class ReplayApp(ConsoleApp):
     def on_mount(self) -> None:
         self.setup_themes()
         self.seek(0)
-        self.set_interval(0.1, self._tick)
+        self.every(0.1, self._tick)
 
     # -- position ---------------------------------------------------------------------------
 

@@ -43,8 +43,10 @@ def make_app(model: Path, tmp_path: Path) -> KvdeckApp:
                         "max_num_batched_tokens": 64, "chunk_size": 16,
                         "weight_format": "dense"})
     session = build_session(settings, live=False, with_tokenizer=False)
-    return KvdeckApp(session.engine, autostart=False, hardware=False,
-                     runs_dir=tmp_path / "runs", settings=settings)
+    app = KvdeckApp(session.engine, autostart=False, hardware=False,
+                    runs_dir=tmp_path / "runs", settings=settings)
+    app.NOTIFICATION_TIMEOUT = 3600  # read afterwards, however slow the machine
+    return app
 
 
 async def test_kv_and_weight_formats_switch_through_the_knobs_mid_run(tiny32, tmp_path):
