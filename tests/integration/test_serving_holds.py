@@ -80,9 +80,9 @@ def test_a_non_streaming_request_is_aborted_when_its_client_disconnects(server) 
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url(server, "/v1/completions"), timeout=1.0,
                    json={"model": MODEL, "prompt": "Tell me everything", "max_tokens": 300})
-    gone = time.monotonic()
-    settled(server, timeout=3.0)  # a paced sim step is ~26 ms: long before 300 tokens
-    assert time.monotonic() - gone < 1.0
+    settled(server)
+    # Aborted, not finished: its 300 tokens would take the paced sim about 8 s (no wall
+    # time asserted: settling can take over a second on a slow machine).
     aborted = [r for r in server.engine.completed if r.reason == "client disconnected"]
     assert aborted and aborted[-1].num_output_tokens < 300
 
