@@ -1,5 +1,5 @@
-"""What the live console and replay share: stylesheet, breakpoints, themes, help, timers,
-and cycling the highlighted request."""
+"""What the live console, replay and the fleet share: stylesheet, breakpoints, themes, help,
+timers, and cycling the highlighted request."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvdeck.runtime.views.snapshot import EngineSnapshot
 
 
 class ConsoleApp(App):
-    """Base of `KvdeckApp` and `ReplayApp`; subclasses keep `latest` current."""
+    """Base of `KvdeckApp`, `ReplayApp` and `FleetApp`; the first two keep `latest` current."""
 
     CSS_PATH = str(themes_dir().joinpath("kvdeck.tcss"))
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
