@@ -22,6 +22,7 @@ from kvdeck.runtime.core.step_data import Conversion, SchedulerOutput, StepResul
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.base import ExecutorInfo, WeightsView
 from kvdeck.runtime.executors.server_slots import ServerSlots
+from kvdeck.runtime.executors.sim_draft import draft_seconds
 from kvdeck.runtime.kv.formats import KV_FORMATS
 from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.kv.transfers import Transfer
@@ -520,36 +521,9 @@ class SimExecutor:
         return self.config.draft_cost * self.estimate_step_seconds(num_rows, num_rows, num_rows)
 
     def _draft_seconds(self, plan: SchedulerOutput) -> float:
-        """The modelled draft model's time in this step: it fills the drafts of chunks that
-        plan positions without tokens, and under `speculative_method = draft` keeps up with
-        the step's other chunks (their tokens ride in its first pass). Sequential drafting
-        runs one pass per draft position; parallel drafting one pass for all of them. Each
-        pass costs `draft_cost` × the target's step time over the same rows."""
-        drafting = [c for c in plan.chunks if c.num_draft and not c.draft]
-        for c in drafting:
-            c.draft = (0,) * c.num_draft
-        keep_up = [c for c in plan.chunks if not c.num_draft] \
-            if plan.speculative_method == "draft" else []
-        if not drafting and not keep_up:
-            return 0.0
-        new = sum(c.num_new_tokens for c in keep_up)
-        pairs = sum(c.num_pairs for c in keep_up)
-        ctx = sum(c.start + c.num_new_tokens for c in keep_up)
-        est, cost = self.estimate_step_seconds, self.config.draft_cost
-        if self.config.drafting == "parallel":
-            n = sum(c.num_draft for c in drafting)
-            return cost * est(new + n, pairs + sum(c.num_draft * (c.start + 1)
-                                                   for c in drafting),
-                              ctx + sum(c.start + c.num_draft for c in drafting))
-        total = 0.0
-        for j in range(1, max((c.num_draft for c in drafting), default=1) + 1):
-            rows = [c for c in drafting if c.num_draft >= j]
-            if j > 1 and not rows:
-                break
-            total += cost * est(new + len(rows), pairs + sum(c.start + j for c in rows),
-                                ctx + sum(c.start + j for c in rows))
-            new = pairs = ctx = 0  # the kept-up chunks ride in the first pass only
-        return total
+        """The modelled draft model's time in this step (`sim_draft.draft_seconds`)."""
+        return draft_seconds(plan, self.estimate_step_seconds, self.config.draft_cost,
+                             self.config.drafting)
 
     def _verify(self, chunk) -> list[int]:
         """Accept each draft position with its profile's probability (a hash of seed,
