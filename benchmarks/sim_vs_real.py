@@ -225,7 +225,9 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
     llama-server with 8 slots (`--no-repack`: the one start that works on every CPU here)
     and vLLM's CPU build; each with the batching settings the sim runs its prediction with
     (the server's own: kvdeck's real executors' token budget of 512 and chunk of 256,
-    llama-server's batch of 2,048, vLLM told 2,048). llama-server's prediction runs with
+    llama-server's batch of 2,048, vLLM told 2,048). kvdeck's llama_cpp executor runs a
+    step's prompt chunks in a micro-batch after its decode rows' (`--prompt-pass`), as
+    llama-server does. llama-server's prediction runs with
     its slots (`--server-slots 8`: its KV is kept per slot, the decode rows of slots that
     are not neighbours run in passes of their own, prompts fill the batch in slot order,
     and a slot keeps its last prompt), and with its prompt cuts on Gemma 3
@@ -234,8 +236,9 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
     prefix caching off."""
     seqs = ["--max-num-seqs", str(MAX_SEQS)]
     if not with_peers:
+        own = [*seqs, "--max-num-batched-tokens", "512", "--chunk-size", "256"]
         return [(peers.kvdeck(ex, DEFAULT_MODEL, THREADS, *seqs),
-                 [*seqs, "--max-num-batched-tokens", "512", "--chunk-size", "256"])
+                 [*own, "--prompt-pass"] if ex == "llama_cpp" else own)
                 for ex in ("llama_cpp", "torch")]
     gguf = resolve_model(DEFAULT_MODEL)
     wide = [*seqs, "--max-num-batched-tokens", str(LLAMA_BATCH), "--chunk-size",

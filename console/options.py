@@ -258,6 +258,11 @@ FLAGS: tuple[Flag, ...] = (
          "llama-server with N slots (-np N, KV per slot) runs them: requests take slots as "
          "it assigns them, and each run of neighbouring slots decodes in a pass of its own "
          "(default 0: one pass for every row).", SIM),
+    Flag("prompt_pass", ("--prompt-pass/--no-prompt-pass",), bool, "Price a step of "
+         "prompt chunks beside decode rows as llama.cpp runs it: a pass of the decode rows, "
+         "then one of the prompts, each corrected by the profile's measured steps of that "
+         "shape (default off: one step with the fit's mixed term; on under "
+         "--server-slots).", SIM),
     Flag("fail_at_step", ("--fail-at-step",), int, "Fault injection: the simulated executor "
          "fails for good on this step.", SIM),
 )

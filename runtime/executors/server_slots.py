@@ -118,26 +118,40 @@ class ServerSlots:
 
     def step_seconds(self, chunks: list[ScheduledChunk], slots: list[int],
                      estimate: StepEstimate) -> float:
-        """A step as llama-server runs it: a pass for each run of neighbouring slots' decode
-        rows, one after another, then the prompt chunks (a decode row and a prompt share a
-        micro-batch for one token at most); `slots` are the chunks' slots."""
-        total, decodes = 0.0, []
-        new = pairs = context = 0
-        for i, c in enumerate(chunks):
-            req = c.request
-            if c.num_new_tokens == 1 and c.start + 1 == req.num_tokens and not c.num_draft \
-                    and req.output_token_ids:
-                decodes.append(i)
-            else:
-                n, h = c.num_new_tokens, c.start
-                new, pairs, context = new + n, pairs + n * h + n * (n + 1) // 2, context + h + n
-        for run in self.runs([slots[i] for i in decodes]):
-            ctx = sum(chunks[decodes[j]].start + 1 for j in run)  # each row's pairs, positions
-            # A pass of decode rows, corrected by the server's measured decode steps that
-            # surely ran as one pass (one row, every slot's: `SimExecutor` keeps only those).
-            total += estimate(len(run), ctx, ctx, len(run), "decode")
-        if new:
-            prompts = len(chunks) - len(decodes)
-            total += estimate(new, pairs, context, prompts, "prefill" if prompts == 1 else "")
-        return total
+        """A step as llama-server runs it (`pass_seconds`), its decode rows in a pass for
+        each run of neighbouring slots; `slots` are the chunks' slots."""
+        decodes = decode_rows(chunks)
+        runs = [[decodes[j] for j in run] for run in self.runs([slots[i] for i in decodes])]
+        return pass_seconds(chunks, runs, estimate)
 
+
+def decode_rows(chunks: list[ScheduledChunk]) -> list[int]:
+    """Indices of the chunks that are one decode row each (no draft, no prompt token)."""
+    return [i for i, c in enumerate(chunks)
+            if c.num_new_tokens == 1 and c.start + 1 == c.request.num_tokens
+            and not c.num_draft and c.request.output_token_ids]
+
+
+def pass_seconds(chunks: list[ScheduledChunk], runs: list[list[int]],
+                 estimate: StepEstimate) -> float:
+    """A step as llama.cpp runs it: a pass for each of `runs` (indices into `chunks` of
+    decode rows run together), one after another, then the other chunks in one pass (a
+    decode row and a prompt share a micro-batch for one token at most: llama.cpp's
+    `split_equal` takes as many tokens from every sequence of a micro-batch)."""
+    total = 0.0
+    for run in runs:
+        ctx = sum(chunks[i].start + 1 for i in run)  # each row's pairs, positions
+        # A pass of decode rows, corrected by the measured decode steps (under
+        # `--server-slots`, only those sure to have run as one pass: `SimExecutor`).
+        total += estimate(len(run), ctx, ctx, len(run), "decode")
+    rows = {i for run in runs for i in run}
+    new = pairs = context = prompts = 0
+    for i, c in enumerate(chunks):
+        if i not in rows:
+            n, h = c.num_new_tokens, c.start
+            new, pairs, context = new + n, pairs + n * h + n * (n + 1) // 2, context + h + n
+            prompts += 1
+    if new:
+        # One prompt chunk alone is the shape the measured prefill steps correct.
+        total += estimate(new, pairs, context, prompts, "prefill" if prompts == 1 else "")
+    return total

@@ -21,7 +21,7 @@ from kvdeck.runtime.core.config import check_choice, check_float, check_int
 from kvdeck.runtime.core.step_data import Conversion, SchedulerOutput, StepResult, StepTiming
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.base import ExecutorInfo, WeightsView
-from kvdeck.runtime.executors.server_slots import ServerSlots
+from kvdeck.runtime.executors.server_slots import ServerSlots, decode_rows, pass_seconds
 from kvdeck.runtime.executors.sim_draft import draft_seconds
 from kvdeck.runtime.kv.formats import KV_FORMATS
 from kvdeck.runtime.kv.groups import LayerGroups
@@ -108,6 +108,11 @@ class SimConfig:
     server_slots: int = 0
     """Above 0: price decode steps as llama-server with this many slots (`-np`, KV per
     slot) runs them: a pass per run of neighbouring slots (`server_slots.py`)."""
+    prompt_pass: bool = False
+    """Price a step of prompt chunks and decode rows as llama.cpp runs it: a pass of the
+    decode rows, then one of the prompt chunks (`server_slots.pass_seconds`), each
+    corrected by the measured steps of its shape, instead of one fitted step and the fit's
+    mixed term. `server_slots` implies it."""
     fail_at_step: int | None = None
     """Fault injection: the executor fails for good (as a lost device would) on its n-th
     executed step, so clients, dashboards and the console can be tested against a dying
@@ -479,6 +484,10 @@ class SimExecutor:
             seconds = 0.0
         elif self.slots is not None and shape in ("decode", "mixed"):
             seconds = self.slots.step_seconds(plan.chunks, slots, self.estimate_step_seconds)
+        elif shape == "mixed" and self.config.prompt_pass:
+            rows = decode_rows(plan.chunks)
+            seconds = pass_seconds(plan.chunks, [rows] if rows else [],
+                                   self.estimate_step_seconds)
         else:
             seconds = self.estimate_step_seconds(num_new, num_pairs, context,
                                                  len(sampled) + verify_rows, shape)

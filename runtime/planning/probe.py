@@ -85,7 +85,10 @@ class Probes:
 # chunk a long prompt's second half runs as; without it the attention term rests on short
 # chunks alone, and moved between 0 and 363 ns a pair from one run to the next. Idle spells
 # up to 20 s: a trace's requests seconds apart leave the server idle that long between them.
-FULL = Probes((64, 256, 512), tuple((b, n) for b in (1, 2, 3, 4, 8) for n in (64, 384)), 24, 3,
+# One and four rows of 576 prompt tokens: a trace's requests decode at 576–800 positions,
+# and a ratio carried from 396 missed torch's one row at 576–608 by 2–26 %.
+FULL = Probes((64, 256, 512), tuple((b, n) for b in (1, 2, 3, 4, 8) for n in (64, 384))
+              + ((1, 576), (4, 576)), 24, 3,
               ((256, 64), (512, 64), (256, 256), (512, 256)), ((384, 64),),
               (2.0, 5.0, 10.0, 20.0))
 QUICK = Probes((32, 128), ((1, 32), (4, 32)), 12, 2, ((128, 32),), ((32, 32),), (2.0,))

@@ -1,5 +1,6 @@
 """llama-server's slots in the sim (`executors/server_slots.py`): which slot a request
-takes, and a decode step priced as a pass per run of neighbouring slots."""
+takes, a decode step priced as a pass per run of neighbouring slots, and a prompt beside
+decode rows as a pass after theirs."""
 
 from __future__ import annotations
 
@@ -32,11 +33,11 @@ def test_slots_are_taken_by_shared_prefix_else_least_recently_used() -> None:
     assert slots.runs([3, 1, 2, 6]) == [[1, 2, 0], [3]]
 
 
-def engine(server_slots: int) -> Engine:
+def engine(server_slots: int, prompt_pass: bool = False) -> Engine:
     # Every row 1 ms over a fixed 20 ms: b rows in one pass take 20 + b ms.
     sim = SimExecutor(SimConfig(model_profile="qwen3-8b", hardware="h100-sxm", timing="fit",
                                 fixed_ms=20, per_token_us=1000, per_pair_ns=0,
-                                server_slots=server_slots))
+                                server_slots=server_slots, prompt_pass=prompt_pass))
     return Engine(EngineConfig(kv_memory_bytes=1 << 30, knobs=Knobs(max_num_seqs=4)), sim)
 
 
@@ -64,17 +65,22 @@ def test_server_slots_must_be_a_count() -> None:
         SimConfig(server_slots=-1)
 
 
-def test_a_prompt_beside_decode_rows_runs_after_their_passes() -> None:
-    """With slots, a step carrying a prompt and decode rows is the decode rows' pass, then
-    the prompt's (a decode row and a prompt share a micro-batch for one token at most)."""
-    e = engine(4)
+@pytest.mark.parametrize(("server_slots", "prompt_pass", "ms"),
+                         [(4, False, 21 + 52), (0, True, 21 + 52), (0, False, 53)])
+def test_a_prompt_beside_decode_rows_runs_after_their_passes(server_slots: int,
+                                                             prompt_pass: bool,
+                                                             ms: int) -> None:
+    """With slots or `prompt_pass`, a step carrying a prompt and decode rows is the decode
+    rows' pass, then the prompt's (a decode row and a prompt share a micro-batch for one
+    token at most); without either, one step of all its tokens."""
+    e = engine(server_slots, prompt_pass)
     e.add_request(list(range(10, 26)), SamplingParams(max_tokens=8), request_id="A")
-    e.step()  # A's prompt; A then decodes in slot 3
+    e.step()  # A's prompt; A then decodes (in slot 3, with slots)
     e.add_request(list(range(30, 62)), SamplingParams(max_tokens=2), request_id="B")
     step = e.step()
     assert sorted((c.request_id, c.num_new_tokens) for c in step.plan) == [("A", 1), ("B", 32)]
-    # A's row: 20 + 1 ms; B's 32 prompt tokens: 20 + 32 ms.
-    assert step.dt == pytest.approx(0.021 + 0.052)
+    # A's row: 20 + 1 ms; B's 32 prompt tokens: 20 + 32 ms; or one step of 33 rows.
+    assert step.dt == pytest.approx(ms / 1e3)
     e.run_until_idle()
     e.close()
 
