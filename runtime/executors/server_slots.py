@@ -1,7 +1,9 @@
 """llama-server's slots, for the sim to run requests as that server does (`--server-slots
 N`): which slot each takes, what its slot kept of the last prompt (`reuse`, asked by the
 scheduler on admission, which also fills a step's prompts in slot order), and a decode
-step priced as a pass per run of neighbouring slots.
+step priced as a pass per run of neighbouring slots. `pass_seconds` prices a step as
+llama.cpp's micro-batches run it, for the slots and for the sim's `--prompt-pass` (kvdeck's
+own llama_cpp executor: its decode rows in one pass, its prompts in another).
 
 llama-server started with `-np N` (and no `--kv-unified`) keeps one KV stream per slot, and
 llama.cpp then cuts a batch into micro-batches whose sequences have consecutive ids
