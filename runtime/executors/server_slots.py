@@ -137,11 +137,12 @@ def decode_rows(chunks: list[ScheduledChunk]) -> list[int]:
 def pass_seconds(chunks: list[ScheduledChunk], runs: list[list[int]],
                  estimate: StepEstimate) -> float:
     """A step as llama.cpp runs it: a pass for each of `runs` (indices into `chunks` of
-    decode rows run together), one after another, then the other chunks in one pass (a
-    decode row and a prompt share a micro-batch for one token at most: llama.cpp's
-    `split_equal` takes as many tokens from every sequence of a micro-batch)."""
+    decode rows run together; an empty one is no pass), one after another, then the other
+    chunks in one pass (a decode row and a prompt share a micro-batch for one token at
+    most: llama.cpp's `split_equal` takes as many tokens from every sequence of a
+    micro-batch)."""
     total = 0.0
-    for run in runs:
+    for run in filter(None, runs):
         ctx = sum(chunks[i].start + 1 for i in run)  # each row's pairs, positions
         # A pass of decode rows, corrected by the measured decode steps (under
         # `--server-slots`, only those sure to have run as one pass: `SimExecutor`).

@@ -485,8 +485,7 @@ class SimExecutor:
         elif self.slots is not None and shape in ("decode", "mixed"):
             seconds = self.slots.step_seconds(plan.chunks, slots, self.estimate_step_seconds)
         elif shape == "mixed" and self.config.prompt_pass:
-            rows = decode_rows(plan.chunks)
-            seconds = pass_seconds(plan.chunks, [rows] if rows else [],
+            seconds = pass_seconds(plan.chunks, [decode_rows(plan.chunks)],
                                    self.estimate_step_seconds)
         else:
             seconds = self.estimate_step_seconds(num_new, num_pairs, context,
