@@ -12,6 +12,7 @@ import torch
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.models.kernels import (
+    CPU_DTYPE_GAIN,
     KernelTable,
     cpu_compute_dtype,
     load_or_measure,
@@ -160,8 +161,13 @@ def test_kernel_caches_taken_on_a_slower_machine_are_measured_again(tmp_path) ->
     assert cpu_compute_dtype(tmp_path) == "kept"
     d["seconds"]["fp32"] = 1e3
     choice.write_text(json.dumps(d))
-    assert cpu_compute_dtype(tmp_path) == first_dtype  # timed again, and saved
-    assert json.loads(choice.read_text())["seconds"]["fp32"] < 1e3
+    # Timed again, and saved. Not necessarily `first_dtype`: where bf16 runs near the gain's
+    # threshold, two timings on one machine may fall either side of it.
+    again_dtype, saved = cpu_compute_dtype(tmp_path), json.loads(choice.read_text())
+    assert again_dtype == saved["dtype"] and first_dtype in ("bf16", "fp32")
+    assert saved["seconds"]["fp32"] < 1e3
+    faster = saved["seconds"]["fp32"] >= CPU_DTYPE_GAIN * saved["seconds"]["bf16"]
+    assert again_dtype == ("bf16" if faster else "fp32")
 
 
 @pytest.mark.parametrize("timing", ["measured", "fit"])
