@@ -184,10 +184,11 @@ class SimExecutor:
         self._prefill_factor = functools.lru_cache(maxsize=4096)(functools.partial(
             self.model.prefill_factor, "" if given else self.hardware.name, self.fit))
         ratios = {} if given else self.model.decode_ratios(self.hardware.name, self.fit)
-        if config.server_slots:
+        if config.server_slots and self.hardware.name not in self.model.decode_pinned:
             # Behind llama-server's slots, only a probe's one row or every slot's rows surely
-            # ran as one pass (`server_slots.py`); two to four ran in one or more as their
-            # slots fell, and correct nothing.
+            # ran as one pass (`server_slots.py`) where the probes were not pinned to
+            # neighbouring slots; two to four ran in one or more as their slots fell, and
+            # correct nothing.
             ratios = {b: r for b, r in ratios.items() if b in (1, config.server_slots)}
         self._decode_ratios = ratios
         # A server fitted from outside also pays for each idle spell in the step after it.

@@ -61,6 +61,9 @@ class Point:
     idle_s: float = 0.0
     """Of a "wake" point: the idle seconds before its step, whose `seconds` are what the
     step took beyond the same step sent right after another (`wake.py`); no step shape."""
+    pinned: bool = False
+    """Of a decode point: its requests were sent to neighbouring slots of llama-server
+    (`id_slot`), so that its rows ran as one pass (`executors/server_slots.py`)."""
 
     @property
     def mixed(self) -> bool:
@@ -245,11 +248,14 @@ def fit_toml(fit: StepFit, hw: str, points: list[Point]) -> str:
                for p in points if p.kind == "prefill"]
     prefill = [(p, s) for p, s in prefill if round(s * 1e3, 3) > 0]
     wake = [p for p in points if p.kind == "wake"]
+    rows = [p for p in decode if p.new_tokens > 1]
+    pinned = ("# Their rows ran in neighbouring slots (llama-server's id_slot): one pass "
+              "each.\npinned = true\n" if rows and all(p.pinned for p in rows) else "")
     return (f"[fit.{hw}]\n" + "".join(f"{k} = {v:.6f}\n" for k, v in fit.to_json().items())
             + (f"\n# Measured decode steps, [batch, context, ms]: kvdeck plan interpolates them.\n"
                f"[decode.{hw}]\npoints = [" + ", ".join(
                    f"[{p.new_tokens}, {p.context // p.new_tokens - 1}, {p.seconds * 1e3:.3f}]"
-                   for p in decode) + "]\n" if decode else "")
+                   for p in decode) + "]\n" + pinned if decode else "")
             + (f"\n# Measured prefill steps, [new tokens, cached tokens, ms]: fitted prefill "
                f"steps are corrected by them.\n[prefill.{hw}]\npoints = [" + ", ".join(
                    f"[{p.new_tokens}, {p.context - p.new_tokens}, {s * 1e3:.3f}]"

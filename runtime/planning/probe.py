@@ -15,7 +15,10 @@ No server lets a client time its steps, but its token stream shows them:
 - **Decode.** `b` requests of `L` prompt tokens sent at once, `M` outputs each: from the
   moment the last of them has its first token until the first of them ends, all `b` decode
   together, and the gaps between one request's streamed tokens are steps of `b` rows at
-  about context `L + M/2` (their median is the point).
+  about context `L + M/2` (their median is the point). Behind llama-server's slots (its
+  `/props` say how many) the `b` requests go to slots 0 to `b − 1` (`id_slot`): rows of
+  slots that are not neighbours decode in passes of their own, and the point is then one
+  pass of `b` rows (`pinned` in the profile).
 - **A prompt beside a decode.** One request of `L` prompt tokens decoding, and while it
   does, prompts of `c` tokens sent one at a time: where a prompt's first token comes out
   with one of the decoder's tokens, they were computed in one step, and the decoder's gap
@@ -42,6 +45,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
+
+import httpx
 
 from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.errors import KvdeckError
@@ -103,10 +108,10 @@ def _prompts(rng: random.Random, n: int, length: int) -> list[tuple[int, ...]]:
 
 
 def _send(url: str, model: str, arrivals: list[Arrival], api_key: str | None,
-          concurrency: int | None) -> list[dict]:
-    """Send `arrivals` (token-id prompts, exact output lengths); every request's figures,
-    each of which must have finished."""
-    out = asyncio.run(run_bench(url, model, arrivals, shape=RequestShape(),
+          concurrency: int | None, pin_slots: bool = False) -> list[dict]:
+    """Send `arrivals` (token-id prompts, exact output lengths; `pin_slots`: arrival `i` to
+    llama-server's slot `i`); every request's figures, each of which must have finished."""
+    out = asyncio.run(run_bench(url, model, arrivals, shape=RequestShape(pin_slots=pin_slots),
                                 api_key=api_key, concurrency=concurrency, warmup=False))
     bad = [r for r in out["requests"] if not r["status"].startswith("finished")]
     if bad:
@@ -120,6 +125,19 @@ def _send(url: str, model: str, arrivals: list[Arrival], api_key: str | None,
                          f"where {a.output_len} were asked with ignore_eos; a probe "
                          "needs exact lengths.")
     return out["requests"]
+
+
+def llama_server_slots(url: str, api_key: str | None = None) -> int:
+    """How many slots the server at `url` runs where it is llama-server (its `/props` give
+    `total_slots`); 0 for any other server (vLLM and kvdeck answer 404 there)."""
+    root = url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(root + "/props", headers=headers, timeout=30.0)
+        n = r.json().get("total_slots") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):  # not JSON, or not an object
+        return 0
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
 def prefill_point(requests: list[dict], c: int) -> Point:
@@ -289,16 +307,25 @@ def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = Non
             continue
         points.append(point)
         progress(f"  {point.label}: {point.seconds * 1e3:.1f} ms")
+    # Behind llama-server's slots, rows in slots that are not neighbours decode in passes of
+    # their own (`executors/server_slots.py`): a probe's rows go to slots 0 to b − 1, so
+    # that each of its steps is one pass of b rows.
+    slots = llama_server_slots(url, api_key)
     for b, n in probes.decode:
         arrivals = [Arrival(0.0, n, probes.outputs, prompt_tokens=p)
                     for p in _prompts(rng, b, n)]
-        point = decode_point(_send(url, model, arrivals, api_key, None), b, n, probes.outputs)
+        pin = 1 < b <= slots
+        point = decode_point(_send(url, model, arrivals, api_key, None, pin), b, n,
+                             probes.outputs)
+        if point is not None and pin:
+            point = dataclasses.replace(point, pinned=True)
         if point is None:
             progress(f"  decode {b} at {n}: the server never decoded all {b} together; "
                      "no point")
             continue
         points.append(point)
-        progress(f"  {point.label}: {point.seconds * 1e3:.1f} ms")
+        progress(f"  {point.label}: {point.seconds * 1e3:.1f} ms"
+                 + (f" (slots 0–{b - 1})" if point.pinned else ""))
     for prompt, c in probes.mixed:
         if not any(p.kind == "decode" for p in points):
             break

@@ -227,6 +227,11 @@ class ModelProfile:
     decode_times: dict[str, tuple[tuple[int, int, float], ...]] = field(default_factory=dict)
     """Measured decode steps by hardware profile name: (batch, context, seconds), written
     by `kvdeck calibrate`; the planner interpolates them (`decode_seconds`)."""
+    decode_pinned: frozenset[str] = frozenset()
+    """Hardware names whose measured decode steps of several rows ran in neighbouring
+    slots of llama-server, one pass each (`pinned = true`: `calibrate --url` sent them
+    with `id_slot`); the sim's `--server-slots` is corrected by them all, not only by one
+    row and every slot's."""
     prefill_times: dict[str, tuple[tuple[int, int, float], ...]] = field(
         default_factory=dict)
     """Measured prefill steps by hardware profile name: (new tokens, cached tokens before
@@ -420,7 +425,7 @@ class ModelProfile:
                                        table=t) / 1e9,
                                _number(f, "mixed_ms", where, default=0.0, positive=False,
                                        table=t) / 1e3)
-        decode_times, prefill_mfu, kv_convert = _decode_tables(d, where)
+        decode_times, prefill_mfu, kv_convert, pinned = _decode_tables(d, where)
         prefill_times = _prefill_tables(d, where)
         kv_dtype = str(d.get("kv_dtype", "bf16"))
         if kv_dtype not in KV_FORMATS:
@@ -455,6 +460,7 @@ class ModelProfile:
             num_local_layers=local,
             source=where,
             decode_times=decode_times,
+            decode_pinned=pinned,
             prefill_times=prefill_times,
             wake_times=wake_tables(d, where),
             group_bytes=_weight_groups(d, where),
@@ -463,12 +469,12 @@ class ModelProfile:
         )
 
 
-def _decode_tables(d: dict, where: str) -> tuple[dict, dict, dict]:
+def _decode_tables(d: dict, where: str) -> tuple[dict, dict, dict, frozenset[str]]:
     """A model profile's `[decode.<hardware>]` tables: the measured decode steps
     (`points`), the measured prefill efficiency (`prefill_mfu`) and the measured cost of
     reading KV in another format (`[decode.<hardware>.convert_ms_per_gb]`), each by
-    hardware name."""
-    points_by, mfu_by, convert_by = {}, {}, {}
+    hardware name; and the hardware names whose steps ran pinned to slots (`pinned`)."""
+    points_by, mfu_by, convert_by, pinned = {}, {}, {}, set()
     for hw, table in d.get("decode", {}).items():
         points = table.get("points") if isinstance(table, dict) else None
         if not isinstance(points, list) or not points or not all(
@@ -480,6 +486,11 @@ def _decode_tables(d: dict, where: str) -> tuple[dict, dict, dict]:
                               f"numbers, got {points!r}.")
         points_by[hw] = tuple((int(b), int(c), ms / 1e3) for b, c, ms in points)
         t = f"decode.{hw}"
+        if not isinstance(table.get("pinned", False), bool):
+            raise ConfigError(f"Profile {where}: {t}.pinned must be true or false, got "
+                              f"{table['pinned']!r}.")
+        if table.get("pinned", False):
+            pinned.add(hw)
         if "prefill_mfu" in table:
             mfu_by[hw] = _number(table, "prefill_mfu", where, most=1.0, table=t)
         convert = table.get("convert_ms_per_gb", {})
@@ -489,7 +500,7 @@ def _decode_tables(d: dict, where: str) -> tuple[dict, dict, dict]:
         convert_by[hw] = {f: _number(convert, f, where, positive=False,
                                      table=f"{t}.convert_ms_per_gb") / 1e3 / 1e9
                           for f in convert}
-    return points_by, mfu_by, convert_by
+    return points_by, mfu_by, convert_by, frozenset(pinned)
 
 
 def _prefill_tables(d: dict, where: str) -> dict[str, tuple[tuple[int, int, float], ...]]:

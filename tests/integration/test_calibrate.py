@@ -24,6 +24,7 @@ from kvdeck.runtime.planning.calibrate import (
     Point,
     efficiencies,
     fit_step_model,
+    fit_toml,
     mixed_point,
     point_seconds,
 )
@@ -359,6 +360,29 @@ def test_measured_decode_steps_correct_the_fit_between_and_beyond_them(
     assert slotted.step().dt == pytest.approx(0.022 * (1.0 + 0.5 / 3))
     slotted.run_until_idle()
     slotted.close()
+    # Probes pinned to neighbouring slots (`pinned`, as `calibrate --url` writes it behind
+    # llama-server) each ran as one pass: the two rows take their measured 44 ms.
+    pinned = fit_toml(linear, hw, [Point("decode", b, 0, "", ms / 1e3, b * (c + 1), b,
+                                         pinned=b > 1)
+                                   for b, c, ms in ((1, 100, 21.0), (2, 100, 44.0),
+                                                    (4, 100, 36.0), (2, 400, 33.0))])
+    assert "\npinned = true\n" in pinned
+    (models / "pinned.toml").write_text(
+        shipped.replace('name = "qwen3-8b"', 'name = "pinned"') + "\n" + pinned)
+    assert ModelProfile.load("pinned").decode_pinned == {hw}
+    assert ModelProfile.load("rows").decode_pinned == frozenset()
+    slotted = Engine(EngineConfig(kv_memory_bytes=1 << 30, block_size=16), SimExecutor(
+        SimConfig(model_profile="pinned", hardware=hw, timing="fit", server_slots=4)))
+    slotted.add_request(list(range(10, 110)), SamplingParams(max_tokens=3))
+    slotted.add_request(list(range(200, 300)), SamplingParams(max_tokens=3))
+    assert len(slotted.step().plan) == 2
+    assert slotted.step().dt == pytest.approx(0.044)
+    slotted.run_until_idle()
+    slotted.close()
+    # One unpinned point of several rows among them: none of them is taken for one pass.
+    mixed = fit_toml(linear, hw, [Point("decode", 2, 0, "", 0.044, 202, 2, pinned=True),
+                                  Point("decode", 4, 0, "", 0.036, 404, 4)])
+    assert "pinned" not in mixed
 
 def test_a_sim_fitted_from_outside_takes_requests_in_after_their_way_through_http(
         tmp_path: Path, monkeypatch) -> None:

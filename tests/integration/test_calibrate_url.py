@@ -16,6 +16,7 @@ from kvdeck.runtime.planning.probe import (
     ProbeError,
     decode_point,
     history_point,
+    llama_server_slots,
     mixed_steps,
     prefill_point,
     probe,
@@ -90,6 +91,8 @@ def test_probing_the_paced_sim_finds_the_steps_it_prices() -> None:
     through HTTP and the token stream only, must see those steps."""
     with sim_process("--pace", "1", "--served-model-name", "sim") as srv:
         points = probe(srv.url, "sim", QUICK, progress=lambda m: None)
+        slots = llama_server_slots(srv.url)
+    assert slots == 0  # no llama-server: its probes go to no slot
     hw, model = HardwareProfile.load("rtx-pro-6000"), ModelProfile.load("qwen3-8b")
     from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 
@@ -97,6 +100,7 @@ def test_probing_the_paced_sim_finds_the_steps_it_prices() -> None:
     assert sim.hardware == hw and sim.model.name == model.name
     decode = [p for p in points if p.kind == "decode"]
     assert {p.new_tokens for p in decode} == {b for b, _ in QUICK.decode}
+    assert not any(p.pinned for p in decode)
     for p in decode:
         priced = sim.estimate_step_seconds(p.new_tokens, p.pairs, p.context)
         assert p.seconds == pytest.approx(priced, rel=0.2), p.label

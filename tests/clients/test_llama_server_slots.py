@@ -1,0 +1,43 @@
+"""`calibrate --url` behind llama-server's slots: its `/props` say how many it runs, and a
+decode probe's `b` requests, sent with `id_slot`, take slots 0 to `b − 1` (its `/slots`
+show which slots held them), so that each step the probe times is one pass of `b` rows
+(`executors/server_slots.py`).
+
+Under `make clients` only (`KVDECK_CLIENTS=1`): llama-server builds into .venv-clients/ on
+first use (benchmarks/peers.py), about 12 minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+from benchmarks import peers
+from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
+from kvdeck.runtime.planning.probe import Probes, llama_server_slots, probe
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("KVDECK_CLIENTS") != "1",
+                       reason="a real llama-server runs under `make clients`"),
+]
+
+
+def test_decode_probes_run_in_neighbouring_slots() -> None:
+    # `--no-repack`: the one start that works on every CPU here (benchmarks/peers.py).
+    server = peers.llama_server(resolve_model(DEFAULT_MODEL), DEFAULT_MODEL, 2, repack=False)
+    try:
+        server.start(DEFAULT_MODEL)
+        assert llama_server_slots(server.url) == 8
+        # Three rows of 64-token prompts; the start's "Hello" and the probe's 16-token
+        # warm-up go to whichever slots llama-server picks, and are shorter.
+        (point,) = probe(server.url, DEFAULT_MODEL, Probes((), ((3, 64),), 8, 1),
+                         progress=lambda m: None)
+        slots = httpx.get(server.url.removesuffix("/v1") + "/slots", timeout=30).json()
+    finally:
+        server.stop()
+    assert point.kind == "decode" and point.new_tokens == 3 and point.pinned
+    held = {s["id"] for s in slots if s.get("n_prompt_tokens", 0) >= 64}
+    assert held == {0, 1, 2}
