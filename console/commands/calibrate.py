@@ -18,7 +18,9 @@ def calibrate(
     url: str = typer.Option(None, "--url", help="Fit a live OpenAI-compatible server "
                             "(its base URL) from outside instead, by probing it with "
                             "requests and reading its token timings (and what a prompt "
-                            "after 2 to 20 idle seconds costs more: the sim adds it)."),
+                            "after 2 to 20 idle seconds costs more: the sim adds it). "
+                            "Behind llama-server, several decoding requests go to "
+                            "neighbouring slots (id_slot), one pass each."),
     api_key: str = typer.Option(None, "--api-key", help="--url: bearer key, if needed."),
     model_profile: str = typer.Option(None, "--model-profile", help="--url: the model's "
                                       "shape (a profile, model name or GGUF; default the "
