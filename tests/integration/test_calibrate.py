@@ -384,6 +384,7 @@ def test_measured_decode_steps_correct_the_fit_between_and_beyond_them(
                                   Point("decode", 4, 0, "", 0.036, 404, 4)])
     assert "pinned" not in mixed
 
+
 def test_a_sim_fitted_from_outside_takes_requests_in_after_their_way_through_http(
         tmp_path: Path, monkeypatch) -> None:
     models, shipped = probed_profiles(tmp_path, monkeypatch)
