@@ -65,6 +65,7 @@ from kvdeck.runtime.planning.profiles import (
     ModelProfile,
     StepFit,
 )
+from kvdeck.runtime.runs.endpoints import bearer, server_root
 from kvdeck.runtime.runs.loadgen import RequestShape, run_bench
 from kvdeck.runtime.runs.trace import Arrival
 
@@ -130,10 +131,8 @@ def _send(url: str, model: str, arrivals: list[Arrival], api_key: str | None,
 def llama_server_slots(url: str, api_key: str | None = None) -> int:
     """How many slots the server at `url` runs where it is llama-server (its `/props` give
     `total_slots`); 0 for any other server (vLLM and kvdeck answer 404 there)."""
-    root = url.rstrip("/").removesuffix("/v1")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(root + "/props", headers=headers, timeout=30.0)
+        r = httpx.get(server_root(url) + "/props", headers=bearer(api_key), timeout=30.0)
         n = r.json().get("total_slots") if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError, AttributeError):  # not JSON, or not an object
         return 0
@@ -317,12 +316,11 @@ def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = Non
         pin = 1 < b <= slots
         point = decode_point(_send(url, model, arrivals, api_key, None, pin), b, n,
                              probes.outputs)
-        if point is not None and pin:
-            point = dataclasses.replace(point, pinned=True)
         if point is None:
             progress(f"  decode {b} at {n}: the server never decoded all {b} together; "
                      "no point")
             continue
+        point = dataclasses.replace(point, pinned=pin)
         points.append(point)
         progress(f"  {point.label}: {point.seconds * 1e3:.1f} ms"
                  + (f" (slots 0–{b - 1})" if point.pinned else ""))

@@ -486,10 +486,10 @@ def _decode_tables(d: dict, where: str) -> tuple[dict, dict, dict, frozenset[str
                               f"numbers, got {points!r}.")
         points_by[hw] = tuple((int(b), int(c), ms / 1e3) for b, c, ms in points)
         t = f"decode.{hw}"
-        if not isinstance(table.get("pinned", False), bool):
+        if not isinstance(is_pinned := table.get("pinned", False), bool):
             raise ConfigError(f"Profile {where}: {t}.pinned must be true or false, got "
-                              f"{table['pinned']!r}.")
-        if table.get("pinned", False):
+                              f"{is_pinned!r}.")
+        if is_pinned:
             pinned.add(hw)
         if "prefill_mfu" in table:
             mfu_by[hw] = _number(table, "prefill_mfu", where, most=1.0, table=t)

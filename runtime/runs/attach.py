@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvdeck.runtime.errors import KvdeckError
+from kvdeck.runtime.runs.endpoints import server_root
 from kvdeck.runtime.server.cascade import CascadeView
 
 # Per engine: our field -> the metric that carries it.
@@ -279,7 +280,7 @@ def metrics_url(url: str) -> str:
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
         raise KvdeckError(f"'{url}' is not a server URL; give one like http://127.0.0.1:8000 "
                           "(http or https, a host, optionally a port).")
-    return url.rstrip("/").removesuffix("/v1") + "/metrics"
+    return server_root(url) + "/metrics"
 
 
 def parse_slots(data: object) -> tuple[int, int]:

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
+from kvdeck.runtime.runs.endpoints import bearer
 from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
 from kvdeck.runtime.stats.figures import summarize
 from kvdeck.runtime.stats.metrics import SLO, Distribution, RequestMetrics
@@ -283,7 +284,7 @@ async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *,
     vLLM's serving benchmark does; `warmup_body`), so first-request costs on either side do
     not land on the trace's first arrivals."""
     endpoint = url.rstrip("/") + "/completions"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = bearer(api_key)
     limits = httpx.Limits(max_connections=concurrency or 256)
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:

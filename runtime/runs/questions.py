@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvdeck.runtime.errors import KvdeckError, TraceError
 from kvdeck.runtime.resources import QUESTIONS
+from kvdeck.runtime.runs.endpoints import bearer, server_root
 from kvdeck.runtime.text.checks import AnswerCheck, parse_check
 
 DEFAULT_QUESTIONS = "checked-questions"
@@ -117,9 +118,7 @@ async def ask_all(url: str, model: str, questions: list[Question], *, concurrenc
                   timeout_s: float = 600.0) -> Arm:
     """Every question asked of `model` at `url` (an OpenAI base URL), at most `concurrency`
     at a time."""
-    base = url.rstrip("/")
-    root = base.removesuffix("/v1")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    base, root, headers = url.rstrip("/"), server_root(url), bearer(api_key)
     arm = Arm(model)
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=timeout_s, headers=headers) as client:

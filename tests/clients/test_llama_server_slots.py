@@ -9,19 +9,18 @@ first use (benchmarks/peers.py), about 12 minutes on two cores.
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import pytest
 
 from benchmarks import peers
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 from kvdeck.runtime.planning.probe import Probes, llama_server_slots, probe
+from kvdeck.runtime.runs.endpoints import server_root
+from tests.clients import PEERS
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("KVDECK_CLIENTS") != "1",
-                       reason="a real llama-server runs under `make clients`"),
+    PEERS,
 ]
 
 
@@ -35,7 +34,7 @@ def test_decode_probes_run_in_neighbouring_slots() -> None:
         # warm-up go to whichever slots llama-server picks, and are shorter.
         (point,) = probe(server.url, DEFAULT_MODEL, Probes((), ((3, 64),), 8, 1),
                          progress=lambda m: None)
-        slots = httpx.get(server.url.removesuffix("/v1") + "/slots", timeout=30).json()
+        slots = httpx.get(server_root(server.url) + "/slots", timeout=30).json()
     finally:
         server.stop()
     assert point.kind == "decode" and point.new_tokens == 3 and point.pinned

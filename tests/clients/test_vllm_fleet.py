@@ -11,7 +11,6 @@ dev mode for `POST /reset_prefix_cache`.
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 
@@ -21,6 +20,7 @@ import pytest
 from benchmarks import peers
 from kvdeck.runtime.fleet.fleet import Fleet, ReplicaSpec
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
+from tests.clients import PEERS
 
 BLOCK = 128
 """vLLM's CPU build stores KV in 128-token blocks."""
@@ -29,9 +29,7 @@ FULL_GROUP = 5
 
 pytestmark = [
     pytest.mark.slow,
-    # vLLM installs into .venv-clients/ on first use (benchmarks/peers.py).
-    pytest.mark.skipif(os.environ.get("KVDECK_CLIENTS") != "1",
-                       reason="real vLLM replicas run under `make clients`"),
+    PEERS,
 ]
 
 

@@ -311,6 +311,21 @@ def test_measured_prefill_steps_correct_the_fit_where_they_were_measured(
 
 
 
+def two_rows_decoding(profile: str, hw: str, server_slots: int = 0) -> float:
+    """The sim's step of two 100-token prompts' first decode rows (their prompts ran
+    together in the step before it)."""
+    engine = Engine(EngineConfig(kv_memory_bytes=1 << 30, block_size=16), SimExecutor(
+        SimConfig(model_profile=profile, hardware=hw, timing="fit",
+                  server_slots=server_slots)))
+    engine.add_request(list(range(10, 110)), SamplingParams(max_tokens=3))
+    engine.add_request(list(range(200, 300)), SamplingParams(max_tokens=3))
+    assert len(engine.step().plan) == 2  # both prompts in one step
+    dt = engine.step().dt
+    engine.run_until_idle()
+    engine.close()
+    return dt
+
+
 def test_measured_decode_steps_correct_the_fit_between_and_beyond_them(
         tmp_path: Path, monkeypatch) -> None:
     """A server whose decode step is not linear in its rows (one row after another up to
@@ -340,26 +355,13 @@ def test_measured_decode_steps_correct_the_fit_between_and_beyond_them(
     # Past the largest batch measured, its ratio; elsewhere, none.
     assert model.decode_factor(hw, linear, 8, 100) == pytest.approx(1.5)
     assert model.decode_factor("elsewhere", linear, 2, 100) == 1.0
-    engine = Engine(EngineConfig(kv_memory_bytes=1 << 30, block_size=16), SimExecutor(
-        SimConfig(model_profile="rows", hardware=hw, timing="fit")))
-    engine.add_request(list(range(10, 110)), SamplingParams(max_tokens=3))
-    engine.add_request(list(range(200, 300)), SamplingParams(max_tokens=3))
-    assert len(engine.step().plan) == 2  # both prompts in one step
     # Both decode on 100 positions: the measured 44 ms, where the fit says 22.
-    assert engine.step().dt == pytest.approx(0.044)
-    engine.run_until_idle()
-    engine.close()
+    assert two_rows_decoding("rows", hw) == pytest.approx(0.044)
     # Behind llama-server's 4 slots only the steps of one row and of four surely ran as one
     # pass: the two rows, in neighbouring slots, are one pass priced between those ratios
     # (1.0 and 1.5), not at the two rows' measured 44 ms (two passes on that server).
-    slotted = Engine(EngineConfig(kv_memory_bytes=1 << 30, block_size=16), SimExecutor(
-        SimConfig(model_profile="rows", hardware=hw, timing="fit", server_slots=4)))
-    slotted.add_request(list(range(10, 110)), SamplingParams(max_tokens=3))
-    slotted.add_request(list(range(200, 300)), SamplingParams(max_tokens=3))
-    assert len(slotted.step().plan) == 2
-    assert slotted.step().dt == pytest.approx(0.022 * (1.0 + 0.5 / 3))
-    slotted.run_until_idle()
-    slotted.close()
+    assert two_rows_decoding("rows", hw, server_slots=4) == \
+        pytest.approx(0.022 * (1.0 + 0.5 / 3))
     # Probes pinned to neighbouring slots (`pinned`, as `calibrate --url` writes it behind
     # llama-server) each ran as one pass: the two rows take their measured 44 ms.
     pinned = fit_toml(linear, hw, [Point("decode", b, 0, "", ms / 1e3, b * (c + 1), b,
@@ -371,14 +373,7 @@ def test_measured_decode_steps_correct_the_fit_between_and_beyond_them(
         shipped.replace('name = "qwen3-8b"', 'name = "pinned"') + "\n" + pinned)
     assert ModelProfile.load("pinned").decode_pinned == {hw}
     assert ModelProfile.load("rows").decode_pinned == frozenset()
-    slotted = Engine(EngineConfig(kv_memory_bytes=1 << 30, block_size=16), SimExecutor(
-        SimConfig(model_profile="pinned", hardware=hw, timing="fit", server_slots=4)))
-    slotted.add_request(list(range(10, 110)), SamplingParams(max_tokens=3))
-    slotted.add_request(list(range(200, 300)), SamplingParams(max_tokens=3))
-    assert len(slotted.step().plan) == 2
-    assert slotted.step().dt == pytest.approx(0.044)
-    slotted.run_until_idle()
-    slotted.close()
+    assert two_rows_decoding("pinned", hw, server_slots=4) == pytest.approx(0.044)
     # One unpinned point of several rows among them: none of them is taken for one pass.
     mixed = fit_toml(linear, hw, [Point("decode", 2, 0, "", 0.044, 202, 2, pinned=True),
                                   Point("decode", 4, 0, "", 0.036, 404, 4)])
