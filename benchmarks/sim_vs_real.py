@@ -63,6 +63,7 @@ from kvdeck.runtime.planning.probe import (
 from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, StepFit
 from kvdeck.runtime.runs.loadgen import cap_arrivals
 from kvdeck.runtime.runs.trace import load_arrivals, synthesize_tokens
+from kvdeck.runtime.text.tokenizer import Tokenizer
 
 THREADS = 2
 MAX_SEQS = 8
@@ -112,6 +113,11 @@ def write_traces(folder: Path, fit: StepFit) -> dict[str, Path]:
         t += rng.expovariate(1 / gap)
     paths = {"Mooncake excerpt": folder / "mooncake.jsonl",
              "shared prefix": folder / "shared.jsonl"}
+    # What each server serves before a trace's first request: the start-up check (the
+    # harness restarts it for each trace), then `kvdeck bench`'s warm-up (`--warmup`).
+    check = Tokenizer(resolve_model(DEFAULT_MODEL)).encode(peers.START_CHECK[0])
+    (folder / "before.jsonl").write_text(json.dumps(
+        {"arrival_s": 0.0, "output_len": peers.START_CHECK[1], "prompt_tokens": check}) + "\n")
     paths["Mooncake excerpt"].write_text("".join(json.dumps(a.to_json()) + "\n" for a in moon))
     paths["shared prefix"].write_text("".join(json.dumps(o) + "\n" for o in shared))
     return paths
@@ -207,7 +213,8 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
     rows, moved = [], drift(before, after)
     for trace, path in traces.items():
         sim = kvdeck_cli("run-trace", str(path), "--executor", "sim", "--model-profile",
-                         profile, "--hardware", hw, "--timing", "fit", *sim_flags, env=env)
+                         profile, "--hardware", hw, "--timing", "fit", *sim_flags,
+                         "--before", str(folder / "before.jsonl"), "--warmup", env=env)
         predicted, real = figures(sim["summary"]), figures(measured[trace]["summary"])
         rows.append({"server": server.name, "trace": trace, "predicted": predicted,
                      "measured": real, "ratio": {k: predicted[k] / real[k] for k in predicted},

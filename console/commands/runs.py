@@ -31,6 +31,13 @@ def run_trace(
                                      help="Multiply inter-arrival times (0.5 = twice the rate)."),
     hash_block_tokens: int = typer.Option(512, "--hash-block-tokens",
                                           help="Tokens per Mooncake hash id."),
+    before: str = typer.Option(None, "--before", help="A trace (file or sample) whose "
+                               "requests are served first, one after another, and not "
+                               "counted: what the server being predicted served before the "
+                               "trace (a start-up check, say)."),
+    warmup: bool = typer.Option(False, "--warmup", help="Serve kvdeck bench's uncounted "
+                                "warm-up first (after --before's): a prompt as long as the "
+                                "first request's, two outputs."),
     slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
     slo_tpot: float = typer.Option(None, "--slo-tpot", help="TPOT SLO in seconds."),
     slo_e2e: float = typer.Option(None, "--slo-e2e", help="E2E SLO in seconds."),
@@ -67,6 +74,7 @@ def run_trace(
 
     Long because its options are its signature (typer reads them there)."""
     from kvdeck.console.run_views import render_summary
+    from kvdeck.runtime.runs.loadgen import warmup as warmup_request
     from kvdeck.runtime.runs.recording import record_headless
     from kvdeck.runtime.runs.runner import needs_tokenizer, run_arrivals
     from kvdeck.runtime.runs.trace import load_arrivals
@@ -79,19 +87,25 @@ def run_trace(
         setup_logging(log_level)
         check_int("--hash-block-tokens", hash_block_tokens, 1, 1 << 20)
         if fleet:
+            if before or warmup:
+                raise ConfigError("--before and --warmup run on one engine; leave them out "
+                                  "with --replicas, --prefill-replicas or --decode-replicas.")
             return run_fleet_trace()
         if limit is not None:
             check_int("--limit", limit, 1, 1 << 30)
         resolved = settings.resolve("sim")
         slo = SLO(slo_ttft, slo_tpot, slo_e2e)
         arrivals = load_arrivals(trace, fmt, limit=limit, time_scale=time_scale)
+        first = [*(load_arrivals(before) if before else ()),
+                 *((warmup_request(arrivals),) if warmup else ())]
         session = build_session(resolved, with_tokenizer=needs_tokenizer(arrivals))
         engine = session.engine
         recorder = record_headless(engine, record) if record else None
         try:
             result = run_arrivals(engine, arrivals, vocab_size=session.vocab_size,
                                   hash_block_tokens=hash_block_tokens, slo=slo,
-                                  on_arrival=recorder.arrival if recorder else None)
+                                  on_arrival=recorder.arrival if recorder else None,
+                                  before=first)
         except KvdeckError:
             raise
         except Exception as e:  # noqa: BLE001 - an engine failure: one sentence and a log
@@ -146,7 +160,14 @@ def replay(run: str = typer.Argument(..., help="A run directory written by recor
                                         help="Print the run's figures (as run-trace does) "
                                              "instead of opening the console."),
            as_json: bool = typer.Option(False, "--json", help="With --summary: as JSON."),
-           slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
+           before: str = typer.Option(None, "--before", help="A trace (file or sample) whose "
+                               "requests are served first, one after another, and not "
+                               "counted: what the server being predicted served before the "
+                               "trace (a start-up check, say)."),
+    warmup: bool = typer.Option(False, "--warmup", help="Serve kvdeck bench's uncounted "
+                                "warm-up first (after --before's): a prompt as long as the "
+                                "first request's, two outputs."),
+    slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
            slo_tpot: float = typer.Option(None, "--slo-tpot", help="TPOT SLO in seconds."),
            slo_e2e: float = typer.Option(None, "--slo-e2e", help="E2E SLO in seconds."),
            log_level: str = "warning") -> None:

@@ -259,16 +259,23 @@ WARMUP_IDS = tuple(range(3, 19))
 warm-up leaves no cache block a trace's prompts could share."""
 
 
-def warmup_body(model: str, shape: RequestShape, arrivals: Sequence[Arrival]) -> dict:
+def warmup(arrivals: Sequence[Arrival]) -> Arrival:
     """The uncounted request sent before a run: a prompt as long as the first arrival's
     (vLLM's serving benchmark sends that request itself first) and two outputs. A server's
     first steps of a shape cost more than the same steps after: the first request of a
     trace on a kvdeck torch server just started took 646–693 ms where the probes' steps
-    add up to 546–618, and a warm-up of 16 tokens had not run those steps."""
+    add up to 546–618, and a warm-up of 16 tokens had not run those steps. `kvdeck
+    run-trace --warmup` runs it first in the sim too."""
     n = arrivals[0].prompt_len if arrivals else 16
-    prompt = shape.text_prompt(len(arrivals), n) if shape.text_prompt else \
-        list(itertools.islice(itertools.cycle(WARMUP_IDS), n))
-    return {"model": model, "max_tokens": 2, "prompt": prompt}
+    return Arrival(0.0, n, 2, tuple(itertools.islice(itertools.cycle(WARMUP_IDS), n)))
+
+
+def warmup_body(model: str, shape: RequestShape, arrivals: Sequence[Arrival]) -> dict:
+    """`warmup` as the body sent (its prompt as text where the server takes text)."""
+    w = warmup(arrivals)
+    prompt = shape.text_prompt(len(arrivals), w.prompt_len) if shape.text_prompt else \
+        list(w.prompt_tokens or ())
+    return {"model": model, "max_tokens": w.output_len, "prompt": prompt}
 
 
 async def run_bench(url: str, model: str, arrivals: Sequence[Arrival], *,

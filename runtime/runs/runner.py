@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
@@ -19,7 +20,7 @@ from kvdeck.runtime.errors import KvdeckError
 from kvdeck.runtime.executors.base import Modelled, has
 from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
 from kvdeck.runtime.stats.energy import EnergyMeter, energy_figures, modelled_energy
-from kvdeck.runtime.stats.figures import kv_summary, summarize
+from kvdeck.runtime.stats.figures import RunFigures, kv_summary, summarize
 from kvdeck.runtime.stats.metrics import SLO, RequestMetrics, request_metrics
 
 
@@ -38,19 +39,24 @@ def needs_tokenizer(arrivals: Sequence[Arrival]) -> bool:
 def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int,
                  hash_block_tokens: int = 512, slo: SLO = SLO(),
                  on_step: Callable[[Engine], None] | None = None,
-                 on_arrival: Callable[[Arrival], None] | None = None) -> dict:
+                 on_arrival: Callable[[Arrival], None] | None = None,
+                 before: Sequence[Arrival] = ()) -> dict:
     """Feed `arrivals` at their times, step until all are done, and return
-    `{"summary": ..., "requests": [...]}` (requests as RequestMetrics dicts, arrival order)."""
+    `{"summary": ..., "requests": [...]}` (requests as RequestMetrics dicts, arrival order).
+
+    `before`: requests served first, one after another and not counted (`run_before`);
+    the trace's times then count from when the last of them ended."""
     metrics: list[RequestMetrics] = []
-    # Real executors: the machine's energy counters over the run; the sim models it.
-    meter = None if engine.executor.info.virtual_time else EnergyMeter.probe()
-    engine.on_finish.append(lambda req: metrics.append(request_metrics(req)))
     # A sim fitted from outside a server takes each request in this long after it was sent
     # (its way through HTTP); its TTFT still counts from the sending.
     intake_s = getattr(engine.executor, "request_overhead_s", 0.0)
+    offset = run_before(engine, before, vocab_size, hash_block_tokens, intake_s)
+    # Real executors: the machine's energy counters over the run; the sim models it.
+    meter = None if engine.executor.info.virtual_time else EnergyMeter.probe()
+    engine.on_finish.append(lambda req: metrics.append(request_metrics(req)))
     i = 0
     while True:
-        now = engine.clock.now()
+        now = engine.clock.now() - offset
         if i < len(arrivals) and not engine.has_work:
             # Idle: the clock jumps to the next arrival, and everyone due by then comes in
             # with it (requests that arrive together are planned together).
@@ -66,9 +72,10 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
                 # answer is checked: then it ends where the model ends it.
                 sampling = SamplingParams(max_tokens=a.output_len,
                                           ignore_eos=a.check is None)
-                engine.add_request(tokens, sampling, request_id=rid, arrival_time=a.arrival_s,
-                                   deadline_s=a.deadline_s, priority=a.priority,
-                                   check=a.check, intake_s=intake_s)
+                engine.add_request(tokens, sampling, request_id=rid,
+                                   arrival_time=a.arrival_s + offset,
+                                   deadline_s=a.deadline_s,
+                                   priority=a.priority, check=a.check, intake_s=intake_s)
             except KvdeckError as e:
                 metrics.append(rejected(a, rid, str(e)))
             i += 1
@@ -80,10 +87,42 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
             on_step(engine)
     order = {(a.request_id or f"r{j}"): j for j, a in enumerate(arrivals)}
     metrics.sort(key=lambda m: order.get(m.request_id, len(order)))
+    if offset:
+        metrics = [shifted(m, -offset) for m in metrics]
     summary = summarize(metrics, engine.figures, slo)
     summary.update(run_summary_extras(engine))
     summary["energy"] = energy_summary(engine, meter, summary["num_good"])
     return {"summary": summary, "requests": [m.to_dict() for m in metrics]}
+
+
+def run_before(engine: Engine, before: Sequence[Arrival], vocab_size: int,
+               hash_block_tokens: int, intake_s: float) -> float:
+    """Serve `before` one after another, each sent when the last has ended (as `kvdeck
+    bench` sends its warm-up, and a harness its start-up check, before a trace), and
+    return when the last ended: the engine then holds what they left (llama-server's
+    slots taken and their prompts kept, cached prefixes), as the measured server did. Their
+    arrival times are ignored; the engine's figures start again after them."""
+    if not before:
+        return 0.0
+    for j, a in enumerate(before):
+        tokens = synthesize_tokens(a, j, vocab_size, hash_block_tokens)
+        engine.add_request(tokens, SamplingParams(max_tokens=a.output_len, ignore_eos=True),
+                           request_id=f"before-{j}", arrival_time=engine.clock.now(),
+                           intake_s=intake_s)
+        while engine.has_work:
+            if engine.step() is None and not engine.executor.info.virtual_time:
+                time.sleep(0.001)
+    engine.figures = RunFigures()
+    return engine.clock.now()
+
+
+def shifted(m: RequestMetrics, dt: float) -> RequestMetrics:
+    """`m` with its times moved by `dt` seconds (its durations unchanged)."""
+    def move(t: float | None) -> float | None:
+        return None if t is None else t + dt
+    return replace(m, arrival=m.arrival + dt, admitted=move(m.admitted),
+                   first_token=move(m.first_token), finish=move(m.finish),
+                   deadline=move(m.deadline), predicted_finish=move(m.predicted_finish))
 
 
 def energy_summary(engine: Engine, meter: EnergyMeter | None, num_good: int) -> dict:

@@ -122,3 +122,37 @@ def test_replay_summary_equals_run_trace_on_the_same_run(tmp_path: Path) -> None
         assert replayed[key] == value, key
     r = kvdeck("replay", str(tmp_path / "run"), "--summary")
     assert r.returncode == 0 and "goodput" in r.stdout and "TTFT p99" in r.stdout
+
+
+def test_requests_served_before_a_trace_leave_their_cache_and_are_not_counted(
+        tmp_path: Path) -> None:
+    """`--before`: a request served first leaves its prefix cached for the trace, and is in
+    none of the trace's figures; `--warmup` (bench's, sharing nothing) changes nothing."""
+    prefix = list(range(100, 612))
+    trace, first = tmp_path / "trace.jsonl", tmp_path / "before.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": t, "output_len": 8,
+                                         "prompt_tokens": prefix + list(range(n, n + 64))})
+                             + "\n" for t, n in ((0.0, 1000), (5.0, 2000))))
+    first.write_text(json.dumps({"arrival_s": 3.0, "output_len": 4,
+                                 "prompt_tokens": prefix + list(range(3000, 3064))}) + "\n")
+
+    def run(*args: str) -> dict:
+        r = kvdeck("run-trace", str(trace), "--json", *args)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    plain, before, warm = run(), run("--before", str(first)), run("--warmup")
+    for result in (plain, before, warm):
+        assert result["summary"]["num_requests"] == 2
+        assert [q["arrival"] for q in result["requests"]] == pytest.approx([0.0, 5.0])
+    assert [q["cached_tokens"] for q in plain["requests"]][0] == 0
+    assert before["requests"][0]["cached_tokens"] == 512
+    assert before["requests"][0]["ttft"] < plain["requests"][0]["ttft"]
+    # The engine's figures start after the request before: its prompt is not counted.
+    assert before["summary"]["steps"]["prefill_tokens"] == \
+        plain["summary"]["steps"]["prefill_tokens"] - 512
+    for key in ("ttft", "tpot", "e2e", "cached_tokens"):
+        assert [q[key] for q in warm["requests"]] == \
+            pytest.approx([q[key] for q in plain["requests"]]), key
+    r = kvdeck("run-trace", str(trace), "--warmup", "--replicas", "2")
+    assert r.returncode == 2 and "--before and --warmup run on one engine" in r.stderr
