@@ -160,10 +160,11 @@ def merged(before: list[Point], after: list[Point], wakes: list[list[Point]]) ->
 def drift(before: list[Point], after: list[Point]) -> dict[str, float]:
     """The server's own probe timings after the traces over those before: median and
     range of the per-probe ratios (NaN where the rounds have no probe in common); a wake
-    point, the small difference of two steps, is no step of its own and is left out."""
+    or save point, the small difference of two steps, is no step of its own and is left
+    out."""
     again = {p.label: p.seconds for p in after}
     ratios = sorted(again[p.label] / p.seconds for p in before
-                    if p.label in again and p.seconds > 0 and p.kind != "wake")
+                    if p.label in again and p.seconds > 0 and p.kind not in ("wake", "save"))
     if not ratios:
         return dict.fromkeys(("median", "min", "max"), float("nan"))
     return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
@@ -175,7 +176,7 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
     server's own batching settings)."""
     hw = server_name(server.url)
     base, card = ModelProfile.load(DEFAULT_MODEL), HardwareProfile.load("local")
-    before = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None)
+    before = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None, shape=base)
     # The traces' rates come from the first round's fit: they are fixed before any
     # trace is sent.
     traces = write_traces(folder, fit_step_model(before))
@@ -194,7 +195,8 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
         # nothing, while the trace between them paid 0–70 ms on waking).
         wakes.append(wake_probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None,
                                 seed=2 + len(wakes)))
-    after = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None, seed=1)
+    after = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None, seed=1,
+                  shape=base)
     points = merged(before, after, wakes)
     fit = fit_step_model(points)
     profile = f"{DEFAULT_MODEL}-{hw}"

@@ -256,8 +256,9 @@ FLAGS: tuple[Flag, ...] = (
          "(vLLM's --gpu-memory-utilization; default 0: --kv-memory-gib).", SIM),
     Flag("server_slots", ("--server-slots",), int, "Above 0: price decode steps as "
          "llama-server with N slots (-np N, KV per slot) runs them: requests take slots as "
-         "it assigns them, and each run of neighbouring slots decodes in a pass of its own "
-         "(default 0: one pass for every row).", SIM),
+         "it assigns them, each run of neighbouring slots decodes in a pass of its own, "
+         "and a launch waits for the saves of idle slots the profile times (default 0: one "
+         "pass for every row).", SIM),
     Flag("prompt_pass", ("--prompt-pass/--no-prompt-pass",), bool, "Price a step of "
          "prompt chunks beside decode rows as llama.cpp runs it: a pass of the decode rows, "
          "then one of the prompts, each corrected by the profile's measured steps of that "

@@ -20,7 +20,9 @@ def calibrate(
                             "requests and reading its token timings (and what a prompt "
                             "after 2 to 20 idle seconds costs more: the sim adds it). "
                             "Behind llama-server, several decoding requests go to "
-                            "neighbouring slots (id_slot), one pass each."),
+                            "neighbouring slots (id_slot), one pass each, and what saving "
+                            "an idle slot to its prompt cache takes is timed (the sim's "
+                            "--server-slots holds a launch for it)."),
     api_key: str = typer.Option(None, "--api-key", help="--url: bearer key, if needed."),
     model_profile: str = typer.Option(None, "--model-profile", help="--url: the model's "
                                       "shape (a profile, model name or GGUF; default the "
@@ -136,7 +138,8 @@ def _from_server(url: str, model: str, api_key: str | None, model_profile: str |
     profile = name or f"{base.name}-{hw}"
     say = (lambda msg: None) if as_json else out.print
     say(f"probing {url} ({model}) from outside")
-    points = guarded(lambda: probe(url, model, QUICK if quick else FULL, api_key, say))
+    points = guarded(lambda: probe(url, model, QUICK if quick else FULL, api_key, say,
+                                   shape=base))
     fit = fit_step_model(points)
     model_file, hw_file = write_server_profiles(url, base, profile, hw, fit, points, card)
     rows = _rows(points, fit)

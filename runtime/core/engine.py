@@ -55,10 +55,8 @@ from kvdeck.runtime.core.step_data import (
 )
 from kvdeck.runtime.core.step_record import Finished, Forked, StepRecord
 from kvdeck.runtime.core.switches import KnobSwitches
-from kvdeck.runtime.errors import (
-    StepError,
-)
-from kvdeck.runtime.executors.base import Drafting, Executor
+from kvdeck.runtime.errors import StepError
+from kvdeck.runtime.executors.base import Drafting, Executor, LaunchHold, has
 from kvdeck.runtime.kv.transfers import TransferLog
 from kvdeck.runtime.logs import write_failure
 from kvdeck.runtime.stats.figures import RunFigures, step_figures
@@ -86,10 +84,8 @@ class Engine:
         """`groups`: the layer groups when sliding-window KV is freed (`kv/groups.py`)."""
         self.max_model_len = min(config.max_model_len or executor.info.max_model_len,
                                  executor.info.max_model_len)
-        if not executor.info.virtual_time:
-            self.clock: WallClock = WallClock()
-        else:
-            self.clock = PacedClock(pace) if pace else VirtualClock()
+        self.clock: WallClock = (PacedClock(pace) if pace else VirtualClock()) \
+            if executor.info.virtual_time else WallClock()
         self.step_count = 0
         self.num_changes = 0
         """Bumped by every inbox message and every step: a loop publishes a snapshot when
@@ -101,6 +97,7 @@ class Engine:
                                    self.max_model_len, executor.info.eos_token_ids)
         self.scheduler.propose = lambda req, k: executor.propose(req, k, self.scheduler.knobs)
         self.scheduler.slots = getattr(executor, "slots", None)  # the sim's `--server-slots`
+        self._holds = has(executor, LaunchHold)
         if isinstance(executor, Drafting):
             self.scheduler.drafts.draft_estimate = executor.estimate_draft_seconds
         self.stop_event = threading.Event()  # cuts a paced step's sleep short (shutdown)
@@ -225,7 +222,8 @@ class Engine:
             self.intake.cancel(rid, reason)
 
     def _release_arrivals(self, record: StepRecord) -> float:
-        """Move requests whose arrival time has come into the scheduler; returns now."""
+        """Move requests whose arrival time has come into the scheduler, through the hold
+        of an executor that holds its loop before taking them in; returns now."""
         clock = self.clock
         # Idle on virtual time: jump to the next arrival (a paced clock jumps only for a
         # single step asked for while paused).
@@ -244,6 +242,9 @@ class Engine:
                 if on_request is not None:
                     on_request(req)
             record.arrived.append(RequestState.arriving(req))
+        if self._holds and (hold := self.executor.launch_hold(self.scheduler.waiting)) > 0:
+            clock.advance(hold)  # and those that arrive meanwhile come in too (`LaunchHold`)
+            return self._release_arrivals(record)
         return now
 
     @property

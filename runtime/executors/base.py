@@ -1,10 +1,12 @@
 """The executor contract: a small core protocol every executor provides (`Executor`), the
 frozen facts about it (`ExecutorInfo`), and the capabilities only some have (KV
-conversion, a host tier, weight formats, offload, a draft model, window groups), each a
-protocol of its own that callers test for instead of an executor's name."""
+conversion, a host tier, weight formats, offload, a draft model, window groups, a hold
+before taking requests in), each a protocol of its own that callers test for instead of an
+executor's name."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
@@ -15,6 +17,7 @@ from kvdeck.runtime.kv.groups import LayerGroups
 from kvdeck.runtime.models.weight_formats import GROUPS
 
 if TYPE_CHECKING:
+    from kvdeck.runtime.core.request import Request
     from kvdeck.runtime.planning.profiles import HardwareProfile, ModelProfile, StepFit
 
 C = TypeVar("C")
@@ -250,6 +253,17 @@ class StepCost(Protocol):
     (`online_fit.py`)."""
     weight_bytes: int
     """Matrix bytes every step reads in the current weight formats."""
+
+
+@runtime_checkable
+class LaunchHold(Protocol):
+    """Holds its loop before a step that takes new requests in (the sim as llama-server,
+    which first saves its idle slots to its prompt cache: `server_slots.py`)."""
+
+    def launch_hold(self, waiting: Sequence[Request]) -> float:
+        """Seconds the loop holds before planning a step in which `waiting` may start (0:
+        none); requests that arrive meanwhile are planned in that step too."""
+        ...
 
 
 @runtime_checkable

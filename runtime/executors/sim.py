@@ -39,6 +39,7 @@ from kvdeck.runtime.planning.profiles import (
     StepFit,
     ratio_at,
 )
+from kvdeck.runtime.planning.slot_save import save_seconds
 from kvdeck.runtime.planning.step_time import (
     Measured,
     fitted_seconds,
@@ -223,7 +224,10 @@ class SimExecutor:
         self.offload_layers = 0
         self.offload_buffers = 2
         self._acceptance = config.acceptance_profile()
-        self.slots = ServerSlots(config.server_slots) if config.server_slots else None
+        saves = self.model.slot_saves.get(self.hardware.name)
+        self.slots = ServerSlots(config.server_slots,
+                                 save_seconds(self.model, saves) if saves else None) \
+            if config.server_slots else None
 
     def _resolve_timing(self) -> str:
         """The step model: `auto` is measured where the profile has measured steps on the
@@ -260,6 +264,11 @@ class SimExecutor:
             per_token_s=base.per_token_s if c.per_token_us is None else c.per_token_us / 1e6,
             per_pair_s=base.per_pair_s if c.per_pair_ns is None else c.per_pair_ns / 1e9,
         )
+
+    def launch_hold(self, waiting) -> float:
+        """Behind llama-server's slots with its saves timed, the saves a launch of one of
+        `waiting` makes first (`ServerSlots.launch_hold`); else 0."""
+        return self.slots.launch_hold(waiting) if self.slots is not None else 0.0
 
     @property
     def request_overhead_s(self) -> float:

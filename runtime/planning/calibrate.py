@@ -179,7 +179,8 @@ def fit_step_model(points: list[Point]) -> StepFit:
     server) only where some points, and not all, were timed from a client; the mixed term
     (what a step carrying both prompt tokens and decode rows costs beyond them) only where
     such a step was timed."""
-    points = [p for p in points if p.kind != "wake"]  # what idling adds is no step's shape
+    # What idling adds, and what a slot's save takes, is no step's shape.
+    points = [p for p in points if p.kind not in ("wake", "save")]
     a = np.array([[1.0, p.new_tokens, p.pairs, p.sampled, float(p.outside), p.context,
                    float(p.mixed)] for p in points])
     cols = [0, 1, 2]
@@ -240,7 +241,8 @@ def model_toml(m: ModelProfile) -> str:
 def fit_toml(fit: StepFit, hw: str, points: list[Point]) -> str:
     """`[fit.<hw>]` and, where decode or prefill steps were measured, `[decode.<hw>]` and
     `[prefill.<hw>]` (a step timed from outside without the request's way through the
-    server, which the fit took apart); where waking from idle was, `[wake.<hw>]`."""
+    server, which the fit took apart); where waking from idle was, `[wake.<hw>]`; where a
+    slot's save to llama-server's prompt cache was, `[slot_save.<hw>]`."""
     decode = [p for p in points if p.kind == "decode"]
     # A step timed from outside less the fitted way through the server; a point that
     # leaves nothing of its step (a fit that put it all in the way) gives no correction.
@@ -248,6 +250,7 @@ def fit_toml(fit: StepFit, hw: str, points: list[Point]) -> str:
                for p in points if p.kind == "prefill"]
     prefill = [(p, s) for p, s in prefill if round(s * 1e3, 3) > 0]
     wake = [p for p in points if p.kind == "wake"]
+    saves = [p for p in points if p.kind == "save"]
     rows = [p for p in decode if p.new_tokens > 1]
     pinned = ("# Their rows ran in neighbouring slots (llama-server's id_slot): one pass "
               "each.\npinned = true\n" if rows and all(p.pinned for p in rows) else "")
@@ -263,7 +266,12 @@ def fit_toml(fit: StepFit, hw: str, points: list[Point]) -> str:
             + (f"\n# The first step after an idle spell, [idle seconds, extra ms]: the sim adds "
                f"it.\n[wake.{hw}]\npoints = [" + ", ".join(
                    f"[{p.idle_s:g}, {max(p.seconds, 0.0) * 1e3:.3f}]" for p in wake)
-               + "]\n" if wake else ""))
+               + "]\n" if wake else "")
+            + (f"\n# Saving a slot's state to llama-server's prompt cache, [tokens, ms]: the "
+               f"sim's\n# --server-slots holds a launch for the saves it makes.\n"
+               f"[slot_save.{hw}]\npoints = [" + ", ".join(
+                   f"[{p.new_tokens}, {p.seconds * 1e3:.3f}]" for p in saves)
+               + "]\n" if saves else ""))
 
 
 def hardware_toml(name: str, description: str, memory: int, bandwidth: float, flops: float,

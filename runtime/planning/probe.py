@@ -41,7 +41,7 @@ import random
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -65,6 +65,7 @@ from kvdeck.runtime.planning.profiles import (
     ModelProfile,
     StepFit,
 )
+from kvdeck.runtime.planning.slot_save import SlotSaves, save_seconds
 from kvdeck.runtime.runs.endpoints import bearer, server_root
 from kvdeck.runtime.runs.loadgen import RequestShape, run_bench
 from kvdeck.runtime.runs.trace import Arrival
@@ -109,10 +110,11 @@ def _prompts(rng: random.Random, n: int, length: int) -> list[tuple[int, ...]]:
 
 
 def _send(url: str, model: str, arrivals: list[Arrival], api_key: str | None,
-          concurrency: int | None, pin_slots: bool = False) -> list[dict]:
-    """Send `arrivals` (token-id prompts, exact output lengths; `pin_slots`: arrival `i` to
-    llama-server's slot `i`); every request's figures, each of which must have finished."""
-    out = asyncio.run(run_bench(url, model, arrivals, shape=RequestShape(pin_slots=pin_slots),
+          concurrency: int | None, slots: tuple[int, ...] = ()) -> list[dict]:
+    """Send `arrivals` (token-id prompts, exact output lengths; `slots`: arrival `i` to
+    llama-server's slot `slots[i]`); every request's figures, each of which must have
+    finished."""
+    out = asyncio.run(run_bench(url, model, arrivals, shape=RequestShape(slots=slots),
                                 api_key=api_key, concurrency=concurrency, warmup=False))
     bad = [r for r in out["requests"] if not r["status"].startswith("finished")]
     if bad:
@@ -139,10 +141,18 @@ def llama_server_slots(url: str, api_key: str | None = None) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
-def prefill_point(requests: list[dict], c: int) -> Point:
-    """A prefill of `c` tokens: the median time from send to first token (of the requests
-    whose token streamed any text: a piece of a character streams none, and has no time)."""
-    timed = [r["ttft"] - r["queue_time"] for r in requests if r["ttft"] is not None]
+def _first(r: dict, saved: float = 0.0) -> float:
+    """A request's time from sending to its first token, less the `saved` seconds its
+    launch waited for llama-server's saves of idle slots (`slot_save.py`)."""
+    return r["ttft"] - r["queue_time"] - saved
+
+
+def prefill_point(requests: list[dict], c: int, saved: Sequence[float] = ()) -> Point:
+    """A prefill of `c` tokens: the median time from send to first token, less what each
+    waited for saves (`saved`, by request), of the requests whose token streamed any text
+    (a piece of a character streams none, and has no time)."""
+    timed = [_first(r, s) for r, s in zip(requests, saved or [0.0] * len(requests),
+                                          strict=True) if r["ttft"] is not None]
     if not timed:
         raise ProbeError(f"No {c}-token probe's output streamed any text; nothing to time "
                          "its first token by.")
@@ -150,27 +160,32 @@ def prefill_point(requests: list[dict], c: int) -> Point:
     return Point("prefill", c, causal_pairs(c, 0), f"prefill {c}", seconds, c, outside=True)
 
 
-def wake_point(requests: list[dict], alone: Point, idle: float) -> Point:
+def wake_point(requests: list[dict], alone: Point, idle: float,
+               saved: Sequence[float] = ()) -> Point:
     """A prompt of `alone`'s length sent after `idle` idle seconds: what its time from
-    send to first token took beyond `alone`'s (the same prompt sent back to back)."""
-    seconds = prefill_point(requests, alone.new_tokens).seconds - alone.seconds
+    send to first token (less `saved`) took beyond `alone`'s (the same prompt sent back
+    to back)."""
+    seconds = prefill_point(requests, alone.new_tokens, saved).seconds - alone.seconds
     return Point("wake", alone.new_tokens, alone.pairs, f"wake after {idle:g} s", seconds,
                  alone.context, outside=True, idle_s=idle)
 
 
-def history_point(requests: list[dict], h: int, c: int) -> Point | None:
+def history_point(requests: list[dict], h: int, c: int,
+                  saved: Sequence[float] = ()) -> Point | None:
     """The `h + c`-token prompts sent after their first `h` tokens: each computed what the
     server did not keep of them over what it kept. The point is the median time from send
     to first token of the requests that kept the most common number of tokens, `k > 0` of
     them (None: none kept any). `k` is `h` where the server keeps a prefix whole; llama-server
     on a model with sliding-window layers keeps a slot's state only up to a checkpoint it
-    took near its last prompt's end, one token before it (251 of a 256-token prefix)."""
+    took near its last prompt's end, one token before it (251 of a 256-token prefix).
+    `saved`: what each request waited for saves at its launch."""
+    saved = saved or [0.0] * len(requests)
     kept = [r["cached_tokens"] for r in requests
             if 0 < r["cached_tokens"] <= h and r["ttft"] is not None]
     if not kept:
         return None
     k = statistics.mode(kept)
-    seconds = statistics.median(r["ttft"] - r["queue_time"] for r in requests
+    seconds = statistics.median(_first(r, w) for r, w in zip(requests, saved, strict=True)
                                 if r["cached_tokens"] == k and r["ttft"] is not None)
     n = h + c - k
     return Point("prefill", n, causal_pairs(n, k), f"prefill {n} on {k}", seconds, h + c,
@@ -206,28 +221,31 @@ def decode_point(requests: list[dict], b: int, prompt: int, outputs: int) -> Poi
                  statistics.median(gaps), b * (context + 1), b)
 
 
-def mixed_steps(decoder: dict, prompts: list[dict]) -> list[tuple[float, int]]:
+def mixed_steps(decoder: dict, prompts: list[dict],
+                saved: Sequence[float] = ()) -> list[tuple[float, int]]:
     """(step seconds, decoder's tokens so far) for each prompt whose first token came out
     with one of the decoder's tokens — within a quarter of the decoder's median gap, where a
     prompt run in a step of its own would land a whole decode step away. A prompt whose
-    token streamed no text (a piece of a character) has no time and is left out."""
+    token streamed no text (a piece of a character) has no time and is left out. The
+    decoder's gap before that token also held the prompt's launch, and what it waited for
+    saves (`saved`, by prompt) is taken out."""
     t = _stream(decoder)
     gaps = [b - a for a, b in zip(t, t[1:], strict=False)]
     if not gaps:
         return []
     near = statistics.median(gaps) / 4
     out = []
-    for p in prompts:
+    for p, waited in zip(prompts, saved or [0.0] * len(prompts), strict=True):
         if p["first_token"] is None:  # its one token streamed no text: no time to match
             continue
         j = min(range(1, len(t)), key=lambda i: abs(t[i] - p["first_token"]))
         if abs(t[j] - p["first_token"]) <= near:
-            out.append((t[j] - t[j - 1], j))
+            out.append((t[j] - t[j - 1] - waited, j))
     return out
 
 
 def _mixed(url: str, model: str, rng: random.Random, probes: Probes, prompt: int, c: int,
-           fit: StepFit, api_key: str | None) -> Point | None:
+           fit: StepFit, api_key: str | None, saves: SlotSaves) -> Point | None:
     """One decoder of `prompt` tokens and, while it decodes, `probes.repeats` prompts of
     `c` tokens, each sent four decode steps after the one before it should be done (as the
     fit of the probes so far times them; the decoder asks for tokens enough to outlast
@@ -240,8 +258,9 @@ def _mixed(url: str, model: str, rng: random.Random, probes: Probes, prompt: int
     arrivals = [Arrival(0.0, prompt, outputs, prompt_tokens=_prompts(rng, 1, prompt)[0])]
     arrivals += [Arrival(start + gap * i, c, 1, prompt_tokens=p)
                  for i, p in enumerate(_prompts(rng, probes.repeats, c))]
+    saved = saves.beside(arrivals[0], arrivals[1:])
     done = _send(url, model, arrivals, api_key, None)
-    steps = mixed_steps(done[0], done[1:])
+    steps = mixed_steps(done[0], done[1:], saved[1:])
     if not steps:
         return None
     # Labelled by the decoder's prompt, not the context reached, so that the same probe
@@ -253,14 +272,16 @@ def _mixed(url: str, model: str, rng: random.Random, probes: Probes, prompt: int
 
 
 def _wake(url: str, model: str, rng: random.Random, spells: tuple[float, ...], alone: Point,
-          api_key: str | None, progress: Callable[[str], None]) -> list[Point]:
+          api_key: str | None, progress: Callable[[str], None],
+          saves: SlotSaves | None = None) -> list[Point]:
     """A prompt of `alone`'s length sent `idle` seconds after the last request finished, for
-    each of `spells`: the wake points against `alone` (the same prompt sent back to back)."""
+    each of `spells`: the wake points against `alone` (the same prompt sent back to back;
+    `saves`: what each waited for saves, taken out as it was of `alone`)."""
     points, n = [], alone.new_tokens
     for idle in spells:
-        timed = _send(url, model, [Arrival(idle, n, 1, prompt_tokens=_prompts(rng, 1, n)[0])],
-                      api_key, 1)
-        points.append(wake_point(timed, alone, idle))
+        sent = [Arrival(idle, n, 1, prompt_tokens=_prompts(rng, 1, n)[0])]
+        saved = saves.one_by_one(sent) if saves else ()
+        points.append(wake_point(_send(url, model, sent, api_key, 1), alone, idle, saved))
         progress(f"  {points[-1].label}: {points[-1].seconds * 1e3:+.1f} ms")
     return points
 
@@ -270,7 +291,10 @@ def wake_probe(url: str, model: str, probes: Probes = FULL, api_key: str | None 
     """The wake points alone, the back-to-back prompt they are measured against timed anew.
     How the machine wakes changes within minutes on a shared VM (a round of `probe` has
     found +40 ms after 5 s, and one ten minutes later nothing), so a run that predicts a
-    trace sends this again beside it (`benchmarks/sim_vs_real.py`)."""
+    trace sends this again beside it (`benchmarks/sim_vs_real.py`). Behind llama-server's
+    slots, the first of the back-to-back prompts waits for the saves of the slots the trace
+    left (`slot_save.py`), and their median leaves it out; the others and the wake prompts
+    each wait for the save of the one before, alike, and the points are differences."""
     rng = random.Random(seed)
     c = probes.prefill[0]
     arrivals = [Arrival(0.0, c, 1, prompt_tokens=p) for p in _prompts(rng, probes.repeats, c)]
@@ -278,28 +302,80 @@ def wake_probe(url: str, model: str, probes: Probes = FULL, api_key: str | None 
     return _wake(url, model, rng, probes.wake, alone, api_key, progress)
 
 
+SAVE_TOKENS = 1536
+"""The prompt whose slot's save `save_point` times: its state (12 MiB on Gemma 3 270M)
+took about 20 ms to save on a 2-core CPU, ten times a short request's jitter."""
+
+
+def save_point(url: str, model: str, rng: random.Random, repeats: int,
+               state_bytes: Callable[[int], int], api_key: str | None) -> Point | None:
+    """What saving a slot to llama-server's prompt cache takes (`slot_save.py`), each of
+    `repeats` times: a short prompt in slot 1, then A (`SAVE_TOKENS`, one output) in slot 0,
+    then B (16 tokens) in slot 1, whose launch saves A's slot, then C (16 tokens) in slot
+    2, whose launch saves B's. TTFT(B) − TTFT(C) is A's save less B's (`state_bytes`:
+    a state's bytes by its tokens); the point is A's, at their median. None where the
+    server saves nothing to see (`--cache-ram 0`: a median of 1 ms or less)."""
+    diffs = []
+    for _ in range(repeats):
+        s, b, c = (Arrival(0.0, 16, 1, prompt_tokens=p) for p in _prompts(rng, 3, 16))
+        a = Arrival(0.0, SAVE_TOKENS, 1, prompt_tokens=_prompts(rng, 1, SAVE_TOKENS)[0])
+        _send(url, model, [s], api_key, 1, (1,))
+        _send(url, model, [a], api_key, 1, (0,))
+        tb = _first(_send(url, model, [b], api_key, 1, (1,))[0])
+        diffs.append(tb - _first(_send(url, model, [c], api_key, 1, (2,))[0]))
+    d = statistics.median(diffs)
+    if d <= 1e-3:
+        return None
+    n = SAVE_TOKENS
+    return Point("save", n, 0, f"save {n}", d * state_bytes(n) / (state_bytes(n)
+                                                               - state_bytes(16)), n)
+
+
 def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = None,
-          progress: Callable[[str], None] = print, seed: int = 0) -> list[Point]:
+          progress: Callable[[str], None] = print, seed: int = 0,
+          shape: ModelProfile | None = None) -> list[Point]:
     """Probe the server at `url` (an OpenAI-compatible base URL serving `model`): its
-    prefill and decode points, as `calibrate.sweep` gives them for an executor."""
+    prefill and decode points, as `calibrate.sweep` gives them for an executor. Behind
+    llama-server's slots, with the model's `shape` given, first what saving a slot takes
+    (`save_point`), and every point less the saves its requests waited for.
+
+    Long because it runs the probes in their order, each kind a few lines."""
     rng = random.Random(seed)
     _send(url, model, [Arrival(0.0, 16, 2, prompt_tokens=_prompts(rng, 1, 16)[0])],
           api_key, 1)  # warm-up: first-request costs land on no point
     points = []
+    slots = llama_server_slots(url, api_key)
+    saves = SlotSaves(lambda n: 0.0)
+    if shape is not None and slots >= 3:
+        # Twice the repeats: one difference of two requests moved by 14–40 ms around a
+        # median of 20 (a 16-token control's by −4 to +8).
+        saved = save_point(url, model, rng, 2 * probes.repeats,
+                           lambda n: shape.kv_bytes(n, 1), api_key)
+        if saved is None:
+            progress("  save of a slot: none seen (the server's prompt cache is off)")
+        else:
+            points.append(saved)
+            progress(f"  {saved.label}-token slot: {saved.seconds * 1e3:.1f} ms")
+            saves = SlotSaves(save_seconds(shape, ((saved.new_tokens, saved.seconds),)))
+        saves.pending = [16]  # C's state
     for c in probes.prefill:
         arrivals = [Arrival(0.0, c, 1, prompt_tokens=p)
                     for p in _prompts(rng, probes.repeats, c)]
-        points.append(prefill_point(_send(url, model, arrivals, api_key, 1), c))
+        saved_by = saves.one_by_one(arrivals)
+        points.append(prefill_point(_send(url, model, arrivals, api_key, 1), c, saved_by))
         progress(f"  {points[-1].label}: {points[-1].seconds * 1e3:.1f} ms")
-    if points:
-        points += _wake(url, model, rng, probes.wake, points[0], api_key, progress)
+    alone = next((p for p in points if p.kind == "prefill"), None)
+    if alone is not None:
+        points += _wake(url, model, rng, probes.wake, alone, api_key, progress, saves)
     for h, c in probes.history:
-        again = []
+        again, saved_by = [], []
         for base in _prompts(rng, probes.repeats, h):  # the prefix, then it with c more
-            _send(url, model, [Arrival(0.0, h, 1, prompt_tokens=base)], api_key, 1)
-            more = base + _prompts(rng, 1, c)[0]
-            again += _send(url, model, [Arrival(0.0, h + c, 1, prompt_tokens=more)], api_key, 1)
-        point = history_point(again, h, c)
+            first = Arrival(0.0, h, 1, prompt_tokens=base)
+            more = Arrival(0.0, h + c, 1, prompt_tokens=base + _prompts(rng, 1, c)[0])
+            saved_by += saves.one_by_one([first, more])[1:]
+            _send(url, model, [first], api_key, 1)
+            again += _send(url, model, [more], api_key, 1)
+        point = history_point(again, h, c, saved_by)
         if point is None:
             progress(f"  prefill {c} on {h}: the server did not say it reused any of the "
                      f"{h}-token prefix (vLLM: --enable-prompt-tokens-details); no point")
@@ -309,13 +385,13 @@ def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = Non
     # Behind llama-server's slots, rows in slots that are not neighbours decode in passes of
     # their own (`executors/server_slots.py`): a probe's rows go to slots 0 to b − 1, so
     # that each of its steps is one pass of b rows.
-    slots = llama_server_slots(url, api_key)
     for b, n in probes.decode:
         arrivals = [Arrival(0.0, n, probes.outputs, prompt_tokens=p)
                     for p in _prompts(rng, b, n)]
         pin = 1 < b <= slots
-        point = decode_point(_send(url, model, arrivals, api_key, None, pin), b, n,
-                             probes.outputs)
+        saves.together(arrivals)  # only the first token waits: no decode step does
+        point = decode_point(_send(url, model, arrivals, api_key, None,
+                                   tuple(range(b)) if pin else ()), b, n, probes.outputs)
         if point is None:
             progress(f"  decode {b} at {n}: the server never decoded all {b} together; "
                      "no point")
@@ -327,7 +403,8 @@ def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = Non
     for prompt, c in probes.mixed:
         if not any(p.kind == "decode" for p in points):
             break
-        point = _mixed(url, model, rng, probes, prompt, c, fit_step_model(points), api_key)
+        point = _mixed(url, model, rng, probes, prompt, c, fit_step_model(points), api_key,
+                       saves)
         if point is None:
             progress(f"  prefill {c} beside a decode of {prompt}: the server never ran a "
                      "prompt in the same step as a decode; no point")

@@ -12,6 +12,7 @@ from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.kv.formats import KV_FORMATS, kv_bytes_per_token
 from kvdeck.runtime.models.weight_formats import GROUPS
+from kvdeck.runtime.planning.slot_save import SlotSave, slot_save_tables
 from kvdeck.runtime.planning.wake import Wake, wake_tables
 from kvdeck.runtime.resources import cache_dir, profile_names, profiles_dir
 
@@ -241,6 +242,10 @@ class ModelProfile:
     """What the first step after an idle spell costs beyond the same step back to back, by
     hardware profile name: (idle seconds, extra seconds), written by `kvdeck calibrate --url`
     (`wake.py`); the sim adds it after each idle spell."""
+    slot_saves: dict[str, SlotSave] = field(default_factory=dict)
+    """What saving a slot's state to llama-server's prompt cache took, by hardware profile
+    name: (tokens, seconds), written by `kvdeck calibrate --url` (`slot_save.py`); the sim's
+    `--server-slots` holds its loop for the saves a launch makes."""
     group_bytes: dict[str, int] = field(default_factory=dict)
     """Matrix bytes per weight group (`attn`, `ffn`, `head`): from the GGUF's tensors, or
     the profile's `[weight_groups]` table; empty when a profile gives none."""
@@ -463,6 +468,7 @@ class ModelProfile:
             decode_pinned=pinned,
             prefill_times=prefill_times,
             wake_times=wake_tables(d, where),
+            slot_saves=slot_save_tables(d, where),
             group_bytes=_weight_groups(d, where),
             prefill_mfu=prefill_mfu,
             kv_convert_s_per_byte=kv_convert,

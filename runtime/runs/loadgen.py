@@ -78,9 +78,10 @@ class RequestShape:
     send_checks: bool = False
     """Also send each request's check as kvdeck's `check` field, so a kvdeck server counts
     it in its own goodput (other servers may refuse the field)."""
-    pin_slots: bool = False
-    """Send request `index` to llama-server's slot `index` (its `id_slot` field), so that
-    requests sent at once run in neighbouring slots (`executors/server_slots.py`)."""
+    slots: tuple[int, ...] = ()
+    """Send request `index` to llama-server's slot `slots[index]` (its `id_slot` field): the
+    probes put requests sent at once in neighbouring slots (`executors/server_slots.py`),
+    and time a slot's save with requests in slots of their choosing (`planning/probe.py`)."""
 
     def body(self, model: str, a: Arrival, index: int, attempt: int = 0) -> dict:
         prompt = self.text_prompt(index, a.prompt_len) if self.text_prompt else \
@@ -98,8 +99,8 @@ class RequestShape:
             body["min_tokens"] = a.output_len
         else:
             body["ignore_eos"] = True
-        if self.pin_slots:
-            body["id_slot"] = index
+        if self.slots:
+            body["id_slot"] = self.slots[index]
         return body
 
 

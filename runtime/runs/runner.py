@@ -1,11 +1,12 @@
 """Run an arrival trace through an engine and summarize the outcome.
 
-Arrivals are handed to the engine as they come due (tokens are synthesized then, not up
-front), so memory stays proportional to the requests in flight even for the 12,031-request
-Mooncake trace. A request the engine refuses (prompt longer than the context, say) is
-recorded as rejected with the reason — never silently dropped. Arrivals that carry an
-answer check need an engine with a tokenizer (`needs_tokenizer`); their answers end where
-the model ends them (end-of-sequence is honoured), up to the traced output length.
+Arrivals are handed to the engine as they come due, `AHEAD_S` early (tokens are
+synthesized then, not up front), so memory stays proportional to the requests in flight
+even for the 12,031-request Mooncake trace. A request the engine refuses (prompt longer than
+the context, say) is recorded as rejected with the reason — never silently dropped. Arrivals
+that carry an answer check need an engine with a tokenizer (`needs_tokenizer`); their
+answers end where the model ends them (end-of-sequence is honoured), up to the traced output
+length.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from kvdeck.runtime.runs.trace import Arrival, synthesize_tokens
 from kvdeck.runtime.stats.energy import EnergyMeter, energy_figures, modelled_energy
 from kvdeck.runtime.stats.figures import RunFigures, kv_summary, summarize
 from kvdeck.runtime.stats.metrics import SLO, RequestMetrics, request_metrics
+
+AHEAD_S = 1.0
+"""How early an arrival is handed to the engine, which holds it until it is due: a server
+that holds its loop before taking requests in (`LaunchHold`: llama-server saving its idle
+slots) takes in those that arrive meanwhile, and they must be in its hands by then."""
 
 
 def rejected(a: Arrival, rid: str, reason: str) -> RequestMetrics:
@@ -61,7 +67,7 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
             # Idle: the clock jumps to the next arrival, and everyone due by then comes in
             # with it (requests that arrive together are planned together).
             now = max(now, arrivals[i].arrival_s)
-        while i < len(arrivals) and arrivals[i].arrival_s <= now:
+        while i < len(arrivals) and arrivals[i].arrival_s <= now + AHEAD_S:
             a = arrivals[i]
             rid = a.request_id or f"r{i}"
             if on_arrival is not None:

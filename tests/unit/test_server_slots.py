@@ -131,3 +131,34 @@ def test_the_sim_reuses_slots_and_fills_prompts_in_slot_order() -> None:
         e.step()
         e.check_integrity()
     assert len(e.completed) == 4
+
+
+def test_a_launch_saves_the_idle_slots_first_and_takes_in_what_arrives_meanwhile() -> None:
+    """A slot's state is saved (to llama-server's prompt cache) at the next launch, once:
+    after A has ended, B's launch holds the loop for A's 18-token state (at 1 ms a token
+    here), C comes in 10 ms after B and runs its prompt in B's step; D, launched later,
+    finds every idle slot saved and waits for nothing."""
+    def run(saves: bool) -> dict[str, Request]:
+        sim = SimExecutor(SimConfig(model_profile="qwen3-8b", hardware="h100-sxm",
+                                    timing="fit", fixed_ms=20, per_token_us=1000,
+                                    per_pair_ns=0, server_slots=4))
+        if saves:
+            sim.slots = ServerSlots(4, save_seconds=lambda n: n * 1e-3)
+        e = Engine(EngineConfig(kv_memory_bytes=1 << 30, knobs=Knobs(max_num_seqs=4)), sim)
+        for rid, at in (("A", 0.0), ("B", 1.0), ("C", 1.01), ("D", 2.0)):
+            e.add_request(list(range(100, 116)) if rid == "A" else [ord(rid)] * 16,
+                          SamplingParams(max_tokens=3), request_id=rid, arrival_time=at)
+        while e.has_work:
+            e.step()
+            e.check_integrity()
+        return {r.request_id: r for r in e.completed}
+
+    plain, held = run(False), run(True)
+    step = 0.020 + 0.016  # one prompt of 16 tokens alone
+    assert plain["B"].first_token_time - 1.0 == pytest.approx(step)
+    assert plain["C"].first_token_time > plain["B"].first_token_time  # a step of its own
+    assert held["B"].first_token_time - 1.0 == pytest.approx(0.018 + 0.020 + 0.032)
+    assert held["C"].first_token_time == held["B"].first_token_time
+    # B's and C's slots were idle and unsaved at D's launch: their two 18-token states.
+    assert held["D"].first_token_time - 2.0 == pytest.approx(0.036 + step)
+    assert plain["D"].first_token_time - 2.0 == pytest.approx(step)

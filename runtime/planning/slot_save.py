@@ -1,0 +1,100 @@
+"""llama-server's saves of its idle slots to its host prompt cache: what one takes, and
+what the probes paid for them.
+
+Before a new request's first step, llama-server (with its prompt cache on: `--cache-ram`,
+8 GiB by default) saves every idle slot whose tokens the cache does not hold yet, and its
+loop waits (`executors/server_slots.py`). A slot's state is its sequence's KV: every token
+in the global layers, the window in the sliding ones (`ModelProfile.kv_bytes` with blocks
+of one token; 9.856 MiB for 799 tokens on Gemma 3 270M, as its log says), and a save takes
+time in proportion to it.
+
+`kvdeck calibrate --url` times one (`probe.save_point`), the profile keeps it as
+`[slot_save.<hardware>]` (`points`: [tokens, milliseconds]), and the sim holds its loop for
+the saves a launch makes. The probes' own requests paid such saves before their first
+tokens, which `SlotSaves` takes out of their points, so the fitted steps hold none of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kvdeck.runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvdeck.runtime.planning.profiles import ModelProfile
+    from kvdeck.runtime.runs.trace import Arrival
+
+SlotSave = tuple[tuple[int, float], ...]
+"""(tokens of a slot's state, seconds its save took)."""
+
+
+def save_seconds(model: ModelProfile, points: SlotSave) -> Callable[[int], float]:
+    """Seconds to save a slot's state of n tokens: its bytes at the rate the points
+    measured (their bytes over their seconds)."""
+    done = sum(model.kv_bytes(n, 1) for n, _ in points)
+    took = sum(s for _, s in points)
+    per_byte = took / done if done else 0.0
+    return lambda n: model.kv_bytes(n, 1) * per_byte if n > 0 else 0.0
+
+
+def slot_save_tables(d: dict, where: str) -> dict[str, SlotSave]:
+    """A model profile's `[slot_save.<hardware>]` tables (`points`, [tokens, milliseconds]
+    pairs) by hardware name."""
+    tables = d.get("slot_save", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(f"Profile {where}: slot_save must be a table of "
+                          f"[slot_save.<hardware>] tables, got {tables!r}.")
+    out = {}
+    for hw, table in tables.items():
+        points = table.get("points") if isinstance(table, dict) else None
+        if not isinstance(points, list) or not points or not all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], int)
+                and isinstance(p[1], (int, float))
+                and not any(isinstance(x, bool) for x in p) and p[0] > 0 and p[1] > 0
+                for p in points):
+            raise ConfigError(f"Profile {where}: slot_save.{hw}.points must be a list of "
+                              "[tokens, milliseconds] pairs (tokens a whole number above 0, "
+                              f"milliseconds above 0), got {points!r}.")
+        out[hw] = tuple((n, ms / 1e3) for n, ms in points)
+    return out
+
+
+class SlotSaves:
+    """The saves each probe request paid at its launch: a launch saves the states that
+    requests ended since the one before it left (each the request's prompt and outputs but
+    its last). Probe requests are sent one at a time, or together."""
+
+    def __init__(self, seconds: Callable[[int], float]):
+        self.seconds = seconds
+        self.pending: list[int] = []
+        """Tokens of each slot state left since the last launch."""
+
+    def _launch(self) -> float:
+        paid = sum(map(self.seconds, self.pending))
+        self.pending = []
+        return paid
+
+    def one_by_one(self, arrivals: Sequence[Arrival]) -> list[float]:
+        """`arrivals` sent each after the one before ended: each pays for the one before."""
+        paid = []
+        for a in arrivals:
+            paid.append(self._launch())
+            self.pending = [a.prompt_len + a.output_len - 1]
+        return paid
+
+    def together(self, arrivals: Sequence[Arrival]) -> list[float]:
+        """`arrivals` sent at once: the first launched pays for what was left before."""
+        paid = [self._launch()] + [0.0] * (len(arrivals) - 1)
+        self.pending = [a.prompt_len + a.output_len - 1 for a in arrivals]
+        return paid
+
+    def beside(self, first: Arrival, rest: Sequence[Arrival]) -> list[float]:
+        """`first` sent, then `rest` one at a time while it runs (each after the one before
+        ended): the first pays for what was left before, each of the rest for the one
+        before it (the first of them for none)."""
+        paid = [self._launch(), 0.0]
+        for before in rest[:-1]:
+            paid.append(self.seconds(before.prompt_len + before.output_len - 1))
+        self.pending = [a.prompt_len + a.output_len - 1 for a in (first, *rest[-1:])]
+        return paid[:1 + len(rest)]
