@@ -57,6 +57,9 @@ class ServerSlots:
         self.save_seconds = save_seconds
         self._saved = [True] * num_slots
         """Whether the prompt cache holds each slot's tokens."""
+        self._cached: dict[int, int] = {}
+        """The prompt cache's states: the most outputs saved after each prompt (by the
+        prompt's hash)."""
         self.of: dict[str, int] = {}
         """Slot of each request holding one."""
         self._holder: dict[str, Request] = {}
@@ -95,10 +98,14 @@ class ServerSlots:
         return shared
 
     def _choose(self, req: Request) -> int:
+        return self._pick(req)[0]
+
+    def _pick(self, req: Request) -> tuple[int, bool]:
+        """The slot llama-server gives `req`, and whether for the prefix they share."""
         busy = set(self.of.values())
         idle = [s for s in range(self.num_slots) if s not in busy]
         if not idle:  # more requests than slots: llama-server would queue it; share one
-            return len(self.of) % self.num_slots
+            return len(self.of) % self.num_slots, False
         prompt = req.prompt_token_ids
         best, best_len = None, 0
         for s in idle:
@@ -106,8 +113,8 @@ class ServerSlots:
             if n > best_len:
                 best, best_len = s, n
         if best is not None and best_len > SIMILARITY * len(prompt):
-            return best
-        return min(idle, key=lambda s: (self._used[s], -s))
+            return best, True
+        return min(idle, key=lambda s: (self._used[s], -s)), False
 
     def release(self, request_id: str) -> None:
         """`request_id` ended: its slot is idle and keeps its tokens."""
@@ -123,18 +130,35 @@ class ServerSlots:
     def launch_hold(self, waiting: Sequence[Request]) -> float:
         """Seconds llama-server's loop holds before a step that launches one of `waiting`
         (a request without a slot, while a slot is idle): the saves of the idle slots whose
-        tokens are not in its prompt cache yet, which are then."""
-        if self.save_seconds is None or len(self.of) >= self.num_slots \
-                or all(r.request_id in self.of for r in waiting):
+        tokens are not in its prompt cache yet, which are then — but for the slot the
+        launch takes for the prefix it shares, whose tokens it reuses (in llama-server's
+        log, a slot chosen by its prefix is not saved, one chosen as the least recently
+        used is). A state the cache holds within one it has is not saved again (its
+        `alloc`: "prompt is already in the cache, skipping"); greedy decoding gives a
+        prompt the same outputs every time, so a state is known by its prompt and its
+        number of outputs (the benchmark's requests are greedy; sampled ones would save
+        more than this counts)."""
+        first = next((r for r in waiting if r.request_id not in self.of), None)
+        if self.save_seconds is None or len(self.of) >= self.num_slots or first is None:
             return 0.0
         busy = set(self.of.values())
+        taken, similar = self._pick(first)
+        if similar:
+            busy.add(taken)
+            self._saved[taken] = True  # its tokens give way to the new request's
         hold = 0.0
         for s in range(self.num_slots):
-            if s not in busy and not self._saved[s]:
-                # Its last sampled token never ran through the model: the state is the
-                # rest (llama-server saves 799 tokens of a 768-token prompt and 32 outputs).
-                hold += self.save_seconds(len(self._last[s]) - 1) if self._last[s] else 0.0
-                self._saved[s] = True
+            if s in busy or self._saved[s] or not self._last[s]:
+                continue
+            self._saved[s] = True
+            prompt, outputs = hash(self._last[s][:self._prompt[s]]), \
+                len(self._last[s]) - self._prompt[s]
+            if self._cached.get(prompt, -1) >= outputs:
+                continue
+            self._cached[prompt] = outputs
+            # Its last sampled token never ran through the model: the state is the rest
+            # (llama-server saves 799 tokens of a 768-token prompt and 32 outputs).
+            hold += self.save_seconds(len(self._last[s]) - 1)
         return hold
 
     def runs(self, slots: list[int]) -> list[list[int]]:

@@ -162,3 +162,28 @@ def test_a_launch_saves_the_idle_slots_first_and_takes_in_what_arrives_meanwhile
     # B's and C's slots were idle and unsaved at D's launch: their two 18-token states.
     assert held["D"].first_token_time - 2.0 == pytest.approx(0.036 + step)
     assert plain["D"].first_token_time - 2.0 == pytest.approx(step)
+
+
+
+def test_a_launch_saves_neither_the_slot_it_reuses_nor_a_state_saved_before() -> None:
+    """B's launch saves A's ended slot (102 tokens: its prompt and outputs but the last).
+    A2, A's prompt again, takes A's slot for the prefix they share, and that slot is not
+    saved. When A2 and B have ended, D's launch saves B's state (42 tokens) only: A2's, A's
+    prompt with as many outputs (the same tokens under greedy decoding), is in the cache."""
+    slots = ServerSlots(4, save_seconds=lambda n: n * 1e-3)
+
+    a = Request("A", list(range(100)), SamplingParams(max_tokens=3))
+    slots.slot(a)
+    a.output_token_ids.extend([7, 8, 9])
+    slots.release("A")
+    b = Request("B", [5] * 40, SamplingParams(max_tokens=3))
+    assert slots.launch_hold([b]) == pytest.approx(0.102)
+    slots.slot(b)
+    a2 = Request("A2", list(range(100)), SamplingParams(max_tokens=3))
+    assert slots.launch_hold([a2]) == 0.0  # its slot, A's, is reused, not saved
+    assert slots.slot(a2) == slots.of.get("A2") == 3
+    for r in (a2, b):
+        r.output_token_ids.extend([7, 8, 9])
+        slots.release(r.request_id)
+    assert slots.launch_hold([Request("D", [6] * 40, SamplingParams(max_tokens=3))]) == \
+        pytest.approx(0.042)

@@ -63,7 +63,8 @@ def with_saves(tmp_path: Path, monkeypatch, table: str, name: str = "saves") -> 
 
 def test_the_profile_keeps_a_timed_save_and_refuses_a_bad_one(tmp_path: Path,
                                                               monkeypatch) -> None:
-    written = fit_toml(StepFit(0.02, 1e-3, 0.0), "h100-sxm", [Point("save", 1536, 0, "save 1536", 0.02, 1536)])
+    written = fit_toml(StepFit(0.02, 1e-3, 0.0), "h100-sxm",
+                       [Point("save", 1536, 0, "save 1536", 0.02, 1536)])
     assert "[slot_save.h100-sxm]\npoints = [[1536, 20.000]]\n" in written
     name = with_saves(tmp_path, monkeypatch, written[written.index("[slot_save"):])
     assert ModelProfile.load(name).slot_saves == {"h100-sxm": ((1536, 0.02),)}
