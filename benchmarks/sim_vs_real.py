@@ -13,7 +13,9 @@ it (`kvdeck bench`), each on the server started afresh (the sim starts empty too
 followed by the wake probes again (`probe.wake_probe`), and probe it again with new
 prompts. The step model is fitted to the median of each probe's timings (a wake point's
 over four rounds), and the traces are predicted through the sim executor
-with that profile (`kvdeck run-trace --timing fit`); the medians of TTFT and TPOT and the
+with that profile (`kvdeck run-trace --timing fit`), the sim serving first what the server
+served before each trace (the start-up check and `kvdeck bench`'s warm-up: `--before`,
+`--warmup`); the medians of TTFT and TPOT and the
 output throughput are set side by side (`bench-results/sim_vs_real.json` keeps, beside
 them, the probe points, the traces and every request's figures on both sides). How far
 the server's own probe timings moved between the two rounds (the drift, after / before)
