@@ -115,14 +115,20 @@ def write_traces(folder: Path, fit: StepFit) -> dict[str, Path]:
         t += rng.expovariate(1 / gap)
     paths = {"Mooncake excerpt": folder / "mooncake.jsonl",
              "shared prefix": folder / "shared.jsonl"}
-    # What each server serves before a trace's first request: the start-up check (the
-    # harness restarts it for each trace), then `kvdeck bench`'s warm-up (`--warmup`).
-    check = Tokenizer(resolve_model(DEFAULT_MODEL)).encode(peers.START_CHECK[0])
-    (folder / "before.jsonl").write_text(json.dumps(
-        {"arrival_s": 0.0, "output_len": peers.START_CHECK[1], "prompt_tokens": check}) + "\n")
     paths["Mooncake excerpt"].write_text("".join(json.dumps(a.to_json()) + "\n" for a in moon))
     paths["shared prefix"].write_text("".join(json.dumps(o) + "\n" for o in shared))
     return paths
+
+
+def write_before(folder: Path) -> Path:
+    """The trace of what each server serves before a trace's first request but `kvdeck
+    bench`'s warm-up (the sim's `--warmup`): the start-up check, run again for each trace,
+    which restarts the server."""
+    check = Tokenizer(resolve_model(DEFAULT_MODEL)).encode(peers.START_CHECK[0])
+    path = folder / "before.jsonl"
+    path.write_text(json.dumps({"arrival_s": 0.0, "output_len": peers.START_CHECK[1],
+                                "prompt_tokens": check}) + "\n")
+    return path
 
 
 def kvdeck_cli(*args: str, env: dict | None = None) -> dict:
@@ -214,11 +220,11 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
             del os.environ["KVDECK_CACHE"]
         else:
             os.environ["KVDECK_CACHE"] = saved
-    rows, moved = [], drift(before, after)
+    rows, moved, served = [], drift(before, after), write_before(folder)
     for trace, path in traces.items():
         sim = kvdeck_cli("run-trace", str(path), "--executor", "sim", "--model-profile",
                          profile, "--hardware", hw, "--timing", "fit", *sim_flags,
-                         "--before", str(folder / "before.jsonl"), "--warmup", env=env)
+                         "--before", str(served), "--warmup", env=env)
         predicted, real = figures(sim["summary"]), figures(measured[trace]["summary"])
         rows.append({"server": server.name, "trace": trace, "predicted": predicted,
                      "measured": real, "ratio": {k: predicted[k] / real[k] for k in predicted},

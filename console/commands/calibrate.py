@@ -93,7 +93,8 @@ def _rows(points, fit) -> list[dict]:
     from kvdeck.runtime.planning.calibrate import point_seconds
 
     rows = [{"point": p.label, "measured_ms": p.seconds * 1e3,
-             "fit_ms": point_seconds(fit, p) * 1e3} for p in points if p.kind != "wake"]
+             "fit_ms": point_seconds(fit, p) * 1e3} for p in points
+            if p.kind not in ("wake", "save")]  # no step's shape: printed apart
     for r in rows:
         r["error_pct"] = 100 * (r["fit_ms"] - r["measured_ms"]) / r["measured_ms"]
     return rows
@@ -145,8 +146,10 @@ def _from_server(url: str, model: str, api_key: str | None, model_profile: str |
     rows = _rows(points, fit)
     wake = [{"idle_s": p.idle_s, "extra_ms": p.seconds * 1e3}
             for p in points if p.kind == "wake"]
+    saves = [{"tokens": p.new_tokens, "ms": p.seconds * 1e3}
+             for p in points if p.kind == "save"]
     if as_json:
-        print_json({"fit": fit.to_json(), "points": rows, "wake": wake,
+        print_json({"fit": fit.to_json(), "points": rows, "wake": wake, "slot_save": saves,
                     "model_profile": str(model_file), "hardware_profile": str(hw_file),
                     "url": url})
         return
@@ -155,5 +158,8 @@ def _from_server(url: str, model: str, api_key: str | None, model_profile: str |
         out.print("first step after an idle spell, beyond the same step back to back: "
                   + ", ".join(f"{w['extra_ms']:+.1f} ms after {w['idle_s']:g} s" for w in wake),
                   highlight=False)
+    for save in saves:
+        out.print(f"saving an idle slot of {save['tokens']:,} tokens to the prompt cache: "
+                  f"{save['ms']:.1f} ms", highlight=False)
     out.print(f"wrote {model_file} and {hw_file}; predict a trace with them: kvdeck run-trace "
               f"TRACE --model-profile {profile} --hardware {hw} --timing fit", highlight=False)

@@ -160,14 +160,7 @@ def replay(run: str = typer.Argument(..., help="A run directory written by recor
                                         help="Print the run's figures (as run-trace does) "
                                              "instead of opening the console."),
            as_json: bool = typer.Option(False, "--json", help="With --summary: as JSON."),
-           before: str = typer.Option(None, "--before", help="A trace (file or sample) whose "
-                               "requests are served first, one after another, and not "
-                               "counted: what the server being predicted served before the "
-                               "trace (a start-up check, say)."),
-    warmup: bool = typer.Option(False, "--warmup", help="Serve kvdeck bench's uncounted "
-                                "warm-up first (after --before's): a prompt as long as the "
-                                "first request's, two outputs."),
-    slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
+           slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT SLO in seconds."),
            slo_tpot: float = typer.Option(None, "--slo-tpot", help="TPOT SLO in seconds."),
            slo_e2e: float = typer.Option(None, "--slo-e2e", help="E2E SLO in seconds."),
            log_level: str = "warning") -> None:

@@ -97,7 +97,7 @@ class Engine:
                                    self.max_model_len, executor.info.eos_token_ids)
         self.scheduler.propose = lambda req, k: executor.propose(req, k, self.scheduler.knobs)
         self.scheduler.slots = getattr(executor, "slots", None)  # the sim's `--server-slots`
-        self._holds = has(executor, LaunchHold)
+        self._holds = has(executor, LaunchHold) and executor.holds
         if isinstance(executor, Drafting):
             self.scheduler.drafts.draft_estimate = executor.estimate_draft_seconds
         self.stop_event = threading.Event()  # cuts a paced step's sleep short (shutdown)

@@ -260,6 +260,10 @@ class LaunchHold(Protocol):
     """Holds its loop before a step that takes new requests in (the sim as llama-server,
     which first saves its idle slots to its prompt cache: `server_slots.py`)."""
 
+    holds: bool
+    """Whether it ever holds (the sim: behind llama-server's slots, with their saves
+    timed)."""
+
     def launch_hold(self, waiting: Sequence[Request]) -> float:
         """Seconds the loop holds before planning a step in which `waiting` may start (0:
         none); requests that arrive meanwhile are planned in that step too."""

@@ -59,7 +59,10 @@ class ServerSlots:
         """Whether the prompt cache holds each slot's tokens."""
         self._cached: dict[int, int] = {}
         """The prompt cache's states: the most outputs saved after each prompt (by the
-        prompt's hash)."""
+        prompt's hash). Kept whole: llama-server evicts past its limits (8 GiB, and the
+        context's 16,384 tokens as the benchmark starts it), which the few states of one
+        trace on a server just started stay under; a long trace would save more than this
+        counts."""
         self.of: dict[str, int] = {}
         """Slot of each request holding one."""
         self._holder: dict[str, Request] = {}

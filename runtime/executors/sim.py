@@ -15,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvdeck.runtime.core.config import check_choice, check_float, check_int
+from kvdeck.runtime.core.request import Request
 from kvdeck.runtime.core.step_data import Conversion, SchedulerOutput, StepResult, StepTiming
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.base import ExecutorInfo, WeightsView
@@ -265,7 +267,12 @@ class SimExecutor:
             per_pair_s=base.per_pair_s if c.per_pair_ns is None else c.per_pair_ns / 1e9,
         )
 
-    def launch_hold(self, waiting) -> float:
+    @property
+    def holds(self) -> bool:
+        """Behind llama-server's slots, with the profile's saves (`launch_hold`)."""
+        return self.slots is not None and self.slots.save_seconds is not None
+
+    def launch_hold(self, waiting: Sequence[Request]) -> float:
         """Behind llama-server's slots with its saves timed, the saves a launch of one of
         `waiting` makes first (`ServerSlots.launch_hold`); else 0."""
         return self.slots.launch_hold(waiting) if self.slots is not None else 0.0

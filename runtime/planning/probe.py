@@ -19,6 +19,10 @@ No server lets a client time its steps, but its token stream shows them:
   `/props` say how many) the `b` requests go to slots 0 to `b − 1` (`id_slot`): rows of
   slots that are not neighbours decode in passes of their own, and the point is then one
   pass of `b` rows (`pinned` in the profile).
+- **A slot's save** (behind llama-server, given the model's shape). Before a request's
+  first step, llama-server saves its idle slots to its host prompt cache, and its loop
+  waits (`slot_save.py`): the save of a 1,536-token slot is timed (`save_point`), and every
+  point below is taken less the saves its requests waited for (`SlotSaves`).
 - **A prompt beside a decode.** One request of `L` prompt tokens decoding, and while it
   does, prompts of `c` tokens sent one at a time: where a prompt's first token comes out
   with one of the decoder's tokens, they were computed in one step, and the decoder's gap
@@ -327,6 +331,8 @@ def save_point(url: str, model: str, rng: random.Random, repeats: int,
     if d <= 1e-3:
         return None
     n = SAVE_TOKENS
+    if state_bytes(n) <= state_bytes(16):  # a state of no size: nothing to scale by
+        return None
     return Point("save", n, 0, f"save {n}", d * state_bytes(n) / (state_bytes(n)
                                                                - state_bytes(16)), n)
 
@@ -372,7 +378,8 @@ def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = Non
         for base in _prompts(rng, probes.repeats, h):  # the prefix, then it with c more
             first = Arrival(0.0, h, 1, prompt_tokens=base)
             more = Arrival(0.0, h + c, 1, prompt_tokens=base + _prompts(rng, 1, c)[0])
-            saved_by += saves.one_by_one([first, more])[1:]
+            saves.one_by_one([first])
+            saved_by.append(saves.sharing(more))  # it takes first's slot, unsaved
             _send(url, model, [first], api_key, 1)
             again += _send(url, model, [more], api_key, 1)
         point = history_point(again, h, c, saved_by)

@@ -5,13 +5,14 @@ Before a new request's first step, llama-server (with its prompt cache on: `--ca
 8 GiB by default) saves every idle slot whose tokens the cache does not hold yet, and its
 loop waits (`executors/server_slots.py`). A slot's state is its sequence's KV: every token
 in the global layers, the window in the sliding ones (`ModelProfile.kv_bytes` with blocks
-of one token; 9.856 MiB for 799 tokens on Gemma 3 270M, as its log says), and a save takes
-time in proportion to it.
+of one token, as llama-server's log gives its size), and a save takes time in proportion to
+it.
 
 `kvdeck calibrate --url` times one (`probe.save_point`), the profile keeps it as
 `[slot_save.<hardware>]` (`points`: [tokens, milliseconds]), and the sim holds its loop for
 the saves a launch makes. The probes' own requests paid such saves before their first
 tokens, which `SlotSaves` takes out of their points, so the fitted steps hold none of it.
+How long a save took, and why the sim holds a launch for it: `executors/server_slots.py`.
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ class SlotSaves:
         for a in arrivals:
             paid.append(self._launch())
             self.pending = [a.prompt_len + a.output_len - 1]
+        return paid
+
+    def sharing(self, a: Arrival) -> float:
+        """`a` sent after the one before ended, its prompt sharing that one's prefix:
+        llama-server gives it that request's slot to reuse its tokens, and saves the other
+        states left but not that one."""
+        paid = sum(map(self.seconds, self.pending[:-1]))
+        self.pending = [a.prompt_len + a.output_len - 1]
         return paid
 
     def together(self, arrivals: Sequence[Arrival]) -> list[float]:

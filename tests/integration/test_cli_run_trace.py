@@ -127,7 +127,8 @@ def test_replay_summary_equals_run_trace_on_the_same_run(tmp_path: Path) -> None
 def test_requests_served_before_a_trace_leave_their_cache_and_are_not_counted(
         tmp_path: Path) -> None:
     """`--before`: a request served first leaves its prefix cached for the trace, and is in
-    none of the trace's figures; `--warmup` (bench's, sharing nothing) changes nothing."""
+    none of the trace's figures; `--warmup` (bench's, sharing nothing) runs and changes
+    nothing here."""
     prefix = list(range(100, 612))
     trace, first = tmp_path / "trace.jsonl", tmp_path / "before.jsonl"
     trace.write_text("".join(json.dumps({"arrival_s": t, "output_len": 8,
@@ -141,7 +142,8 @@ def test_requests_served_before_a_trace_leave_their_cache_and_are_not_counted(
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
 
-    plain, before, warm = run(), run("--before", str(first)), run("--warmup")
+    plain, before = run(), run("--before", str(first))
+    warm = run("--warmup", "--record", str(tmp_path / "warm"))
     for result in (plain, before, warm):
         assert result["summary"]["num_requests"] == 2
         assert [q["arrival"] for q in result["requests"]] == pytest.approx([0.0, 5.0])
@@ -154,5 +156,28 @@ def test_requests_served_before_a_trace_leave_their_cache_and_are_not_counted(
     for key in ("ttft", "tpot", "e2e", "cached_tokens"):
         assert [q[key] for q in warm["requests"]] == \
             pytest.approx([q[key] for q in plain["requests"]]), key
+    # The warm-up ran (the recording keeps every request the engine served).
+    r = kvdeck("replay", str(tmp_path / "warm"), "--summary", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["num_requests"] == 3, r.stderr
     r = kvdeck("run-trace", str(trace), "--warmup", "--replicas", "2")
     assert r.returncode == 2 and "--before and --warmup run on one engine" in r.stderr
+
+
+def test_requests_before_a_trace_draw_prompts_of_their_own_and_are_checked(
+        tmp_path: Path) -> None:
+    """Requests without tokens, before and in the trace, get prompts of their own (the
+    trace's first request shares nothing with the one before it); a request refused in the
+    trace keeps its trace time; one refused before it stops the run with a sentence."""
+    trace, first = tmp_path / "trace.jsonl", tmp_path / "before.jsonl"
+    trace.write_text('{"arrival_s": 0.0, "output_len": 4, "prompt_len": 600}\n'
+                     '{"arrival_s": 2.0, "output_len": 4, "prompt_len": 50000}\n')
+    first.write_text('{"arrival_s": 0.0, "output_len": 4, "prompt_len": 600}\n')
+    r = kvdeck("run-trace", str(trace), "--before", str(first), "--json")
+    assert r.returncode == 0, r.stderr
+    served, refused = json.loads(r.stdout)["requests"]
+    assert served["cached_tokens"] == 0
+    assert refused["status"] == "rejected" and refused["arrival"] == 2.0
+    first.write_text('{"arrival_s": 0.0, "output_len": 4, "prompt_len": 50000}\n')
+    r = kvdeck("run-trace", str(trace), "--before", str(first))
+    assert r.returncode == 2 and "--before's request 1 was refused: The prompt has" \
+        in r.stderr and "Traceback" not in r.stderr

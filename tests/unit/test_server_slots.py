@@ -164,26 +164,38 @@ def test_a_launch_saves_the_idle_slots_first_and_takes_in_what_arrives_meanwhile
     assert plain["D"].first_token_time - 2.0 == pytest.approx(step)
 
 
+def ended(slots: ServerSlots, rid: str, prompt: list[int]) -> Request:
+    """A request of three outputs, run in its slot to its end."""
+    r = Request(rid, prompt, SamplingParams(max_tokens=3))
+    slots.slot(r)
+    r.output_token_ids.extend([7, 8, 9])
+    slots.release(rid)
+    return r
 
-def test_a_launch_saves_neither_the_slot_it_reuses_nor_a_state_saved_before() -> None:
-    """B's launch saves A's ended slot (102 tokens: its prompt and outputs but the last).
-    A2, A's prompt again, takes A's slot for the prefix they share, and that slot is not
-    saved. When A2 and B have ended, D's launch saves B's state (42 tokens) only: A2's, A's
-    prompt with as many outputs (the same tokens under greedy decoding), is in the cache."""
+
+def test_a_launch_does_not_save_the_slot_it_takes_for_a_shared_prefix() -> None:
+    """A and B end in slots 3 and 2; C shares A's first 50 tokens: it takes A's slot to
+    reuse them, and its launch saves B's state only (62 tokens: prompt and outputs but the
+    last), not A's (102)."""
     slots = ServerSlots(4, save_seconds=lambda n: n * 1e-3)
+    ended(slots, "A", list(range(100)))
+    ended(slots, "B", list(range(500, 560)))
+    c = Request("C", list(range(50)) + [9_999] * 50, SamplingParams(max_tokens=3))
+    assert slots.launch_hold([c]) == pytest.approx(0.062)
+    assert slots.slot(c) == 3
 
-    a = Request("A", list(range(100)), SamplingParams(max_tokens=3))
-    slots.slot(a)
-    a.output_token_ids.extend([7, 8, 9])
-    slots.release("A")
+
+def test_a_launch_does_not_save_a_state_the_prompt_cache_holds() -> None:
+    """A's state is saved at B's launch. A2, A's prompt again, decodes the same outputs
+    (greedy); once it and B have ended, D's launch saves B's state (42 tokens) and skips
+    A2's: the cache holds it."""
+    slots = ServerSlots(4, save_seconds=lambda n: n * 1e-3)
+    ended(slots, "A", list(range(100)))
     b = Request("B", [5] * 40, SamplingParams(max_tokens=3))
     assert slots.launch_hold([b]) == pytest.approx(0.102)
     slots.slot(b)
-    a2 = Request("A2", list(range(100)), SamplingParams(max_tokens=3))
-    assert slots.launch_hold([a2]) == 0.0  # its slot, A's, is reused, not saved
-    assert slots.slot(a2) == slots.of.get("A2") == 3
-    for r in (a2, b):
-        r.output_token_ids.extend([7, 8, 9])
-        slots.release(r.request_id)
+    ended(slots, "A2", list(range(100)))
+    b.output_token_ids.extend([7, 8, 9])
+    slots.release("B")
     assert slots.launch_hold([Request("D", [6] * 40, SamplingParams(max_tokens=3))]) == \
         pytest.approx(0.042)

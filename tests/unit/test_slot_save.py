@@ -48,6 +48,10 @@ def test_each_probe_request_pays_for_the_states_left_before_its_launch() -> None
     assert saves.beside(sent(30, 10), [sent(4, 1), sent(5, 1), sent(6, 1)]) == \
         pytest.approx([0.015, 0.0, 0.004, 0.005])
     assert saves.pending == [39, 6]
+    # Sent after the one before (6 tokens), sharing its prefix: it takes that slot, which is
+    # not saved, and saves the other state left (39).
+    assert saves.sharing(sent(12, 2)) == pytest.approx(0.039)
+    assert saves.pending == [13]
 
 
 def with_saves(tmp_path: Path, monkeypatch, table: str, name: str = "saves") -> str:
