@@ -12,6 +12,7 @@ from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.kv.formats import KV_FORMATS, kv_bytes_per_token
 from kvdeck.runtime.models.weight_formats import GROUPS
+from kvdeck.runtime.planning.profile_tables import number, point_tables, whole
 from kvdeck.runtime.planning.slot_save import SlotSave, slot_save_tables
 from kvdeck.runtime.planning.wake import Wake, wake_tables
 from kvdeck.runtime.resources import cache_dir, profile_names, profiles_dir
@@ -512,24 +513,12 @@ def _decode_tables(d: dict, where: str) -> tuple[dict, dict, dict, frozenset[str
 def _prefill_tables(d: dict, where: str) -> dict[str, tuple[tuple[int, int, float], ...]]:
     """A model profile's `[prefill.<hardware>]` tables: the measured prefill steps
     (`points`, [new tokens, cached tokens, milliseconds]) by hardware name."""
-    out = {}
-    tables = d.get("prefill", {})
-    if not isinstance(tables, dict):
-        raise ConfigError(f"Profile {where}: prefill must be a table of [prefill.<hardware>] "
-                          f"tables, got {tables!r}.")
-    for hw, table in tables.items():
-        points = table.get("points") if isinstance(table, dict) else None
-        if not isinstance(points, list) or not points or not all(
-                isinstance(p, list) and len(p) == 3
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in p[:2])
-                and isinstance(p[2], (int, float)) and not isinstance(p[2], bool)
-                and p[0] > 0 and p[1] >= 0 and p[2] > 0 for p in points):
-            raise ConfigError(f"Profile {where}: prefill.{hw}.points must be a list of "
-                              "[new tokens, cached tokens, milliseconds] triples (whole "
-                              "tokens above 0, whole cached tokens 0 or more, time above 0), "
-                              f"got {points!r}.")
-        out[hw] = tuple((int(n), int(h), ms / 1e3) for n, h, ms in points)
-    return out
+    return {hw: tuple((int(n), int(h), ms / 1e3) for n, h, ms in points)
+            for hw, points in point_tables(
+                d, where, "prefill", 3, lambda p: whole(p[0]) and whole(p[1])
+                and number(p[2]) and p[0] > 0 and p[1] >= 0 and p[2] > 0,
+                "[new tokens, cached tokens, milliseconds] triples (whole tokens above 0, "
+                "whole cached tokens 0 or more, time above 0)").items()}
 
 
 def _weight_groups(d: dict, where: str) -> dict[str, int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.planning.profile_tables import number, point_tables, whole
 
 if TYPE_CHECKING:
     from kvdeck.runtime.planning.profiles import ModelProfile
@@ -42,23 +42,10 @@ def save_seconds(model: ModelProfile, points: SlotSave) -> Callable[[int], float
 def slot_save_tables(d: dict, where: str) -> dict[str, SlotSave]:
     """A model profile's `[slot_save.<hardware>]` tables (`points`, [tokens, milliseconds]
     pairs) by hardware name."""
-    tables = d.get("slot_save", {})
-    if not isinstance(tables, dict):
-        raise ConfigError(f"Profile {where}: slot_save must be a table of "
-                          f"[slot_save.<hardware>] tables, got {tables!r}.")
-    out = {}
-    for hw, table in tables.items():
-        points = table.get("points") if isinstance(table, dict) else None
-        if not isinstance(points, list) or not points or not all(
-                isinstance(p, list) and len(p) == 2 and isinstance(p[0], int)
-                and isinstance(p[1], (int, float))
-                and not any(isinstance(x, bool) for x in p) and p[0] > 0 and p[1] > 0
-                for p in points):
-            raise ConfigError(f"Profile {where}: slot_save.{hw}.points must be a list of "
-                              "[tokens, milliseconds] pairs (tokens a whole number above 0, "
-                              f"milliseconds above 0), got {points!r}.")
-        out[hw] = tuple((n, ms / 1e3) for n, ms in points)
-    return out
+    return {hw: tuple((n, ms / 1e3) for n, ms in points) for hw, points in point_tables(
+        d, where, "slot_save", 2, lambda p: whole(p[0]) and number(p[1]) and p[0] > 0
+        and p[1] > 0, "[tokens, milliseconds] pairs (tokens a whole number above 0, "
+        "milliseconds above 0)").items()}
 
 
 class SlotSaves:

@@ -19,6 +19,7 @@ the sim adds it (made non-decreasing in the spell) to the first step after each 
 from __future__ import annotations
 
 from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.planning.profile_tables import number, point_tables
 
 Wake = tuple[tuple[float, float], ...]
 """(idle seconds, extra seconds of the first step after them), idle ascending."""
@@ -55,18 +56,12 @@ def pooled(points: Wake) -> Wake:
 def wake_tables(d: dict, where: str) -> dict[str, Wake]:
     """A model profile's `[wake.<hardware>]` tables (`points`, [idle seconds, extra
     milliseconds] pairs) by hardware name, idle ascending and `pooled`."""
-    tables = d.get("wake", {})
-    if not isinstance(tables, dict):
-        raise ConfigError(f"Profile {where}: wake must be a table of [wake.<hardware>] "
-                          f"tables, got {tables!r}.")
     out = {}
-    for hw, table in tables.items():
-        points = table.get("points") if isinstance(table, dict) else None
-        if not isinstance(points, list) or not points or not all(
-                isinstance(p, list) and len(p) == 2
-                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in p)
-                and p[0] > 0 and p[1] >= 0 for p in points) \
-                or len({p[0] for p in points}) < len(points):
+    for hw, points in point_tables(
+            d, where, "wake", 2, lambda p: number(p[0]) and number(p[1]) and p[0] > 0
+            and p[1] >= 0, "[idle seconds, extra milliseconds] pairs (idle above 0, each "
+            "once; extra 0 or more)").items():
+        if len({p[0] for p in points}) < len(points):
             raise ConfigError(f"Profile {where}: wake.{hw}.points must be a list of [idle "
                               "seconds, extra milliseconds] pairs (idle above 0, each once; "
                               f"extra 0 or more), got {points!r}.")
