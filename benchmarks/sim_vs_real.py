@@ -172,7 +172,7 @@ def drift(before: list[Point], after: list[Point]) -> dict[str, float]:
     out."""
     again = {p.label: p.seconds for p in after}
     ratios = sorted(again[p.label] / p.seconds for p in before
-                    if p.label in again and p.seconds > 0 and p.kind not in ("wake", "save"))
+                    if p.label in again and p.seconds > 0 and p.step)
     if not ratios:
         return dict.fromkeys(("median", "min", "max"), float("nan"))
     return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}

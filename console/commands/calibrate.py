@@ -93,8 +93,7 @@ def _rows(points, fit) -> list[dict]:
     from kvdeck.runtime.planning.calibrate import point_seconds
 
     rows = [{"point": p.label, "measured_ms": p.seconds * 1e3,
-             "fit_ms": point_seconds(fit, p) * 1e3} for p in points
-            if p.kind not in ("wake", "save")]  # no step's shape: printed apart
+             "fit_ms": point_seconds(fit, p) * 1e3} for p in points if p.step]
     for r in rows:
         r["error_pct"] = 100 * (r["fit_ms"] - r["measured_ms"]) / r["measured_ms"]
     return rows

@@ -77,7 +77,7 @@ class ServerSlots:
         """`req`'s slot, taken now if it has none."""
         s = self.of.get(req.request_id)
         if s is None:
-            s = self._choose(req)
+            s = self._pick(req)[0]
             self.of[req.request_id] = s
             self._holder[req.request_id] = req
         return s
@@ -99,9 +99,6 @@ class ServerSlots:
             shared = max((p - 1 for p in cut_points(self._prompt[s], cuts) if p <= shared),
                          default=0)
         return shared
-
-    def _choose(self, req: Request) -> int:
-        return self._pick(req)[0]
 
     def _pick(self, req: Request) -> tuple[int, bool]:
         """The slot llama-server gives `req`, and whether for the prefix they share."""
@@ -141,17 +138,22 @@ class ServerSlots:
         prompt the same outputs every time, so a state is known by its prompt and its
         number of outputs (the benchmark's requests are greedy; sampled ones would save
         more than this counts)."""
-        first = next((r for r in waiting if r.request_id not in self.of), None)
-        if self.save_seconds is None or len(self.of) >= self.num_slots or first is None:
+        if self.save_seconds is None:
             return 0.0
         busy = set(self.of.values())
+        # Called before every step: most find nothing to save, and stop here.
+        unsaved = [s for s in range(self.num_slots)
+                   if s not in busy and not self._saved[s] and self._last[s]]
+        first = next((r for r in waiting if r.request_id not in self.of), None) \
+            if unsaved else None
+        if first is None:
+            return 0.0
         taken, similar = self._pick(first)
         if similar:
-            busy.add(taken)
             self._saved[taken] = True  # its tokens give way to the new request's
         hold = 0.0
-        for s in range(self.num_slots):
-            if s in busy or self._saved[s] or not self._last[s]:
+        for s in unsaved:
+            if similar and s == taken:
                 continue
             self._saved[s] = True
             prompt, outputs = hash(self._last[s][:self._prompt[s]]), \

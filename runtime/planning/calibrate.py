@@ -66,6 +66,12 @@ class Point:
     (`id_slot`), so that its rows ran as one pass (`executors/server_slots.py`)."""
 
     @property
+    def step(self) -> bool:
+        """A step's time, which the fit takes: not a wake's extra (what idling adds) or a
+        slot's save (what a launch waits for), which are no step's shape."""
+        return self.kind not in ("wake", "save")
+
+    @property
     def mixed(self) -> bool:
         """A step that ran prompt tokens and a decode row together (kind "mixed")."""
         return self.kind == "mixed"
@@ -179,8 +185,7 @@ def fit_step_model(points: list[Point]) -> StepFit:
     server) only where some points, and not all, were timed from a client; the mixed term
     (what a step carrying both prompt tokens and decode rows costs beyond them) only where
     such a step was timed."""
-    # What idling adds, and what a slot's save takes, is no step's shape.
-    points = [p for p in points if p.kind not in ("wake", "save")]
+    points = [p for p in points if p.step]
     a = np.array([[1.0, p.new_tokens, p.pairs, p.sampled, float(p.outside), p.context,
                    float(p.mixed)] for p in points])
     cols = [0, 1, 2]

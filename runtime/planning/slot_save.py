@@ -48,10 +48,17 @@ def slot_save_tables(d: dict, where: str) -> dict[str, SlotSave]:
         "milliseconds above 0)").items()}
 
 
+def state_tokens(a: Arrival) -> int:
+    """The tokens of the slot state `a` leaves: its prompt and outputs but the last, which
+    never ran through the model (llama-server saves 799 of a 768-token prompt and 32
+    outputs)."""
+    return a.prompt_len + a.output_len - 1
+
+
 class SlotSaves:
     """The saves each probe request paid at its launch: a launch saves the states that
-    requests ended since the one before it left (each the request's prompt and outputs but
-    its last). Probe requests are sent one at a time, or together."""
+    requests ended since the one before it left (`state_tokens`). Probe requests are sent
+    one at a time, or together."""
 
     def __init__(self, seconds: Callable[[int], float]):
         self.seconds = seconds
@@ -68,7 +75,7 @@ class SlotSaves:
         paid = []
         for a in arrivals:
             paid.append(self._launch())
-            self.pending = [a.prompt_len + a.output_len - 1]
+            self.pending = [state_tokens(a)]
         return paid
 
     def sharing(self, a: Arrival) -> float:
@@ -76,13 +83,13 @@ class SlotSaves:
         llama-server gives it that request's slot to reuse its tokens, and saves the other
         states left but not that one."""
         paid = sum(map(self.seconds, self.pending[:-1]))
-        self.pending = [a.prompt_len + a.output_len - 1]
+        self.pending = [state_tokens(a)]
         return paid
 
     def together(self, arrivals: Sequence[Arrival]) -> list[float]:
         """`arrivals` sent at once: the first launched pays for what was left before."""
         paid = [self._launch()] + [0.0] * (len(arrivals) - 1)
-        self.pending = [a.prompt_len + a.output_len - 1 for a in arrivals]
+        self.pending = list(map(state_tokens, arrivals))
         return paid
 
     def beside(self, first: Arrival, rest: Sequence[Arrival]) -> list[float]:
@@ -91,6 +98,6 @@ class SlotSaves:
         before it (the first of them for none)."""
         paid = [self._launch(), 0.0]
         for before in rest[:-1]:
-            paid.append(self.seconds(before.prompt_len + before.output_len - 1))
-        self.pending = [a.prompt_len + a.output_len - 1 for a in (first, *rest[-1:])]
+            paid.append(self.seconds(state_tokens(before)))
+        self.pending = [state_tokens(a) for a in (first, *rest[-1:])]
         return paid[:1 + len(rest)]

@@ -93,8 +93,7 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
             i += 1
         if not engine.has_work:
             break
-        if engine.step() is None and not engine.executor.info.virtual_time:
-            time.sleep(0.001)  # wall clock: wait for the next arrival to come due
+        step(engine)
         if on_step is not None:
             on_step(engine)
     order = {(a.request_id or f"r{j}"): j for j, a in enumerate(arrivals)}
@@ -103,6 +102,12 @@ def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], *, vocab_size: int
     summary.update(run_summary_extras(engine))
     summary["energy"] = energy_summary(engine, meter, summary["num_good"])
     return {"summary": summary, "requests": [m.to_dict() for m in metrics]}
+
+
+def step(engine: Engine) -> None:
+    """One engine step; on the wall clock, a short wait where nothing was due yet."""
+    if engine.step() is None and not engine.executor.info.virtual_time:
+        time.sleep(0.001)  # wall clock: wait for the next arrival to come due
 
 
 def run_before(engine: Engine, before: Sequence[Arrival], vocab_size: int,
@@ -127,8 +132,7 @@ def run_before(engine: Engine, before: Sequence[Arrival], vocab_size: int,
             raise ConfigError(f"--before's request {j + 1} was refused: "
                               f"{str(e).rstrip('.')}.") from None
         while engine.has_work:
-            if engine.step() is None and not engine.executor.info.virtual_time:
-                time.sleep(0.001)
+            step(engine)
     engine.figures = RunFigures()
     return engine.clock.now()
 
