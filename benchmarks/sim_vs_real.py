@@ -9,19 +9,24 @@
 
 For each server: start it on Gemma 3 270M (8 sequences at most), probe it from outside
 (`kvdeck calibrate --url`'s probes, `runtime/planning/probe.py`), measure two traces against
-it (`kvdeck bench`), each on the server started afresh (the sim starts empty too) and
-followed by the wake probes again (`probe.wake_probe`), and probe it again with new
-prompts. The step model is fitted to the median of each probe's timings (a wake point's
-over four rounds), and the traces are predicted through the sim executor
+it (`kvdeck bench`), each on the server started afresh (the sim starts empty too), between
+two speed checks (`SPEED`: three of the probes again, just before the restart and just
+after the trace) and followed by the wake probes again (`probe.wake_probe`), and probe it
+again with new prompts. The step model is fitted to the median of each probe's timings (a
+wake point's over four rounds), and the traces are predicted through the sim executor
 with that profile (`kvdeck run-trace --timing fit`), the sim serving first what the server
 served before each trace (the start-up check and `kvdeck bench`'s warm-up: `--before`,
 `--warmup`); the medians of TTFT and TPOT and the
 output throughput are set side by side (`bench-results/sim_vs_real.json` keeps, beside
-them, the probe points, the traces and every request's figures on both sides). How far
-the server's own probe timings moved between the two rounds (the drift, after / before)
-is reported beside them: on a shared 2-core machine a server's steps can move by more
-than the bounds below within minutes, and no prediction can follow the server closer
-than the server follows itself.
+them, the probe points, the traces and every request's figures on both sides).
+
+On a shared 2-core machine a server's steps move by more than the bounds below within
+minutes (one server's 512-token prompt alone: 0.67 s, half a minute later 0.78, no steal
+time shown). Two figures say how far: the drift (the server's own probe timings after the
+traces over those before), and each trace's speed (the checks beside it over the same
+probes in the rounds, prefill and decode apart). The prediction is made with the rounds'
+points at that speed (`at_speed`), the model's error apart from the machine's; the ratios
+with the rounds' fit as it is are reported beside it ("as probed").
 
 The traces, with token ids written out so both sides see the same prompts:
 - **Mooncake excerpt:** the shipped Mooncake conversation sample's first 16 requests, prompts
@@ -42,6 +47,7 @@ of the traces.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import statistics
@@ -57,6 +63,7 @@ from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 from kvdeck.runtime.planning.calibrate import Point, fit_step_model
 from kvdeck.runtime.planning.probe import (
     FULL,
+    Probes,
     probe,
     server_name,
     wake_probe,
@@ -82,6 +89,9 @@ minute idle reached kvdeck's engine 4 ms after the next one)."""
 TOLERANCE = {"kvdeck (llama_cpp)": 0.15, "kvdeck (torch)": 0.15, "llama-server": 0.15,
              "vLLM (CPU, bf16)": 0.25}
 """The issue's bounds on |predicted / measured − 1| for the TTFT and TPOT medians."""
+SPEED = Probes((FULL.prefill[-1],), ((1, 64), (4, 64)), FULL.outputs, FULL.repeats)
+"""The speed check sent just before and just after each trace: three of the rounds' own
+probes, under their labels (the longest prompt alone, one and four rows decoding)."""
 
 
 def alone_seconds(fit: StepFit, prompt: int, outputs: int) -> float:
@@ -179,24 +189,36 @@ def drift(before: list[Point], after: list[Point]) -> dict[str, float]:
 
 
 def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[dict]:
-    """Probe `server` from outside, measure both traces on it, probe it again; then fit
-    the step model to both rounds and predict the traces (the sim run with `sim_flags`, the
-    server's own batching settings)."""
+    """Probe `server` from outside, measure both traces on it, each between two speed
+    checks, probe it again; then fit the step model to both rounds and predict the traces
+    (the sim run with `sim_flags`, the server's own batching settings) with it, and with it
+    at the speed the checks found beside each trace.
+
+    Long because it runs the benchmark's steps in their order, each a few lines."""
     hw = server_name(server.url)
     base, card = ModelProfile.load(DEFAULT_MODEL), HardwareProfile.load("local")
     before = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None, shape=base)
+    save = next((p for p in before if p.kind == "save"), None)
+
+    def check(seed: int) -> list[Point]:
+        return probe(server.url, DEFAULT_MODEL, SPEED, progress=lambda m: None, seed=seed,
+                     shape=base, save=save)
+
     # The traces' rates come from the first round's fit: they are fixed before any
     # trace is sent.
     traces = write_traces(folder, fit_step_model(before))
-    measured, wakes = {}, []
-    for trace, path in traces.items():
-        # Each trace meets a server just started, as the sim starts: empty caches, and
-        # llama-server's slots in their first order (which of them two requests take
-        # decides whether they decode in one pass or two: `executors/server_slots.py`).
+    measured, wakes, checks = {}, [], {}
+    for i, (trace, path) in enumerate(traces.items()):
+        # The check before a trace runs on the server as the last probes left it: the
+        # trace meets one just started, as the sim starts (empty caches, and llama-server's
+        # slots in their first order, which decides whether two requests decode in one
+        # pass or two: `executors/server_slots.py`).
+        first = check(10 + 2 * i)
         server.stop()
         server.start(DEFAULT_MODEL)
         measured[trace] = kvdeck_cli("bench", str(path), "--url", server.url,
                                      "--model", DEFAULT_MODEL)
+        checks[trace] = first + check(11 + 2 * i)
         # How the machine wakes from idle changes within minutes; timed right after each
         # trace, on the server that ran it, the wake points follow the traces closer than
         # the two rounds alone (one found +38 ms after 5 s, one a quarter of an hour later
@@ -207,34 +229,71 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
                   shape=base)
     points = merged(before, after, wakes)
     fit = fit_step_model(points)
-    profile = f"{DEFAULT_MODEL}-{hw}"
     # The fitted profiles go to the run's own folder, not the user's profiles: each server
     # runs on a new port, and its profile means nothing after the run.
     env = {**os.environ, "KVDECK_CACHE": str(folder / "cache")}
-    saved = os.environ.get("KVDECK_CACHE")
-    os.environ["KVDECK_CACHE"] = env["KVDECK_CACHE"]
-    try:
-        write_server_profiles(server.url, base, profile, hw, fit, points, card)
-    finally:
-        if saved is None:
-            del os.environ["KVDECK_CACHE"]
-        else:
-            os.environ["KVDECK_CACHE"] = saved
+
+    def predict(path: Path, name: str, fit: StepFit, points: list[Point]) -> dict:
+        """The sim's run of the trace at `path` with a profile `name` of `fit`, `points`."""
+        saved = os.environ.get("KVDECK_CACHE")
+        os.environ["KVDECK_CACHE"] = env["KVDECK_CACHE"]
+        try:
+            write_server_profiles(server.url, base, name, hw, fit, points, card)
+        finally:
+            if saved is None:
+                del os.environ["KVDECK_CACHE"]
+            else:
+                os.environ["KVDECK_CACHE"] = saved
+        return kvdeck_cli("run-trace", str(path), "--executor", "sim", "--model-profile",
+                          name, "--hardware", hw, "--timing", "fit", *sim_flags,
+                          "--before", str(served), "--warmup", env=env)
+
     rows, moved, served = [], drift(before, after), write_before(folder)
-    for trace, path in traces.items():
-        sim = kvdeck_cli("run-trace", str(path), "--executor", "sim", "--model-profile",
-                         profile, "--hardware", hw, "--timing", "fit", *sim_flags,
-                         "--before", str(served), "--warmup", env=env)
-        predicted, real = figures(sim["summary"]), figures(measured[trace]["summary"])
+    for i, (trace, path) in enumerate(traces.items()):
+        factors = speed(checks[trace], points)
+        there = at_speed(points, factors)
+        sim = predict(path, f"{DEFAULT_MODEL}-{hw}-{i}", fit_step_model(there), there)
+        probed = predict(path, f"{DEFAULT_MODEL}-{hw}", fit, points)
+        real = figures(measured[trace]["summary"])
+        predicted, as_probed = figures(sim["summary"]), figures(probed["summary"])
         rows.append({"server": server.name, "trace": trace, "predicted": predicted,
                      "measured": real, "ratio": {k: predicted[k] / real[k] for k in predicted},
+                     "speed": factors,
+                     "ratio_as_probed": {k: as_probed[k] / real[k] for k in as_probed},
                      "fit": fit.to_json(), "drift": moved, "sim_flags": sim_flags,
                      "arrivals": path.read_text(), "points": [vars(p) for p in points],
+                     "speed_checks": [vars(p) for p in checks[trace]],
                      "wake_rounds": [[vars(p) for p in r if p.kind == "wake"]
                                      for r in (before, *wakes, after)],
                      "requests": {"predicted": per_request(sim),
+                                  "as_probed": per_request(probed),
                                   "measured": per_request(measured[trace])}})
     return rows
+
+
+def speed(checks: list[Point], points: list[Point]) -> dict[str, float]:
+    """How fast the server ran beside a trace against `points` (the rounds' merged probes):
+    for prefill and for decode, the median over `checks` (the speed checks sent just before
+    and just after the trace) of each check's time over the same probe's in `points`; 1
+    where no check matches a probe. On a shared 2-core machine a 512-token prompt alone took
+    0.67 s and half a minute later 0.78 on one server, with no steal time shown: a profile
+    timed minutes away from a trace carries that into the prediction."""
+    ref = {p.label: p.seconds for p in points if p.step and p.seconds > 0}
+    out = {}
+    for kind in ("prefill", "decode"):
+        ratios = [c.seconds / ref[c.label] for c in checks
+                  if c.kind == kind and c.label in ref]
+        out[kind] = statistics.median(ratios) if ratios else 1.0
+    return out
+
+
+def at_speed(points: list[Point], factors: dict[str, float]) -> list[Point]:
+    """`points` as the server would have timed them at `factors`' speed: a prefill point's
+    seconds times the prefill factor, a decode point's times the decode one, a step running
+    both (mixed) times their geometric mean; a wake's or a save's, no step of its own, as
+    they are."""
+    f = {**factors, "mixed": math.sqrt(factors["prefill"] * factors["decode"])}
+    return [replace(p, seconds=p.seconds * f[p.kind]) if p.kind in f else p for p in points]
 
 
 def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
@@ -278,10 +337,14 @@ def llama_server_cuts() -> list[str]:
 
 
 def show(rows: list[dict]) -> None:
+    """The table: predicted at the speed the checks found beside each trace, then (as
+    probed) the ratios with the rounds' fit as it is, the speed (prefill / decode) and the
+    drift between the rounds."""
     print(f"{'server':<24} {'trace':<17} {'TTFT p50 pred/meas':>22} {'TPOT p50 pred/meas':>22} "
-          f"{'tok/s pred/meas':>18}  server drift")
+          f"{'tok/s pred/meas':>18}  as probed  speed      server drift")
     for r in rows:
         p, m, q, d = r["predicted"], r["measured"], r["ratio"], r["drift"]
+        a, v = r["ratio_as_probed"], r["speed"]
         # A server's name may carry its flags ("llama-server --no-repack").
         bound = next((b for name, b in TOLERANCE.items() if r["server"].startswith(name)),
                      0.15)
@@ -292,6 +355,8 @@ def show(rows: list[dict]) -> None:
         print(f"{r['server']:<24} {r['trace']:<17} {ttft} {q['ttft_p50_s']:5.2f} "
               f"{tpot} {q['tpot_p50_s']:5.2f} {rate} {q['output_tokens_per_s']:4.2f}  "
               f"{'within' if held else 'MISSES'} ±{bound:.0%}  "
+              f"{a['ttft_p50_s']:.2f}/{a['tpot_p50_s']:.2f}  "
+              f"{v['prefill']:.2f}/{v['decode']:.2f}  "
               f"{d['median']:.2f} ({d['min']:.2f}–{d['max']:.2f})")
 
 

@@ -339,11 +339,13 @@ def save_point(url: str, model: str, rng: random.Random, repeats: int,
 
 def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = None,
           progress: Callable[[str], None] = print, seed: int = 0,
-          shape: ModelProfile | None = None) -> list[Point]:
+          shape: ModelProfile | None = None, save: Point | None = None) -> list[Point]:
     """Probe the server at `url` (an OpenAI-compatible base URL serving `model`): its
     prefill and decode points, as `calibrate.sweep` gives them for an executor. Behind
     llama-server's slots, with the model's `shape` given, first what saving a slot takes
-    (`save_point`), and every point less the saves its requests waited for.
+    (`save_point`, or `save` where an earlier round timed it: a speed check's few probes
+    would take longer timing it again), and every point less the saves its requests waited
+    for.
 
     Long because it runs the probes in their order, each kind a few lines."""
     rng = random.Random(seed)
@@ -355,12 +357,12 @@ def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = Non
     if shape is not None and slots >= 3:
         # Twice the repeats: one difference of two requests moved by 14–40 ms around a
         # median of 20 (a 16-token control's by −4 to +8).
-        saved = save_point(url, model, rng, 2 * probes.repeats,
-                           lambda n: shape.kv_bytes(n, 1), api_key)
+        saved = save or save_point(url, model, rng, 2 * probes.repeats,
+                                   lambda n: shape.kv_bytes(n, 1), api_key)
         if saved is None:
             progress("  save of a slot: none seen (the server's prompt cache is off)")
         else:
-            points.append(saved)
+            points += [] if save else [saved]
             progress(f"  {saved.label}-token slot: {saved.seconds * 1e3:.1f} ms")
             saves = SlotSaves(save_seconds(shape, ((saved.new_tokens, saved.seconds),)))
         saves.pending = [16]  # C's state

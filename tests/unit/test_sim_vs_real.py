@@ -1,7 +1,7 @@
 """The sim-against-real benchmark's own arithmetic: the fit's points from two probe rounds,
 and the server's drift between them."""
 
-from benchmarks.sim_vs_real import drift, merged
+from benchmarks.sim_vs_real import at_speed, drift, merged, speed
 from kvdeck.runtime.planning.calibrate import Point
 
 
@@ -43,3 +43,34 @@ def test_drift_is_after_over_before_per_probe():
 def test_drift_without_a_probe_in_common_is_not_a_number():
     got = drift([point("a", 0.1)], [point("b", 0.1)])
     assert all(v != v for v in got.values())  # NaN, and no exception mid-benchmark
+
+
+def decode(label: str, seconds: float) -> Point:
+    """A decode step of one row, under `label`."""
+    return Point("decode", 1, 77, label, seconds, 77)
+
+
+def test_speed_is_the_median_check_over_the_same_probe_for_prefill_and_decode_apart():
+    points = [point("prefill 512", 0.700), decode("decode 1 at 76", 0.015),
+              decode("decode 4 at 76", 0.036)]
+    checks = [point("prefill 512", 0.770), decode("decode 1 at 76", 0.0165),
+              decode("decode 4 at 76", 0.036), point("prefill 512", 0.735),
+              decode("decode 1 at 76", 0.015), decode("decode 4 at 76", 0.0396)]
+    got = speed(checks, points)
+    assert round(got["prefill"], 6) == 1.075  # (1.10 + 1.05) / 2
+    assert round(got["decode"], 6) == 1.05  # median of 1.10, 1.00, 1.00, 1.10
+
+
+def test_a_check_no_probe_matches_leaves_the_speed_at_one():
+    got = speed([point("prefill 64", 0.2)], [point("prefill 512", 0.7)])
+    assert got == {"prefill": 1.0, "decode": 1.0}
+
+
+def test_points_at_speed_scale_each_kind_by_its_factor_and_leave_wakes_and_saves():
+    wake = Point("wake", 64, 2080, "wake after 5 s", 0.010, 64, outside=True, idle_s=5)
+    save = Point("save", 1536, 0, "save 1536", 0.020, 1536)
+    mixed = Point("mixed", 65, 2473, "prefill 64 beside a decode of 384", 0.036, 457, 2)
+    got = at_speed([point("prefill 64", 0.100), decode("decode 1 at 76", 0.015), mixed,
+                    wake, save], {"prefill": 1.21, "decode": 1.0})
+    assert [round(p.seconds, 6) for p in got] == [0.121, 0.015, 0.0396, 0.010, 0.020]
+    assert got[0].outside and got[2].kind == "mixed"  # the rest of each point kept
