@@ -220,9 +220,10 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
                                      "--model", DEFAULT_MODEL)
         checks[trace] = first + check(11 + 2 * i)
         # How the machine wakes from idle changes within minutes; timed right after each
-        # trace, on the server that ran it, the wake points follow the traces closer than
-        # the two rounds alone (one found +38 ms after 5 s, one a quarter of an hour later
-        # nothing, while the trace between them paid 0–70 ms on waking).
+        # trace (and its check), on the server that ran it, the wake points follow the
+        # traces closer than the two rounds alone (one found +38 ms after 5 s, one a
+        # quarter of an hour later nothing, while the trace between them paid 0–70 ms on
+        # waking).
         wakes.append(wake_probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None,
                                 seed=2 + len(wakes)))
     after = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None, seed=1,
@@ -232,13 +233,15 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
     # The fitted profiles go to the run's own folder, not the user's profiles: each server
     # runs on a new port, and its profile means nothing after the run.
     env = {**os.environ, "KVDECK_CACHE": str(folder / "cache")}
+    served = write_before(folder)
 
-    def predict(path: Path, name: str, fit: StepFit, points: list[Point]) -> dict:
-        """The sim's run of the trace at `path` with a profile `name` of `fit`, `points`."""
+    def predict(path: Path, name: str, step_fit: StepFit, timed: list[Point]) -> dict:
+        """The sim's run of the trace at `path` with a profile `name` of `step_fit` and the
+        points it was fitted to (`timed`)."""
         saved = os.environ.get("KVDECK_CACHE")
         os.environ["KVDECK_CACHE"] = env["KVDECK_CACHE"]
         try:
-            write_server_profiles(server.url, base, name, hw, fit, points, card)
+            write_server_profiles(server.url, base, name, hw, step_fit, timed, card)
         finally:
             if saved is None:
                 del os.environ["KVDECK_CACHE"]
@@ -248,11 +251,12 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
                           name, "--hardware", hw, "--timing", "fit", *sim_flags,
                           "--before", str(served), "--warmup", env=env)
 
-    rows, moved, served = [], drift(before, after), write_before(folder)
+    rows, moved = [], drift(before, after)
     for i, (trace, path) in enumerate(traces.items()):
         factors = speed(checks[trace], points)
         there = at_speed(points, factors)
-        sim = predict(path, f"{DEFAULT_MODEL}-{hw}-{i}", fit_step_model(there), there)
+        fit_there = fit_step_model(there)
+        sim = predict(path, f"{DEFAULT_MODEL}-{hw}-{i}", fit_there, there)
         probed = predict(path, f"{DEFAULT_MODEL}-{hw}", fit, points)
         real = figures(measured[trace]["summary"])
         predicted, as_probed = figures(sim["summary"]), figures(probed["summary"])
@@ -260,7 +264,8 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
                      "measured": real, "ratio": {k: predicted[k] / real[k] for k in predicted},
                      "speed": factors,
                      "ratio_as_probed": {k: as_probed[k] / real[k] for k in as_probed},
-                     "fit": fit.to_json(), "drift": moved, "sim_flags": sim_flags,
+                     "fit": fit_there.to_json(), "fit_as_probed": fit.to_json(),
+                     "drift": moved, "sim_flags": sim_flags,
                      "arrivals": path.read_text(), "points": [vars(p) for p in points],
                      "speed_checks": [vars(p) for p in checks[trace]],
                      "wake_rounds": [[vars(p) for p in r if p.kind == "wake"]
@@ -338,8 +343,8 @@ def llama_server_cuts() -> list[str]:
 
 def show(rows: list[dict]) -> None:
     """The table: predicted at the speed the checks found beside each trace, then (as
-    probed) the ratios with the rounds' fit as it is, the speed (prefill / decode) and the
-    drift between the rounds."""
+    probed) the ratios with the rounds' fit as it is (`!`: outside the bound), the speed
+    (prefill / decode) and the drift between the rounds."""
     print(f"{'server':<24} {'trace':<17} {'TTFT p50 pred/meas':>22} {'TPOT p50 pred/meas':>22} "
           f"{'tok/s pred/meas':>18}  as probed  speed      server drift")
     for r in rows:
@@ -349,13 +354,17 @@ def show(rows: list[dict]) -> None:
         bound = next((b for name, b in TOLERANCE.items() if r["server"].startswith(name)),
                      0.15)
         held = all(abs(q[k] - 1) <= bound for k in ("ttft_p50_s", "tpot_p50_s"))
+        # As probed, a ratio outside the bound is marked, as the prediction's verdict is
+        # given in words: the one made before the trace's checks is read as well.
+        probed = "/".join(f"{a[k]:.2f}{'' if abs(a[k] - 1) <= bound else '!'}"
+                          for k in ("ttft_p50_s", "tpot_p50_s"))
         ttft = f"{p['ttft_p50_s'] * 1e3:7.0f}/{m['ttft_p50_s'] * 1e3:<5.0f} ms"
         tpot = f"{p['tpot_p50_s'] * 1e3:6.1f}/{m['tpot_p50_s'] * 1e3:<5.1f} ms"
         rate = f"{p['output_tokens_per_s']:6.0f}/{m['output_tokens_per_s']:<5.0f}"
         print(f"{r['server']:<24} {r['trace']:<17} {ttft} {q['ttft_p50_s']:5.2f} "
               f"{tpot} {q['tpot_p50_s']:5.2f} {rate} {q['output_tokens_per_s']:4.2f}  "
               f"{'within' if held else 'MISSES'} ±{bound:.0%}  "
-              f"{a['ttft_p50_s']:.2f}/{a['tpot_p50_s']:.2f}  "
+              f"{probed:<10} "
               f"{v['prefill']:.2f}/{v['decode']:.2f}  "
               f"{d['median']:.2f} ({d['min']:.2f}–{d['max']:.2f})")
 

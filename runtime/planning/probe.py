@@ -296,9 +296,10 @@ def wake_probe(url: str, model: str, probes: Probes = FULL, api_key: str | None 
     How the machine wakes changes within minutes on a shared VM (a round of `probe` has
     found +40 ms after 5 s, and one ten minutes later nothing), so a run that predicts a
     trace sends this again beside it (`benchmarks/sim_vs_real.py`). Behind llama-server's
-    slots, the first of the back-to-back prompts waits for the saves of the slots the trace
-    left (`slot_save.py`), and their median leaves it out; the others and the wake prompts
-    each wait for the save of the one before, alike, and the points are differences."""
+    slots, the first of the back-to-back prompts waits for the saves of the slots the
+    requests before left (`slot_save.py`), and their median leaves it out; the others and
+    the wake prompts each wait for the save of the one before, alike, and the points are
+    differences."""
     rng = random.Random(seed)
     c = probes.prefill[0]
     arrivals = [Arrival(0.0, c, 1, prompt_tokens=p) for p in _prompts(rng, probes.repeats, c)]
@@ -339,13 +340,15 @@ def save_point(url: str, model: str, rng: random.Random, repeats: int,
 
 def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = None,
           progress: Callable[[str], None] = print, seed: int = 0,
-          shape: ModelProfile | None = None, save: Point | None = None) -> list[Point]:
+          shape: ModelProfile | None = None, save: Point | bool | None = True
+          ) -> list[Point]:
     """Probe the server at `url` (an OpenAI-compatible base URL serving `model`): its
     prefill and decode points, as `calibrate.sweep` gives them for an executor. Behind
-    llama-server's slots, with the model's `shape` given, first what saving a slot takes
-    (`save_point`, or `save` where an earlier round timed it: a speed check's few probes
-    would take longer timing it again), and every point less the saves its requests waited
-    for.
+    llama-server's slots, with the model's `shape` given, first what saving a slot takes,
+    and every point less the saves its requests waited for. `save`: True to time the save
+    (`save_point`; its point is returned first), or what an earlier round found, a point
+    (not returned again) or None (it saw none) — a speed check's few probes would take
+    longer timing it again, and would take their points less other saves than the round's.
 
     Long because it runs the probes in their order, each kind a few lines."""
     rng = random.Random(seed)
@@ -357,15 +360,18 @@ def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = Non
     if shape is not None and slots >= 3:
         # Twice the repeats: one difference of two requests moved by 14–40 ms around a
         # median of 20 (a 16-token control's by −4 to +8).
-        saved = save or save_point(url, model, rng, 2 * probes.repeats,
-                                   lambda n: shape.kv_bytes(n, 1), api_key)
+        timed = save is True
+        saved = save_point(url, model, rng, 2 * probes.repeats,
+                           lambda n: shape.kv_bytes(n, 1), api_key) if timed else save
         if saved is None:
             progress("  save of a slot: none seen (the server's prompt cache is off)")
         else:
-            points += [] if save else [saved]
-            progress(f"  {saved.label}-token slot: {saved.seconds * 1e3:.1f} ms")
+            if timed:
+                points.append(saved)
+            progress(f"  {saved.label}-token slot: {saved.seconds * 1e3:.1f} ms"
+                     + ("" if timed else " (timed before)"))
             saves = SlotSaves(save_seconds(shape, ((saved.new_tokens, saved.seconds),)))
-        saves.pending = [16]  # C's state
+        saves.pending = [16]  # C's state, or the warm-up's (a token more: no matter)
     for c in probes.prefill:
         arrivals = [Arrival(0.0, c, 1, prompt_tokens=p)
                     for p in _prompts(rng, probes.repeats, c)]

@@ -38,7 +38,7 @@ def test_decode_probes_run_in_neighbouring_slots() -> None:
         assert llama_server_slots(server.url) == 8
         # Three rows of 64-token prompts; the start's "Hello" and the probe's 16-token
         # warm-up go to whichever slots llama-server picks, and are shorter. A save timed
-        # before (as the benchmark's speed checks pass it) is not timed again, nor returned.
+        # before (as the benchmark's speed checks pass it) is taken, not returned.
         save = Point("save", 1536, 0, "save 1536", 0.020, 1536)
         (point,) = probe(server.url, DEFAULT_MODEL, Probes((), ((3, 64),), 8, 1),
                          progress=lambda m: None, shape=ModelProfile.load(DEFAULT_MODEL),

@@ -1,8 +1,12 @@
 """The sim-against-real benchmark's own arithmetic: the fit's points from two probe rounds,
-and the server's drift between them."""
+the server's drift between them, and its speed beside each trace (the speed checks over
+the rounds' probes, and the points at that speed)."""
 
-from benchmarks.sim_vs_real import at_speed, drift, merged, speed
+from dataclasses import replace
+
+from benchmarks.sim_vs_real import SPEED, at_speed, drift, merged, speed
 from kvdeck.runtime.planning.calibrate import Point
+from kvdeck.runtime.planning.probe import FULL
 
 
 def point(label: str, seconds: float) -> Point:
@@ -64,6 +68,22 @@ def test_speed_is_the_median_check_over_the_same_probe_for_prefill_and_decode_ap
 def test_a_check_no_probe_matches_leaves_the_speed_at_one():
     got = speed([point("prefill 64", 0.2)], [point("prefill 512", 0.7)])
     assert got == {"prefill": 1.0, "decode": 1.0}
+
+
+def test_wake_and_save_points_give_no_speed():
+    """Each is a small difference of two timings, no step: a check's would be noise."""
+    wake = Point("wake", 64, 2080, "wake after 5 s", 0.020, 64, outside=True, idle_s=5)
+    save = Point("save", 1536, 0, "save 1536", 0.040, 1536)
+    points = [replace(wake, seconds=0.010), replace(save, seconds=0.020)]
+    assert speed([wake, save], points) == {"prefill": 1.0, "decode": 1.0}
+
+
+def test_the_speed_checks_are_probes_the_rounds_send():
+    """Their labels must be the rounds' for `speed` to match them: the same prompt lengths,
+    batches and outputs (a decode point's label carries its context, prompt + outputs / 2)."""
+    assert set(SPEED.prefill) <= set(FULL.prefill)
+    assert set(SPEED.decode) <= set(FULL.decode)
+    assert SPEED.outputs == FULL.outputs
 
 
 def test_points_at_speed_scale_each_kind_by_its_factor_and_leave_wakes_and_saves():
