@@ -354,8 +354,8 @@ def show(rows: list[dict]) -> None:
         bound = next((b for name, b in TOLERANCE.items() if r["server"].startswith(name)),
                      0.15)
         held = all(abs(q[k] - 1) <= bound for k in ("ttft_p50_s", "tpot_p50_s"))
-        # As probed, a ratio outside the bound is marked, as the prediction's verdict is
-        # given in words: the one made before the trace's checks is read as well.
+        # The ratios as probed are the prediction made before the trace's checks: those
+        # outside the bound are marked, so that its verdict is read too.
         probed = "/".join(f"{a[k]:.2f}{'' if abs(a[k] - 1) <= bound else '!'}"
                           for k in ("ttft_p50_s", "tpot_p50_s"))
         ttft = f"{p['ttft_p50_s'] * 1e3:7.0f}/{m['ttft_p50_s'] * 1e3:<5.0f} ms"

@@ -362,7 +362,7 @@ def probe(url: str, model: str, probes: Probes = FULL, api_key: str | None = Non
         # median of 20 (a 16-token control's by −4 to +8).
         timed = save is True
         saved = save_point(url, model, rng, 2 * probes.repeats,
-                           lambda n: shape.kv_bytes(n, 1), api_key) if timed else save
+                           lambda n: shape.kv_bytes(n, 1), api_key) if timed else save or None
         if saved is None:
             progress("  save of a slot: none seen (the server's prompt cache is off)")
         else:
