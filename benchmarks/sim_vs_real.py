@@ -175,17 +175,22 @@ def merged(before: list[Point], after: list[Point], wakes: list[list[Point]]) ->
             if p.label in again]
 
 
+def ratios(new: list[Point], old: list[Point], kind: str = "") -> list[float]:
+    """Each step point of `new` (of `kind` only, where given) over the same probe's in
+    `old`, ascending; a wake or save point, the small difference of two steps, is no step
+    of its own and is left out."""
+    ref = {p.label: p.seconds for p in old if p.step and p.seconds > 0}
+    return sorted(p.seconds / ref[p.label] for p in new
+                  if p.step and p.label in ref and kind in ("", p.kind))
+
+
 def drift(before: list[Point], after: list[Point]) -> dict[str, float]:
     """The server's own probe timings after the traces over those before: median and
-    range of the per-probe ratios (NaN where the rounds have no probe in common); a wake
-    or save point, the small difference of two steps, is no step of its own and is left
-    out."""
-    again = {p.label: p.seconds for p in after}
-    ratios = sorted(again[p.label] / p.seconds for p in before
-                    if p.label in again and p.seconds > 0 and p.step)
-    if not ratios:
+    range of the per-probe ratios (NaN where the rounds have no probe in common)."""
+    moved = ratios(after, before)
+    if not moved:
         return dict.fromkeys(("median", "min", "max"), float("nan"))
-    return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+    return {"median": statistics.median(moved), "min": moved[0], "max": moved[-1]}
 
 
 def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[dict]:
@@ -283,12 +288,10 @@ def speed(checks: list[Point], points: list[Point]) -> dict[str, float]:
     where no check matches a probe. On a shared 2-core machine a 512-token prompt alone took
     0.67 s and half a minute later 0.78 on one server, with no steal time shown: a profile
     timed minutes away from a trace carries that into the prediction."""
-    ref = {p.label: p.seconds for p in points if p.step and p.seconds > 0}
     out = {}
     for kind in ("prefill", "decode"):
-        ratios = [c.seconds / ref[c.label] for c in checks
-                  if c.kind == kind and c.label in ref]
-        out[kind] = statistics.median(ratios) if ratios else 1.0
+        found = ratios(checks, points, kind)
+        out[kind] = statistics.median(found) if found else 1.0
     return out
 
 

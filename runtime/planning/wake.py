@@ -56,14 +56,12 @@ def pooled(points: Wake) -> Wake:
 def wake_tables(d: dict, where: str) -> dict[str, Wake]:
     """A model profile's `[wake.<hardware>]` tables (`points`, [idle seconds, extra
     milliseconds] pairs) by hardware name, idle ascending and `pooled`."""
+    what = "[idle seconds, extra milliseconds] pairs (idle above 0, each once; extra 0 or more)"
     out = {}
-    for hw, points in point_tables(
-            d, where, "wake", 2, lambda p: number(p[0]) and number(p[1]) and p[0] > 0
-            and p[1] >= 0, "[idle seconds, extra milliseconds] pairs (idle above 0, each "
-            "once; extra 0 or more)").items():
+    for hw, points in point_tables(d, where, "wake", 2, lambda p: number(p[0])
+                                   and number(p[1]) and p[0] > 0 and p[1] >= 0, what).items():
         if len({p[0] for p in points}) < len(points):
-            raise ConfigError(f"Profile {where}: wake.{hw}.points must be a list of [idle "
-                              "seconds, extra milliseconds] pairs (idle above 0, each once; "
-                              f"extra 0 or more), got {points!r}.")
+            raise ConfigError(f"Profile {where}: wake.{hw}.points must be a list of {what}, "
+                              f"got {points!r}.")
         out[hw] = pooled(tuple(sorted((float(s), ms / 1e3) for s, ms in points)))
     return out
