@@ -59,6 +59,7 @@ from pathlib import Path
 
 from benchmarks import peers
 from kvdeck.runtime.core.step_data import causal_pairs
+from kvdeck.runtime.executors.server_slots import UBATCH
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 from kvdeck.runtime.planning.calibrate import Point, fit_step_model
 from kvdeck.runtime.planning.probe import (
@@ -78,8 +79,8 @@ THREADS = 2
 MAX_SEQS = 8
 REQUESTS = 16
 PROMPT_CAP, OUTPUTS, PREFIX, OWN = 768, 32, 512, 64
-LLAMA_BATCH, LLAMA_UBATCH = 2048, 512
-"""llama-server's default `-b` and `-ub`."""
+LLAMA_BATCH = 2048
+"""llama-server's default `-b` (its `-ub`: `server_slots.UBATCH`)."""
 VOCAB = 32_000
 """Token ids are drawn below this (every modern vocabulary has them)."""
 APART = 0.02
@@ -341,7 +342,7 @@ def llama_server_cuts() -> list[str]:
     prompt's batch there (its `server-context.cpp`; seen in its log at `-v`)."""
     if not ModelProfile.load(DEFAULT_MODEL).sliding_window:
         return []
-    return ["--prompt-cuts", f"{min(LLAMA_BATCH, 4 + LLAMA_UBATCH)},{min(LLAMA_BATCH, 4)}"]
+    return ["--prompt-cuts", f"{min(LLAMA_BATCH, 4 + UBATCH)},{min(LLAMA_BATCH, 4)}"]
 
 
 def show(rows: list[dict]) -> None:

@@ -254,16 +254,16 @@ FLAGS: tuple[Flag, ...] = (
     Flag("memory_utilization", ("--memory-utilization",), float, "Above 0: the KV budget is "
          "what the layout's cards leave at this share of their memory less the weights "
          "(vLLM's --gpu-memory-utilization; default 0: --kv-memory-gib).", SIM),
-    Flag("server_slots", ("--server-slots",), int, "Above 0: price decode steps as "
-         "llama-server with N slots (-np N, KV per slot) runs them: requests take slots as "
-         "it assigns them, each run of neighbouring slots decodes in a pass of its own, "
-         "and a launch waits for the saves of idle slots the profile times (default 0: one "
-         "pass for every row).", SIM),
+    Flag("server_slots", ("--server-slots",), int, "Above 0: price steps as llama-server "
+         "with N slots (-np N, KV per slot) runs them: requests take slots as it assigns "
+         "them, a step runs as the micro-batches llama.cpp cuts it into (runs of "
+         "neighbouring slots, up to 512 tokens), a pass each, and a launch waits for the "
+         "saves of idle slots the profile times (default 0: one pass for every row).", SIM),
     Flag("prompt_pass", ("--prompt-pass/--no-prompt-pass",), bool, "Price a step of "
          "prompt chunks beside decode rows as llama.cpp runs it: a pass of the decode rows, "
          "then one of the prompts, each corrected by the profile's measured steps of that "
-         "shape (default off: one step with the fit's mixed term; on under "
-         "--server-slots).", SIM),
+         "shape (default off: one step with the fit's mixed term; --server-slots prices "
+         "such a step by its micro-batches instead).", SIM),
     Flag("fail_at_step", ("--fail-at-step",), int, "Fault injection: the simulated executor "
          "fails for good on this step.", SIM),
 )

@@ -1,9 +1,9 @@
 """llama-server's slots, for the sim to run requests as that server does (`--server-slots
 N`): which slot each takes, what its slot kept of the last prompt (`reuse`, asked by the
-scheduler on admission, which also fills a step's prompts in slot order), and a decode
-step priced as a pass per run of neighbouring slots. `pass_seconds` prices a step as
-llama.cpp's micro-batches run it, for the slots and for the sim's `--prompt-pass` (kvdeck's
-own llama_cpp executor: its decode rows in one pass, its prompts in another).
+scheduler on admission, which also fills a step's prompts in slot order), and a step
+priced as a pass per micro-batch llama.cpp cuts it into (`micro_batches`). `pass_seconds`
+prices a step for the sim's `--prompt-pass` (kvdeck's own llama_cpp executor: its decode
+rows in one pass, its prompts in another).
 
 llama-server started with `-np N` (and no `--kv-unified`) keeps one KV stream per slot, and
 llama.cpp then cuts a batch into micro-batches whose sequences have consecutive ids
@@ -166,25 +166,60 @@ class ServerSlots:
             hold += self.save_seconds(len(self._last[s]) - 1)
         return hold
 
-    def runs(self, slots: list[int]) -> list[list[int]]:
-        """Indices into `slots` grouped as llama.cpp's micro-batches take them: runs of
-        consecutive slot numbers, in slot order."""
-        order = sorted(range(len(slots)), key=slots.__getitem__)
-        out: list[list[int]] = []
-        for i in order:
-            if out and slots[i] == slots[out[-1][-1]] + 1:
-                out[-1].append(i)
-            else:
-                out.append([i])
-        return out
-
     def step_seconds(self, chunks: list[ScheduledChunk], slots: list[int],
                      estimate: StepEstimate) -> float:
-        """A step as llama-server runs it (`pass_seconds`), its decode rows in a pass for
-        each run of neighbouring slots; `slots` are the chunks' slots."""
-        decodes = decode_rows(chunks)
-        runs = [[decodes[j] for j in run] for run in self.runs([slots[i] for i in decodes])]
-        return pass_seconds(chunks, runs, estimate)
+        """A step as llama-server runs it: one batch, its decode rows and then its prompt
+        chunks, each in slot order (its `update_slots` adds them so), that llama.cpp cuts
+        into micro-batches (`micro_batches`), each a pass over the weights, one after
+        another; `slots` are the chunks' slots."""
+        rows = set(decode_rows(chunks))
+        order = sorted(range(len(chunks)), key=lambda i: (i not in rows, slots[i]))
+        total = 0.0
+        for batch in micro_batches([(slots[i], chunks[i].num_new_tokens) for i in order]):
+            new = pairs = context = sampled = 0
+            for j, done, k in batch:
+                c = chunks[order[j]]
+                h = c.start + done
+                new, pairs, context = new + k, pairs + k * h + k * (k + 1) // 2, context + h + k
+                if c.num_draft:
+                    sampled += k  # verification scores every position
+                elif c.sample and done + k == c.num_new_tokens:
+                    sampled += 1 + len(c.branches)  # logits of the chunk's last token only
+            if all(order[j] in rows for j, _, _ in batch):
+                shape = "decode"  # corrected by the measured decode steps (`SimExecutor`)
+            else:  # one prompt chunk alone is the shape the measured prefill steps correct
+                shape = "prefill" if len(batch) == 1 else ""
+            total += estimate(new, pairs, context, sampled, shape)
+        return total
+
+
+UBATCH = 512
+"""llama-server's default micro-batch (`-ub`, `n_ubatch`), with which the benchmark and the
+probes run it."""
+
+
+def micro_batches(pieces: list[tuple[int, int]], size: int = UBATCH
+                  ) -> list[list[tuple[int, int, int]]]:
+    """How llama.cpp's `split_equal` (sequential: one KV stream per slot) cuts a batch of
+    `pieces`, (slot, tokens) in the batch's order, one per slot: each micro-batch takes the
+    first piece with tokens left and every later one whose slot follows the one before it,
+    and as many tokens from each as the shortest has left, at most `size` in all (one each
+    at least). Returns each micro-batch's (index into `pieces`, tokens taken before it,
+    tokens taken). Slots 2, 3 and 4 decoding run as one micro-batch, slots 2 and 5 as two;
+    prompts of 252 tokens in slots 0–7 as four, 64 tokens of each (60 in the last)."""
+    taken = [0] * len(pieces)
+    out: list[list[tuple[int, int, int]]] = []
+    while True:
+        run: list[int] = []
+        for i, (slot, n) in enumerate(pieces):
+            if taken[i] < n and (not run or slot == pieces[run[-1]][0] + 1):
+                run.append(i)
+        if not run:
+            return out
+        k = min(min(pieces[i][1] - taken[i] for i in run), max(1, size // len(run)))
+        out.append([(i, taken[i], k) for i in run])
+        for i in run:
+            taken[i] += k
 
 
 def decode_rows(chunks: list[ScheduledChunk]) -> list[int]:
@@ -194,27 +229,23 @@ def decode_rows(chunks: list[ScheduledChunk]) -> list[int]:
             and not c.num_draft and c.request.output_token_ids]
 
 
-def pass_seconds(chunks: list[ScheduledChunk], runs: list[list[int]],
-                 estimate: StepEstimate) -> float:
-    """A step as llama.cpp runs it: a pass for each of `runs` (indices into `chunks` of
-    decode rows run together; an empty one is no pass), one after another, then the other
-    chunks in one pass (a decode row and a prompt share a micro-batch for one token at
-    most: llama.cpp's `split_equal` takes as many tokens from every sequence of a
-    micro-batch)."""
+def pass_seconds(chunks: list[ScheduledChunk], estimate: StepEstimate) -> float:
+    """A step as kvdeck's llama_cpp executor runs it (the sim's `--prompt-pass`): its decode
+    rows in one pass, then the other chunks in another (a decode row and a prompt share a
+    micro-batch for one token at most: `micro_batches`)."""
+    rows = set(decode_rows(chunks))
     total = 0.0
-    for run in filter(None, runs):
-        ctx = sum(chunks[i].start + 1 for i in run)  # each row's pairs, positions
-        # A pass of decode rows, corrected by the measured decode steps (under
-        # `--server-slots`, only those sure to have run as one pass: `SimExecutor`).
-        total += estimate(len(run), ctx, ctx, len(run), "decode")
-    rows = {i for run in runs for i in run}
-    new = pairs = context = prompts = 0
+    if rows:
+        ctx = sum(chunks[i].start + 1 for i in rows)  # each row's pairs, positions
+        total += estimate(len(rows), ctx, ctx, len(rows), "decode")
+    new = pairs = context = prompts = sampled = 0
     for i, c in enumerate(chunks):
         if i not in rows:
             n, h = c.num_new_tokens, c.start
             new, pairs, context = new + n, pairs + n * h + n * (n + 1) // 2, context + h + n
             prompts += 1
+            sampled += n if c.num_draft else (1 + len(c.branches)) if c.sample else 0
     if new:
         # One prompt chunk alone is the shape the measured prefill steps correct.
-        total += estimate(new, pairs, context, prompts, "prefill" if prompts == 1 else "")
+        total += estimate(new, pairs, context, sampled, "prefill" if prompts == 1 else "")
     return total

@@ -23,7 +23,7 @@ from kvdeck.runtime.core.request import Request
 from kvdeck.runtime.core.step_data import Conversion, SchedulerOutput, StepResult, StepTiming
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.base import ExecutorInfo, WeightsView
-from kvdeck.runtime.executors.server_slots import ServerSlots, decode_rows, pass_seconds
+from kvdeck.runtime.executors.server_slots import ServerSlots, pass_seconds
 from kvdeck.runtime.executors.sim_draft import draft_seconds
 from kvdeck.runtime.kv.formats import KV_FORMATS
 from kvdeck.runtime.kv.groups import LayerGroups
@@ -109,13 +109,14 @@ class SimConfig:
     memory, less the weights (vLLM's `--gpu-memory-utilization`), instead of
     `kv_memory_bytes`."""
     server_slots: int = 0
-    """Above 0: price decode steps as llama-server with this many slots (`-np`, KV per
-    slot) runs them: a pass per run of neighbouring slots (`server_slots.py`)."""
+    """Above 0: price steps as llama-server with this many slots (`-np`, KV per slot) runs
+    them: a pass per micro-batch llama.cpp cuts a batch into, each a run of neighbouring
+    slots (`server_slots.py`)."""
     prompt_pass: bool = False
     """Price a step of prompt chunks and decode rows as llama.cpp runs it: a pass of the
     decode rows, then one of the prompt chunks (`server_slots.pass_seconds`), each
     corrected by the measured steps of its shape, instead of one fitted step and the fit's
-    mixed term. `server_slots` implies it."""
+    mixed term. `server_slots` prices such a step by its micro-batches instead."""
     fail_at_step: int | None = None
     """Fault injection: the executor fails for good (as a lost device would) on its n-th
     executed step, so clients, dashboards and the console can be tested against a dying
@@ -499,11 +500,10 @@ class SimExecutor:
         slots = [] if self.slots is None else [self.slots.slot(c.request) for c in plan.chunks]
         if not plan.chunks:
             seconds = 0.0
-        elif self.slots is not None and shape in ("decode", "mixed"):
+        elif self.slots is not None:
             seconds = self.slots.step_seconds(plan.chunks, slots, self.estimate_step_seconds)
         elif shape == "mixed" and self.config.prompt_pass:
-            seconds = pass_seconds(plan.chunks, [decode_rows(plan.chunks)],
-                                   self.estimate_step_seconds)
+            seconds = pass_seconds(plan.chunks, self.estimate_step_seconds)
         else:
             seconds = self.estimate_step_seconds(num_new, num_pairs, context,
                                                  len(sampled) + verify_rows, shape)

@@ -1,6 +1,6 @@
 """llama-server's slots in the sim (`executors/server_slots.py`): which slot a request
-takes, a decode step priced as a pass per run of neighbouring slots, and a prompt beside
-decode rows as a pass after theirs."""
+takes, and a step priced as a pass per micro-batch llama.cpp cuts its batch into — decode
+rows of neighbouring slots together, a prompt beside decode rows after theirs."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 from kvdeck.runtime.core.config import EngineConfig, Knobs
 from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import Request, SamplingParams
+from kvdeck.runtime.core.step_data import ScheduledChunk
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.executors.server_slots import ServerSlots
+from kvdeck.runtime.executors.server_slots import ServerSlots, micro_batches
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 
 
@@ -30,7 +31,53 @@ def test_slots_are_taken_by_shared_prefix_else_least_recently_used() -> None:
     slots.release("b")
     # Sharing 5 of 100 with slot 2's (not over a tenth): the least recently used, 1.
     assert slots.slot(request("d", list(range(500, 505)) + [7] * 95)) == 1
-    assert slots.runs([3, 1, 2, 6]) == [[1, 2, 0], [3]]
+
+
+def test_micro_batches_take_runs_of_neighbouring_slots_and_equal_tokens_of_each() -> None:
+    """llama.cpp's `split_equal`, sequential: decode rows of slots 1–3 in one micro-batch,
+    slot 6's in another; a prompt in the slot after a decode row's shares one token with
+    it."""
+    assert micro_batches([(1, 1), (2, 1), (3, 1), (6, 1)]) == [
+        [(0, 0, 1), (1, 0, 1), (2, 0, 1)], [(3, 0, 1)]]
+    assert micro_batches([(3, 1), (4, 40)]) == [[(0, 0, 1), (1, 0, 1)], [(1, 1, 39)]]
+    assert micro_batches([(3, 1), (2, 40)]) == [[(0, 0, 1)], [(1, 0, 40)]]
+    # One prompt of 1,200 tokens: 512 at most a pass.
+    assert [b[0][2] for b in micro_batches([(0, 1200)])] == [512, 512, 176]
+
+
+def test_a_batch_of_unequal_prompts_runs_in_six_micro_batches() -> None:
+    """The first burst of the Mooncake excerpt on llama-server's eight slots, as its log
+    gave the batch of one call (2,048 tokens, 2.97 s): seven prompts' first 252 tokens,
+    slot 5's next 512 and slot 7's first 24. Every slot gives 24 tokens, slots 0–6 then
+    73 three times and 9, and slot 5's last 260 run alone."""
+    pieces = [(0, 252), (1, 252), (2, 252), (3, 252), (4, 252), (5, 512), (6, 252), (7, 24)]
+    batches = micro_batches(pieces)
+    assert [sum(k for _, _, k in b) for b in batches] == [192, 511, 511, 511, 63, 260]
+    assert [len(b) for b in batches] == [8, 7, 7, 7, 7, 1]
+    assert batches[-1] == [(5, 252, 260)]
+
+
+def test_a_step_is_priced_by_its_micro_batches_and_only_sampled_rows_read_the_head() -> None:
+    """Each micro-batch is one estimate: its tokens, causal pairs and positions, and the
+    rows whose logits llama.cpp computes (a decode row; a prompt chunk's last token only
+    when it ends the prompt)."""
+    slots = ServerSlots(4)
+    rows = [Request(f"d{i}", list(range(10)), SamplingParams(max_tokens=4)) for i in range(2)]
+    for r in rows:
+        r.output_token_ids.append(7)
+    prompt = Request("p", list(range(100)), SamplingParams(max_tokens=4))
+    chunks = [ScheduledChunk(rows[0], 1, 10, [], True), ScheduledChunk(rows[1], 1, 10, [], True),
+              ScheduledChunk(prompt, 60, 0, [], False)]
+    calls = []
+
+    def estimate(new: int, pairs: int, context: int, sampled: int, shape: str) -> float:
+        calls.append((new, pairs, context, sampled, shape))
+        return 1.0
+
+    # Decode rows in slots 0 and 1, the prompt (not ending: no logits) in slot 2.
+    assert slots.step_seconds(chunks, [1, 0, 2], estimate) == 2.0
+    assert calls == [(3, 11 + 11 + 1, 11 + 11 + 1, 2, ""), (59, 59 + 59 * 60 // 2, 60, 0,
+                                                          "prefill")]
 
 
 def engine(server_slots: int, prompt_pass: bool = False) -> Engine:
