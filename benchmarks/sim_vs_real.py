@@ -311,14 +311,14 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
     and vLLM's CPU build; each with the batching settings the sim runs its prediction with
     (the server's own: kvdeck's real executors' token budget of 512 and chunk of 256,
     llama-server's batch of 2,048, vLLM told 2,048). kvdeck's llama_cpp executor runs a
-    step's prompt chunks in a micro-batch after its decode rows' (`--prompt-pass`), as
-    llama-server does. llama-server's prediction runs with
-    its slots (`--server-slots 8`: its KV is kept per slot, the decode rows of slots that
-    are not neighbours run in passes of their own, prompts fill the batch in slot order,
-    and a slot keeps its last prompt), and with its prompt cuts on Gemma 3
-    (`llama_server_cuts`): a burst's prompts advance in pieces and have their first tokens
-    together. Its slots share no prefix with each other, so its prediction runs with
-    prefix caching off."""
+    step's prompt chunks in a micro-batch after its decode rows' (`--prompt-pass`).
+    llama-server's prediction runs with its slots (`--server-slots 8`: its KV is kept per
+    slot, a step runs as the micro-batches llama.cpp cuts it into, runs of neighbouring
+    slots up to `UBATCH` tokens, so the decode rows of slots that are not neighbours run in
+    passes of their own; prompts fill the batch in slot order, and a slot keeps its last
+    prompt), and with its prompt cuts on Gemma 3 (`llama_server_cuts`): a burst's prompts
+    advance in pieces and have their first tokens together. Its slots share no prefix with
+    each other, so its prediction runs with prefix caching off."""
     seqs = ["--max-num-seqs", str(MAX_SEQS)]
     if not with_peers:
         own = [*seqs, "--max-num-batched-tokens", "512", "--chunk-size", "256"]

@@ -21,6 +21,7 @@ import typer
 
 from kvdeck.runtime.core.config import KNOB_CHOICES
 from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors.server_slots import UBATCH
 from kvdeck.runtime.executors.sim import TIMING_MODES
 from kvdeck.runtime.kv.formats import KV_FORMATS
 from kvdeck.runtime.logs import LEVELS
@@ -257,7 +258,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("server_slots", ("--server-slots",), int, "Above 0: price steps as llama-server "
          "with N slots (-np N, KV per slot) runs them: requests take slots as it assigns "
          "them, a step runs as the micro-batches llama.cpp cuts it into (runs of "
-         "neighbouring slots, up to 512 tokens), a pass each, and a launch waits for the "
+         f"neighbouring slots, up to {UBATCH} tokens), a pass each, and a launch waits for the "
          "saves of idle slots the profile times (default 0: one pass for every row).", SIM),
     Flag("prompt_pass", ("--prompt-pass/--no-prompt-pass",), bool, "Price a step of "
          "prompt chunks beside decode rows as llama.cpp runs it: a pass of the decode rows, "

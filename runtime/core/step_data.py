@@ -80,6 +80,19 @@ class ScheduledChunk:
     def num_pairs(self) -> int:
         return causal_pairs(self.num_new_tokens, self.start)
 
+    def logits_rows(self, first: int = 0, count: int | None = None) -> int:
+        """Rows through the output head among this chunk's tokens `first` to `first + count`
+        (offsets into the chunk; all of them by default): every verified position of a
+        draft, else the chunk's last token where it samples, once for each sample of the
+        prompt (`branches`: they share the row but count one each). A prompt chunk that
+        does not end its prompt computes no logits. `SimExecutor.execute` counts the same
+        in its loop."""
+        count = self.num_new_tokens - first if count is None else count
+        if self.num_draft:
+            return count
+        return 1 + len(self.branches) if self.sample and first + count == self.num_new_tokens \
+            else 0
+
     @property
     def prompt_scored(self) -> range:
         """Positions of this chunk whose logits the executor turns into prompt logprobs

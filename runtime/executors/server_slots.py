@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 
 from kvdeck.runtime.core.policies.prompt_cuts import cut_points
 from kvdeck.runtime.core.request import Request
-from kvdeck.runtime.core.step_data import ScheduledChunk, common_prefix
+from kvdeck.runtime.core.step_data import ScheduledChunk, causal_pairs, common_prefix
 
 StepEstimate = Callable[[int, int, int, int, str], float]
 """(new tokens, causal pairs, positions read, rows sampled, shape) -> seconds of one pass
@@ -173,23 +173,19 @@ class ServerSlots:
         into micro-batches (`micro_batches`), each a pass over the weights, one after
         another; `slots` are the chunks' slots."""
         rows = set(decode_rows(chunks))
-        order = sorted(range(len(chunks)), key=lambda i: (i not in rows, slots[i]))
+        # A slot's drafts follow its sampled token in llama-server's batch: with the rows.
+        generating = rows | {i for i, c in enumerate(chunks) if c.num_draft}
+        order = sorted(range(len(chunks)), key=lambda i: (i not in generating, slots[i]))
         total = 0.0
         for batch in micro_batches([(slots[i], chunks[i].num_new_tokens) for i in order]):
             new = pairs = context = sampled = 0
             for j, done, k in batch:
                 c = chunks[order[j]]
                 h = c.start + done
-                new, pairs, context = new + k, pairs + k * h + k * (k + 1) // 2, context + h + k
-                if c.num_draft:
-                    sampled += k  # verification scores every position
-                elif c.sample and done + k == c.num_new_tokens:
-                    sampled += 1 + len(c.branches)  # logits of the chunk's last token only
-            if all(order[j] in rows for j, _, _ in batch):
-                shape = "decode"  # corrected by the measured decode steps (`SimExecutor`)
-            else:  # one prompt chunk alone is the shape the measured prefill steps correct
-                shape = "prefill" if len(batch) == 1 else ""
-            total += estimate(new, pairs, context, sampled, shape)
+                new, pairs, context = new + k, pairs + causal_pairs(k, h), context + h + k
+                sampled += c.logits_rows(done, k)
+            total += estimate(new, pairs, context, sampled,
+                              shape([chunks[order[j]] for j, _, _ in batch]))
         return total
 
 
@@ -222,11 +218,24 @@ def micro_batches(pieces: list[tuple[int, int]], size: int = UBATCH
             taken[i] += k
 
 
+def shape(chunks: list[ScheduledChunk]) -> str:
+    """The shape of one pass of `chunks` that the profile's measured steps correct
+    (`SimExecutor.estimate_step_seconds`): "decode" for decode rows alone, "prefill" for
+    one prompt chunk alone, else "" (the fit's alone)."""
+    if all(map(is_decode_row, chunks)):
+        return "decode"
+    return "prefill" if len(chunks) == 1 and not chunks[0].num_draft else ""
+
+
+def is_decode_row(c: ScheduledChunk) -> bool:
+    """A chunk of one decode row (no draft, no prompt token)."""
+    return c.num_new_tokens == 1 and c.start + 1 == c.request.num_tokens \
+        and not c.num_draft and bool(c.request.output_token_ids)
+
+
 def decode_rows(chunks: list[ScheduledChunk]) -> list[int]:
-    """Indices of the chunks that are one decode row each (no draft, no prompt token)."""
-    return [i for i, c in enumerate(chunks)
-            if c.num_new_tokens == 1 and c.start + 1 == c.request.num_tokens
-            and not c.num_draft and c.request.output_token_ids]
+    """Indices of the chunks that are one decode row each."""
+    return [i for i, c in enumerate(chunks) if is_decode_row(c)]
 
 
 def pass_seconds(chunks: list[ScheduledChunk], estimate: StepEstimate) -> float:
@@ -238,14 +247,10 @@ def pass_seconds(chunks: list[ScheduledChunk], estimate: StepEstimate) -> float:
     if rows:
         ctx = sum(chunks[i].start + 1 for i in rows)  # each row's pairs, positions
         total += estimate(len(rows), ctx, ctx, len(rows), "decode")
-    new = pairs = context = prompts = sampled = 0
-    for i, c in enumerate(chunks):
-        if i not in rows:
-            n, h = c.num_new_tokens, c.start
-            new, pairs, context = new + n, pairs + n * h + n * (n + 1) // 2, context + h + n
-            prompts += 1
-            sampled += n if c.num_draft else (1 + len(c.branches)) if c.sample else 0
-    if new:
-        # One prompt chunk alone is the shape the measured prefill steps correct.
-        total += estimate(new, pairs, context, sampled, "prefill" if prompts == 1 else "")
+    others = [c for i, c in enumerate(chunks) if i not in rows]
+    if others:
+        total += estimate(sum(c.num_new_tokens for c in others),
+                          sum(c.num_pairs for c in others),
+                          sum(c.start + c.num_new_tokens for c in others),
+                          sum(c.logits_rows() for c in others), shape(others))
     return total

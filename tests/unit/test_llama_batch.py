@@ -22,7 +22,7 @@ def first_micro_batch(rows: list[tuple[int, int, int, int]]) -> list[int]:
 
 def test_decode_rows_of_eight_slots_share_one_micro_batch_in_slot_order() -> None:
     decodes = [[(7, 40 + s, s, s)] for s in (3, 0, 5, 1, 7, 2, 6, 4)]  # the scheduler's order
-    assert first_micro_batch([g[0] for g in decodes]) == [3, 4]  # then 0–2, 5–7 and more
+    assert first_micro_batch([g[0] for g in decodes]) == [3, 4]  # then 0–2, 5–6 and 7
     (batch,) = one_batch(decodes)
     assert [r[2] for r in batch] == list(range(8))
     assert first_micro_batch(batch) == list(range(8))

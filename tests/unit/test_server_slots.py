@@ -11,7 +11,7 @@ from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import Request, SamplingParams
 from kvdeck.runtime.core.step_data import ScheduledChunk
 from kvdeck.runtime.errors import ConfigError
-from kvdeck.runtime.executors.server_slots import ServerSlots, micro_batches
+from kvdeck.runtime.executors.server_slots import ServerSlots, micro_batches, pass_seconds
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 
 
@@ -78,6 +78,35 @@ def test_a_step_is_priced_by_its_micro_batches_and_only_sampled_rows_read_the_he
     assert slots.step_seconds(chunks, [1, 0, 2], estimate) == 2.0
     assert calls == [(3, 11 + 11 + 1, 11 + 11 + 1, 2, ""), (59, 59 + 59 * 60 // 2, 60, 0,
                                                           "prefill")]
+    # A prompt of 600 tokens in one chunk: 512 at most a pass, its logits row in the last.
+    calls.clear()
+    long = Request("l", list(range(600)), SamplingParams(max_tokens=4))
+    last = ScheduledChunk(long, 600, 0, [], True)
+    assert slots.step_seconds([last], [2], estimate) == 2.0
+    assert [(c[0], c[3], c[4]) for c in calls] == [(512, 0, "prefill"), (88, 1, "prefill")]
+    # A chunk verifying drafts scores every position, and is no prefill.
+    calls.clear()
+    drafting = ScheduledChunk(rows[0], 3, 10, [], True, draft=(5, 6), num_draft=2)
+    assert slots.step_seconds([drafting], [0], estimate) == 1.0
+    assert [(c[0], c[3], c[4]) for c in calls] == [(3, 3, "")]
+
+
+def test_the_prompt_pass_reads_the_head_only_for_rows_that_sample() -> None:
+    """`--prompt-pass`: the decode rows' pass, then the prompts' — where a prompt chunk
+    that does not end its prompt computes no logits."""
+    row = Request("d", list(range(10)), SamplingParams(max_tokens=4))
+    row.output_token_ids.append(7)
+    prompts = [Request(r, list(range(100)), SamplingParams(max_tokens=4)) for r in "pq"]
+    chunks = [ScheduledChunk(row, 1, 10, [], True), ScheduledChunk(prompts[0], 50, 0, [], False),
+              ScheduledChunk(prompts[1], 100, 0, [], True)]
+    calls = []
+
+    def estimate(new: int, pairs: int, context: int, sampled: int, shape: str) -> float:
+        calls.append((new, sampled, shape))
+        return 1.0
+
+    assert pass_seconds(chunks, estimate) == 2.0
+    assert calls == [(1, 1, "decode"), (150, 1, "")]
 
 
 def engine(server_slots: int, prompt_pass: bool = False) -> Engine:
