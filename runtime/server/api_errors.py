@@ -41,15 +41,20 @@ def error(status: int, message: str, param: str | None = None,
         status, message, kind or KINDS.get(status, "api_error"), param))
 
 
-def field_path(loc: tuple) -> str:
-    """'messages.0.content' from pydantic's location, without the union-branch tags."""
+def field_path(loc: tuple, key_last: bool = False) -> str:
+    """'messages.0.content' from pydantic's location, without the union-branch tags, and
+    with characters that do not print escaped (`\\n`): a client's own key is part of it,
+    and the error stays one line. `key_last`: the last part is a client's key (a field the
+    endpoint does not take), kept whatever it holds ("x-y" is no tag there)."""
     parts = []
-    for p in loc:
-        if p == "body":
+    for i, p in enumerate(loc):
+        if p == "body" and i == 0:
             continue
-        if isinstance(p, str) and (p in _TAGS or any(c in p for c in _TAG_CHARS)):
+        if (not key_last or i < len(loc) - 1) and isinstance(p, str) and (
+                p in _TAGS or any(c in p for c in _TAG_CHARS)):
             continue
-        parts.append(str(p))
+        parts.append("".join(c if c.isprintable() else c.encode("unicode_escape").decode()
+                             for c in str(p)))
     return ".".join(parts)
 
 
@@ -58,8 +63,8 @@ def validation_sentence(errors: list[dict]) -> tuple[str, str | None]:
     # A value that has the right type but is wrong (bad Unicode, say) says more than the
     # type errors of a union's other branches.
     first = next((e for e in errors if e["type"] == "value_error"), errors[0])
-    path = field_path(first["loc"])
     kind = first["type"]
+    path = field_path(first["loc"], key_last=kind == "extra_forbidden")
     if kind == "json_invalid":
         return "The request body is not valid JSON.", "body"
     cause = (first.get("ctx") or {}).get("error")
