@@ -4,7 +4,7 @@ the rounds' probes, and the points at that speed)."""
 
 from dataclasses import replace
 
-from benchmarks.sim_vs_real import SPEED, at_speed, drift, merged, speed
+from benchmarks.sim_vs_real import SPEED, at_speed, drift, merged, show, speed
 from kvdeck.runtime.planning.calibrate import Point
 from kvdeck.runtime.planning.probe import FULL
 
@@ -94,3 +94,20 @@ def test_points_at_speed_scale_each_kind_by_its_factor_and_leave_wakes_and_saves
                     wake, save], {"prefill": 1.21, "decode": 1.0})
     assert [round(p.seconds, 6) for p in got] == [0.121, 0.015, 0.0396, 0.010, 0.020]
     assert got[0].outside and got[2].kind == "mixed"  # the rest of each point kept
+
+
+def test_the_verdict_is_the_prediction_as_probed_and_the_one_at_speed_stands_beside(capsys):
+    """The prediction made with the rounds' fit, before anything of the trace is measured,
+    gives the verdict; the one at the speed of the checks is marked where it misses."""
+    figures = {"ttft_p50_s": 1.0, "tpot_p50_s": 0.05, "output_tokens_per_s": 10.0}
+    row = {"server": "llama-server --no-repack", "trace": "shared prefix",
+           "predicted": figures, "measured": figures,
+           "ratio": {"ttft_p50_s": 1.14, "tpot_p50_s": 0.9, "output_tokens_per_s": 1.0},
+           "ratio_at_speed": {"ttft_p50_s": 0.95, "tpot_p50_s": 0.76},
+           "speed": {"prefill": 0.82, "decode": 0.97},
+           "drift": {"median": 1.0, "min": 0.9, "max": 1.1}}
+    show([row])
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "within ±15%" in line and "0.95/0.76!" in line and "1.14" in line
+    show([{**row, "ratio": {**row["ratio"], "tpot_p50_s": 0.8}}])
+    assert "MISSES ±15%" in capsys.readouterr().out
