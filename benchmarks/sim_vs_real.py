@@ -28,8 +28,8 @@ probes in the rounds, prefill and decode apart). The prediction is made with the
 fit, before anything of the trace is measured; beside it, the ratios with the rounds'
 points at that speed (`at_speed`) say how much of a miss the machine's speed explains.
 (Two prefill checks a trace follow the machine's noise as much as its drift: over the
-seven recorded runs of the last two sessions, 28 of 32 medians came within their bounds as
-probed and 24 at speed; docs/benchmarks.md.)
+eight recorded runs of the last two sessions, 34 of 40 medians came within their bounds
+as probed and 30 at speed; docs/benchmarks.md.)
 
 The traces, with token ids written out so both sides see the same prompts:
 - **Mooncake excerpt:** the shipped Mooncake conversation sample's first 16 requests, prompts
