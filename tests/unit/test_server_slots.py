@@ -47,7 +47,7 @@ def test_micro_batches_take_runs_of_neighbouring_slots_and_equal_tokens_of_each(
 
 def test_a_batch_of_unequal_prompts_runs_in_six_micro_batches() -> None:
     """The first burst of the Mooncake excerpt on llama-server's eight slots, as its log
-    gave the batch of one call (2,048 tokens, 2.97 s): seven prompts' first 252 tokens,
+    gave the batch of one call (2,048 tokens, 2.97 s): six prompts' first 252 tokens,
     slot 5's next 512 and slot 7's first 24. Every slot gives 24 tokens, slots 0–6 then
     73 three times and 9, and slot 5's last 260 run alone."""
     pieces = [(0, 252), (1, 252), (2, 252), (3, 252), (4, 252), (5, 512), (6, 252), (7, 24)]
