@@ -179,13 +179,14 @@ class ServerSlots:
         total = 0.0
         for batch in micro_batches([(slots[i], chunks[i].num_new_tokens) for i in order]):
             new = pairs = context = sampled = 0
-            for j, done, k in batch:
-                c = chunks[order[j]]
+            members = [order[j] for j, _, _ in batch]
+            for i, (_, done, k) in zip(members, batch, strict=True):
+                c = chunks[i]
                 h = c.start + done
                 new, pairs, context = new + k, pairs + causal_pairs(k, h), context + h + k
                 sampled += c.logits_rows(done, k)
             total += estimate(new, pairs, context, sampled,
-                              shape([chunks[order[j]] for j, _, _ in batch]))
+                              shape([chunks[i] for i in members], rows.issuperset(members)))
         return total
 
 
@@ -218,24 +219,20 @@ def micro_batches(pieces: list[tuple[int, int]], size: int = UBATCH
             taken[i] += k
 
 
-def shape(chunks: list[ScheduledChunk]) -> str:
+def shape(chunks: list[ScheduledChunk], decode: bool) -> str:
     """The shape of one pass of `chunks` that the profile's measured steps correct
-    (`SimExecutor.estimate_step_seconds`): "decode" for decode rows alone, "prefill" for
-    one prompt chunk alone, else "" (the fit's alone)."""
-    if all(map(is_decode_row, chunks)):
+    (`SimExecutor.estimate_step_seconds`): "decode" for decode rows alone (`decode`: they
+    are), "prefill" for one prompt chunk alone, else "" (the fit's alone)."""
+    if decode:
         return "decode"
     return "prefill" if len(chunks) == 1 and not chunks[0].num_draft else ""
 
 
-def is_decode_row(c: ScheduledChunk) -> bool:
-    """A chunk of one decode row (no draft, no prompt token)."""
-    return c.num_new_tokens == 1 and c.start + 1 == c.request.num_tokens \
-        and not c.num_draft and bool(c.request.output_token_ids)
-
-
 def decode_rows(chunks: list[ScheduledChunk]) -> list[int]:
-    """Indices of the chunks that are one decode row each."""
-    return [i for i, c in enumerate(chunks) if is_decode_row(c)]
+    """Indices of the chunks that are one decode row each (no draft, no prompt token)."""
+    return [i for i, c in enumerate(chunks)
+            if c.num_new_tokens == 1 and c.start + 1 == c.request.num_tokens
+            and not c.num_draft and c.request.output_token_ids]
 
 
 def pass_seconds(chunks: list[ScheduledChunk], estimate: StepEstimate) -> float:
@@ -252,5 +249,5 @@ def pass_seconds(chunks: list[ScheduledChunk], estimate: StepEstimate) -> float:
         total += estimate(sum(c.num_new_tokens for c in others),
                           sum(c.num_pairs for c in others),
                           sum(c.start + c.num_new_tokens for c in others),
-                          sum(c.logits_rows() for c in others), shape(others))
+                          sum(c.logits_rows() for c in others), shape(others, False))
     return total
