@@ -3,13 +3,15 @@
     python -m benchmarks.sim_vs_real            # kvdeck serve, llama_cpp and torch executors
     python -m benchmarks.sim_vs_real --peers    # llama-server and vLLM's CPU build instead
     python -m benchmarks.sim_vs_real --peers --only llama-server    # one of them
+    python -m benchmarks.sim_vs_real --repeat 1 # each trace once (3 times by default)
 
 `make bench` runs the first, `make clients` the second (the peers install into
 `.venv-clients/` on first use, as for `make bench-serve`).
 
 For each server: start it on Gemma 3 270M (8 sequences at most), probe it from outside
 (`kvdeck calibrate --url`'s probes, `runtime/planning/probe.py`), measure two traces against
-it (`kvdeck bench`), each on the server started afresh (the sim starts empty too), between
+it (`kvdeck bench`) `--repeat` times each (3; the traces take turns), each run on the
+server started afresh (the sim starts empty too), between
 two speed checks (`SPEED`: three of the probes again, just before the restart and just
 after the trace) and followed by the wake probes again (`probe.wake_probe`), and probe it
 again with new prompts. The step model is fitted to the median of each probe's timings (a
@@ -17,7 +19,8 @@ wake point's over four rounds), and the traces are predicted through the sim exe
 with that profile (`kvdeck run-trace --timing fit`), the sim serving first what the server
 served before each trace (the start-up check and `kvdeck bench`'s warm-up: `--before`,
 `--warmup`); the medians of TTFT and TPOT and the
-output throughput are set side by side (`bench-results/sim_vs_real.json` keeps, beside
+output throughput are set side by side, the measured ones the median over the runs (each
+run's own ratios printed beside) (`bench-results/sim_vs_real.json` keeps, beside
 them, the probe points, the traces and every request's figures on both sides).
 
 On a shared 2-core machine a server's steps move by more than the bounds below within
@@ -49,6 +52,7 @@ of the traces.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -96,6 +100,9 @@ TOLERANCE = {"kvdeck (llama_cpp)": 0.15, "kvdeck (torch)": 0.15, "llama-server":
 SPEED = Probes((FULL.prefill[-1],), ((1, 64), (4, 64)), FULL.outputs, FULL.repeats)
 """The speed check sent just before and just after each trace: three of the rounds' own
 probes, under their labels (the longest prompt alone, one and four rows decoding)."""
+REPEAT = 3
+"""Runs of each trace on each server (`--repeat`): the verdict compares the prediction with
+the median of the runs' medians (`median_figures`)."""
 
 
 def alone_seconds(fit: StepFit, prompt: int, outputs: int) -> float:
@@ -197,11 +204,13 @@ def drift(before: list[Point], after: list[Point]) -> dict[str, float]:
     return {"median": statistics.median(moved), "min": moved[0], "max": moved[-1]}
 
 
-def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[dict]:
-    """Probe `server` from outside, measure both traces on it, each between two speed
-    checks, probe it again; then fit the step model to both rounds and predict the traces
-    (the sim run with `sim_flags`, the server's own batching settings) with it, and, beside
-    that, with it at the speed the checks found beside each trace.
+def compare(server: peers.Server, sim_flags: list[str], folder: Path,
+            repeat: int = REPEAT) -> list[dict]:
+    """Probe `server` from outside, measure both traces on it `repeat` times, each run
+    between two speed checks, probe it again; then fit the step model to both rounds and
+    predict the traces (the sim run with `sim_flags`, the server's own batching settings)
+    with it, and, beside that, with it at the speed the checks found beside each trace.
+    Each figure measured is the median over the runs of each run's median.
 
     Long because it runs the benchmark's steps in their order, each a few lines."""
     hw = server_name(server.url)
@@ -216,25 +225,31 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
     # The traces' rates come from the first round's fit: they are fixed before any
     # trace is sent.
     traces = write_traces(folder, fit_step_model(before))
-    measured, wakes, checks = {}, [], {}
-    for i, (trace, path) in enumerate(traces.items()):
-        # The check before a trace runs on the server as the last probes left it: the
-        # trace meets one just started, as the sim starts (empty caches, and llama-server's
-        # slots in their first order, which decides whether two requests decode in one
-        # pass or two: `executors/server_slots.py`).
-        first = check(10 + 2 * i)
-        server.stop()
-        server.start(DEFAULT_MODEL)
-        measured[trace] = kvdeck_cli("bench", str(path), "--url", server.url,
-                                     "--model", DEFAULT_MODEL)
-        checks[trace] = first + check(11 + 2 * i)
-        # How the machine wakes from idle changes within minutes; timed right after each
-        # trace (and its check), on the server that ran it, the wake points follow the
-        # traces closer than the two rounds alone (one found +38 ms after 5 s, one a
-        # quarter of an hour later nothing, while the trace between them paid 0–70 ms on
-        # waking).
-        wakes.append(wake_probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None,
-                                seed=2 + len(wakes)))
+    measured: dict[str, list[dict]] = {t: [] for t in traces}
+    checks: dict[str, list[list[Point]]] = {t: [] for t in traces}
+    wakes: list[list[Point]] = []
+    # The traces take turns (one of each, then again), so that a machine slowing down
+    # over the runs weighs on both alike.
+    for run in range(repeat):
+        for i, (trace, path) in enumerate(traces.items()):
+            seed = 10 + 2 * (run * len(traces) + i)
+            # The check before a trace runs on the server as the last probes left it: the
+            # trace meets one just started, as the sim starts (empty caches, and
+            # llama-server's slots in their first order, which decides whether two
+            # requests decode in one pass or two: `executors/server_slots.py`).
+            first = check(seed)
+            server.stop()
+            server.start(DEFAULT_MODEL)
+            measured[trace].append(kvdeck_cli("bench", str(path), "--url", server.url,
+                                              "--model", DEFAULT_MODEL))
+            checks[trace].append(first + check(seed + 1))
+            # How the machine wakes from idle changes within minutes; timed right after
+            # each trace (and its check), on the server that ran it, the wake points follow
+            # the traces closer than the two rounds alone (one found +38 ms after 5 s, one
+            # a quarter of an hour later nothing, while the trace between them paid 0–70
+            # ms on waking).
+            wakes.append(wake_probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None,
+                                    seed=2 + len(wakes)))
     after = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None, seed=1,
                   shape=base)
     points = merged(before, after, wakes)
@@ -262,27 +277,46 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path) -> list[di
 
     rows, moved = [], drift(before, after)
     for i, (trace, path) in enumerate(traces.items()):
-        factors = speed(checks[trace], points)
+        beside = [p for c in checks[trace] for p in c]
+        factors = speed(beside, points)
         there = at_speed(points, factors)
         fit_there = fit_step_model(there)
         probed = predict(path, f"{DEFAULT_MODEL}-{hw}", fit, points)
         sim = predict(path, f"{DEFAULT_MODEL}-{hw}-{i}", fit_there, there)
-        real = figures(measured[trace]["summary"])
+        runs = [figures(m["summary"]) for m in measured[trace]]
+        real = median_figures(runs)
         predicted, at = figures(probed["summary"]), figures(sim["summary"])
         rows.append({"server": server.name, "trace": trace, "predicted": predicted,
-                     "measured": real, "ratio": {k: predicted[k] / real[k] for k in predicted},
+                     "measured": real, "ratio": over(predicted, real),
                      "speed": factors, "predicted_at_speed": at,
-                     "ratio_at_speed": {k: at[k] / real[k] for k in at},
+                     "ratio_at_speed": over(at, real),
                      "fit": fit.to_json(), "fit_at_speed": fit_there.to_json(),
                      "drift": moved, "sim_flags": sim_flags,
                      "arrivals": path.read_text(), "points": [vars(p) for p in points],
-                     "speed_checks": [vars(p) for p in checks[trace]],
+                     "speed_checks": [vars(p) for p in beside],
                      "wake_rounds": [[vars(p) for p in r if p.kind == "wake"]
                                      for r in (before, *wakes, after)],
                      "requests": {"predicted": per_request(probed),
-                                  "at_speed": per_request(sim),
-                                  "measured": per_request(measured[trace])}})
+                                  "at_speed": per_request(sim)},
+                     "runs": [{"measured": m, "ratio": over(predicted, m),
+                               "speed": speed(c, points), "requests": per_request(r)}
+                              for m, c, r in zip(runs, checks[trace], measured[trace],
+                                                 strict=True)]})
     return rows
+
+
+def median_figures(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over the runs of a trace (each run's own a median already, but
+    throughput): a server's median over 16 requests moves from run to run by more than the
+    bounds where a request or two sits on an edge (whether it arrives to an idle server or
+    beside another's prompt), and the median of several runs is the server's, not one
+    run's draw."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def over(predicted: dict[str, float], real: dict[str, float]) -> dict[str, float]:
+    """predicted / measured, figure by figure."""
+    return {k: predicted[k] / real[k] for k in predicted}
 
 
 def speed(checks: list[Point], points: list[Point]) -> dict[str, float]:
@@ -372,11 +406,19 @@ def show(rows: list[dict]) -> None:
               f"{there:<10} "
               f"{v['prefill']:.2f}/{v['decode']:.2f}  "
               f"{d['median']:.2f} ({d['min']:.2f}–{d['max']:.2f})")
+        runs = r.get("runs", [])
+        if len(runs) > 1:
+            each = ", ".join("/".join(f"{x['ratio'][k]:.2f}" for k in ("ttft_p50_s", "tpot_p50_s"))
+                             for x in runs)
+            alone = sum(all(abs(x["ratio"][k] - 1) <= bound for k in ("ttft_p50_s", "tpot_p50_s"))
+                        for x in runs)
+            print(f"{'':<24} {'':<17} each run: {each} ({alone} of {len(runs)} within)")
 
 
 def main(with_peers: bool = False, out_dir: Path = Path("bench-results"),
-         only: str = "") -> list[dict]:
-    """Every server's rows (`only`: the servers whose name contains it)."""
+         only: str = "", repeat: int = REPEAT) -> list[dict]:
+    """Every server's rows (`only`: the servers whose name contains it; `repeat`: runs of
+    each trace)."""
     print("The simulator against real servers: the step model fitted to each from outside "
           "(kvdeck calibrate --url), then each trace predicted by the sim and measured on "
           "the server (ratio = predicted / measured)", flush=True)
@@ -387,7 +429,7 @@ def main(with_peers: bool = False, out_dir: Path = Path("bench-results"),
                 continue
             try:
                 server.start(DEFAULT_MODEL)
-                rows += compare(server, sim_flags, Path(tmp))
+                rows += compare(server, sim_flags, Path(tmp), repeat)
             except peers.ServerDied as e:
                 print(f"{server.name}: {e}; left out", flush=True)
             finally:
@@ -398,6 +440,22 @@ def main(with_peers: bool = False, out_dir: Path = Path("bench-results"),
     return rows
 
 
+def runs_count(text: str) -> int:
+    """`--repeat`'s value: a whole number of runs, 1 or more."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of runs; give a whole number, 1 or more")
+    return int(text)
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    main("--peers" in args, only=args[args.index("--only") + 1] if "--only" in args else "")
+    cli = argparse.ArgumentParser(prog="python -m benchmarks.sim_vs_real",
+                                  description=__doc__.split("\n\n")[0])
+    cli.add_argument("--peers", action="store_true",
+                     help="llama-server and vLLM's CPU build instead of kvdeck's executors")
+    cli.add_argument("--only", default="", help="only the servers whose name contains this")
+    cli.add_argument("--repeat", type=runs_count, default=REPEAT,
+                     help=f"runs of each trace on each server (default {REPEAT}); the "
+                          "verdict takes the median of the runs' medians")
+    a = cli.parse_args()
+    main(a.peers, only=a.only, repeat=a.repeat)

@@ -2,9 +2,21 @@
 the server's drift between them, and its speed beside each trace (the speed checks over
 the rounds' probes, and the points at that speed)."""
 
+import argparse
 from dataclasses import replace
 
-from benchmarks.sim_vs_real import SPEED, at_speed, drift, merged, show, speed
+import pytest
+
+from benchmarks.sim_vs_real import (
+    SPEED,
+    at_speed,
+    drift,
+    median_figures,
+    merged,
+    runs_count,
+    show,
+    speed,
+)
 from kvdeck.runtime.planning.calibrate import Point
 from kvdeck.runtime.planning.probe import FULL
 
@@ -111,3 +123,38 @@ def test_the_verdict_is_the_prediction_as_probed_and_the_one_at_speed_stands_bes
     assert "within ±15%" in line and "0.95/0.76!" in line and "1.14" in line
     show([{**row, "ratio": {**row["ratio"], "tpot_p50_s": 0.8}}])
     assert "MISSES ±15%" in capsys.readouterr().out
+
+
+def test_measured_figures_are_the_median_over_the_runs_each_figure_apart():
+    runs = [{"ttft_p50_s": 1.0, "tpot_p50_s": 0.050}, {"ttft_p50_s": 1.4, "tpot_p50_s": 0.070},
+            {"ttft_p50_s": 1.1, "tpot_p50_s": 0.036}]
+    assert median_figures(runs) == {"ttft_p50_s": 1.1, "tpot_p50_s": 0.05}
+    assert median_figures(runs[:1]) == runs[0]
+
+
+def test_each_run_is_shown_beside_the_verdict_on_their_median(capsys):
+    """The verdict is the median's; each run's own ratios stand beside it, and how many of
+    them alone came within the bound."""
+    figures = {"ttft_p50_s": 1.0, "tpot_p50_s": 0.05, "output_tokens_per_s": 10.0}
+    ratio = {"ttft_p50_s": 1.02, "tpot_p50_s": 0.97, "output_tokens_per_s": 1.0}
+    row = {"server": "llama-server --no-repack", "trace": "shared prefix",
+           "predicted": figures, "measured": figures, "ratio": ratio,
+           "ratio_at_speed": ratio, "speed": {"prefill": 1.0, "decode": 1.0},
+           "drift": {"median": 1.0, "min": 0.9, "max": 1.1},
+           "runs": [{"ratio": ratio}, {"ratio": {**ratio, "tpot_p50_s": 0.72}},
+                    {"ratio": {**ratio, "ttft_p50_s": 1.1}}]}
+    show([row])
+    out = capsys.readouterr().out.splitlines()
+    assert "within ±15%" in out[-2]
+    assert out[-1].split() == ["each", "run:", "1.02/0.97,", "1.02/0.72,", "1.10/0.97",
+                               "(2", "of", "3", "within)"]
+    show([{**row, "runs": row["runs"][:1]}])  # one run: its ratios are the verdict's
+    assert "each run" not in capsys.readouterr().out
+
+
+def test_repeat_takes_a_whole_number_of_runs_and_says_what_is_allowed():
+    assert runs_count("3") == 3
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError) as e:
+            runs_count(bad)
+        assert str(e.value) == f"{bad!r} is not a number of runs; give a whole number, 1 or more"
