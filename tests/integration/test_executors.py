@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -224,3 +225,32 @@ def test_llama_cpp_a_recycled_slots_prefix_leaves_the_cache(gemma_path, tok) -> 
         e.check_integrity()
     finally:
         ex.close()
+
+
+def test_a_llama_cpp_executor_let_go_without_close_frees_its_model(gemma_path, tok) -> None:
+    """An executor dropped without `close()` (a stopped server let go, a session a test
+    built) frees llama.cpp's model and context when it is collected: the process no longer
+    maps the GGUF file. Before, each such executor kept Gemma 3 270M's 1.7 GiB for the life
+    of the process."""
+    import gc
+
+    import psutil
+
+    from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
+
+    def mappings() -> int:
+        """How many times the process maps the GGUF file (once for each model loaded;
+        the module's executor fixture may hold one)."""
+        real = gemma_path.resolve()
+        return sum(bool(m.path) and Path(m.path).resolve() == real
+                   for m in psutil.Process().memory_maps(grouped=False))
+
+    held = mappings()
+    ex = LlamaCppExecutor(gemma_path, threads=2, n_parallel=2)
+    e = engine(ex)
+    run(e, [("a", tok.encode(TEXTS[0]), GREEDY)])
+    e.check_integrity()
+    assert mappings() > held
+    del e, ex
+    gc.collect()
+    assert mappings() == held
