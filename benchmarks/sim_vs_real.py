@@ -97,9 +97,9 @@ minute idle reached kvdeck's engine 4 ms after the next one)."""
 TOLERANCE = {"kvdeck (llama_cpp)": 0.15, "kvdeck (torch)": 0.15, "llama-server": 0.15,
              "vLLM (CPU, bf16)": 0.25}
 """The issue's bounds on |predicted / measured − 1| for the TTFT and TPOT medians."""
-SPEED = Probes((FULL.prefill[-1],), ((1, 64), (4, 64)), FULL.outputs, FULL.repeats)
+SPEED = Probes((512,), ((1, 64), (4, 64)), FULL.outputs, FULL.repeats)
 """The speed check sent just before and just after each trace: three of the rounds' own
-probes, under their labels (the longest prompt alone, one and four rows decoding)."""
+probes, under their labels (a prompt of 512 alone, one and four rows decoding)."""
 REPEAT = 3
 """Runs of each trace on each server (`--repeat`): the verdict compares the prediction with
 the median of the runs' medians (`median_figures`)."""

@@ -97,8 +97,11 @@ class Probes:
 # chunks alone, and moved between 0 and 363 ns a pair from one run to the next. Idle spells
 # up to 20 s: a trace's requests seconds apart leave the server idle that long between them.
 # One and four rows of 576 prompt tokens: a trace's requests decode at 576–800 positions,
-# and a ratio carried from 396 missed torch's one row at 576–608 by 2–26 %.
-FULL = Probes((64, 256, 512), tuple((b, n) for b in (1, 2, 3, 4, 8) for n in (64, 384))
+# and a ratio carried from 396 missed torch's one row at 576–608 by 2–26 %. A prompt of 768
+# alone: up to 512 the attention is a fifth of a prompt's time, and a few per cent of noise
+# in those points moved the fitted cost of a pair between 640 and 1,400 ns from one run to
+# the next on llama-server, and its prediction of a burst of 768-token prompts by a tenth.
+FULL = Probes((64, 256, 512, 768), tuple((b, n) for b in (1, 2, 3, 4, 8) for n in (64, 384))
               + ((1, 576), (4, 576)), 24, 3,
               ((256, 64), (512, 64), (256, 256), (512, 256)), ((384, 64),),
               (2.0, 5.0, 10.0, 20.0))
