@@ -3,25 +3,25 @@
     python -m benchmarks.sim_vs_real            # kvdeck serve, llama_cpp and torch executors
     python -m benchmarks.sim_vs_real --peers    # llama-server and vLLM's CPU build instead
     python -m benchmarks.sim_vs_real --peers --only llama-server    # one of them
-    python -m benchmarks.sim_vs_real --repeat 1 # each trace once (3 times by default)
+    python -m benchmarks.sim_vs_real --repeat 1    # each trace once, not three times
 
 `make bench` runs the first, `make clients` the second (the peers install into
 `.venv-clients/` on first use, as for `make bench-serve`).
 
 For each server: start it on Gemma 3 270M (8 sequences at most), probe it from outside
 (`kvdeck calibrate --url`'s probes, `runtime/planning/probe.py`), measure two traces against
-it (`kvdeck bench`) `--repeat` times each (3; the traces take turns), each run on the
-server started afresh (the sim starts empty too), between
-two speed checks (`SPEED`: three of the probes again, just before the restart and just
-after the trace) and followed by the wake probes again (`probe.wake_probe`), and probe it
-again with new prompts. The step model is fitted to the median of each probe's timings (a
-wake point's over four rounds), and the traces are predicted through the sim executor
-with that profile (`kvdeck run-trace --timing fit`), the sim serving first what the server
-served before each trace (the start-up check and `kvdeck bench`'s warm-up: `--before`,
-`--warmup`); the medians of TTFT and TPOT and the
-output throughput are set side by side, the measured ones the median over the runs (each
-run's own ratios printed beside) (`bench-results/sim_vs_real.json` keeps, beside
-them, the probe points, the traces and every request's figures on both sides).
+it (`kvdeck bench`) `--repeat` times each (3; the traces take turns), each run on the server
+started afresh (the sim starts empty too), between two speed checks (`SPEED`: three of the
+probes again, just before the restart and just after the run) and followed by the wake
+probes again (`probe.wake_probe`), and probe it again with new prompts. The step model is
+fitted to the median of each probe's timings (a wake point's over both rounds and every
+run's), and the traces are predicted through the sim executor with that profile (`kvdeck
+run-trace --timing fit`), the sim serving first what the server served before each trace
+(the start-up check and `kvdeck bench`'s warm-up: `--before`, `--warmup`). The medians of
+TTFT and TPOT and the output throughput are set side by side, the measured ones each the
+median over the runs, and each run's own ratios are printed beside them;
+`bench-results/sim_vs_real.json` keeps the probe points, the traces and every request's
+figures on both sides too.
 
 On a shared 2-core machine a server's steps move by more than the bounds below within
 minutes (one server's 512-token prompt alone: 0.67 s, half a minute later 0.78, no steal
@@ -30,9 +30,9 @@ traces over those before), and each trace's speed (the checks beside it over the
 probes in the rounds, prefill and decode apart). The prediction is made with the rounds'
 fit, before anything of the trace is measured; beside it, the ratios with the rounds'
 points at that speed (`at_speed`) say how much of a miss the machine's speed explains.
-(Two prefill checks a trace follow the machine's noise as much as its drift: over the
-eight recorded runs of the last two sessions, 34 of 40 medians came within their bounds
-as probed and 30 at speed; docs/benchmarks.md.)
+(When a trace ran once, its two prefill checks followed the machine's noise as much as its
+drift: over eight such runs, 34 of 40 medians came within their bounds as probed and 30
+at speed; docs/benchmarks.md.)
 
 The traces, with token ids written out so both sides see the same prompts:
 - **Mooncake excerpt:** the shipped Mooncake conversation sample's first 16 requests, prompts
@@ -94,15 +94,19 @@ APART = 0.02
 """Seconds between requests the Mooncake sample gives one instant (see `write_traces`): more
 than a server just woken takes to file a request (5 ms apart, the first of a burst after a
 minute idle reached kvdeck's engine 4 ms after the next one)."""
+WAKE_SEEDS = 100
+"""The wake probes' seeds count up from here, apart from the speed checks' (10 up)."""
 TOLERANCE = {"kvdeck (llama_cpp)": 0.15, "kvdeck (torch)": 0.15, "llama-server": 0.15,
              "vLLM (CPU, bf16)": 0.25}
 """The issue's bounds on |predicted / measured − 1| for the TTFT and TPOT medians."""
 SPEED = Probes((512,), ((1, 64), (4, 64)), FULL.outputs, FULL.repeats)
-"""The speed check sent just before and just after each trace: three of the rounds' own
-probes, under their labels (a prompt of 512 alone, one and four rows decoding)."""
+"""The speed check sent just before and just after each run of a trace: three of the rounds'
+own probes, under their labels (a prompt of 512 alone, one and four rows decoding). 512, not
+the rounds' longest (768): a check is sent twelve times a server, and its ratios stay
+comparable with the runs recorded before the longer probe."""
 REPEAT = 3
 """Runs of each trace on each server (`--repeat`): the verdict compares the prediction with
-the median of the runs' medians (`median_figures`)."""
+the median of the runs' medians (`median_figures`; odd, so that the median is one run's)."""
 
 
 def alone_seconds(fit: StepFit, prompt: int, outputs: int) -> float:
@@ -210,7 +214,7 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path,
     between two speed checks, probe it again; then fit the step model to both rounds and
     predict the traces (the sim run with `sim_flags`, the server's own batching settings)
     with it, and, beside that, with it at the speed the checks found beside each trace.
-    Each figure measured is the median over the runs of each run's median.
+    Each figure measured is its median over the runs (`median_figures`).
 
     Long because it runs the benchmark's steps in their order, each a few lines."""
     hw = server_name(server.url)
@@ -249,7 +253,7 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path,
             # a quarter of an hour later nothing, while the trace between them paid 0–70
             # ms on waking).
             wakes.append(wake_probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None,
-                                    seed=2 + len(wakes)))
+                                    seed=WAKE_SEEDS + len(wakes)))
     after = probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None, seed=1,
                   shape=base)
     points = merged(before, after, wakes)
@@ -310,7 +314,7 @@ def median_figures(runs: list[dict[str, float]]) -> dict[str, float]:
     throughput): a server's median over 16 requests moves from run to run by more than the
     bounds where a request or two sits on an edge (whether it arrives to an idle server or
     beside another's prompt), and the median of several runs is the server's, not one
-    run's draw."""
+    run's draw. Of an even number of runs, the mean of the middle two."""
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
@@ -322,10 +326,10 @@ def over(predicted: dict[str, float], real: dict[str, float]) -> dict[str, float
 def speed(checks: list[Point], points: list[Point]) -> dict[str, float]:
     """How fast the server ran beside a trace against `points` (the rounds' merged probes):
     for prefill and for decode, the median over `checks` (the speed checks sent just before
-    and just after the trace) of each check's time over the same probe's in `points`; 1
-    where no check matches a probe. On a shared 2-core machine a 512-token prompt alone took
-    0.67 s and half a minute later 0.78 on one server, with no steal time shown: a profile
-    timed minutes away from a trace carries that into the prediction."""
+    and just after each run of the trace) of each check's time over the same probe's in
+    `points`; 1 where no check matches a probe. On a shared 2-core machine a 512-token
+    prompt alone took 0.67 s and half a minute later 0.78 on one server, with no steal time
+    shown: a profile timed minutes away from a trace carries that into the prediction."""
     out = {}
     for kind in ("prefill", "decode"):
         found = ratios(checks, points, kind)
@@ -419,6 +423,7 @@ def main(with_peers: bool = False, out_dir: Path = Path("bench-results"),
          only: str = "", repeat: int = REPEAT) -> list[dict]:
     """Every server's rows (`only`: the servers whose name contains it; `repeat`: runs of
     each trace)."""
+    runs_count(str(repeat))  # the command line's rule, for a call from Python too
     print("The simulator against real servers: the step model fitted to each from outside "
           "(kvdeck calibrate --url), then each trace predicted by the sim and measured on "
           "the server (ratio = predicted / measured)", flush=True)
@@ -442,7 +447,7 @@ def main(with_peers: bool = False, out_dir: Path = Path("bench-results"),
 
 def runs_count(text: str) -> int:
     """`--repeat`'s value: a whole number of runs, 1 or more."""
-    if not text.isdigit() or int(text) < 1:
+    if not text.isdecimal() or int(text) < 1:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a number of runs; give a whole number, 1 or more")
     return int(text)
