@@ -84,7 +84,9 @@ class LlamaModel:
         self._free = released(self, L.llama_model_free, self.ptr)
 
     def close(self) -> None:
-        self._free()  # once: a later call, or the collector's, does nothing
+        """Free the model: after its contexts' `close()` (a context collected unclosed
+        holds the model until it is freed)."""
+        self._free()
         self.ptr = None
 
 
@@ -119,9 +121,7 @@ class LlamaContext:
         self.repack = model.repack
         self.batch_size = cp.n_batch
         self.batch = L.llama_batch_init(cp.n_batch, 0, 1)
-        # The model is an argument of the context's release, so it outlives the context
-        # however the two are collected (llama_free reads the model).
-        self._free = released(self, free_context, self.ctx, self.batch, model)
+        self._free = released(self, free_native_context, self.ctx, self.batch, model)
         self.vocab_size = model.vocab_size
         self.adapter = None
         """The LoRA adapter set on the context now (`llama_cpp_lora.py`; None: none)."""
@@ -176,23 +176,26 @@ class LlamaContext:
         return torch.from_numpy(out)
 
     def close(self) -> None:
-        self._free()  # once: a later call, or the collector's, does nothing
+        self._free()
         self.batch = self.ctx = self.mem = None
 
 
-def free_context(ctx, batch, model: LlamaModel) -> None:
-    """Free a context and its batch (`model`, unused, is held until this runs)."""
+def free_native_context(ctx, batch, keep: LlamaModel) -> None:
+    """Free a context and its batch. `keep`, the context's model, is an argument only so
+    that the model outlives the context however the two are collected (llama_free reads
+    the model)."""
     L = lib()
     L.llama_batch_free(batch)
     L.llama_free(ctx)
 
 
 def released(owner: object, free, *args) -> weakref.finalize:
-    """Call `free(*args)` when `owner` is closed or collected, whichever comes first. An
-    executor dropped without `close()` (a server stopped and let go, a test's session)
-    otherwise keeps its native model, KV and mapping of the file for the life of the
-    process: 1.7 GiB for Gemma 3 270M. Not at the interpreter's exit: the process's end
-    frees them, and native calls during shutdown are the ones that crash."""
-    done = weakref.finalize(owner, free, *args)
-    done.atexit = False
-    return done
+    """`free(*args)`, to be called by the owner's `close()`, and by the collector if that
+    never was; once either way (a later call does nothing), and never from the interpreter's
+    exit on. An executor dropped without `close()` (a server stopped and let go, a
+    session) otherwise keeps its native model, KV and mapping of the file for the life of
+    the process; at exit the process's end frees them, and native calls during shutdown are
+    the ones that crash."""
+    finalizer = weakref.finalize(owner, free, *args)
+    finalizer.atexit = False
+    return finalizer

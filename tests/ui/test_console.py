@@ -117,7 +117,8 @@ async def test_traffic_rate_keys_and_stepping_through_the_inbox(tmp_path) -> Non
         assert abs(app.traffic.mix.rate_per_s - rate) < 0.01
         await pilot.press("p")
         await wait_for(pilot, lambda: app.latest is not None and app.latest.paused)
-        assert "paused" in app.sub_title
+        # The engine thread sets `latest` before the UI renders it (a message later).
+        await wait_for(pilot, lambda: "paused" in app.sub_title)
         step = app.latest.step
         await pilot.press("s")
         await pilot.press("s")
