@@ -414,9 +414,9 @@ def show(rows: list[dict]) -> None:
         if len(runs) > 1:
             each = ", ".join("/".join(f"{x['ratio'][k]:.2f}" for k in ("ttft_p50_s", "tpot_p50_s"))
                              for x in runs)
-            alone = sum(all(abs(x["ratio"][k] - 1) <= bound for k in ("ttft_p50_s", "tpot_p50_s"))
-                        for x in runs)
-            print(f"{'':<24} {'':<17} each run: {each} ({alone} of {len(runs)} within)")
+            within = sum(all(abs(x["ratio"][k] - 1) <= bound for k in ("ttft_p50_s", "tpot_p50_s"))
+                         for x in runs)
+            print(f"{'':<24} {'':<17} each run: {each} ({within} of {len(runs)} within)")
 
 
 def main(with_peers: bool = False, out_dir: Path = Path("bench-results"),
