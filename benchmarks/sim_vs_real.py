@@ -386,6 +386,15 @@ def llama_server_cuts() -> list[str]:
     return ["--prompt-cuts", f"{min(LLAMA_BATCH, 4 + UBATCH)},{min(LLAMA_BATCH, 4)}"]
 
 
+MEDIANS = ("ttft_p50_s", "tpot_p50_s")
+"""The figures the bounds are on."""
+
+
+def held(ratio: dict[str, float], bound: float) -> bool:
+    """Whether every median of `ratio` is within `bound` of 1."""
+    return all(abs(ratio[k] - 1) <= bound for k in MEDIANS)
+
+
 def show(rows: list[dict]) -> None:
     """The table: predicted with the rounds' fit beside measured, and its verdict; then
     (at speed) the ratios predicted at the speed the checks found beside the trace (`!`:
@@ -398,24 +407,20 @@ def show(rows: list[dict]) -> None:
         # A server's name may carry its flags ("llama-server --no-repack").
         bound = next((b for name, b in TOLERANCE.items() if r["server"].startswith(name)),
                      0.15)
-        held = all(abs(q[k] - 1) <= bound for k in ("ttft_p50_s", "tpot_p50_s"))
-        there = "/".join(f"{a[k]:.2f}{'' if abs(a[k] - 1) <= bound else '!'}"
-                         for k in ("ttft_p50_s", "tpot_p50_s"))
+        there = "/".join(f"{a[k]:.2f}{'' if abs(a[k] - 1) <= bound else '!'}" for k in MEDIANS)
         ttft = f"{p['ttft_p50_s'] * 1e3:7.0f}/{m['ttft_p50_s'] * 1e3:<5.0f} ms"
         tpot = f"{p['tpot_p50_s'] * 1e3:6.1f}/{m['tpot_p50_s'] * 1e3:<5.1f} ms"
         rate = f"{p['output_tokens_per_s']:6.0f}/{m['output_tokens_per_s']:<5.0f}"
         print(f"{r['server']:<24} {r['trace']:<17} {ttft} {q['ttft_p50_s']:5.2f} "
               f"{tpot} {q['tpot_p50_s']:5.2f} {rate} {q['output_tokens_per_s']:4.2f}  "
-              f"{'within' if held else 'MISSES'} ±{bound:.0%}  "
+              f"{'within' if held(q, bound) else 'MISSES'} ±{bound:.0%}  "
               f"{there:<10} "
               f"{v['prefill']:.2f}/{v['decode']:.2f}  "
               f"{d['median']:.2f} ({d['min']:.2f}–{d['max']:.2f})")
         runs = r.get("runs", [])
         if len(runs) > 1:
-            each = ", ".join("/".join(f"{x['ratio'][k]:.2f}" for k in ("ttft_p50_s", "tpot_p50_s"))
-                             for x in runs)
-            within = sum(all(abs(x["ratio"][k] - 1) <= bound for k in ("ttft_p50_s", "tpot_p50_s"))
-                         for x in runs)
+            each = ", ".join("/".join(f"{x['ratio'][k]:.2f}" for k in MEDIANS) for x in runs)
+            within = sum(held(x["ratio"], bound) for x in runs)
             print(f"{'':<24} {'':<17} each run: {each} ({within} of {len(runs)} within)")
 
 
