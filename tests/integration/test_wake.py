@@ -12,7 +12,16 @@ from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.planning.calibrate import Point, fit_step_model, fit_toml
-from kvdeck.runtime.planning.probe import Probes, prefill_point, probe, wake_point, wake_probe
+from kvdeck.runtime.planning.probe import (
+    WAKE_TRIES,
+    ProbeError,
+    Probes,
+    first_timed,
+    prefill_point,
+    probe,
+    wake_point,
+    wake_probe,
+)
 from kvdeck.runtime.planning.profiles import ModelProfile
 from kvdeck.runtime.planning.wake import pooled, wake_seconds
 from kvdeck.runtime.runs.runner import run_arrivals
@@ -47,6 +56,21 @@ def test_a_wake_point_is_the_prompt_after_idling_less_the_same_prompt_back_to_ba
     assert fit_step_model([back, decode, p]) == fit_step_model([back, decode])
     assert "[wake.hw]\npoints = [[5, 40.000]]" in fit_toml(fit_step_model([back, decode]),
                                                           "hw", [back, decode, p])
+
+
+def test_a_wake_prompt_whose_token_streamed_no_text_is_sent_again() -> None:
+    # A token that is a piece of a character streams no text and has no time: the spell
+    # takes another prompt, up to WAKE_TRIES, then prefill_point names it in a sentence.
+    silent, timed = {"ttft": None, "queue_time": 0.0}, {"ttft": 0.15, "queue_time": 0.0}
+    for replies, sends, ttft in (([timed], 1, 0.15), ([silent, timed], 2, 0.15),
+                                 ([silent] * WAKE_TRIES, WAKE_TRIES, None)):
+        left = [([r], (0.002 * i,)) for i, r in enumerate(replies)]
+        done, saved = first_timed(lambda left=left: left.pop(0))
+        assert len(replies) - len(left) == sends and done[0]["ttft"] == ttft
+        assert saved == (0.002 * (sends - 1),)  # the saves of the send that counts
+    back = prefill_point([timed], 64)
+    with pytest.raises(ProbeError, match="streamed any text"):
+        wake_point(first_timed(lambda: ([silent], ()))[0], back, 5.0)
 
 
 def test_the_sim_adds_the_wake_to_the_first_step_after_an_idle_spell(
