@@ -306,12 +306,13 @@ character streams no text, so its first token has no time (it ended a three-run
 def first_timed(send: Callable[[], tuple[list[dict], Sequence[float]]],
                 tries: int = WAKE_TRIES) -> tuple[list[dict], Sequence[float]]:
     """What `send()` returns (requests and their saves), from the first of up to `tries`
-    sends where a request streamed text; the last send's where none did, which
+    sends (at least one) where a request streamed text; the last send's where none did, which
     `prefill_point` then names in a sentence."""
-    for _ in range(tries):
-        done, saved = send()
+    done, saved = send()
+    for _ in range(tries - 1):
         if any(r["ttft"] is not None for r in done):
             break
+        done, saved = send()
     return done, saved
 
 

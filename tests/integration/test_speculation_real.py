@@ -81,6 +81,32 @@ def run(path, method: str, draft=None, texts=TEXTS, max_tokens: int = 32,
     return outputs, passes, stats
 
 
+def test_a_runner_up_is_no_kernel_tie(gemma_path) -> None:
+    """The tie check can fail: an output that takes greedy's runner-up where greedy's
+    token won by more than a logit is refused."""
+    import numpy as np
+
+    from kvdeck.runtime.executors.llama_cpp_probe import open_llama
+
+    ids = Tokenizer(gemma_path).encode(TEXTS[1])
+    llm = open_llama(gemma_path, n_ctx=512, n_threads=2, verbose=False, logits_all=True)
+    llm.reset()
+    out = [t for t, _ in zip(llm.generate(ids, temp=0), range(12), strict=False)]
+    llm.reset()
+    llm.eval(ids + out[:-1])  # row len(ids) - 1 + i: the logits that chose out[i]
+    rows = np.asarray(llm.scores[len(ids) - 1:len(ids) - 1 + len(out)])
+    del llm
+    gc.collect()
+    ranked = np.argsort(rows, axis=1)
+    margins = rows[np.arange(len(out)), ranked[:, -1]] - rows[np.arange(len(out)), ranked[:, -2]]
+    i = int(margins.argmax())
+    assert margins[i] > 1.0 and ranked[i, -1] == out[i]
+    runner_up = out[:i] + [int(ranked[i, -2])] + out[i + 1:]
+    with pytest.raises(AssertionError):
+        assert_equal_up_to_kernel_ties(gemma_path, {"x": TEXTS[1]}, {"x": out},
+                                       {"x": runner_up})
+
+
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_ngram_speculation_on_gemma_is_lossless(gemma_path, executor) -> None:
     expected, plain_passes, _ = run(gemma_path, "off", executor=executor)
