@@ -23,12 +23,15 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 FREE, PRIVATE, SHARED, CACHED, CACHED_ACTIVE = range(5)
 STATE_NAMES = ("free", "private", "shared", "cached", "cached_active")
 
 # _CODE[cached][min(refcount, 3)]: the state of a block (a cached block's own reference is
 # the cache's, so its users are refcount − 1).
 _CODE = ((FREE, PRIVATE, SHARED, SHARED), (FREE, CACHED, CACHED_ACTIVE, SHARED))
+_CODES = np.array(_CODE, dtype=np.uint8)
 
 
 class BlockStates:
@@ -136,16 +139,27 @@ class BlockStates:
         self.num_blocks = num_blocks
         self.cache_version += 1
 
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of refcounts, cache flags and states as arrays, for checks that look at
+        every block (copies: a view would pin the bytearrays' size)."""
+        return (np.array(self.refcount, dtype=np.int64),
+                np.frombuffer(bytes(self.cached), dtype=np.uint8),
+                np.frombuffer(bytes(self.states), dtype=np.uint8))
+
     def check_integrity(self) -> None:
         """Raise AssertionError unless refcounts, cache flags, states and counts agree."""
-        rc, cached = self.refcount, self.cached
-        for b in range(self.num_blocks):
-            assert rc[b] >= 0, f"block {b} has negative refcount {rc[b]}"
-            assert not (cached[b] and rc[b] == 0), f"block {b} is cached but unreferenced"
-            assert self.states[b] == _CODE[cached[b]][min(rc[b], 3)], \
-                f"block {b}: state {self.states[b]} disagrees with refcount {rc[b]}"
-        assert self.num_free == rc.count(0), "free count disagrees with refcounts"
-        cached_only = sum(1 for b in range(self.num_blocks) if cached[b] and rc[b] == 1)
+        # Whole-array comparisons: tests check after every step, and a loop over a card's
+        # pool (tens of thousands of blocks) in Python took most of a fleet test's time.
+        rc, cached, states = self.arrays()
+        bad = np.flatnonzero(rc < 0)
+        assert not bad.size, f"block {bad[0]} has negative refcount {rc[bad[0]]}"
+        bad = np.flatnonzero((cached != 0) & (rc == 0))
+        assert not bad.size, f"block {bad[0]} is cached but unreferenced"
+        bad = np.flatnonzero(states != _CODES[cached, np.minimum(rc, 3)])
+        assert not bad.size, \
+            f"block {bad[0]}: state {states[bad[0]]} disagrees with refcount {rc[bad[0]]}"
+        assert self.num_free == int((rc == 0).sum()), "free count disagrees with refcounts"
+        cached_only = int(((cached != 0) & (rc == 1)).sum())
         assert cached_only == self.num_cached_only, \
             f"evictable count {self.num_cached_only} != actual {cached_only}"
 
@@ -185,7 +199,8 @@ class BlockPool(BlockStates):
 
     def check_integrity(self) -> None:
         super().check_integrity()
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
-        assert len(free) == self.num_free, "free list disagrees with the free count"
-        assert all(self.refcount[b] == 0 for b in free), "a referenced block is on the free list"
+        free = np.fromiter(self._free, dtype=np.int64, count=len(self._free))
+        assert np.unique(free).size == free.size, "a block is on the free list twice"
+        assert free.size == self.num_free, "free list disagrees with the free count"
+        rc = np.array(self.refcount, dtype=np.int64)
+        assert not rc[free].any(), "a referenced block is on the free list"

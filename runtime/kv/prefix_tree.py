@@ -45,6 +45,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
+import numpy as np
+
 from kvdeck.runtime.kv.block_pool import BlockStates
 from kvdeck.runtime.kv.events import Cache, Demote, Evict, KVEvent, WinEvict
 from kvdeck.runtime.kv.prefix_node import (
@@ -580,7 +582,7 @@ class PrefixTree:
         assert len(self.nodes) == len(seen) + len(on_host), "id index holds stray nodes"
         if self.host is not None:
             assert self.host.num_demoted == len(on_host), "demoted count disagrees"
-        flagged = {b for b in range(self.pool.num_blocks) if self.pool.cached[b]}
+        flagged = set(np.flatnonzero(np.frombuffer(bytes(self.pool.cached), np.uint8)).tolist())
         assert flagged == seen | set(self.local_of_page), \
             "pool cache flags disagree with the tree"
         for page, n in self.local_of_page.items():

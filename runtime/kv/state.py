@@ -20,7 +20,10 @@ to.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
+
+import numpy as np
 
 from kvdeck.runtime.kv.block_pool import BlockStates
 from kvdeck.runtime.kv.events import (
@@ -403,14 +406,10 @@ class KVState:
         pool = self.pool
         pool.check_integrity()
         self.tree.check_integrity()
-        counts = [0] * pool.num_blocks
         assert set(self.window_tables) <= set(self.tables)
         assert set(self.window_start) == set(self.window_tables)
-        for table in self.tables.values():
-            assert not table or table[-1] >= 0, "a table ends in a hole"
-            for b in table:
-                if b >= 0:
-                    counts[b] += 1
+        assert all(not t or t[-1] >= 0 for t in self.tables.values()), "a table ends in a hole"
+        held = [chain.from_iterable(self.tables.values())]
         for rid, wt in self.window_tables.items():
             start = self.window_start[rid]
             for table in wt:
@@ -419,12 +418,17 @@ class KVState:
                 assert all(b < 0 for b in table[:start]), f"{rid}: a freed block is held"
                 for b in table[start:]:
                     assert b >= 0, f"{rid}: a window block inside the window is missing"
-                    counts[b] += 1
                     assert self.page_groups[b], f"page {b} held as a window page"
-        for b in range(pool.num_blocks):
-            expected = counts[b] + pool.cached[b]
-            assert pool.refcount[b] == expected, \
-                f"block {b}: refcount {pool.refcount[b]} but {expected} references"
+                held.append(table[start:])
+        blocks = np.fromiter(chain.from_iterable(held), dtype=np.int64)
+        blocks = blocks[blocks >= 0]
+        assert not blocks.size or blocks.max() < pool.num_blocks, \
+            "a table names a block past the pool's end"
+        rc, cached, _ = pool.arrays()
+        expected = np.bincount(blocks, minlength=pool.num_blocks) + cached
+        bad = np.flatnonzero(rc != expected)
+        assert not bad.size, \
+            f"block {bad[0]}: refcount {rc[bad[0]]} but {expected[bad[0]]} references"
         assert self.num_reserved == sum(self.reserved.values()) >= 0
         self.host.check_integrity()
         swapped = [h for hosts in self.host_tables.values() for h in hosts]

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 HOST_FREE, HOST_SWAPPED, HOST_DEMOTED = 0, 1, 2
 HOST_STATE_NAMES = ("free", "swapped", "demoted")
 
@@ -86,10 +88,11 @@ class HostTier:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless states, free list and counts agree."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a host block is on the free list twice"
-        for b in range(self.num_blocks):
-            assert (self.states[b] == HOST_FREE) == (b in free), f"host block {b} state"
+        free = np.unique(np.fromiter(self._free, dtype=np.int64, count=len(self._free)))
+        assert free.size == len(self._free), "a host block is on the free list twice"
+        marked = np.flatnonzero(np.frombuffer(bytes(self.states), np.uint8) == HOST_FREE)
+        bad = np.setxor1d(marked, free)
+        assert not bad.size, f"host block {bad[0]}: its state and the free list disagree"
         assert self.num_swapped == self.states.count(HOST_SWAPPED)
         assert self.num_demoted == self.states.count(HOST_DEMOTED)
         assert self.num_free + self.num_used == self.num_blocks, "host blocks do not add up"

@@ -217,3 +217,36 @@ def test_fork_shares_only_the_blocks_that_hold_computed_tokens() -> None:
     # Blocks 0-1 hold the 5 computed tokens; block 2 is the parent's, for tokens to come.
     assert mgr.tables["c"] == mgr.tables["p"][:2]
     mgr.check_integrity()
+
+
+def corrupt_free_block_state(mgr: BlockManager) -> None:
+    mgr.pool.states[mgr.pool.num_blocks - 1] = 2
+
+
+def corrupt_table_entry(mgr: BlockManager) -> None:
+    mgr.tables["b"][-1] = mgr.pool.num_blocks - 1  # a free block, its refcount still 0
+
+
+CORRUPTIONS = [
+    (lambda m: m.pool.refcount.__setitem__(m.tables["b"][-1], -1), "negative refcount"),
+    (lambda m: m.pool.cached.__setitem__(m.pool.num_blocks - 1, 1), "cached but unreferenced"),
+    (corrupt_free_block_state, "state 2 disagrees with refcount 0"),
+    (lambda m: m.pool.refcount.__setitem__(m.tables["b"][-1], 2),
+     "state 1 disagrees with refcount 2"),
+    (lambda m: m.pool.refcount.__setitem__(m.tables["b"][0], 5), "refcount 5 but 3 references"),
+    (corrupt_table_entry, "refcount 1 but 0 references"),
+    (lambda m: m.pool._free.append(m.pool._free[0]), "a block is on the free list twice"),
+    (lambda m: m.host._free.append(m.host._free[0]), "host block is on the free list twice"),
+    (lambda m: m.host.states.__setitem__(0, 1), "host block 0: its state and the free list"),
+]
+
+
+@pytest.mark.parametrize(("corrupt", "message"), CORRUPTIONS)
+def test_integrity_finds_each_kind_of_corruption(corrupt, message) -> None:
+    """The check can fail: each broken invariant of pool, tables and host tier is named."""
+    mgr = BlockManager(16, 4, host_blocks=4)
+    for rid in ("a", "b"):  # b shares a's first block through the prefix cache
+        run_prompt(mgr, make(rid, list(range(10))))
+    corrupt(mgr)
+    with pytest.raises(AssertionError, match=message):
+        mgr.check_integrity()
