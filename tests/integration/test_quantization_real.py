@@ -50,9 +50,10 @@ def test_q8_0_kv_keeps_greedy_tokens_of_fp16_kv_and_beats_q4_0(gemma_path, token
 def test_int8_weight_only_agrees_with_fp32_weights(gemma_path, tokenizer, tmp_path) -> None:
     """int8 weight-only with fp32 activations and a scale per output channel per 32 inputs
     keeps ≥ 97 % of fp32's top-1 tokens on the fixed text (98.2 % here); where it differs,
-    fp32 itself was at a near-tie (margins printed). For the record, printed: the default
-    64 inputs per scale (97.0 % with fp32 activations) and the fast kernel's bf16
-    activations (95.5 %), whose rounding costs more than the int8 codes."""
+    fp32 itself was at a near-tie (margins printed). Then the default: 64 inputs per scale
+    with the activations this machine's kernels run fastest (measured; 97.0 % with fp32
+    activations, 95.5 % with bf16 ones, whose rounding costs more than the int8 codes).
+    Only the measured choice runs: bf16 products on an AVX2-only CPU take minutes here."""
     accurate = TorchExecutor(gemma_path, device="cpu", dtype="fp32", weight_activations="fp32",
                              int8_group_size=32, kernel_cache=tmp_path)
     (q,) = measure_formats(accurate, tokenizer, ("int8",), (), greedy=False, use_cache=False)
@@ -61,13 +62,12 @@ def test_int8_weight_only_agrees_with_fp32_weights(gemma_path, tokenizer, tmp_pa
     assert q.top1_agreement >= 0.97
     assert max(m for _, m in q.disagreements) < 0.2  # only near-ties flip
     accurate.close()
-    for act in ("fp32", "bf16"):
-        ex = TorchExecutor(gemma_path, device="cpu", dtype="fp32", weight_activations=act,
-                           kernel_cache=tmp_path)
-        (q64,) = measure_formats(ex, tokenizer, ("int8",), (), greedy=False, use_cache=False)
-        print(f"64 inputs per scale, {act} activations:", q64.line())
-        assert q64.mean_abs_dlogit < 0.2
-        ex.close()
+    ex = TorchExecutor(gemma_path, device="cpu", dtype="fp32", kernel_cache=tmp_path)
+    (q64,) = measure_formats(ex, tokenizer, ("int8",), (), greedy=False, use_cache=False)
+    print(f"64 inputs per scale, {ex.packer.activations_for('int8')} activations:",
+          q64.line())
+    assert q64.mean_abs_dlogit < 0.2
+    ex.close()
 
 
 def test_switching_both_formats_live_on_the_real_model(gemma_path, tokenizer) -> None:
