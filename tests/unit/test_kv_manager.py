@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvdeck.runtime.core.request import Request, SamplingParams
@@ -219,34 +221,51 @@ def test_fork_shares_only_the_blocks_that_hold_computed_tokens() -> None:
     mgr.check_integrity()
 
 
-def corrupt_free_block_state(mgr: BlockManager) -> None:
-    mgr.pool.states[mgr.pool.num_blocks - 1] = 2
-
-
-def corrupt_table_entry(mgr: BlockManager) -> None:
-    mgr.tables["b"][-1] = mgr.pool.num_blocks - 1  # a free block, its refcount still 0
-
-
+# One write each: (what, which entry — None for the attribute itself, "+" to append —, the
+# value, what the check must say). The state written to: a's table [0, 1, 2], b's [0, 1, 3]
+# (b reuses a's two full blocks through the prefix cache), blocks 4–15 free, no host block
+# in use.
 CORRUPTIONS = [
-    (lambda m: m.pool.refcount.__setitem__(m.tables["b"][-1], -1), "negative refcount"),
-    (lambda m: m.pool.cached.__setitem__(m.pool.num_blocks - 1, 1), "cached but unreferenced"),
-    (corrupt_free_block_state, "state 2 disagrees with refcount 0"),
-    (lambda m: m.pool.refcount.__setitem__(m.tables["b"][-1], 2),
-     "state 1 disagrees with refcount 2"),
-    (lambda m: m.pool.refcount.__setitem__(m.tables["b"][0], 5), "refcount 5 but 3 references"),
-    (corrupt_table_entry, "refcount 1 but 0 references"),
-    (lambda m: m.pool._free.append(m.pool._free[0]), "a block is on the free list twice"),
-    (lambda m: m.host._free.append(m.host._free[0]), "host block is on the free list twice"),
-    (lambda m: m.host.states.__setitem__(0, 1), "host block 0: its state and the free list"),
+    ("pool.refcount", 3, -1, "block 3 has negative refcount -1"),
+    ("pool.cached", 15, 1, "block 15 is cached but unreferenced"),
+    ("pool.states", 15, 2, "block 15: state 2 disagrees with refcount 0"),
+    ("pool.refcount", 3, 2, "block 3: state 1 disagrees with refcount 2"),
+    ("pool.num_free", None, 11, "free count disagrees"),
+    ("pool.num_cached_only", None, 1, "evictable count 1 != actual 0"),
+    ("pool._free", "+", 4, "a block is on the free list twice"),
+    ("pool._free", 0, 2, "a referenced block is on the free list"),
+    ("pool.refcount", 0, 5, "block 0: refcount 5 but 3 references"),
+    ("tables.b", 2, 15, "block 3: refcount 1 but 0 references"),  # 3 lost its entry
+    ("tables.b", "+", -1, "a table ends in a hole"),
+    ("tables.b", 2, 16, "a table names a block past the pool's end"),
+    ("host._free", "+", 0, "a host block is on the free list twice"),
+    ("host.states", 0, 1, "host block 0: its state and the free list disagree"),
 ]
 
 
-@pytest.mark.parametrize(("corrupt", "message"), CORRUPTIONS)
-def test_integrity_finds_each_kind_of_corruption(corrupt, message) -> None:
-    """The check can fail: each broken invariant of pool, tables and host tier is named."""
+def corrupt(mgr: BlockManager, where: str, entry, value) -> None:
+    *path, last = where.split(".")
+    owner = mgr
+    for name in path:
+        owner = getattr(owner, name)
+    if entry is None:
+        setattr(owner, last, value)
+        return
+    target = owner[last] if isinstance(owner, dict) else getattr(owner, last)
+    if entry == "+":
+        target.append(value)
+    else:
+        target[entry] = value
+
+
+@pytest.mark.parametrize(("where", "entry", "value", "message"), CORRUPTIONS)
+def test_integrity_names_each_broken_invariant(where, entry, value, message) -> None:
+    """The check can fail: one wrong value in the pool's counts, flags, states or free
+    list, a request's table or the host tier is found and named."""
     mgr = BlockManager(16, 4, host_blocks=4)
-    for rid in ("a", "b"):  # b shares a's first block through the prefix cache
+    for rid in ("a", "b"):
         run_prompt(mgr, make(rid, list(range(10))))
-    corrupt(mgr)
-    with pytest.raises(AssertionError, match=message):
+    assert mgr.tables == {"a": [0, 1, 2], "b": [0, 1, 3]}
+    corrupt(mgr, where, entry, value)
+    with pytest.raises(AssertionError, match=re.escape(message)):
         mgr.check_integrity()
