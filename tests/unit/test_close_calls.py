@@ -1,0 +1,105 @@
+"""How near a predicted run came to a coin toss (`benchmarks/close_calls.py`), and the
+Mooncake excerpt's spacing chosen by it (`sim_vs_real.spacing`)."""
+
+import json
+import math
+
+import pytest
+
+from benchmarks.close_calls import close_call_s
+from benchmarks.sim_vs_real import MARGIN, SPACINGS, spacing
+
+INTAKE = 0.04
+PROMPT = 100
+
+
+def step(t0: float, dt: float, plan: list, admitted=(), arrived=(), finished=()) -> dict:
+    """A step record as `kvdeck run-trace --record` writes it (the fields read)."""
+    return {"kind": "step", "t0": t0, "dt": dt, "plan": plan, "admitted": list(admitted),
+            "arrived": [[rid, at, PROMPT, 8, None, 0] for rid, at in arrived],
+            "finished": [[rid, "finished_length", "finished_length", t0 + dt]
+                         for rid in finished]}
+
+
+def prompt(rid: str, start: int = 0, n: int = 50) -> list:
+    return [rid, start, n, 0]
+
+
+def decode(rid: str) -> list:
+    return [rid, PROMPT, 1, 1]
+
+
+def write(tmp_path, steps: list[dict]):
+    lines = [{"kind": "checkpoint", "step": 0}, *steps]
+    (tmp_path / "iterations.jsonl").write_text("".join(json.dumps(d) + "\n" for d in lines))
+    return tmp_path
+
+
+def test_a_request_that_rode_into_a_step_just_before_it_started_is_a_close_call(tmp_path):
+    """The first request's wait (a hold) let the second in 0.2 ms before the step."""
+    run = write(tmp_path, [step(1.0622, 0.6, [prompt("a"), prompt("b")], ("a", "b"),
+                                (("a", 1.0), ("b", 1.022)))])
+    assert close_call_s(run, INTAKE) == pytest.approx(0.0002)
+
+
+def test_the_request_that_started_a_step_on_an_idle_engine_is_no_close_call(tmp_path):
+    run = write(tmp_path, [step(1.0401, 0.6, [prompt("a")], ("a",), (("a", 1.0),))])
+    assert close_call_s(run, INTAKE) == math.inf
+
+
+def test_one_that_came_in_on_a_busy_engine_just_before_others_prompts_ran_is(tmp_path):
+    """The later burst of the Mooncake excerpt on llama-server: two requests' prompt
+    pieces filled the next step, and a third came in just before it: a moment later, it
+    waits the whole step and runs its prompt beside the burst's last three."""
+    run = write(tmp_path, [
+        step(1.05, 0.06, [prompt("a", 0, 1), prompt("b", 0, 1)], ("a", "b"),
+             (("a", 1.0), ("b", 1.0), ("c", 1.066))),
+        step(1.11, 3.0, [prompt("a", 1, 50), prompt("b", 1, 50), prompt("c", 0, 1)], ("c",))])
+    assert close_call_s(run, INTAKE) == pytest.approx(0.004)
+
+
+def test_one_whose_prompt_is_the_steps_only_prompt_work_is_no_close_call(tmp_path):
+    """Coming in just before the decode rows' next step, a moment later it runs its prompt
+    a step later beside the same rows."""
+    run = write(tmp_path, [
+        step(1.02, 0.02, [decode("a")], (), (("a", 0.5), ("b", 0.9995))),
+        step(1.04, 0.3, [decode("a"), prompt("b")], ("b",))])
+    assert close_call_s(run, INTAKE) == math.inf
+
+
+def test_a_request_that_came_in_just_after_a_prompt_step_started_is_a_close_call(tmp_path):
+    run = write(tmp_path, [
+        step(1.04, 0.6, [prompt("a")], ("a",), (("a", 1.0), ("b", 1.003))),
+        step(1.64, 0.6, [prompt("a", 50), prompt("b")], ("b",))])
+    assert close_call_s(run, INTAKE) == pytest.approx(0.003)
+
+
+def test_steps_of_decode_rows_only_make_no_close_calls(tmp_path):
+    """Coming in a moment before or after a decode step moves a request by one step."""
+    run = write(tmp_path, [
+        step(1.04, 0.02, [decode("a")], (), (("b", 1.0005),)),
+        step(1.06, 0.3, [decode("a"), prompt("b")], ("b",))])
+    assert close_call_s(run, INTAKE) == math.inf
+
+
+def test_one_whose_prompt_stalls_another_requests_last_token_is(tmp_path):
+    """A moment later, the other request's last token comes out in a decode step of its
+    own, not after the prompt."""
+    run = write(tmp_path, [
+        step(1.02, 0.02, [decode("a")], (), (("a", 0.5), ("b", 0.9995))),
+        step(1.04, 0.3, [decode("a"), prompt("b")], ("b",), finished=("a",))])
+    assert close_call_s(run, INTAKE) == pytest.approx(0.0005)
+
+
+def test_the_spacing_is_the_first_that_keeps_the_margin_else_the_closest_to_it():
+    first = [0.0002, MARGIN * 0.9, 0.0015, MARGIN]
+    calls = {a: first[i] if i < len(first) else 1.0 for i, a in enumerate(SPACINGS)}
+    tried = []
+
+    def call(apart: float) -> float:
+        tried.append(apart)
+        return calls[apart]
+
+    chosen = spacing(call)
+    assert chosen == SPACINGS[3] and tried == list(SPACINGS[:4])
+    assert spacing(lambda a: MARGIN / 2 if a == SPACINGS[2] else 0.001) == SPACINGS[2]
