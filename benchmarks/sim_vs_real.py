@@ -40,17 +40,16 @@ The traces, with token ids written out so both sides see the same prompts:
   32, arrivals rescaled to this machine (below); requests the sample gives one instant
   are sent 20 ms apart in its order, so that the server takes them in the order the sim
   does (sent at once, the later burst of six reached the torch server in another order,
-  which moved its TTFT median between 0.94 and 1.21 of the prediction from run to run);
-  further apart (`SPACINGS`) where at 20 ms the first round's fit predicts one of them
-  coming in within `MARGIN` of a step's start, a coin toss on a real server
-  (`close_calls.py`).
+  which moved its TTFT median between 0.94 and 1.21 of the prediction from run to run).
 - **Shared prefix:** 16 requests of a 512-token common prefix and 64 tokens of their own,
   32 outputs, Poisson arrivals.
 
 Both arrive at half the rate one request alone would take through the fitted model (its
 prefill, then its outputs one step at a time): busy enough that requests batch, not so busy
 that the queue alone sets the figures. The rate comes from the fit, never from a measurement
-of the traces.
+of the traces. Each prediction's closest call (`close_calls.py`: how near an arrival came to
+a step's start where that decided more than when its own prompt ran) is printed under its
+trace, marked a coin toss within `MARGIN`.
 """
 
 from __future__ import annotations
@@ -64,7 +63,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -95,18 +93,16 @@ LLAMA_BATCH = 2048
 """llama-server's default `-b` (its `-ub`: `server_slots.UBATCH`)."""
 VOCAB = 32_000
 """Token ids are drawn below this (every modern vocabulary has them)."""
-SPACINGS = (0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.12, 0.15)
-"""Seconds between requests the Mooncake sample gives one instant (see `write_traces`), the
-first of these that keeps the trace's arrivals `MARGIN` from the predicted steps' starts
-(`spacing`). At least 20 ms: more than a server just woken takes to file a request (5 ms
-apart, the first of a burst after a minute idle reached kvdeck's engine 4 ms after the
-next one)."""
+APART = 0.02
+"""Seconds between requests the Mooncake sample gives one instant (see `write_traces`): more
+than a server just woken takes to file a request (5 ms apart, the first of a burst after a
+minute idle reached kvdeck's engine 4 ms after the next one)."""
 MARGIN = 0.025
-"""How far from a step's start the trace's arrivals are to come in, as the first round's
-fit predicts them (`close_calls.py`): more than the sim's steps after an idle spell were
-off from llama-server's (its saves of idle slots took 16–19 ms where the fit said 20; a
-request the sim took in 14 ms before the later burst's second step came in, in each of
-three runs, after it had started)."""
+"""A prediction whose closest call (`close_calls.py`) is nearer than this is marked a coin
+toss: the sim's steps after an idle spell were further off llama-server's than that (its
+saves of idle slots took 16–19 ms where the fit said 20; a request the sim took in 14 ms
+before the later burst's second step came in, in each of three runs, after it had
+started)."""
 WAKE_SEEDS = 100
 """The wake probes' seeds count up from here, apart from the speed checks' (10 up)."""
 TOLERANCE = {"kvdeck (llama_cpp)": 0.15, "kvdeck (torch)": 0.15, "llama-server": 0.15,
@@ -130,32 +126,19 @@ def alone_seconds(fit: StepFit, prompt: int, outputs: int) -> float:
     return prefill + decode
 
 
-def spacing(close_call: Callable[[float], float]) -> float:
-    """The first of `SPACINGS` whose trace `close_call` (its prediction's closest call,
-    seconds) keeps `MARGIN` from every step's start; where none does, the one that comes
-    closest to it."""
-    calls = {}
-    for apart in SPACINGS:
-        calls[apart] = close_call(apart)
-        if calls[apart] >= MARGIN:
-            return apart
-    return max(calls, key=calls.__getitem__)
-
-
-def write_traces(folder: Path, fit: StepFit, apart: float = SPACINGS[0]) -> dict[str, Path]:
-    """Both traces, their rates from `fit`, the Mooncake excerpt's requests of one instant
-    `apart` seconds apart."""
+def write_traces(folder: Path, fit: StepFit) -> dict[str, Path]:
+    """Both traces, their rates from `fit`."""
     rng = random.Random(0)
     moon = cap_arrivals(load_arrivals("mooncake-conversation", limit=REQUESTS), PROMPT_CAP,
                         OUTPUTS)
     mean_prompt = sum(a.prompt_len for a in moon) / len(moon)
     gap = alone_seconds(fit, int(mean_prompt), OUTPUTS) * 2  # half the rate of one alone
     span = moon[-1].arrival_s or 1.0
-    # Requests of one instant go `apart` seconds apart in the trace's order: sent at once,
+    # Requests of one instant go APART seconds apart in the trace's order: sent at once,
     # they reach the server in whatever order their connections win, and the sim, which
     # takes them in order, would predict another request's time for each.
     same = [sum(b.arrival_s == a.arrival_s for b in moon[:i]) for i, a in enumerate(moon)]
-    moon = [replace(a, arrival_s=a.arrival_s / span * gap * (len(moon) - 1) + apart * same[i],
+    moon = [replace(a, arrival_s=a.arrival_s / span * gap * (len(moon) - 1) + APART * same[i],
                     prompt_tokens=tuple(synthesize_tokens(a, i, VOCAB)), hash_ids=None)
             for i, a in enumerate(moon)]
     prefix = [rng.randrange(100, VOCAB) for _ in range(PREFIX)]
@@ -253,41 +236,9 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path,
         return probe(server.url, DEFAULT_MODEL, SPEED, progress=lambda m: None, seed=seed,
                      shape=base, save=save)
 
-    # The fitted profiles go to the run's own folder, not the user's profiles: each server
-    # runs on a new port, and its profile means nothing after the run.
-    env = {**os.environ, "KVDECK_CACHE": str(folder / "cache")}
-    served = write_before(folder)
-
-    def predict(path: Path, name: str, step_fit: StepFit, timed: list[Point],
-                record: Path | None = None) -> dict:
-        """The sim's run of the trace at `path` with a profile `name` of `step_fit` and the
-        points it was fitted to (`timed`), recorded at `record` where given."""
-        saved = os.environ.get("KVDECK_CACHE")
-        os.environ["KVDECK_CACHE"] = env["KVDECK_CACHE"]
-        try:
-            write_server_profiles(server.url, base, name, hw, step_fit, timed, card)
-        finally:
-            if saved is None:
-                del os.environ["KVDECK_CACHE"]
-            else:
-                os.environ["KVDECK_CACHE"] = saved
-        return kvdeck_cli("run-trace", str(path), "--executor", "sim", "--model-profile",
-                          name, "--hardware", hw, "--timing", "fit", *sim_flags,
-                          "--before", str(served), "--warmup",
-                          *(("--record", str(record)) if record else ()), env=env)
-
-    # The traces' rates and spacing come from the first round's fit: they are fixed
-    # before any trace is sent.
-    first = fit_step_model(before)
-
-    def close_call(apart: float) -> float:
-        path = write_traces(folder, first, apart)["Mooncake excerpt"]
-        record = folder / f"spacing-{apart}"
-        predict(path, f"{DEFAULT_MODEL}-{hw}-first", first, before, record)
-        return close_call_s(record, first.overhead_s)
-
-    apart = spacing(close_call)
-    traces = write_traces(folder, first, apart)
+    # The traces' rates come from the first round's fit: they are fixed before any
+    # trace is sent.
+    traces = write_traces(folder, fit_step_model(before))
     measured: dict[str, list[dict]] = {t: [] for t in traces}
     checks: dict[str, list[list[Point]]] = {t: [] for t in traces}
     wakes: list[list[Point]] = []
@@ -317,6 +268,29 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path,
                   shape=base)
     points = merged(before, after, wakes)
     fit = fit_step_model(points)
+    # The fitted profiles go to the run's own folder, not the user's profiles: each server
+    # runs on a new port, and its profile means nothing after the run.
+    env = {**os.environ, "KVDECK_CACHE": str(folder / "cache")}
+    served = write_before(folder)
+
+    def predict(path: Path, name: str, step_fit: StepFit, timed: list[Point],
+                record: Path | None = None) -> dict:
+        """The sim's run of the trace at `path` with a profile `name` of `step_fit` and the
+        points it was fitted to (`timed`), recorded at `record` where given."""
+        saved = os.environ.get("KVDECK_CACHE")
+        os.environ["KVDECK_CACHE"] = env["KVDECK_CACHE"]
+        try:
+            write_server_profiles(server.url, base, name, hw, step_fit, timed, card)
+        finally:
+            if saved is None:
+                del os.environ["KVDECK_CACHE"]
+            else:
+                os.environ["KVDECK_CACHE"] = saved
+        return kvdeck_cli("run-trace", str(path), "--executor", "sim", "--model-profile",
+                          name, "--hardware", hw, "--timing", "fit", *sim_flags,
+                          "--before", str(served), "--warmup",
+                          *(("--record", str(record)) if record else ()), env=env)
+
     rows, moved = [], drift(before, after)
     for i, (trace, path) in enumerate(traces.items()):
         beside = [p for c in checks[trace] for p in c]
@@ -334,7 +308,7 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path,
                      "speed": factors, "predicted_at_speed": at,
                      "ratio_at_speed": over(at, real),
                      "fit": fit.to_json(), "fit_at_speed": fit_there.to_json(),
-                     "drift": moved, "sim_flags": sim_flags, "apart_s": apart,
+                     "drift": moved, "sim_flags": sim_flags,
                      "close_call_s": close_call_s(record, fit.overhead_s),
                      "arrivals": path.read_text(), "points": [vars(p) for p in points],
                      "speed_checks": [vars(p) for p in beside],
@@ -463,9 +437,8 @@ def show(rows: list[dict]) -> None:
             within = sum(held(x["ratio"], bound) for x in runs)
             print(f"{'':<24} {'':<17} each run: {each} ({within} of {len(runs)} within)")
         if "close_call_s" in r:
-            print(f"{'':<24} {'':<17} requests of one instant sent {r['apart_s'] * 1e3:.0f} "
-                  f"ms apart; the closest call, an arrival "
-                  f"{r['close_call_s'] * 1e3:.1f} ms from a predicted step's start"
+            print(f"{'':<24} {'':<17} closest call: an arrival {r['close_call_s'] * 1e3:.1f} "
+                  f"ms from a predicted step's start"
                   f"{'' if r['close_call_s'] >= MARGIN else ' (a coin toss: close_calls.py)'}")
 
 

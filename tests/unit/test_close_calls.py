@@ -1,5 +1,4 @@
-"""How near a predicted run came to a coin toss (`benchmarks/close_calls.py`), and the
-Mooncake excerpt's spacing chosen by it (`sim_vs_real.spacing`)."""
+"""How near a predicted run came to a coin toss (`benchmarks/close_calls.py`)."""
 
 import json
 import math
@@ -7,7 +6,6 @@ import math
 import pytest
 
 from benchmarks.close_calls import close_call_s
-from benchmarks.sim_vs_real import MARGIN, SPACINGS, spacing
 
 INTAKE = 0.04
 PROMPT = 100
@@ -89,17 +87,3 @@ def test_one_whose_prompt_stalls_another_requests_last_token_is(tmp_path):
         step(1.02, 0.02, [decode("a")], (), (("a", 0.5), ("b", 0.9995))),
         step(1.04, 0.3, [decode("a"), prompt("b")], ("b",), finished=("a",))])
     assert close_call_s(run, INTAKE) == pytest.approx(0.0005)
-
-
-def test_the_spacing_is_the_first_that_keeps_the_margin_else_the_closest_to_it():
-    first = [0.0002, MARGIN * 0.9, 0.0015, MARGIN]
-    calls = {a: first[i] if i < len(first) else 1.0 for i, a in enumerate(SPACINGS)}
-    tried = []
-
-    def call(apart: float) -> float:
-        tried.append(apart)
-        return calls[apart]
-
-    chosen = spacing(call)
-    assert chosen == SPACINGS[3] and tried == list(SPACINGS[:4])
-    assert spacing(lambda a: MARGIN / 2 if a == SPACINGS[2] else 0.001) == SPACINGS[2]

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from benchmarks.sim_vs_real import (
+    MARGIN,
     SPEED,
     at_speed,
     drift,
@@ -162,3 +163,21 @@ def test_repeat_takes_a_whole_number_of_runs_and_says_what_is_allowed():
         assert str(e.value).startswith(f"{bad!r} is not a number of runs")
     with pytest.raises(argparse.ArgumentTypeError):
         main(repeat=0)  # the same rule from Python, before any server starts
+
+
+def test_a_prediction_with_an_arrival_near_a_step_start_is_marked_a_coin_toss(capsys):
+    figures = {"ttft_p50_s": 1.0, "tpot_p50_s": 0.05, "output_tokens_per_s": 10.0}
+    ratio = {"ttft_p50_s": 1.0, "tpot_p50_s": 1.0, "output_tokens_per_s": 1.0}
+    row = {"server": "llama-server --no-repack", "trace": "Mooncake excerpt",
+           "predicted": figures, "measured": figures, "ratio": ratio,
+           "ratio_at_speed": ratio, "speed": {"prefill": 1.0, "decode": 1.0},
+           "drift": {"median": 1.0, "min": 1.0, "max": 1.0}, "close_call_s": 0.0002}
+    line = row_line(row, 0.0002, capsys)
+    assert "closest call: an arrival 0.2 ms" in line and "coin toss" in line
+    assert "coin toss" not in row_line(row, MARGIN, capsys)
+
+
+def row_line(row: dict, close: float, capsys) -> str:
+    """The last line `show` prints for `row` with its closest call at `close` seconds."""
+    show([{**row, "close_call_s": close}])
+    return capsys.readouterr().out.splitlines()[-1]
