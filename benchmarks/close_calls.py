@@ -8,11 +8,13 @@ later, in the steps after it: beside other prompt pieces or not, and before or a
 another request's last token, which its prompt stalls or not. A server's own timing moves
 by more than a millisecond from run to run, so a trace with an arrival that close to a
 step's start measures a coin toss there, not the step model.
+
 Measured on llama-server (Gemma 3 270M, 2 cores): the Mooncake excerpt's second request,
 sent 20 ms after the first, came in 0.2 ms before the sim's first step (the first's
 arrival, then its wait for the saves of idle slots: `executors/server_slots.py`); in
-three runs it missed that step, and the sim, which put it in, predicted a TPOT median of
-1.38 times the measured one; with the request 10 ms later the same fit predicts 1.07.
+three runs its first token came 1.4–1.7 s after the first's, as where it misses that
+step, and the sim, which put it in, predicted a TPOT median of 1.38 times the measured
+one; with the request 10 ms later the same fit predicts 1.07.
 
 `close_call_s` reads a run's record (`kvdeck run-trace --record`), which gives each step's
 start and the requests it admitted, and each request's arrival.
@@ -30,8 +32,7 @@ def close_call_s(record: Path, intake_s: float) -> float:
     between a step's start and the coming in of a request (its arrival plus `intake_s`,
     the sim's way in from outside) that it admitted, or that the next step admitted having
     come in after this one started, where that changed more than when the request's own
-    prompt ran (`swayed`); infinite where there is none. The request that started a step,
-    coming in to an idle engine, makes no close call."""
+    prompt ran (`swayed`); infinite where there is none."""
     steps, came, prompt = [], {}, {}
     with (record / "iterations.jsonl").open() as lines:
         for line in lines:
@@ -43,23 +44,24 @@ def close_call_s(record: Path, intake_s: float) -> float:
             steps.append(d)
     least = math.inf
     for i, s in enumerate(steps):
-        # A plan entry is [request, start, tokens, sampled]: prompt work starts before the
-        # prompt's end.
-        work = {rid for rid, start, *_ in s["plan"] if start < prompt.get(rid, 0)}
+        # A plan entry is [request, start, tokens, sampled, …]: prompt work starts before
+        # the prompt's end. A record of a step that ran nothing has no plan.
+        work = {rid for rid, start, *_ in s.get("plan") or () if start < prompt.get(rid, 0)}
         ended = {f[0] for f in s.get("finished") or ()}
-        # Whether the step would have run otherwise with a request in it or out of it:
-        # others' prompt pieces beside its prompt (or in place of it), or a request's last
-        # token, which its prompt stalls or does not.
-        swayed = {rid for rid in came if work - {rid} or ended - {rid}}
-        admitted = sorted(s.get("admitted") or (), key=came.__getitem__)
-        idle = bool(admitted) and (i == 0 or steps[i - 1]["t0"] + steps[i - 1]["dt"]
-                                   <= came[admitted[0]])
-        for k, rid in enumerate(admitted):
-            # The first to come in to an idle engine started the step: a moment later, the
-            # step starts later, as it is.
-            if not (k == 0 and idle) and rid in swayed:
+        # Requests the record never saw arrive (a fork's child) have no time to compare.
+        for rid in s.get("admitted") or ():
+            if rid in came and swayed(rid, work, ended):
                 least = min(least, s["t0"] - came[rid])
         for rid in (steps[i + 1].get("admitted") or ()) if i + 1 < len(steps) else ():
-            if came[rid] >= s["t0"] and rid in swayed:
+            if rid in came and came[rid] >= s["t0"] and swayed(rid, work, ended):
                 least = min(least, came[rid] - s["t0"])
     return least
+
+
+def swayed(rid: str, work: set[str], ended: set[str]) -> bool:
+    """Whether a step whose prompt work is of `work` and in which `ended` finished would
+    have run otherwise with `rid` in it or out of it: others' prompt pieces beside its
+    prompt (or in its place), or another request's last token, which its prompt stalls or
+    not. (The request that started a step on an idle engine is never swayed alone: whoever
+    sways it came in later, nearer the step's start.)"""
+    return bool(work - {rid} or ended - {rid})

@@ -47,9 +47,10 @@ The traces, with token ids written out so both sides see the same prompts:
 Both arrive at half the rate one request alone would take through the fitted model (its
 prefill, then its outputs one step at a time): busy enough that requests batch, not so busy
 that the queue alone sets the figures. The rate comes from the fit, never from a measurement
-of the traces. Each prediction's closest call (`close_calls.py`: how near an arrival came to
-a step's start where that decided more than when its own prompt ran) is printed under its
-trace, marked a coin toss within `MARGIN`.
+of the traces. The closest call of each trace's prediction with the rounds' fit
+(`close_calls.py`: how near an arrival came to a step's start where that decided more than
+when its own prompt ran) is printed under it, marked a coin toss where nearer than
+`MARGIN`.
 """
 
 from __future__ import annotations
@@ -99,10 +100,9 @@ than a server just woken takes to file a request (5 ms apart, the first of a bur
 minute idle reached kvdeck's engine 4 ms after the next one)."""
 MARGIN = 0.025
 """A prediction whose closest call (`close_calls.py`) is nearer than this is marked a coin
-toss: the sim's steps after an idle spell were further off llama-server's than that (its
-saves of idle slots took 16–19 ms where the fit said 20; a request the sim took in 14 ms
-before the later burst's second step came in, in each of three runs, after it had
-started)."""
+toss: a call of 14 ms (a request the sim took in that long before the Mooncake excerpt's
+later burst's second step on llama-server) went the other way in each of three runs, and
+25 ms leaves room above it."""
 WAKE_SEEDS = 100
 """The wake probes' seeds count up from here, apart from the speed checks' (10 up)."""
 TOLERANCE = {"kvdeck (llama_cpp)": 0.15, "kvdeck (torch)": 0.15, "llama-server": 0.15,
@@ -309,7 +309,8 @@ def compare(server: peers.Server, sim_flags: list[str], folder: Path,
                      "ratio_at_speed": over(at, real),
                      "fit": fit.to_json(), "fit_at_speed": fit_there.to_json(),
                      "drift": moved, "sim_flags": sim_flags,
-                     "close_call_s": close_call_s(record, fit.overhead_s),
+                     "close_call_s": None if math.isinf(close := close_call_s(
+                         record, fit.overhead_s)) else close,
                      "arrivals": path.read_text(), "points": [vars(p) for p in points],
                      "speed_checks": [vars(p) for p in beside],
                      "wake_rounds": [[vars(p) for p in r if p.kind == "wake"]
@@ -437,9 +438,16 @@ def show(rows: list[dict]) -> None:
             within = sum(held(x["ratio"], bound) for x in runs)
             print(f"{'':<24} {'':<17} each run: {each} ({within} of {len(runs)} within)")
         if "close_call_s" in r:
-            print(f"{'':<24} {'':<17} closest call: an arrival {r['close_call_s'] * 1e3:.1f} "
-                  f"ms from a predicted step's start"
-                  f"{'' if r['close_call_s'] >= MARGIN else ' (a coin toss: close_calls.py)'}")
+            print(f"{'':<24} {'':<17} closest call: {close_call_text(r['close_call_s'])}")
+
+
+def close_call_text(seconds: float | None) -> str:
+    """A prediction's closest call as the table says it (None: no step that an arrival
+    could have swayed)."""
+    if seconds is None:
+        return "none"
+    mark = "" if seconds >= MARGIN else " (a coin toss: close_calls.py)"
+    return f"an arrival {seconds * 1e3:.1f} ms from a predicted step's start{mark}"
 
 
 def main(with_peers: bool = False, out_dir: Path = Path("bench-results"),

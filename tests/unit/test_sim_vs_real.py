@@ -175,9 +175,10 @@ def test_a_prediction_with_an_arrival_near_a_step_start_is_marked_a_coin_toss(ca
     line = row_line(row, 0.0002, capsys)
     assert "closest call: an arrival 0.2 ms" in line and "coin toss" in line
     assert "coin toss" not in row_line(row, MARGIN, capsys)
+    assert row_line(row, None, capsys).endswith("closest call: none")
 
 
-def row_line(row: dict, close: float, capsys) -> str:
+def row_line(row: dict, close: float | None, capsys) -> str:
     """The last line `show` prints for `row` with its closest call at `close` seconds."""
     show([{**row, "close_call_s": close}])
     return capsys.readouterr().out.splitlines()[-1]
