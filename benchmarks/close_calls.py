@@ -16,15 +16,18 @@ three runs its first token came 1.4–1.7 s after the first's, as where it misse
 step, and the sim, which put it in, predicted a TPOT median of 1.38 times the measured
 one; with the request 10 ms later the same fit predicts 1.07.
 
-`close_call_s` reads a run's record (`kvdeck run-trace --record`), which gives each step's
-start and the requests it admitted, and each request's arrival.
+`close_call_s` reads a run's record (`kvdeck run-trace --record`, parsed as replay parses
+it), which gives each step's start and the requests it admitted, and each request's
+arrival.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
+
+from kvdeck.runtime.core.step_record import StepRecord
+from kvdeck.runtime.runs.records import parse_record
 
 
 def close_call_s(record: Path, intake_s: float) -> float:
@@ -33,28 +36,30 @@ def close_call_s(record: Path, intake_s: float) -> float:
     the sim's way in from outside) that it admitted, or that the next step admitted having
     come in after this one started, where that changed more than when the request's own
     prompt ran (`swayed`); infinite where there is none."""
-    steps, came, prompt = [], {}, {}
-    with (record / "iterations.jsonl").open() as lines:
-        for line in lines:
-            d = json.loads(line)
-            if d["kind"] != "step":
+    steps: list[StepRecord] = []
+    came, prompt = {}, {}
+    path = record / "iterations.jsonl"
+    with path.open() as lines:
+        for n, line in enumerate(lines, 1):
+            r = parse_record(line, f"{path}:{n}")
+            if not isinstance(r, StepRecord):
                 continue
-            for rid, arrival, prompt_len, *_ in d.get("arrived") or ():
-                came[rid], prompt[rid] = arrival + intake_s, prompt_len
-            steps.append(d)
+            for a in r.arrived:
+                came[a.request_id] = a.arrival_time + intake_s
+                prompt[a.request_id] = a.num_prompt_tokens
+            steps.append(r)
     least = math.inf
     for i, s in enumerate(steps):
-        # A plan entry is [request, start, tokens, sampled, …]: prompt work starts before
-        # the prompt's end. A record of a step that ran nothing has no plan.
-        work = {rid for rid, start, *_ in s.get("plan") or () if start < prompt.get(rid, 0)}
-        ended = {f[0] for f in s.get("finished") or ()}
+        # Prompt work starts before the prompt's end (a step that ran nothing has no plan).
+        work = {p.request_id for p in s.plan if p.start < prompt.get(p.request_id, 0)}
+        ended = {f.request_id for f in s.finished}
         # Requests the record never saw arrive (a fork's child) have no time to compare.
-        for rid in s.get("admitted") or ():
+        for rid in s.admitted:
             if rid in came and swayed(rid, work, ended):
-                least = min(least, s["t0"] - came[rid])
-        for rid in (steps[i + 1].get("admitted") or ()) if i + 1 < len(steps) else ():
-            if rid in came and came[rid] >= s["t0"] and swayed(rid, work, ended):
-                least = min(least, came[rid] - s["t0"])
+                least = min(least, s.t0 - came[rid])
+        for rid in steps[i + 1].admitted if i + 1 < len(steps) else ():
+            if rid in came and came[rid] >= s.t0 and swayed(rid, work, ended):
+                least = min(least, came[rid] - s.t0)
     return least
 
 

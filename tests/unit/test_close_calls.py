@@ -13,7 +13,7 @@ PROMPT = 100
 
 def step(t0: float, dt: float, plan: list, admitted=(), arrived=(), finished=()) -> dict:
     """A step record as `kvdeck run-trace --record` writes it (the fields read)."""
-    return {"kind": "step", "t0": t0, "dt": dt, "plan": plan, "admitted": list(admitted),
+    return {"kind": "step", "step": 0, "t0": t0, "dt": dt, "plan": plan, "admitted": list(admitted),
             "arrived": [[rid, at, PROMPT, 8, None, 0] for rid, at in arrived],
             "finished": [[rid, "finished_length", "finished_length", t0 + dt]
                          for rid in finished]}
@@ -30,9 +30,8 @@ def decode(rid: str) -> list:
 
 
 def write(tmp_path, steps: list[dict]):
-    """A run directory whose record is a checkpoint and `steps`."""
-    lines = [{"kind": "checkpoint", "step": 0}, *steps]
-    (tmp_path / "iterations.jsonl").write_text("".join(json.dumps(d) + "\n" for d in lines))
+    """A run directory whose record is `steps`."""
+    (tmp_path / "iterations.jsonl").write_text("".join(json.dumps(d) + "\n" for d in steps))
     return tmp_path
 
 
@@ -99,6 +98,6 @@ def test_a_step_that_ran_nothing_and_a_request_never_seen_arriving_are_passed_ov
     """A record of a step that only took arrivals in has no plan; a fork's child is
     admitted without an arrival of its own."""
     run = write(tmp_path, [
-        {"kind": "step", "t0": 1.0, "arrived": [["a", 0.96, PROMPT, 8, None, 0]]},
+        {"kind": "step", "step": 0, "t0": 1.0, "arrived": [["a", 0.96, PROMPT, 8, None, 0]]},
         step(1.0, 0.6, [prompt("a"), prompt("a.1")], ("a", "a.1"))])
     assert close_call_s(run, INTAKE) == math.inf
