@@ -1,9 +1,10 @@
 """How the torch executor packs its matrices into weight formats.
 
 The kernel micro-benchmark of this machine and model (`models/kernels.py`, measured on
-first use and cached on disk) decides the activation dtype quantized formats take and the
-row-count rule of `auto`; packing starts from the master copies the model keeps (on the
-host, on an accelerator, so a compact format frees device memory).
+first use and cached on disk) decides the activation dtype quantized formats take, the
+row-count rule of `auto` and the row count from which int8 runs its gemm kernel; packing
+starts from the master copies the model keeps (on the host, on an accelerator, so a
+compact format frees device memory).
 """
 
 from __future__ import annotations
@@ -99,8 +100,16 @@ class WeightPacker:
         if fmt == "auto":
             return AutoMatrix([(limit, f, self.pack(weight, bias, f, group))
                                for limit, f in self.auto_segments(group)])
-        return pack_matrix(weight, bias, fmt, FLOAT[self.activations_for(fmt)],
-                           self.int4_group_size, self.int8_group_size)
+        act = self.activations_for(fmt)
+        return pack_matrix(weight, bias, fmt, FLOAT[act], self.int4_group_size,
+                           self.int8_group_size, self.int8_gemm_from(group, act))
+
+    def int8_gemm_from(self, group: str, act: str) -> int:
+        """From how many rows a group's int8 matrices run their gemm kernel here: measured
+        on the CPU (`KernelTable.int8_gemm_from`); elsewhere there is no packed kernel."""
+        if self.device.type != "cpu":
+            return 1
+        return self.kernels.int8_gemm_from(group, act)
 
     def activations_for(self, fmt: str) -> str:
         """The activation dtype a quantized format's products take here."""

@@ -15,7 +15,10 @@ dtype) pair, the time of one product at 1, 8 and 32 rows. From the table:
   is what an interactive user feels, and these keep accuracy close to fp32 (int4 is
   offered, never chosen for the user);
 - `auto` switches a group from int8 to dense at its crossover: the fewest rows at which
-  dense is at least as fast.
+  dense is at least as fast;
+- int8 runs its packed kernel below, and its gemm kernel from, the fewest rows at which
+  gemm is timed at least as fast (`int8_gemm_from`; `linear.WeightOnlyInt8` says why both),
+  and int8's time at a row count is that of the kernel it runs there.
 
 Results are cached per machine, torch version, thread count, device and shapes in
 `$KVDECK_CACHE/kernels/` (a JSON file), so only the first start pays (a few seconds). A
@@ -45,22 +48,39 @@ log = logging.getLogger("kvdeck.kernels")
 
 ROWS = (1, 8, 32)
 FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-VERSION = 2
+VERSION = 3
 MAX_ROWS_TIMED = 32_768
+INT8_GEMM = "int8.gemm"
+"""The table's name for int8's gemm kernel (`int8` alone: the packed one)."""
 
 
 def candidates(device: torch.device) -> list[tuple[str, str]]:
-    """(weight format, activation dtype) pairs worth timing on `device`."""
+    """(weight format, activation dtype) pairs worth timing on `device`; on the CPU int8's
+    two kernels apart (`INT8_GEMM`: the gemm one)."""
     acts = ["fp32", "bf16"] + (["fp16"] if device.type != "cpu" else [])
     pairs = [(f, f) for f in acts]
-    pairs += [(q, a) for q in ("int8", "int4") for a in acts]
+    int8 = ("int8", INT8_GEMM) if device.type == "cpu" else ("int8",)
+    pairs += [(q, a) for q in (*int8, "int4") for a in acts]
     return pairs
+
+
+def _pack_timed(w: torch.Tensor, fmt: str, act: str, group_size: int,
+                int8_group_size: int):
+    """The matrix `measure` times for a (format, activation dtype) pair."""
+    if fmt in FLOAT:
+        return pack_matrix(w, None, "dense", FLOAT[act])
+    if fmt == "int8":  # the packed kernel at every row count
+        return pack_matrix(w, None, fmt, FLOAT[act], group_size, int8_group_size, 1 << 62)
+    if fmt == INT8_GEMM:
+        return pack_matrix(w, None, "int8", FLOAT[act], group_size, int8_group_size, 1)
+    return pack_matrix(w, None, fmt, FLOAT[act], group_size, int8_group_size)
 
 
 @dataclass
 class KernelTable:
     """Seconds per product: `times[group][f"{format}/{act}"][str(rows)]` (None: skipped
-    as hopeless after one row)."""
+    as hopeless after one row; taken then to grow in proportion to the rows, as the
+    per-row kernels that are hopeless at one row do)."""
 
     times: dict[str, dict[str, dict[str, float | None]]]
     compute: str
@@ -73,9 +93,29 @@ class KernelTable:
     and after (the measurement itself may slow the machine, by heat or clocks, and the
     slower would have every later start measure again); 0: a table from before
     references were kept."""
+    _gemm_from: dict = field(default_factory=dict, repr=False)
 
     def time(self, group: str, fmt: str, act: str, rows: int) -> float:
-        """Seconds for `rows` rows (interpolated linearly between measured row counts)."""
+        """Seconds for `rows` rows (interpolated linearly between measured row counts); int8's
+        are those of the kernel it runs at that row count."""
+        if fmt == "int8" and f"{INT8_GEMM}/{act}" in self.times[group]:
+            fmt = INT8_GEMM if rows >= self.int8_gemm_from(group, act) else fmt
+        return self._time(group, fmt, act, rows)
+
+    def int8_gemm_from(self, group: str, act: str, limit: int = 4096) -> int:
+        """The fewest rows from which int8's gemm kernel runs: where it is timed at least
+        as fast as the packed one (1 where gemm was not timed apart: no packed kernel;
+        `limit + 1`, never, where packed stays faster)."""
+        if f"{INT8_GEMM}/{act}" not in self.times[group]:
+            return 1
+        key = (group, act, limit)
+        if key not in self._gemm_from:  # asked per matrix packed and per time(): kept
+            self._gemm_from[key] = next(
+                (rows for rows in range(1, limit + 1) if self._time(group, INT8_GEMM, act, rows)
+                 <= self._time(group, "int8", act, rows)), limit + 1)
+        return self._gemm_from[key]
+
+    def _time(self, group: str, fmt: str, act: str, rows: int) -> float:
         table = self.times[group].get(f"{fmt}/{act}")
         if table is None:
             return float("inf")
@@ -83,8 +123,8 @@ class KernelTable:
         if not pts:
             return float("inf")
         pts.sort()
-        if rows <= pts[0][0] or len(pts) == 1:
-            return pts[0][1] if rows <= pts[0][0] else pts[-1][1]
+        if rows <= pts[0][0]:
+            return pts[0][1]
         for (r0, t0), (r1, t1) in zip(pts, pts[1:], strict=False):
             if rows <= r1:
                 return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
@@ -152,17 +192,23 @@ def _machine(device: torch.device) -> dict[str, str]:
     return info
 
 
-def _time_once(fn, x: torch.Tensor, device: torch.device, reps: int) -> float:
+def _time_once(fn, x: torch.Tensor, device: torch.device, reps: int,
+               budget_s: float = 0.5) -> float:
+    """The best of `reps` timed calls after a warm-up; fewer once they took `budget_s`
+    (a slow product varies little between calls, and a start-up should not wait on it)."""
     fn(x)  # warm-up: packing caches, allocator
-    best = float("inf")
+    best, spent = float("inf"), 0.0
     for _ in range(reps):
+        if spent > budget_s:
+            break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         fn(x)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        best, spent = min(best, took), spent + took
     return best
 
 
@@ -185,14 +231,15 @@ def measure(shapes: dict[str, tuple[int, int]], device: torch.device, compute: s
         best_one = float("inf")
         for fmt, act in candidates(device):
             try:
-                m = pack_matrix(w, None, "dense" if fmt in FLOAT else fmt, FLOAT[act],
-                                group_size, int8_group_size)
+                m = _pack_timed(w, fmt, act, group_size, int8_group_size)
             except (RuntimeError, ValueError):  # no kernel for this pair here
                 continue
             row: dict[str, float | None] = {}
             for rows in ROWS:
                 x = torch.randn(rows, k, generator=gen).to(device=device, dtype=FLOAT[compute])
-                if rows > 1 and row[str(ROWS[0])] > 4 * best_one:
+                # int8's gemm kernel pays a fixed dequantization at one row and is for
+                # more rows: it is always timed at all of them.
+                if rows > 1 and row[str(ROWS[0])] > 4 * best_one and fmt != INT8_GEMM:
                     row[str(rows)] = None  # hopeless at one row: not worth the time
                     continue
                 try:
@@ -322,6 +369,11 @@ def describe(table: KernelTable, rows: tuple[int, ...] = (1, 8, 32)) -> list[str
             if all(x == float("inf") for x in t):
                 continue
             label = fmt if fmt in FLOAT else f"{fmt}({act})"
+            if fmt == "int8" and f"{INT8_GEMM}/{act}" in table.times[group]:
+                rows_from = table.int8_gemm_from(group, act)
+                kernel = "gemm" if rows_from == 1 else "packed" if rows_from > 4096 else \
+                    f"gemm from {rows_from} rows"
+                label = f"int8({act}, {kernel})"
             parts.append(f"{label} " + "/".join(f"{x * 1e3:.2f}" for x in t))
         out.append(f"{group} ms at {'/'.join(map(str, rows))} rows: " + ", ".join(parts))
     return out

@@ -5,7 +5,7 @@ Weight-only formats keep activations in the compute dtype, so accuracy stays clo
 weights; they pay off where a step is bound by the bytes of weights read (decode at small
 batch). They use PyTorch's packed kernels where the device has them (CPU:
 `_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`; CUDA: `_weight_int4pack_mm` for bf16)
-and otherwise dequantize then multiply — slower, but correct everywhere.
+and otherwise dequantize then multiply (int8 also where that is measured faster).
 
 `Int8Linear` stores weights as per-output-channel symmetric int8 and multiplies through
 FBGEMM's dynamic-quantization GEMM (activations quantized per call), the same trade llama.cpp
@@ -97,50 +97,69 @@ class WeightOnlyInt8:
 
     Why groups: on Gemma 3 270M (whose GGUF weights sit on Q4_K/Q6_K/Q8_0 grids of 32-value
     groups) one scale per row costs a mean |Δlogit| of 0.23 against fp32 weights and 92–94 %
-    top-1 agreement; groups of 64 cost 0.09 and ~98 % (`runtime/text/quality.py`). PyTorch's
-    packed int8 kernel takes per-channel scales only, so each input group is one call and
-    the partial products are summed: the same bytes read, a few more calls.
+    top-1 agreement; groups of 64 cost 0.09 and ~98 % (`runtime/text/quality.py`).
+
+    Two kernels, the same sum. `packed`: PyTorch's packed int8 kernel, which takes
+    per-channel scales only, so each input group is one call and the partial products are
+    summed. `gemm`: a block of output rows at a time is dequantized into the activation
+    dtype and multiplied in one dense product. Which is faster depends on the CPU and the
+    rows: on a 2-core AVX2 machine, Gemma's head at one row 86 ms packed, 116 ms gemm; at
+    512 rows (a prompt) 50 s packed, 1.7 s gemm; an FFN matrix is faster in gemm from one
+    row. So `gemm_from_rows` (measured, `kernels.py`) says from how many rows gemm runs.
+    Where the packed kernel is missing (CUDA, old torch) gemm runs at every row count.
     """
 
     format = "int8"
+    GEMM_BLOCK_BYTES = 8 << 20
+    """Bytes of dequantized weights one block of the gemm kernel holds at once."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 group_size: int = 0):
+                 group_size: int = 0, gemm_from_rows: int = 1):
         w = weight.float()
         n, k = w.shape
         gs = group_size if group_size and k % group_size == 0 else k  # else one per row
         g = w.view(n, k // gs, gs)
         scale = g.abs().amax(-1).clamp_min(1e-12) / 127                 # [n, groups]
         codes = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8)
-        self.codes = [codes[:, i].contiguous() for i in range(k // gs)]
-        self.scales = [scale[:, i].to(dtype).contiguous() for i in range(k // gs)]
+        # [groups, n, gs]: each group's codes contiguous, as the packed kernel takes them.
+        self.codes = codes.transpose(0, 1).contiguous()
+        self.scales = scale.t().to(dtype).contiguous()                   # [groups, n]
         self.group_size = gs
         self.bias = bias.to(dtype) if bias is not None else None
         self.dtype = dtype
         self.out_features, self.in_features = n, k
-        self.packed = w.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        has_packed = w.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        self.gemm_from_rows = max(1, gemm_from_rows) if has_packed else 1
+        self.block = max(1, self.GEMM_BLOCK_BYTES // (k * torch.finfo(dtype).bits // 8))
+
+    def _packed(self, x2: torch.Tensor) -> torch.Tensor:
+        gs, y = self.group_size, None
+        for i in range(len(self.codes)):
+            xi = x2[:, i * gs:(i + 1) * gs].contiguous() if len(self.codes) > 1 else x2
+            part = torch.ops.aten._weight_int8pack_mm(xi, self.codes[i], self.scales[i])
+            y = part if y is None else y.add_(part)
+        return y
+
+    def _gemm(self, x2: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x2.shape[0], self.out_features, dtype=self.dtype, device=x2.device)
+        for a in range(0, self.out_features, self.block):
+            b = min(a + self.block, self.out_features)
+            w = (self.codes[:, a:b].to(self.dtype) * self.scales[:, a:b, None])  # [g, rows, gs]
+            torch.mm(x2, w.transpose(0, 1).reshape(b - a, self.in_features).t(), out=y[:, a:b])
+        return y
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(self.dtype)
-        gs = self.group_size
-        y = None
-        for i, (q, s) in enumerate(zip(self.codes, self.scales, strict=True)):
-            xi = x2[:, i * gs:(i + 1) * gs].contiguous() if len(self.codes) > 1 else \
-                x2.contiguous()
-            if self.packed:
-                part = torch.ops.aten._weight_int8pack_mm(xi, q, s)
-            else:  # scale after the product: the same sum, without a scaled weight copy
-                part = (xi @ q.to(self.dtype).t()) * s
-            y = part if y is None else y.add_(part)
+        x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
+        y = self._packed(x2) if x2.shape[0] < self.gemm_from_rows else self._gemm(x2)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The weight these codes stand for (the reference the packed kernel must equal)."""
-        return torch.cat([q.float() * s.float()[:, None]
-                          for q, s in zip(self.codes, self.scales, strict=True)], dim=1)
+        w = self.codes.float() * self.scales.float()[..., None]        # [groups, n, gs]
+        return w.transpose(0, 1).reshape(self.out_features, self.in_features)
 
     @property
     def num_params(self) -> int:
@@ -148,7 +167,7 @@ class WeightOnlyInt8:
 
     @property
     def num_bytes(self) -> int:
-        return self.num_params + sum(s.numel() * s.element_size() for s in self.scales)
+        return self.num_params + self.scales.numel() * self.scales.element_size()
 
 
 class WeightOnlyInt4:
@@ -231,13 +250,14 @@ class WeightOnlyInt4:
 
 
 def pack_matrix(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype,
-                group_size: int = 32, int8_group_size: int = 0):
+                group_size: int = 32, int8_group_size: int = 0, int8_gemm_from_rows: int = 1):
     """A matrix in weight format `fmt` (`dense` in `dtype`) from its float master copy.
-    `group_size`: int4's inputs per scale; `int8_group_size`: int8's (0 = whole row)."""
+    `group_size`: int4's inputs per scale; `int8_group_size`: int8's (0 = whole row);
+    `int8_gemm_from_rows`: the row count from which int8 runs its gemm kernel."""
     if fmt == "dense":
         return Linear(weight.to(dtype), bias.to(dtype) if bias is not None else None)
     if fmt == "int8":
-        return WeightOnlyInt8(weight, bias, dtype, int8_group_size)
+        return WeightOnlyInt8(weight, bias, dtype, int8_group_size, int8_gemm_from_rows)
     if fmt == "int4":
         return WeightOnlyInt4(weight, bias, dtype, group_size)
     raise ValueError(f"unknown weight format {fmt!r}")

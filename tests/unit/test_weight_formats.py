@@ -35,9 +35,10 @@ def reference(m, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("make", [
     lambda w, d: WeightOnlyInt8(w, None, d, 0),
     lambda w, d: WeightOnlyInt8(w, None, d, 64),
+    lambda w, d: WeightOnlyInt8(w, None, d, 64, gemm_from_rows=1 << 62),
     lambda w, d: WeightOnlyInt4(w, None, d, 32),
     lambda w, d: WeightOnlyInt4(w, None, d, 128),
-], ids=["int8-per-channel", "int8-g64", "int4-g32", "int4-g128"])
+], ids=["int8-per-channel", "int8-g64", "int8-g64-packed", "int4-g32", "int4-g128"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_packed_matmul_equals_dequantize_then_matmul(shape, make, dtype) -> None:
     g = torch.Generator().manual_seed(shape[0])
@@ -98,6 +99,33 @@ def test_knob_grammar() -> None:
         parse_weight_format("mlp=int8")
     with pytest.raises(ConfigError, match="gives head the format 'int2'"):
         parse_weight_format("head=int2")
+
+
+def test_int8_runs_its_gemm_kernel_from_the_row_count_given() -> None:
+    """Both int8 kernels give the same product; which runs is the row count's rule."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 128, generator=g)
+    m = WeightOnlyInt8(w, torch.randn(300, generator=g), torch.float32, 32, gemm_from_rows=4)
+    m.block = 64  # several blocks, the last one short
+    x = torch.randn(6, 128, generator=g)
+    gemm = m(x)
+    packed = torch.cat([m(x[i:i + 3]) for i in (0, 3)])  # 3 rows: under the rule's 4
+    assert torch.allclose(gemm, packed, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(gemm, x @ m.dequantized().t() + m.bias, rtol=1e-5, atol=1e-5)
+
+
+def test_the_table_times_int8_by_the_kernel_it_runs() -> None:
+    """int8's time is the packed kernel's below its measured switch, gemm's from it."""
+    times = {"ffn": {"fp32/fp32": {"1": 1.0, "8": 2.0, "32": 5.0},
+                     "int8/fp32": {"1": 1.0, "8": 8.0, "32": 32.0},
+                     "int8.gemm/fp32": {"1": 2.0, "8": 3.0, "32": 6.0}}}
+    t = KernelTable(times, "fp32")
+    # packed 1 + (r − 1), gemm 2 + (r − 1)/7: equal at r = 13/6, so gemm from 3 rows.
+    assert t.int8_gemm_from("ffn", "fp32") == 3
+    assert t.time("ffn", "int8", "fp32", 2) == 2.0
+    assert t.time("ffn", "int8", "fp32", 32) == 6.0
+    del times["ffn"]["int8.gemm/fp32"]  # no packed kernel here: gemm at every row count
+    assert t.int8_gemm_from("ffn", "fp32") == 1
 
 
 def table() -> KernelTable:
