@@ -544,39 +544,44 @@ class PrefixTree:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless tree, block map, pool flags and leaf set agree."""
+        # Runs after every step of an integrity-checked run, over every node: the names the
+        # loop reads are bound once, and each node's facts are read once.
         seen: set[int] = set()
         on_host: set[int] = set()
+        refcount, cached, bs = self.pool.refcount, self.pool.cached, self.block_size
+        node_of_block, nodes, leaves = self.node_of_block, self.nodes, self._leaves
         stack = [c for r in self.roots.values() for c in r.children.values()]
         while stack:
             n = stack.pop()
-            assert n.parent is not None and n.parent.children.get(n.key) is n
-            if n.on_host:
+            parent, children = n.parent, n.children
+            assert parent is not None and parent.children.get(n.key) is n
+            if n.host_block >= 0:
                 assert n.block == -1 and self.host_nodes.get(n.host_block) is n, \
                     f"host node {n.node_id} not indexed"
                 assert self.host.states[n.host_block] == HOST_DEMOTED
-                assert all(c.on_host for c in n.children.values()), \
+                assert all(c.on_host for c in children.values()), \
                     f"host node {n.node_id} has a device child"
-                assert (n in self._host_leaves) == (not n.children)
-                assert self.nodes.get(n.node_id) is n
+                assert (n in self._host_leaves) == (not children)
+                assert nodes.get(n.node_id) is n
                 on_host.add(n.host_block)
-                stack.extend(n.children.values())
+                stack.extend(children.values())
                 continue
-            assert n.block not in seen, f"block {n.block} appears twice in the tree"
-            seen.add(n.block)
-            assert self.node_of_block.get(n.block) is n, f"node {n.node_id} not indexed"
-            assert self.nodes.get(n.node_id) is n, f"node {n.node_id} not indexed by id"
-            assert self.pool.cached[n.block], f"block {n.block} in tree but not flagged cached"
-            assert self.pool.refcount[n.block] >= 1
-            assert n.parent is not None and n.parent.children.get(n.key) is n
-            assert n.depth_tokens == n.parent.depth_tokens + self.block_size
-            rc = self.pool.refcount[n.block]
-            if rc > 1 and n.parent.parent is not None:
+            block = n.block
+            assert block not in seen, f"block {block} appears twice in the tree"
+            seen.add(block)
+            assert node_of_block.get(block) is n, f"node {n.node_id} not indexed"
+            assert nodes.get(n.node_id) is n, f"node {n.node_id} not indexed by id"
+            assert cached[block], f"block {block} in tree but not flagged cached"
+            rc = refcount[block]
+            assert rc >= 1
+            assert n.depth_tokens == parent.depth_tokens + bs
+            if rc > 1 and parent.parent is not None:
                 # A used node's ancestors are used too (requests hold whole chains).
-                assert self.pool.refcount[n.parent.block] > 1, \
+                assert refcount[parent.block] > 1, \
                     f"node {n.node_id} is used but its parent is cache-only"
-            is_leaf = rc == 1 and not any(c.block >= 0 for c in n.children.values())
-            assert (n in self._leaves) == is_leaf, f"node {n.node_id} leaf-set mismatch"
-            stack.extend(n.children.values())
+            is_leaf = rc == 1 and not any(c.block >= 0 for c in children.values())
+            assert (n in leaves) == is_leaf, f"node {n.node_id} leaf-set mismatch"
+            stack.extend(children.values())
         assert seen == set(self.node_of_block), "block index holds nodes not in the tree"
         assert on_host == set(self.host_nodes), "host index holds nodes not in the tree"
         assert len(self.nodes) == len(seen) + len(on_host), "id index holds stray nodes"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import re
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 
 from kvdeck.runtime.cluster.replicas import ClusterConfig, replica_roles
@@ -33,17 +35,27 @@ def stages_file(tmp_path: Path) -> Path:
     return out
 
 
-def test_prefix_aware_routing_ranks_as_llm_d_measured(tmp_path):
+def top_stage(router: str, stages: Path) -> dict:
+    """One router's fleet run on the stages; its summary figures and its last stage's."""
     settings = load(str(profiles_dir().joinpath("fleet", "llm-d-capacity.toml")),
                     default_executor="sim")
-    arrivals = load_arrivals(stages_file(tmp_path))
-    top = {}
-    for router in ("weighted", "least-loaded", "random"):
-        result = run_fleet(settings, replica_roles(4, 0, 0), ClusterConfig(router=router),
-                           arrivals)
-        assert result["summary"]["cards"] == 16
-        assert result["summary"]["num_requests"] == len(arrivals)
-        top[router] = result["stages"][-1]
+    arrivals = load_arrivals(stages)
+    result = run_fleet(settings, replica_roles(4, 0, 0), ClusterConfig(router=router),
+                       arrivals)
+    return {"cards": result["summary"]["cards"], "arrivals": len(arrivals),
+            "num_requests": result["summary"]["num_requests"], **result["stages"][-1]}
+
+
+def test_prefix_aware_routing_ranks_as_llm_d_measured(tmp_path):
+    # The three runs are independent and single-threaded: one process each (spawned, not
+    # forked from a process that holds torch's threads), so they share the machine's cores.
+    routers = ("weighted", "least-loaded", "random")
+    with ProcessPoolExecutor(len(routers), mp_context=get_context("spawn")) as pool:
+        runs = pool.map(top_stage, routers, [stages_file(tmp_path)] * len(routers))
+        top = dict(zip(routers, runs, strict=True))
+    for stage in top.values():
+        assert stage["cards"] == 16
+        assert stage["num_requests"] == stage["arrivals"]
     tok = {r: s["output_tokens_per_s"] for r, s in top.items()}
     ttft = {r: s["ttft_p90_s"] for r, s in top.items()}
     # The order llm-d measured, on throughput and on TTFT p90, and the issue's margins.
