@@ -102,7 +102,8 @@ class WeightPacker:
                                for limit, f in self.auto_segments(group)])
         act = self.activations_for(fmt)
         return pack_matrix(weight, bias, fmt, FLOAT[act], self.int4_group_size,
-                           self.int8_group_size, self.int8_gemm_from(group, act))
+                           self.int8_group_size,
+                           self.int8_gemm_from(group, act) if fmt == "int8" else 1)
 
     def int8_gemm_from(self, group: str, act: str) -> int:
         """From how many rows a group's int8 matrices run their gemm kernel here: measured

@@ -544,8 +544,7 @@ class PrefixTree:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless tree, block map, pool flags and leaf set agree."""
-        # Runs after every step of an integrity-checked run, over every node: the names the
-        # loop reads are bound once, and each node's facts are read once.
+        # Runs after every step of an integrity-checked run, over every node: names bound once.
         seen: set[int] = set()
         on_host: set[int] = set()
         refcount, cached, bs = self.pool.refcount, self.pool.cached, self.block_size

@@ -52,14 +52,17 @@ VERSION = 3
 MAX_ROWS_TIMED = 32_768
 INT8_GEMM = "int8.gemm"
 """The table's name for int8's gemm kernel (`int8` alone: the packed one)."""
+NEVER = 1 << 62
+"""`int8_gemm_from` where the packed kernel stays faster at any row count."""
 
 
 def candidates(device: torch.device) -> list[tuple[str, str]]:
-    """(weight format, activation dtype) pairs worth timing on `device`; on the CPU int8's
-    two kernels apart (`INT8_GEMM`: the gemm one)."""
+    """(weight format, activation dtype) pairs worth timing on `device`; int8's two kernels
+    apart where it has the packed one (`INT8_GEMM`: the gemm one)."""
     acts = ["fp32", "bf16"] + (["fp16"] if device.type != "cpu" else [])
     pairs = [(f, f) for f in acts]
-    int8 = ("int8", INT8_GEMM) if device.type == "cpu" else ("int8",)
+    packed = device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    int8 = ("int8", INT8_GEMM) if packed else ("int8",)
     pairs += [(q, a) for q in (*int8, "int4") for a in acts]
     return pairs
 
@@ -93,7 +96,8 @@ class KernelTable:
     and after (the measurement itself may slow the machine, by heat or clocks, and the
     slower would have every later start measure again); 0: a table from before
     references were kept."""
-    _gemm_from: dict = field(default_factory=dict, repr=False)
+    _gemm_from: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """`int8_gemm_from`'s answers, kept: `times` does not change once a table is read."""
 
     def time(self, group: str, fmt: str, act: str, rows: int) -> float:
         """Seconds for `rows` rows (interpolated linearly between measured row counts); int8's
@@ -104,15 +108,16 @@ class KernelTable:
 
     def int8_gemm_from(self, group: str, act: str, limit: int = 4096) -> int:
         """The fewest rows from which int8's gemm kernel runs: where it is timed at least
-        as fast as the packed one (1 where gemm was not timed apart: no packed kernel;
-        `limit + 1`, never, where packed stays faster)."""
+        as fast as the packed one, up to `limit` rows (`NEVER` past it, and where the two
+        were not timed apart: no packed kernel here, whose matrices run gemm regardless,
+        or an activation dtype the table has not timed, which keeps the packed kernel)."""
         if f"{INT8_GEMM}/{act}" not in self.times[group]:
-            return 1
+            return NEVER
         key = (group, act, limit)
-        if key not in self._gemm_from:  # asked per matrix packed and per time(): kept
+        if key not in self._gemm_from:  # asked per matrix packed and per time()
             self._gemm_from[key] = next(
                 (rows for rows in range(1, limit + 1) if self._time(group, INT8_GEMM, act, rows)
-                 <= self._time(group, "int8", act, rows)), limit + 1)
+                 <= self._time(group, "int8", act, rows)), NEVER)
         return self._gemm_from[key]
 
     def _time(self, group: str, fmt: str, act: str, rows: int) -> float:
@@ -128,6 +133,11 @@ class KernelTable:
         for (r0, t0), (r1, t1) in zip(pts, pts[1:], strict=False):
             if rows <= r1:
                 return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        if fmt == INT8_GEMM and len(pts) > 1:
+            # A fixed dequantization, then a product that grows with the rows: along the
+            # last measured slope, not in proportion (which would scale the fixed part).
+            (r0, t0), (r1, t1) = pts[-2:]
+            return t1 + (t1 - t0) * (rows - r1) / (r1 - r0)
         return pts[-1][1] * rows / pts[-1][0]
 
     def best_act(self, fmt: str) -> str:
@@ -239,7 +249,8 @@ def measure(shapes: dict[str, tuple[int, int]], device: torch.device, compute: s
                 x = torch.randn(rows, k, generator=gen).to(device=device, dtype=FLOAT[compute])
                 # int8's gemm kernel pays a fixed dequantization at one row and is for
                 # more rows: it is always timed at all of them.
-                if rows > 1 and row[str(ROWS[0])] > 4 * best_one and fmt != INT8_GEMM:
+                first = row[str(ROWS[0])] if rows > 1 else None
+                if fmt != INT8_GEMM and first is not None and first > 4 * best_one:
                     row[str(rows)] = None  # hopeless at one row: not worth the time
                     continue
                 try:
@@ -371,7 +382,7 @@ def describe(table: KernelTable, rows: tuple[int, ...] = (1, 8, 32)) -> list[str
             label = fmt if fmt in FLOAT else f"{fmt}({act})"
             if fmt == "int8" and f"{INT8_GEMM}/{act}" in table.times[group]:
                 rows_from = table.int8_gemm_from(group, act)
-                kernel = "gemm" if rows_from == 1 else "packed" if rows_from > 4096 else \
+                kernel = "gemm" if rows_from == 1 else "packed" if rows_from == NEVER else \
                     f"gemm from {rows_from} rows"
                 label = f"int8({act}, {kernel})"
             parts.append(f"{label} " + "/".join(f"{x * 1e3:.2f}" for x in t))

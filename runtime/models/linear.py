@@ -102,10 +102,13 @@ class WeightOnlyInt8:
     Two kernels, the same sum. `packed`: PyTorch's packed int8 kernel, which takes
     per-channel scales only, so each input group is one call and the partial products are
     summed. `gemm`: a block of output rows at a time is dequantized into the activation
-    dtype and multiplied in one dense product. Which is faster depends on the CPU and the
-    rows: on a 2-core AVX2 machine, Gemma's head at one row 86 ms packed, 116 ms gemm; at
-    512 rows (a prompt) 50 s packed, 1.7 s gemm; an FFN matrix is faster in gemm from one
-    row. So `gemm_from_rows` (measured, `kernels.py`) says from how many rows gemm runs.
+    dtype and multiplied in one dense product. Which is faster depends on the CPU, the
+    activation dtype and the rows. On a 2-core AVX2 machine with fp32 activations (groups
+    of 32): Gemma's head at one row 86 ms packed, 116 ms gemm, at 512 rows (a prompt) 50 s
+    packed, 1.7 s gemm; its FFN up-projection at one row 1.4 ms packed, 0.6 ms gemm. With
+    bf16 activations there the packed kernel won at every row count timed (AVX2 has no
+    bf16 products). So `gemm_from_rows` (measured, `kernels.py`) says from how many rows
+    gemm runs.
     Where the packed kernel is missing (CUDA, old torch) gemm runs at every row count.
     """
 

@@ -13,6 +13,7 @@ from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.sim import SimConfig, SimExecutor
 from kvdeck.runtime.models.kernels import (
     CPU_DTYPE_GAIN,
+    NEVER,
     KernelTable,
     cpu_compute_dtype,
     load_or_measure,
@@ -35,10 +36,12 @@ def reference(m, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("make", [
     lambda w, d: WeightOnlyInt8(w, None, d, 0),
     lambda w, d: WeightOnlyInt8(w, None, d, 64),
+    lambda w, d: WeightOnlyInt8(w, None, d, 0, gemm_from_rows=1 << 62),
     lambda w, d: WeightOnlyInt8(w, None, d, 64, gemm_from_rows=1 << 62),
     lambda w, d: WeightOnlyInt4(w, None, d, 32),
     lambda w, d: WeightOnlyInt4(w, None, d, 128),
-], ids=["int8-per-channel", "int8-g64", "int8-g64-packed", "int4-g32", "int4-g128"])
+], ids=["int8-per-channel", "int8-g64", "int8-per-channel-packed", "int8-g64-packed",
+        "int4-g32", "int4-g128"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_packed_matmul_equals_dequantize_then_matmul(shape, make, dtype) -> None:
     g = torch.Generator().manual_seed(shape[0])
@@ -107,9 +110,15 @@ def test_int8_runs_its_gemm_kernel_from_the_row_count_given() -> None:
     w = torch.randn(300, 128, generator=g)
     m = WeightOnlyInt8(w, torch.randn(300, generator=g), torch.float32, 32, gemm_from_rows=4)
     m.block = 64  # several blocks, the last one short
+    ran: list[tuple[str, int]] = []
+    for name in ("_packed", "_gemm"):
+        kernel = getattr(m, name)
+        setattr(m, name, lambda x2, k=kernel, n=name: ran.append((n, len(x2))) or k(x2))
     x = torch.randn(6, 128, generator=g)
     gemm = m(x)
     packed = torch.cat([m(x[i:i + 3]) for i in (0, 3)])  # 3 rows: under the rule's 4
+    if m.gemm_from_rows == 4:  # this torch has the packed kernel
+        assert ran == [("_gemm", 6), ("_packed", 3), ("_packed", 3)]
     assert torch.allclose(gemm, packed, rtol=1e-5, atol=1e-5)
     assert torch.allclose(gemm, x @ m.dequantized().t() + m.bias, rtol=1e-5, atol=1e-5)
 
@@ -124,8 +133,10 @@ def test_the_table_times_int8_by_the_kernel_it_runs() -> None:
     assert t.int8_gemm_from("ffn", "fp32") == 3
     assert t.time("ffn", "int8", "fp32", 2) == 2.0
     assert t.time("ffn", "int8", "fp32", 32) == 6.0
-    del times["ffn"]["int8.gemm/fp32"]  # no packed kernel here: gemm at every row count
-    assert t.int8_gemm_from("ffn", "fp32") == 1
+    # Gemm's time past its last point follows its last slope (3 ms a 24 rows), not the rows.
+    assert t.time("ffn", "int8", "fp32", 56) == 9.0
+    # Not timed apart (no packed kernel, or bf16 never timed): no switch; the matrix decides.
+    assert t.int8_gemm_from("ffn", "bf16") == NEVER
 
 
 def table() -> KernelTable:
