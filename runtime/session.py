@@ -45,17 +45,12 @@ class Session:
         from kvdeck.runtime.executors.base import Adapters, capability
 
         executor = capability(self.executor, Adapters, "--lora-modules")
-        for module in modules:
-            name, sep, path = module.partition("=")
-            if not sep or not name.strip() or not path.strip() or ":" in name:
-                raise ConfigError(f"--lora-modules takes NAME=PATH (a name without ':'), "
-                                  f"got {module!r}.")
-            name = name.strip()
+        for name, path in parse_lora_modules(modules):
             if name in self.adapters or name == self.model_id:
                 raise ConfigError(f"--lora-modules names {name!r} twice, or as the model "
                                   "itself; give each adapter a name of its own.")
-            executor.load_adapter(name, path.strip(), self.settings.engine.max_loras)
-            self.adapters[name] = path.strip()
+            executor.load_adapter(name, path, self.settings.engine.max_loras)
+            self.adapters[name] = path
         # Their slots come out of the KV budget (before any request: the pool is empty).
         self.engine.switcher.fit_pool("LoRA adapters")
 
@@ -67,7 +62,17 @@ class Session:
         self.engine.close()
 
 
-"""A few paragraphs of English a simulated server with a real tokenizer answers from."""
+def parse_lora_modules(modules: list[str]) -> list[tuple[str, str]]:
+    """(name, path) of each `NAME=PATH` of vLLM's `--lora-modules`; a ConfigError sentence
+    for a malformed one. Pure, so that `kvdeck serve` refuses one before loading a model."""
+    out = []
+    for module in modules:
+        name, sep, path = module.partition("=")
+        if not sep or not name.strip() or not path.strip() or ":" in name:
+            raise ConfigError(f"--lora-modules takes NAME=PATH (a name without ':'), "
+                              f"got {module!r}.")
+        out.append((name.strip(), path.strip()))
+    return out
 
 
 def build_executor(settings: Settings, sim: SimConfig | None = None,

@@ -154,12 +154,14 @@ def build_models(settings: SettingsRequest, events, cascade: str | None, knobs: 
     served."""
     from kvdeck.runtime.fleet.publisher import EventPublisher
     from kvdeck.runtime.server.cascade import CascadeConfig
+    from kvdeck.runtime.session import parse_lora_modules
 
     requests = settings.each("model")
     if len(requests) > 1:
         refuse_for_many(requests, events)
     if cascade:
         CascadeConfig.check_knobs(knobs["threshold"], knobs["measure"])
+    parse_lora_modules(lora_modules)  # a malformed one is refused before any model loads
     sessions = build_sessions(requests)
     try:
         ids = [s.model_id for s in sessions]
