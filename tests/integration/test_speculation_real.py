@@ -126,9 +126,9 @@ def test_draft_model_speculation_on_the_qwen_pair_is_lossless(qwen_pair, executo
     # bf16 on torch: the pair's weights are 8.2 GB in fp32, past the suite's 8 GiB budget
     # by themselves; 4.1 GB in bf16. Plain and speculative decoding run in the same dtype.
     dtype = "bf16" if executor == "torch" else "fp32"
-    expected, plain_passes, _ = run(target, "off", texts=CODE, max_tokens=24,
+    expected, plain_passes, _ = run(target, "off", texts=CODE, max_tokens=16,
                                     executor=executor, dtype=dtype)
-    got, passes, stats = run(target, "draft", draft, texts=CODE, max_tokens=24,
+    got, passes, stats = run(target, "draft", draft, texts=CODE, max_tokens=16,
                              executor=executor, dtype=dtype)
     # Up to kernel ties on both: llama.cpp's rows (see run()), and torch's in bf16, where a
     # verify chunk's 1 + k rows are multiplied in other shapes than a lone decode row and

@@ -1,0 +1,142 @@
+"""Several llama-server slots' prompts in one call against one prompt alone: does the step
+model price them alike?
+
+    python -m benchmarks.slot_prompts      # llama-server from .venv-clients/ (make clients)
+
+llama-server (`-np 8`: one KV stream per slot) runs the prompts of the slots it launched
+together in one batch a step, cut at its checkpoints and into micro-batches of neighbouring
+slots (`runtime/executors/server_slots.py`), and the sim prices each micro-batch with the
+step model fitted to probes of one prompt at a time. Whether that holds for several slots'
+prompt pieces in one micro-batch is what this measures.
+
+The server is probed as `kvdeck calibrate --url` probes it, and the step model fitted. Then,
+in pairs run back to back so that the machine's speed (which moves by tens of per cent
+within minutes on a shared 2-core machine) changes little between them: one prompt of `c`
+tokens alone, then `b` prompts of `c` tokens pinned to slots 0 to b − 1 (`id_slot`) and
+launched together: a request decoding in slot 7 keeps the server's loop busy while they
+arrive, so they start in one step. A group's time is llama-server's own account, the
+longest `timings.prompt_ms` in it (from the slot's first prompt step to its first token);
+its prediction sums the fitted step over the calls the sim makes of the same work
+(`group_seconds`). Printed per pair: measured over predicted for one prompt and for `b`,
+and the second over the first, 1.0 where the fit prices `b` slots' prompts as it prices
+one. `bench-results/slot_prompts.json` keeps every figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks import peers
+from benchmarks.sim_vs_real import LLAMA_BATCH, THREADS
+from kvdeck.runtime.core.policies.prompt_cuts import cut_points
+from kvdeck.runtime.core.step_data import causal_pairs
+from kvdeck.runtime.executors.server_slots import UBATCH, micro_batches
+from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
+from kvdeck.runtime.planning.calibrate import fit_step_model
+from kvdeck.runtime.planning.probe import FULL, probe
+from kvdeck.runtime.planning.profiles import ModelProfile, StepFit
+
+CASES = ((2, 768), (4, 768), (6, 768), (4, 256), (6, 256))
+"""(slots, prompt tokens) of the groups, each run after one prompt of its length alone."""
+REPEATS = 2
+DECODER_SLOT, DECODER_PROMPT, DECODER_TOKENS = 7, 16, 100
+"""The request that holds the loop: a second of decoding before the group is sent, then
+one token a call while the group's prompts run (three calls for 768 tokens)."""
+CUTS = (min(LLAMA_BATCH, 4 + UBATCH), min(LLAMA_BATCH, 4))
+"""llama-server's checkpoints on Gemma 3 (`sim_vs_real.llama_server_cuts`)."""
+OUT = Path("bench-results/slot_prompts.json")
+
+
+def group_seconds(fit: StepFit, slots: int, prompt: int, cuts: tuple[int, ...] = CUTS,
+                  decoder_context: int = DECODER_PROMPT) -> tuple[float, list[float]]:
+    """What the fit prices `slots` prompts of `prompt` tokens launched together in slots
+    0 to slots − 1 beside a request decoding in `DECODER_SLOT` at `decoder_context`: per
+    call (a step: each prompt's next piece up to its next cut, and the decode row), its
+    micro-batches' fitted times summed; returns the total and each call's."""
+    done = [0] * slots
+    calls: list[float] = []
+    while min(done) < prompt:
+        # (slot, tokens, start): the decode row first, then the prompts in slot order.
+        pieces = [(DECODER_SLOT, 1, decoder_context + len(calls))]
+        for s in range(slots):
+            end = next((p for p in cut_points(prompt, cuts) if done[s] < p), prompt)
+            pieces.append((s, end - done[s], done[s]))
+        seconds = 0.0
+        for batch in micro_batches([(s, n) for s, n, _ in pieces], UBATCH):
+            new = pairs = context = sampled = 0
+            for i, before, k in batch:
+                s, n, start = pieces[i]
+                h = start + before
+                new, pairs, context = new + k, pairs + causal_pairs(k, h), context + h + k
+                # The decode row is sampled; a prompt at its last token.
+                sampled += s == DECODER_SLOT or h + k == prompt
+            seconds += fit.seconds(new, pairs, sampled, context)
+        calls.append(seconds)
+        for s, n, _ in pieces[1:]:
+            done[s] += n
+    return sum(calls), calls
+
+
+async def measure_group(base: str, slots: int, prompt: int, rng: random.Random) -> float:
+    """Seconds llama-server at `base` (no /v1) took over `slots` prompts of `prompt` random
+    tokens launched together beside a decoding request: the longest `prompt_ms`."""
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, 32_000) for _ in range(n)]
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        decoder = asyncio.create_task(client.post(base + "/completion", json={
+            "prompt": tokens(DECODER_PROMPT), "n_predict": DECODER_TOKENS,
+            "ignore_eos": True, "id_slot": DECODER_SLOT}))
+        await asyncio.sleep(1.0)  # decoding by now: its steps hold the loop
+        replies = await asyncio.gather(*[client.post(base + "/completion", json={
+            "prompt": tokens(prompt), "n_predict": 1, "ignore_eos": True, "id_slot": s})
+            for s in range(slots)])
+        await decoder
+    for r in replies:
+        r.raise_for_status()
+    return max(r.json()["timings"]["prompt_ms"] for r in replies) / 1e3
+
+
+def main() -> None:
+    server = peers.llama_server(resolve_model(DEFAULT_MODEL), DEFAULT_MODEL, THREADS,
+                                repack=False)
+    server.start(DEFAULT_MODEL)
+    base = server.url.removesuffix("/v1")
+    rows = []
+    try:
+        fit = fit_step_model(probe(server.url, DEFAULT_MODEL, FULL, progress=lambda m: None,
+                                   shape=ModelProfile.load(DEFAULT_MODEL)))
+        print(f"{server.version}\nfit: {json.dumps(fit.to_json())}")
+        rng = random.Random(0)
+        for rep in range(REPEATS):
+            for slots, prompt in CASES:
+                t0 = time.time()
+                alone = asyncio.run(measure_group(base, 1, prompt, rng))
+                together = asyncio.run(measure_group(base, slots, prompt, rng))
+                one = alone / group_seconds(fit, 1, prompt)[0]
+                many = together / group_seconds(fit, slots, prompt)[0]
+                rows.append({"repeat": rep, "slots": slots, "prompt": prompt,
+                             "alone_s": alone, "together_s": together, "alone_ratio": one,
+                             "together_ratio": many, "quotient": many / one,
+                             "wall_s": time.time() - t0})
+                print(f"{slots} × {prompt}: measured/predicted alone {one:.2f}, together "
+                      f"{many:.2f}; quotient {many / one:.2f}", flush=True)
+    finally:
+        server.stop()
+    quotients = [r["quotient"] for r in rows]
+    print(f"quotient median {statistics.median(quotients):.2f} "
+          f"({min(quotients):.2f}–{max(quotients):.2f}) over {len(rows)} pairs")
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps({"server": server.version, "fit": fit.to_json(), "pairs": rows},
+                              indent=1))
+
+
+if __name__ == "__main__":
+    main()
