@@ -13,9 +13,11 @@ The server is probed as `kvdeck calibrate --url` probes it, and the step model f
 in pairs run back to back so that the machine's speed (which moves by tens of per cent
 within minutes on a shared 2-core machine) changes little between them: one prompt of `c`
 tokens alone, then `b` prompts of `c` tokens pinned to slots 0 to b − 1 (`id_slot`) and
-launched together: a request decoding in slot 7 keeps the server's loop busy while they
-arrive, so they start in one step. A group's time is llama-server's own account, the
-longest `timings.prompt_ms` in it (from the slot's first prompt step to its first token);
+launched together (the second repeat the other way round): a request decoding in slot 7
+keeps the server's loop busy while they arrive, so they start in one step (each prompt's
+own time is kept: launched over two steps, they would not end together). A group's time
+is llama-server's own account, the longest `timings.prompt_ms` in it (from the slot's
+first prompt step to its first token);
 its prediction sums the fitted step over the calls the sim makes of the same work
 (`group_seconds`). Printed per pair: measured over predicted for one prompt and for `b`,
 and the second over the first, 1.0 where the fit prices `b` slots' prompts as it prices
@@ -34,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import peers
-from benchmarks.sim_vs_real import LLAMA_BATCH, THREADS
+from benchmarks.sim_vs_real import LLAMA_BATCH, THREADS, llama_server_cuts
 from kvdeck.runtime.core.policies.prompt_cuts import cut_points
 from kvdeck.runtime.core.step_data import causal_pairs
 from kvdeck.runtime.executors.server_slots import UBATCH, micro_batches
@@ -49,25 +51,42 @@ REPEATS = 2
 DECODER_SLOT, DECODER_PROMPT, DECODER_TOKENS = 7, 16, 100
 """The request that holds the loop: a second of decoding before the group is sent, then
 one token a call while the group's prompts run (three calls for 768 tokens)."""
-CUTS = (min(LLAMA_BATCH, 4 + UBATCH), min(LLAMA_BATCH, 4))
-"""llama-server's checkpoints on Gemma 3 (`sim_vs_real.llama_server_cuts`)."""
+
+
+def _cuts() -> tuple[int, ...]:
+    flags = llama_server_cuts()  # ["--prompt-cuts", "516,4"] on Gemma 3, [] without windows
+    return tuple(int(c) for c in flags[1].split(",")) if flags else ()
+
+
+CUTS = _cuts()
+"""llama-server's checkpoints on the model: 516 and 4 tokens before a prompt's end."""
 OUT = Path("bench-results/slot_prompts.json")
 
 
 def group_seconds(fit: StepFit, slots: int, prompt: int, cuts: tuple[int, ...] = CUTS,
                   decoder_context: int = DECODER_PROMPT) -> tuple[float, list[float]]:
     """What the fit prices `slots` prompts of `prompt` tokens launched together in slots
-    0 to slots − 1 beside a request decoding in `DECODER_SLOT` at `decoder_context`: per
-    call (a step: each prompt's next piece up to its next cut, and the decode row), its
-    micro-batches' fitted times summed; returns the total and each call's."""
+    0 to slots − 1 beside a request decoding in `DECODER_SLOT` (`decoder_context`: its
+    positions at the first call, give or take the tokens it decoded before: a few
+    nanoseconds each): per call (a step: the decode row, then each prompt's next piece up
+    to its next cut while the batch has room), its micro-batches' fitted times summed;
+    returns the total and each call's. The raw fit, without the sim's corrections by
+    measured decode steps: both sides of a pair are priced alike."""
+    if not 0 < slots < DECODER_SLOT:
+        raise ValueError(f"slots must be 1 to {DECODER_SLOT - 1}, got {slots}")
     done = [0] * slots
     calls: list[float] = []
     while min(done) < prompt:
-        # (slot, tokens, start): the decode row first, then the prompts in slot order.
+        # (slot, tokens, start): the decode row first, then the prompts in slot order, each
+        # up to its next cut, as many as the batch holds (llama-server's `-b`).
         pieces = [(DECODER_SLOT, 1, decoder_context + len(calls))]
+        room = LLAMA_BATCH - 1
         for s in range(slots):
             end = next((p for p in cut_points(prompt, cuts) if done[s] < p), prompt)
-            pieces.append((s, end - done[s], done[s]))
+            take = min(end - done[s], room)
+            if take > 0:
+                pieces.append((s, take, done[s]))
+                room -= take
         seconds = 0.0
         for batch in micro_batches([(s, n) for s, n, _ in pieces], UBATCH):
             new = pairs = context = sampled = 0
@@ -84,9 +103,11 @@ def group_seconds(fit: StepFit, slots: int, prompt: int, cuts: tuple[int, ...] =
     return sum(calls), calls
 
 
-async def measure_group(base: str, slots: int, prompt: int, rng: random.Random) -> float:
-    """Seconds llama-server at `base` (no /v1) took over `slots` prompts of `prompt` random
-    tokens launched together beside a decoding request: the longest `prompt_ms`."""
+async def measure_group(base: str, slots: int, prompt: int, rng: random.Random
+                        ) -> list[float]:
+    """Seconds llama-server at `base` (no /v1) took over each of `slots` prompts of `prompt`
+    random tokens launched together beside a decoding request (its `prompt_ms`); a
+    RuntimeError where that request ended before them (nothing held the loop)."""
     def tokens(n: int) -> list[int]:
         return [rng.randrange(100, 32_000) for _ in range(n)]
 
@@ -98,10 +119,14 @@ async def measure_group(base: str, slots: int, prompt: int, rng: random.Random) 
         replies = await asyncio.gather(*[client.post(base + "/completion", json={
             "prompt": tokens(prompt), "n_predict": 1, "ignore_eos": True, "id_slot": s})
             for s in range(slots)])
-        await decoder
+        held = not decoder.done()
+        (await decoder).raise_for_status()
     for r in replies:
         r.raise_for_status()
-    return max(r.json()["timings"]["prompt_ms"] for r in replies) / 1e3
+    if not held:
+        raise RuntimeError(f"the decoding request ended before {slots} × {prompt} did: "
+                           "raise DECODER_TOKENS for this machine")
+    return [r.json()["timings"]["prompt_ms"] / 1e3 for r in replies]
 
 
 def main() -> None:
@@ -118,12 +143,16 @@ def main() -> None:
         for rep in range(REPEATS):
             for slots, prompt in CASES:
                 t0 = time.time()
-                alone = asyncio.run(measure_group(base, 1, prompt, rng))
-                together = asyncio.run(measure_group(base, slots, prompt, rng))
+                # Alone first, then together, then the other way round: a steady drift
+                # of the machine's speed leans the two repeats opposite ways.
+                order = (1, slots) if rep % 2 == 0 else (slots, 1)
+                timed = {n: asyncio.run(measure_group(base, n, prompt, rng)) for n in order}
+                alone, together = max(timed[1]), max(timed[slots])
                 one = alone / group_seconds(fit, 1, prompt)[0]
                 many = together / group_seconds(fit, slots, prompt)[0]
                 rows.append({"repeat": rep, "slots": slots, "prompt": prompt,
-                             "alone_s": alone, "together_s": together, "alone_ratio": one,
+                             "alone_s": alone, "together_s": together,
+                             "together_each_s": timed[slots], "alone_ratio": one,
                              "together_ratio": many, "quotient": many / one,
                              "wall_s": time.time() - t0})
                 print(f"{slots} × {prompt}: measured/predicted alone {one:.2f}, together "

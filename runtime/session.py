@@ -64,13 +64,17 @@ class Session:
 
 def parse_lora_modules(modules: list[str]) -> list[tuple[str, str]]:
     """(name, path) of each `NAME=PATH` of vLLM's `--lora-modules`; a ConfigError sentence
-    for a malformed one. Pure, so that `kvdeck serve` refuses one before loading a model."""
-    out = []
+    for a malformed one or a name given twice. Pure, so that `kvdeck serve` refuses them
+    before loading a model (a name the model itself has is refused on loading)."""
+    out: list[tuple[str, str]] = []
     for module in modules:
         name, sep, path = module.partition("=")
         if not sep or not name.strip() or not path.strip() or ":" in name:
             raise ConfigError(f"--lora-modules takes NAME=PATH (a name without ':'), "
                               f"got {module!r}.")
+        if any(name.strip() == taken for taken, _ in out):
+            raise ConfigError(f"--lora-modules names {name.strip()!r} twice, or as the model "
+                              "itself; give each adapter a name of its own.")
         out.append((name.strip(), path.strip()))
     return out
 

@@ -53,7 +53,8 @@ MAX_ROWS_TIMED = 32_768
 INT8_GEMM = "int8.gemm"
 """The table's name for int8's gemm kernel (`int8` alone: the packed one)."""
 NEVER = 1 << 62
-"""`int8_gemm_from` where the packed kernel stays faster at any row count."""
+"""`int8_gemm_from` where the packed kernel stays faster at any row count, or where the
+two kernels were not timed apart."""
 
 
 def candidates(device: torch.device) -> list[tuple[str, str]]:
@@ -73,7 +74,7 @@ def _pack_timed(w: torch.Tensor, fmt: str, act: str, group_size: int,
     if fmt in FLOAT:
         return pack_matrix(w, None, "dense", FLOAT[act])
     if fmt == "int8":  # the packed kernel at every row count
-        return pack_matrix(w, None, fmt, FLOAT[act], group_size, int8_group_size, 1 << 62)
+        return pack_matrix(w, None, fmt, FLOAT[act], group_size, int8_group_size, NEVER)
     if fmt == INT8_GEMM:
         return pack_matrix(w, None, "int8", FLOAT[act], group_size, int8_group_size, 1)
     return pack_matrix(w, None, fmt, FLOAT[act], group_size, int8_group_size)
@@ -133,12 +134,19 @@ class KernelTable:
         for (r0, t0), (r1, t1) in zip(pts, pts[1:], strict=False):
             if rows <= r1:
                 return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
-        if fmt == INT8_GEMM and len(pts) > 1:
+        if len(pts) > 1 and self._ran_gemm(group, fmt):
             # A fixed dequantization, then a product that grows with the rows: along the
-            # last measured slope, not in proportion (which would scale the fixed part).
+            # last measured slope (never down), not in proportion (which would scale the
+            # fixed part too).
             (r0, t0), (r1, t1) = pts[-2:]
-            return t1 + (t1 - t0) * (rows - r1) / (r1 - r0)
+            return t1 + max(t1 - t0, 0.0) * (rows - r1) / (r1 - r0)
         return pts[-1][1] * rows / pts[-1][0]
+
+    def _ran_gemm(self, group: str, fmt: str) -> bool:
+        """Whether `fmt`'s timings are of int8's gemm kernel: its own entry, or int8's
+        where the packed kernel was missing (no `INT8_GEMM` entries then)."""
+        return fmt == INT8_GEMM or fmt == "int8" and not any(
+            key.startswith(INT8_GEMM + "/") for key in self.times[group])
 
     def best_act(self, fmt: str) -> str:
         """The activation dtype with which `fmt` is fastest at one row, over all groups."""

@@ -36,8 +36,8 @@ def reference(m, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("make", [
     lambda w, d: WeightOnlyInt8(w, None, d, 0),
     lambda w, d: WeightOnlyInt8(w, None, d, 64),
-    lambda w, d: WeightOnlyInt8(w, None, d, 0, gemm_from_rows=1 << 62),
-    lambda w, d: WeightOnlyInt8(w, None, d, 64, gemm_from_rows=1 << 62),
+    lambda w, d: WeightOnlyInt8(w, None, d, 0, gemm_from_rows=NEVER),
+    lambda w, d: WeightOnlyInt8(w, None, d, 64, gemm_from_rows=NEVER),
     lambda w, d: WeightOnlyInt4(w, None, d, 32),
     lambda w, d: WeightOnlyInt4(w, None, d, 128),
 ], ids=["int8-per-channel", "int8-g64", "int8-per-channel-packed", "int8-g64-packed",
@@ -133,8 +133,15 @@ def test_the_table_times_int8_by_the_kernel_it_runs() -> None:
     assert t.int8_gemm_from("ffn", "fp32") == 3
     assert t.time("ffn", "int8", "fp32", 2) == 2.0
     assert t.time("ffn", "int8", "fp32", 32) == 6.0
-    # Gemm's time past its last point follows its last slope (3 ms a 24 rows), not the rows.
+    # Gemm's time past its last point follows its last slope (3 a 24 rows), not the rows,
+    # and never goes down.
     assert t.time("ffn", "int8", "fp32", 56) == 9.0
+    flat = KernelTable({"ffn": {"int8/fp32": {"1": 1.0, "8": 8.0, "32": 32.0},
+                                "int8.gemm/fp32": {"1": 2.0, "8": 3.0, "32": 2.9}}}, "fp32")
+    assert flat.time("ffn", "int8", "fp32", 4096) == 2.9
+    # Where int8 had no packed kernel (no gemm entry), its own timings are gemm's.
+    alone = KernelTable({"ffn": {"int8/fp32": {"1": 2.0, "8": 3.0, "32": 6.0}}}, "fp32")
+    assert alone.time("ffn", "int8", "fp32", 56) == 9.0
     # Not timed apart (no packed kernel, or bf16 never timed): no switch; the matrix decides.
     assert t.int8_gemm_from("ffn", "bf16") == NEVER
 
