@@ -16,7 +16,7 @@ three runs its first token came 1.4–1.7 s after the first's, as where it misse
 step, and the sim, which put it in, predicted a TPOT median of 1.38 times the measured
 one; with the request 10 ms later the same fit predicts 1.07.
 
-`close_call_s` reads a run's record (`kvdeck run-trace --record`, parsed as replay parses
+`close_call_s` reads a run's record (`kvdeck run-trace --record`, read as replay reads
 it), which gives each step's start and the requests it admitted, and each request's
 arrival.
 """
@@ -27,7 +27,7 @@ import math
 from pathlib import Path
 
 from kvdeck.runtime.core.step_record import StepRecord
-from kvdeck.runtime.runs.records import parse_record
+from kvdeck.runtime.runs.recording import read_run
 
 
 def close_call_s(record: Path, intake_s: float) -> float:
@@ -36,18 +36,9 @@ def close_call_s(record: Path, intake_s: float) -> float:
     the sim's way in from outside) that it admitted, or that the next step admitted having
     come in after this one started, where that changed more than when the request's own
     prompt ran (`swayed`); infinite where there is none."""
-    steps: list[StepRecord] = []
-    came, prompt = {}, {}
-    path = record / "iterations.jsonl"
-    with path.open() as lines:
-        for n, line in enumerate(lines, 1):
-            r = parse_record(line, f"{path}:{n}")
-            if not isinstance(r, StepRecord):
-                continue
-            for a in r.arrived:
-                came[a.request_id] = a.arrival_time + intake_s
-                prompt[a.request_id] = a.num_prompt_tokens
-            steps.append(r)
+    steps = [r for r in read_run(record)[1] if isinstance(r, StepRecord)]
+    came = {a.request_id: a.arrival_time + intake_s for s in steps for a in s.arrived}
+    prompt = {a.request_id: a.num_prompt_tokens for s in steps for a in s.arrived}
     least = math.inf
     for i, s in enumerate(steps):
         # Prompt work starts before the prompt's end (a step that ran nothing has no plan).

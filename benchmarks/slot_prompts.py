@@ -38,8 +38,9 @@ import httpx
 from benchmarks import peers
 from benchmarks.sim_vs_real import LLAMA_BATCH, THREADS, llama_server_cuts
 from kvdeck.runtime.core.policies.prompt_cuts import cut_points
-from kvdeck.runtime.core.step_data import causal_pairs
-from kvdeck.runtime.executors.server_slots import UBATCH, micro_batches
+from kvdeck.runtime.core.request import Request
+from kvdeck.runtime.core.step_data import ScheduledChunk
+from kvdeck.runtime.executors.server_slots import ServerSlots
 from kvdeck.runtime.models.registry import DEFAULT_MODEL, resolve_model
 from kvdeck.runtime.planning.calibrate import fit_step_model
 from kvdeck.runtime.planning.probe import FULL, probe
@@ -74,32 +75,30 @@ def group_seconds(fit: StepFit, slots: int, prompt: int, cuts: tuple[int, ...] =
     measured decode steps: both sides of a pair are priced alike."""
     if not 0 < slots < DECODER_SLOT:
         raise ValueError(f"slots must be 1 to {DECODER_SLOT - 1}, got {slots}")
+    decoder = Request("decoder", [0] * decoder_context)
+    prompts = [Request(f"p{s}", [0] * prompt) for s in range(slots)]
+    server = ServerSlots(DECODER_SLOT + 1)
     done = [0] * slots
     calls: list[float] = []
     while min(done) < prompt:
-        # (slot, tokens, start): the decode row first, then the prompts in slot order, each
-        # up to its next cut, as many as the batch holds (llama-server's `-b`).
-        pieces = [(DECODER_SLOT, 1, decoder_context + len(calls))]
+        # The decode row first, then the prompts in slot order, each up to its next cut,
+        # as many tokens as the batch holds (llama-server's `-b`); priced as the sim's
+        # `ServerSlots.step_seconds` prices a step.
+        decoder.output_token_ids.append(0)
+        chunks = [ScheduledChunk(decoder, 1, decoder.num_tokens - 1, [], True)]
+        slot_of = [DECODER_SLOT]
         room = LLAMA_BATCH - 1
-        for s in range(slots):
+        for s, req in enumerate(prompts):
             end = next((p for p in cut_points(prompt, cuts) if done[s] < p), prompt)
             take = min(end - done[s], room)
             if take > 0:
-                pieces.append((s, take, done[s]))
+                chunks.append(ScheduledChunk(req, take, done[s], [], done[s] + take == prompt))
+                slot_of.append(s)
                 room -= take
-        seconds = 0.0
-        for batch in micro_batches([(s, n) for s, n, _ in pieces], UBATCH):
-            new = pairs = context = sampled = 0
-            for i, before, k in batch:
-                s, n, start = pieces[i]
-                h = start + before
-                new, pairs, context = new + k, pairs + causal_pairs(k, h), context + h + k
-                # The decode row is sampled; a prompt at its last token.
-                sampled += s == DECODER_SLOT or h + k == prompt
-            seconds += fit.seconds(new, pairs, sampled, context)
-        calls.append(seconds)
-        for s, n, _ in pieces[1:]:
-            done[s] += n
+                done[s] += take
+        calls.append(server.step_seconds(
+            chunks, slot_of, lambda new, pairs, context, sampled, _shape:
+            fit.seconds(new, pairs, sampled, context)))
     return sum(calls), calls
 
 

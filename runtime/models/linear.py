@@ -147,9 +147,14 @@ class WeightOnlyInt8:
         y = torch.empty(x2.shape[0], self.out_features, dtype=self.dtype, device=x2.device)
         for a in range(0, self.out_features, self.block):
             b = min(a + self.block, self.out_features)
-            w = (self.codes[:, a:b].to(self.dtype) * self.scales[:, a:b, None])  # [g, rows, gs]
-            torch.mm(x2, w.transpose(0, 1).reshape(b - a, self.in_features).t(), out=y[:, a:b])
+            torch.mm(x2, self._rows(a, b, self.dtype).t(), out=y[:, a:b])
         return y
+
+    def _rows(self, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """Output rows `a` to `b` of the weight these codes stand for, [b − a, in], in
+        `dtype`."""
+        w = self.codes[:, a:b].to(dtype) * self.scales[:, a:b, None].to(dtype)  # [g, rows, gs]
+        return w.transpose(0, 1).reshape(b - a, self.in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -161,8 +166,7 @@ class WeightOnlyInt8:
 
     def dequantized(self) -> torch.Tensor:
         """The weight these codes stand for (the reference the packed kernel must equal)."""
-        w = self.codes.float() * self.scales.float()[..., None]        # [groups, n, gs]
-        return w.transpose(0, 1).reshape(self.out_features, self.in_features)
+        return self._rows(0, self.out_features, torch.float32)
 
     @property
     def num_params(self) -> int:

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from benchmarks.close_calls import close_call_s
+from kvdeck.runtime.runs.records import RUN_FORMAT
 
 INTAKE = 0.04
 PROMPT = 100
@@ -30,7 +31,9 @@ def decode(rid: str) -> list:
 
 
 def write(tmp_path, steps: list[dict]):
-    """A run directory whose record is `steps`."""
+    """A run directory whose record is `steps` (its header: what `read_run` checks)."""
+    (tmp_path / "header.json").write_text(json.dumps(
+        {"kvdeck_run": RUN_FORMAT, "num_blocks": 1, "block_size": 16}))
     (tmp_path / "iterations.jsonl").write_text("".join(json.dumps(d) + "\n" for d in steps))
     return tmp_path
 
