@@ -3,7 +3,7 @@
 `gguf.quants.dequantize` handles every GGML type in numpy; Q8_0, F16, BF16 and F32 — the
 bulk of small models, Gemma 3's 168M-element embedding table among them — take threaded
 torch paths here instead (the generic Q8_0 path runs at ~23 M elements/s on a 2-core
-machine, this one at ~200). Shapes come back in torch order (rows, columns): GGUF lists the
+machine, this one at ~200), and so do the block types of `ggml_blocks`. Shapes come back in torch order (rows, columns): GGUF lists the
 fastest dimension first.
 """
 
@@ -13,8 +13,9 @@ import warnings
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from kvdeck.runtime.models.ggml_blocks import DECODERS
 from kvdeck.runtime.models.gguf import GGUFFile, TensorInfo
 
 Q = GGMLQuantizationType
@@ -47,6 +48,8 @@ def _rows_f32(rows: np.ndarray, qtype: Q) -> torch.Tensor:
         blocks = _view(rows.reshape(-1, 34))
         scales = blocks[:, :2].contiguous().view(torch.float16).float()
         flat = blocks[:, 2:].view(torch.int8).float() * scales
+    elif qtype in DECODERS:
+        flat = DECODERS[qtype](_view(rows.reshape(-1, GGML_QUANT_SIZES[qtype][1])))
     else:
         flat = torch.from_numpy(quants.dequantize(rows, qtype))
     return flat.reshape(r, -1)
