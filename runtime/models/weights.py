@@ -3,8 +3,8 @@
 `gguf.quants.dequantize` handles every GGML type in numpy; Q8_0, F16, BF16 and F32 — the
 bulk of small models, Gemma 3's 168M-element embedding table among them — take threaded
 torch paths here instead (the generic Q8_0 path runs at ~23 M elements/s on a 2-core
-machine, this one at ~200), and so do the block types of `ggml_blocks`. Shapes come back in torch order (rows, columns): GGUF lists the
-fastest dimension first.
+machine, this one at ~200), and so do the block types of `ggml_blocks`. Shapes come back
+in torch order (rows, columns): GGUF lists the fastest dimension first.
 """
 
 from __future__ import annotations
