@@ -21,6 +21,7 @@ import typer
 
 from kvdeck.runtime.core.config import KNOB_CHOICES
 from kvdeck.runtime.errors import ConfigError
+from kvdeck.runtime.executors.server_prompt_cache import CACHE_RAM_MIB
 from kvdeck.runtime.executors.server_slots import UBATCH
 from kvdeck.runtime.executors.sim import TIMING_MODES
 from kvdeck.runtime.kv.formats import KV_FORMATS
@@ -260,6 +261,10 @@ FLAGS: tuple[Flag, ...] = (
          "them, a step runs as the micro-batches llama.cpp cuts it into (runs of "
          f"neighbouring slots, up to {UBATCH} tokens), a pass each, and a launch waits for the "
          "saves of idle slots the profile times (default 0: one pass for every row).", SIM),
+    Flag("server_cache_ram_mib", ("--server-cache-ram",), int, "Under --server-slots: "
+         "llama-server's --cache-ram in MiB, the host prompt cache a launch saves idle slots "
+         "to; past it the oldest states go, to be saved again (0: no cache, nothing saved; "
+         f"-1: no byte limit, the context's tokens bound it; default {CACHE_RAM_MIB}).", SIM),
     Flag("prompt_pass", ("--prompt-pass/--no-prompt-pass",), bool, "Price a step of "
          "prompt chunks beside decode rows as llama.cpp runs it: a pass of the decode rows, "
          "then one of the prompts, each corrected by the profile's measured steps of that "

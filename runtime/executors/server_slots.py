@@ -27,17 +27,24 @@ that: the state of a slot of 799 tokens on Gemma 3 270M (9.9 MiB: every token's 
 global layers, the window's in the sliding ones) took 15–16 ms on a 2-core CPU, and a burst
 that found four such slots held the loop 64 ms, in which the burst's next three requests
 came in and ran their prompts in one step with the first. With a profile that times a save
-(`[slot_save.<hw>]`, `kvdeck calibrate --url`), `launch_hold` gives that hold.
+(`[slot_save.<hw>]`, `kvdeck calibrate --url`), `launch_hold` gives that hold; which states
+the cache holds, and which it drops past its limits: `server_prompt_cache.py`.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvdeck.runtime.core.policies.prompt_cuts import cut_points
 from kvdeck.runtime.core.request import Request
 from kvdeck.runtime.core.step_data import ScheduledChunk, causal_pairs, common_prefix
+from kvdeck.runtime.executors.server_prompt_cache import PromptCache
+from kvdeck.runtime.planning.slot_save import save_seconds
+
+if TYPE_CHECKING:
+    from kvdeck.runtime.planning.profiles import ModelProfile
 
 StepEstimate = Callable[[int, int, int, int, str], float]
 """(new tokens, causal pairs, positions read, rows sampled, shape) -> seconds of one pass
@@ -50,19 +57,17 @@ SIMILARITY = 0.1
 class ServerSlots:
     """Slot numbers of the running requests, and what each slot last held."""
 
-    def __init__(self, num_slots: int, save_seconds: Callable[[int], float] | None = None):
+    def __init__(self, num_slots: int, save_seconds: Callable[[int], float] | None = None,
+                 cache: PromptCache | None = None):
         """`save_seconds`: what saving a slot's state of n tokens to the prompt cache takes
-        (None: the server saves nothing)."""
+        (None: the server saves nothing); `cache`: the prompt cache (None: one without
+        limits)."""
         self.num_slots = num_slots
         self.save_seconds = save_seconds
         self._saved = [True] * num_slots
-        """Whether the prompt cache holds each slot's tokens."""
-        self._cached: dict[int, int] = {}
-        """The prompt cache's states: the most outputs saved after each prompt (by the
-        prompt's hash). Kept whole: llama-server evicts past its limits (8 GiB, and the
-        context's 16,384 tokens as the benchmark starts it), which the few states of one
-        trace on a server just started stay under; a long trace would save more than this
-        counts."""
+        """Whether the prompt cache has been offered each slot's tokens since they
+        changed."""
+        self.cache = cache or PromptCache()
         self.of: dict[str, int] = {}
         """Slot of each request holding one."""
         self._holder: dict[str, Request] = {}
@@ -72,6 +77,15 @@ class ServerSlots:
         """The length of each slot's last prompt (where its checkpoints were)."""
         self._used = [-1] * num_slots
         self._clock = itertools.count()
+
+    @classmethod
+    def of_profile(cls, num_slots: int, model: ModelProfile, hardware: str,
+                   cache_ram_mib: int) -> ServerSlots:
+        """The slots of a server of `model` on `hardware`, its saves as the profile times
+        them (none where it does not, or under `--cache-ram 0`)."""
+        saves = model.slot_saves.get(hardware) if cache_ram_mib else None
+        return cls(num_slots, save_seconds(model, saves) if saves else None,
+                   PromptCache(lambda n: model.kv_bytes(n, 1), cache_ram_mib))
 
     def slot(self, req: Request) -> int:
         """`req`'s slot, taken now if it has none."""
@@ -134,10 +148,8 @@ class ServerSlots:
         launch takes for the prefix it shares, whose tokens it reuses (in llama-server's
         log, a slot chosen by its prefix is not saved, one chosen as the least recently
         used is). A state the cache holds within one it has is not saved again (its
-        `alloc`: "prompt is already in the cache, skipping"); greedy decoding gives a
-        prompt the same outputs every time, so a state is known by its prompt and its
-        number of outputs (the benchmark's requests are greedy; sampled ones would save
-        more than this counts)."""
+        `alloc`: "prompt is already in the cache, skipping"), and one it dropped past its
+        limits is saved again (`PromptCache`)."""
         if self.save_seconds is None:
             return 0.0
         busy = set(self.of.values())
@@ -156,14 +168,10 @@ class ServerSlots:
             if similar and s == taken:
                 continue
             self._saved[s] = True
-            prompt, outputs = hash(self._last[s][:self._prompt[s]]), \
-                len(self._last[s]) - self._prompt[s]
-            if self._cached.get(prompt, -1) >= outputs:
-                continue
-            self._cached[prompt] = outputs
             # Its last sampled token never ran through the model: the state is the rest
             # (llama-server saves 799 tokens of a 768-token prompt and 32 outputs).
-            hold += self.save_seconds(len(self._last[s]) - 1)
+            if self.cache.save(self._last[s][:-1]):
+                hold += self.save_seconds(len(self._last[s]) - 1)
         return hold
 
     def step_seconds(self, chunks: list[ScheduledChunk], slots: list[int],

@@ -23,6 +23,7 @@ from kvdeck.runtime.core.request import Request
 from kvdeck.runtime.core.step_data import Conversion, SchedulerOutput, StepResult, StepTiming
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.base import ExecutorInfo, WeightsView
+from kvdeck.runtime.executors.server_prompt_cache import CACHE_RAM_MIB
 from kvdeck.runtime.executors.server_slots import ServerSlots, pass_seconds
 from kvdeck.runtime.executors.sim_draft import draft_seconds
 from kvdeck.runtime.kv.formats import KV_FORMATS
@@ -41,7 +42,6 @@ from kvdeck.runtime.planning.profiles import (
     StepFit,
     ratio_at,
 )
-from kvdeck.runtime.planning.slot_save import save_seconds
 from kvdeck.runtime.planning.step_time import (
     Measured,
     fitted_seconds,
@@ -112,6 +112,9 @@ class SimConfig:
     """Above 0: price steps as llama-server with this many slots (`-np`, KV per slot) runs
     them: a pass per micro-batch llama.cpp cuts a batch into, each a run of neighbouring
     slots (`server_slots.py`)."""
+    server_cache_ram_mib: int = CACHE_RAM_MIB
+    """Under `server_slots`: llama-server's `--cache-ram` in MiB (0: no prompt cache, no
+    saves; -1: no byte limit; `server_prompt_cache.py`)."""
     prompt_pass: bool = False
     """Price a step of prompt chunks and decode rows as llama.cpp runs it: a pass of the
     decode rows, then one of the prompt chunks (`server_slots.pass_seconds`), each
@@ -138,6 +141,7 @@ class SimConfig:
         parse_buckets(self.graph_buckets)
         check_float("memory_utilization", self.memory_utilization, 0.0, 1.0)
         check_int("server_slots", self.server_slots, 0, 4096)
+        check_int("server_cache_ram_mib", self.server_cache_ram_mib, -1, 1 << 30)
         layout = Layout(self.tensor_parallel, self.pipeline_parallel)
         if layout.cards > 1 and self.timing in ("measured", "fit"):
             raise ConfigError(f"{layout.name} is priced by the roofline across its cards (a "
@@ -221,15 +225,13 @@ class SimExecutor:
             virtual_time=True, computes_logits=False, device="none",
             draft_model_name=(f"modelled, {config.draft_cost:g}× target, {config.drafting}"
                               if config.draft_cost else ""))
-        """Every KV format (the sim only accounts bytes); the host link is the hardware
-        profile's."""
+        """Every KV format (the sim only accounts bytes); the host link is the profile's."""
         self.block_size = 16
         self.offload_layers = 0
         self.offload_buffers = 2
         self._acceptance = config.acceptance_profile()
-        saves = self.model.slot_saves.get(self.hardware.name)
-        self.slots = ServerSlots(config.server_slots,
-                                 save_seconds(self.model, saves) if saves else None) \
+        self.slots = ServerSlots.of_profile(config.server_slots, self.model, hw.name,
+                                            config.server_cache_ram_mib) \
             if config.server_slots else None
 
     def _resolve_timing(self) -> str:
@@ -257,8 +259,7 @@ class SimExecutor:
         if base is None and None in values and self.timing == "fit":
             raise ConfigError(
                 f"Model profile {self.model.name} has no fitted timing for {self.hardware.name}; "
-                "set fixed_ms, per_token_us and per_pair_ns, or use timing = 'roofline'."
-            )
+                "set fixed_ms, per_token_us and per_pair_ns, or use timing = 'roofline'.")
         base = base or StepFit(0.0, 0.0, 0.0)
         # Overrides replace their terms; the profile's per-sample and overhead terms stay.
         return dataclasses.replace(
@@ -297,6 +298,8 @@ class SimExecutor:
         self._kv_bytes_per_token = self.kv_bytes_per_token(kv_format)
         self._kv_format = kv_format
         self.block_size = block_size
+        if self.slots is not None:  # the server's context bounds its prompt cache's tokens
+            self.slots.cache.context_tokens = num_blocks * block_size
 
     def convert_kv(self, kv_format: str, num_blocks: int, src: list[int], dst: list[int]
                    ) -> Conversion:

@@ -96,3 +96,26 @@ def test_a_trace_behind_slots_runs_the_requests_that_came_during_a_save_together
     ttft = [r["ttft"] for r in out["requests"]]
     assert ttft[1] == pytest.approx(0.018 + 0.020 + 0.032)  # the save, two 16-token prompts
     assert ttft[2] == pytest.approx(ttft[1] - 0.01)  # the same first step, 10 ms later sent
+
+
+def test_without_a_prompt_cache_a_launch_saves_nothing(tmp_path: Path, monkeypatch) -> None:
+    """The same trace with `--server-cache-ram 0` (llama-server's `--cache-ram 0`): B's
+    launch waits for no save, and C, 10 ms behind, gets a step of its own. The cache's
+    token limit is the server's context: the pool's tokens."""
+    name = with_saves(tmp_path, monkeypatch, "[slot_save.h100-sxm]\npoints = [[16, 16.0]]\n")
+    ttft = {}
+    for ram in (0, 8192):
+        sim = SimExecutor(SimConfig(model_profile=name, hardware="h100-sxm", timing="fit",
+                                    fixed_ms=20, per_token_us=1000, per_pair_ns=0,
+                                    server_slots=4, server_cache_ram_mib=ram))
+        e = Engine(EngineConfig(num_blocks=64, knobs=Knobs(max_num_seqs=4)), sim)
+        assert sim.slots.cache.context_tokens == 64 * 16
+        arrivals = [Arrival(t, 16, 3, prompt_tokens=tuple(range(n, n + 16)))
+                    for t, n in ((0.0, 100), (1.0, 200), (1.01, 300))]
+        out = run_arrivals(e, arrivals, vocab_size=32_000)
+        e.check_integrity()
+        ttft[ram] = [r["ttft"] for r in out["requests"]]
+    assert sim.slots.cache.states  # 8,192 MiB: the states were saved
+    assert ttft[0][1] == pytest.approx(0.020 + 0.016)
+    assert ttft[0][2] > ttft[0][1] - 0.01
+    assert ttft[8192][1] == pytest.approx(0.018 + 0.020 + 0.032)
