@@ -194,18 +194,20 @@ def _run_child(model: Path, repack: bool, log) -> Attempt:
     return Attempt(repack, "ok", seconds)
 
 
-def _read_cache() -> dict:
+def read_verdicts(name: str = CACHE_FILE) -> dict:
+    """The verdicts cached in `<cache>/name`, by key (none where it is missing or bad)."""
     try:
-        data = json.loads((cache_dir() / CACHE_FILE).read_text())
+        data = json.loads((cache_dir() / name).read_text())
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
 
 
-def _write_cache(key: str, record: dict) -> None:
-    data = _read_cache()
+def write_verdict(key: str, record: dict, name: str = CACHE_FILE) -> None:
+    """Cache `record` under `key` in `<cache>/name`, beside the verdicts there."""
+    data = read_verdicts(name)
     data[key] = record
-    path = cache_dir() / CACHE_FILE
+    path = cache_dir() / name
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -226,7 +228,7 @@ def verdict(model_path: str | Path | None = None, *, refresh: bool = False) -> V
     if not refresh:
         if memo in _memo:
             return _memo[memo]
-        record = _read_cache().get(key)
+        record = read_verdicts().get(key)
         if record is not None:
             v = _from_record(record, key)
             _memo[memo] = v
@@ -253,7 +255,7 @@ def verdict(model_path: str | Path | None = None, *, refresh: bool = False) -> V
                           f"in {cache_dir() / LOG_FILE}. --llama-repack on or off skips "
                           "the probe, --executor torch avoids llama.cpp.")
     v = Verdict(result, attempts, amx, cached=False, key=key)
-    _write_cache(key, {"repack": result, "amx": amx, "parts": parts,
+    write_verdict(key, {"repack": result, "amx": amx, "parts": parts,
                        "attempts": [asdict(a) for a in attempts],
                        "when": time.strftime("%Y-%m-%d %H:%M:%S")})
     _memo[memo] = v

@@ -17,6 +17,7 @@ import io
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,10 +129,23 @@ def quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+VOCAB_PROBE_FILE = "vocab-probe.json"
+"""Vocabularies seen to load and round-trip in a child process, cached by file."""
+
+
 def _probe_vocab(path: Path) -> None:
     """Load the vocabulary and round-trip a sample text in a child process first: llama.cpp
     aborts the whole process (an uncaught C++ exception) on some malformed vocabularies, and
-    a user's bad file must end in a sentence, not a crash."""
+    a user's bad file must end in a sentence, not a crash. A file seen to pass is not
+    probed again (a second a load) until it or llama-cpp-python changes."""
+    from importlib.metadata import version
+
+    from kvdeck.runtime.executors.llama_cpp_probe import read_verdicts, write_verdict
+
+    st = path.stat()
+    key = f"{version('llama_cpp_python')} {path.resolve()} {st.st_size} {st.st_mtime_ns}"
+    if key in read_verdicts(VOCAB_PROBE_FILE):
+        return
     code = ("import sys\nfrom llama_cpp import Llama\n"
             "t = Llama(sys.argv[1], vocab_only=True, verbose=False)\n"
             "t.detokenize(t.tokenize('Hello, wörld 123 😀'.encode(), add_bos=True))\n")
@@ -144,6 +158,8 @@ def _probe_vocab(path: Path) -> None:
         raise ModelFileError(f"llama.cpp cannot load the vocabulary of {path} (it exited with "
                              f"status {r.returncode}); the file's tokenizer data is malformed "
                              "or unsupported.")
+    with contextlib.suppress(OSError):  # an unwritable cache: probe again next time
+        write_verdict(key, {"probed": time.time()}, VOCAB_PROBE_FILE)
 
 
 class IncrementalDetokenizer:

@@ -9,6 +9,10 @@ the same GGUF, on 100 % of top-1 tokens with a mean |Δlogit| of 0.001.)
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +21,7 @@ from kvdeck.runtime.core.config import EngineConfig, Knobs
 from kvdeck.runtime.core.engine import Engine
 from kvdeck.runtime.core.request import RequestStatus, SamplingParams
 from kvdeck.runtime.executors.torch import TorchExecutor
-from kvdeck.runtime.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvdeck.runtime.text.tokenizer import VOCAB_PROBE_FILE, IncrementalDetokenizer, Tokenizer
 from kvdeck.runtime.views.snapshot import snapshot_of
 
 pytestmark = pytest.mark.slow
@@ -236,9 +240,34 @@ async def test_console_prompt_streams_decoded_text(executor, tokenizer) -> None:
         assert "France" in str(app.query_one("#prompt-output").render())
 
 
-def test_a_vocabulary_llama_cpp_cannot_load_is_one_sentence(tiny_llama) -> None:
+def test_a_vocabulary_llama_cpp_cannot_load_is_one_sentence(tiny_llama, tmp_path,
+                                                          monkeypatch) -> None:
     from kvdeck.runtime.errors import ModelFileError
 
-    with pytest.raises(ModelFileError, match="llama.cpp cannot load the vocabulary of .*"
-                                             "malformed or unsupported"):
-        Tokenizer(tiny_llama)
+    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
+    for _ in range(2):  # a failed probe is not cached: the second load is refused too
+        with pytest.raises(ModelFileError, match="llama.cpp cannot load the vocabulary of .*"
+                                                 "malformed or unsupported"):
+            Tokenizer(tiny_llama)
+    assert not (tmp_path / VOCAB_PROBE_FILE).exists()
+
+
+def test_a_vocabulary_seen_to_load_is_probed_again_only_once_its_file_changes(
+        gemma_path, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVDECK_CACHE", str(tmp_path))
+    copy = tmp_path / "model.gguf"
+    shutil.copyfile(gemma_path, copy)
+
+    def probed() -> dict:
+        return json.loads((tmp_path / VOCAB_PROBE_FILE).read_text())
+
+    Tokenizer(copy)
+    first = probed()
+    (key,) = first
+    assert str(copy.resolve()) in key
+    Tokenizer(copy)
+    assert probed() == first  # the same record, with the first probe's time: none ran
+    st = copy.stat()
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    Tokenizer(copy)
+    assert len(probed()) == 2 and probed()[key] == first[key]
