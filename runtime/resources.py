@@ -8,6 +8,7 @@ way from an editable install (the repository's folders) and from a built wheel
 
 from __future__ import annotations
 
+import json
 import os
 from importlib.resources import files
 from pathlib import Path
@@ -38,6 +39,26 @@ def cache_dir() -> Path:
     """Where kvdeck keeps assembled models, logs and other derived files: `$KVDECK_CACHE`,
     or `~/.cache/kvdeck`."""
     return Path(os.environ.get("KVDECK_CACHE") or Path.home() / ".cache" / "kvdeck")
+
+
+def read_cache_json(name: str) -> dict:
+    """The JSON object kept in `<cache>/name` (empty where it is missing or not an object)."""
+    try:
+        data = json.loads((cache_dir() / name).read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_cache_entry(name: str, key: str, record: dict) -> None:
+    """Set `key` to `record` in the JSON object kept in `<cache>/name`."""
+    data = read_cache_json(name)
+    data[key] = record
+    path = cache_dir() / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)  # atomic: two starting processes never read half a file
 
 
 def profiles_dir() -> Traversable:

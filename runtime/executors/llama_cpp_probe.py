@@ -36,7 +36,7 @@ from pathlib import Path
 
 from kvdeck.runtime.errors import ConfigError
 from kvdeck.runtime.faults import fault_spec
-from kvdeck.runtime.resources import cache_dir
+from kvdeck.runtime.resources import cache_dir, read_cache_json, write_cache_entry
 
 CACHE_FILE = "llama-probe.json"
 LOG_FILE = "llama-probe.log"
@@ -194,26 +194,6 @@ def _run_child(model: Path, repack: bool, log) -> Attempt:
     return Attempt(repack, "ok", seconds)
 
 
-def read_verdicts(name: str = CACHE_FILE) -> dict:
-    """The verdicts cached in `<cache>/name`, by key (none where it is missing or bad)."""
-    try:
-        data = json.loads((cache_dir() / name).read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def write_verdict(key: str, record: dict, name: str = CACHE_FILE) -> None:
-    """Cache `record` under `key` in `<cache>/name`, beside the verdicts there."""
-    data = read_verdicts(name)
-    data[key] = record
-    path = cache_dir() / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)  # atomic: two starting processes never read half a file
-
-
 _memo: dict[tuple[Path, str], Verdict] = {}
 """Verdicts this process has read or measured, by cache directory and key."""
 
@@ -228,7 +208,7 @@ def verdict(model_path: str | Path | None = None, *, refresh: bool = False) -> V
     if not refresh:
         if memo in _memo:
             return _memo[memo]
-        record = read_verdicts().get(key)
+        record = read_cache_json(CACHE_FILE).get(key)
         if record is not None:
             v = _from_record(record, key)
             _memo[memo] = v
@@ -255,9 +235,9 @@ def verdict(model_path: str | Path | None = None, *, refresh: bool = False) -> V
                           f"in {cache_dir() / LOG_FILE}. --llama-repack on or off skips "
                           "the probe, --executor torch avoids llama.cpp.")
     v = Verdict(result, attempts, amx, cached=False, key=key)
-    write_verdict(key, {"repack": result, "amx": amx, "parts": parts,
-                       "attempts": [asdict(a) for a in attempts],
-                       "when": time.strftime("%Y-%m-%d %H:%M:%S")})
+    write_cache_entry(CACHE_FILE, key, {"repack": result, "amx": amx, "parts": parts,
+                                        "attempts": [asdict(a) for a in attempts],
+                                        "when": time.strftime("%Y-%m-%d %H:%M:%S")})
     _memo[memo] = v
     return v
 

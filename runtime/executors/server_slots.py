@@ -82,10 +82,11 @@ class ServerSlots:
     def of_profile(cls, num_slots: int, model: ModelProfile, hardware: str,
                    cache_ram_mib: int) -> ServerSlots:
         """The slots of a server of `model` on `hardware`, its saves as the profile times
-        them (none where it does not, or under `--cache-ram 0`)."""
+        them (none where it does not, or under `--cache-ram 0`); its prompt cache's state
+        bytes and context are bound with the KV pool (`SimExecutor.bind_kv`)."""
         saves = model.slot_saves.get(hardware) if cache_ram_mib else None
         return cls(num_slots, save_seconds(model, saves) if saves else None,
-                   PromptCache(lambda n: model.kv_bytes(n, 1), cache_ram_mib))
+                   PromptCache(cache_ram_mib=cache_ram_mib))
 
     def slot(self, req: Request) -> int:
         """`req`'s slot, taken now if it has none."""

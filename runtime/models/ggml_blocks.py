@@ -1,12 +1,11 @@
 """GGML's block formats of the quantized GGUFs kvdeck ships, dequantized with torch.
 
-`gguf.quants` decodes every type in numpy on one core, one group of rows at a time: the
-Q4_K and Q6_K weights of Qwen2.5-Coder-1.5B (1.8 billion elements) took 25 s to load that
-way on a 2-core machine. These decode whole chunks of blocks in torch's threaded
-element-wise ops, doing the same arithmetic in the same order as `gguf.quants` (whose
-outputs the unit tests hold them to, bit for bit), in place after the first float32
-buffer: a fresh buffer per operation cost as much again in page faults. A type not here
-goes to `gguf.quants`.
+`gguf.quants` decodes every type in numpy on one core, one group of rows at a time (what
+that costs a load, measured: docs/executors.md, "Loading"). These decode whole chunks of
+blocks in torch's threaded element-wise ops, doing the same arithmetic in the same order
+as `gguf.quants` (whose outputs the unit tests hold them to, bit for bit), in place after
+the first float32 buffer: a fresh buffer per operation cost as much again in page faults.
+A type not here goes to `gguf.quants`.
 
 Each decoder takes blocks as uint8 [n, bytes per block] and returns float32
 [n, elements per block]. The layouts follow ggml's `block_q4_0`, `block_q5_0`,
@@ -45,13 +44,14 @@ def q4_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    """32 elements: a float16 scale, 32 high bits (bit i for element i), 16 bytes of low
-    nibbles; x = (q - 16) * d."""
+    """32 elements: a float16 scale, 32 high bits (bit i for element i, little-endian),
+    16 bytes of low nibbles; x = (q - 16) * d."""
     n = blocks.shape[0]
     d = _f16(blocks[:, :2])
-    high = blocks[:, 2:6].contiguous().view(torch.int32)  # [n, 1]
-    shifts = torch.arange(32, dtype=torch.int32)
-    qh = ((high >> shifts) & 1).to(torch.uint8)
+    # Bit by bit from the bytes: a view as int32 would need the bits 4-byte aligned, which a
+    # lone 22-byte block is not.
+    shifts = torch.arange(8, dtype=torch.uint8)
+    qh = ((blocks[:, 2:6, None] >> shifts) & 1).reshape(n, 32)
     ql = _nibbles(blocks[:, 6:], 16).reshape(n, 32)
     q = (ql | (qh << 4)).to(torch.int8) - 16
     return q.float().mul_(d)

@@ -25,6 +25,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvdeck.runtime.errors import ModelFileError, RequestError
+from kvdeck.runtime.resources import read_cache_json, write_cache_entry
 
 # Used when a Gemma GGUF carries no template (the embedded 270M file does not).
 GEMMA_TEMPLATE = (
@@ -130,7 +131,8 @@ def quiet_stderr() -> Iterator[None]:
 
 
 VOCAB_PROBE_FILE = "vocab-probe.json"
-"""Vocabularies seen to load and round-trip in a child process, cached by file."""
+"""Vocabularies seen to load and round-trip in a child process: by the file's path, what
+it and llama-cpp-python were then."""
 
 
 def _probe_vocab(path: Path) -> None:
@@ -140,11 +142,12 @@ def _probe_vocab(path: Path) -> None:
     probed again (a second a load) until it or llama-cpp-python changes."""
     from importlib.metadata import version
 
-    from kvdeck.runtime.executors.llama_cpp_probe import read_verdicts, write_verdict
-
     st = path.stat()
-    key = f"{version('llama_cpp_python')} {path.resolve()} {st.st_size} {st.st_mtime_ns}"
-    if key in read_verdicts(VOCAB_PROBE_FILE):
+    key = str(path.resolve())
+    seen = {"llama_cpp_python": version("llama_cpp_python"), "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns}
+    passed = read_cache_json(VOCAB_PROBE_FILE).get(key)
+    if isinstance(passed, dict) and all(passed.get(k) == v for k, v in seen.items()):
         return
     code = ("import sys\nfrom llama_cpp import Llama\n"
             "t = Llama(sys.argv[1], vocab_only=True, verbose=False)\n"
@@ -159,7 +162,7 @@ def _probe_vocab(path: Path) -> None:
                              f"status {r.returncode}); the file's tokenizer data is malformed "
                              "or unsupported.")
     with contextlib.suppress(OSError):  # an unwritable cache: probe again next time
-        write_verdict(key, {"probed": time.time()}, VOCAB_PROBE_FILE)
+        write_cache_entry(VOCAB_PROBE_FILE, key, {**seen, "probed": time.time()})
 
 
 class IncrementalDetokenizer:

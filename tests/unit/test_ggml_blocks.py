@@ -17,13 +17,15 @@ F16_FIELDS = {Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
 """Byte offsets of each type's float16 scales, set to finite values below."""
 
 
+@pytest.mark.parametrize("blocks", [1, 2, 300])
 @pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda q: q.name)
-def test_random_blocks_decode_as_gguf_quants_does(qtype) -> None:
+def test_random_blocks_decode_as_gguf_quants_does(qtype, blocks: int) -> None:
     rng = np.random.default_rng(int(qtype))
-    raw = rng.integers(0, 256, size=(300, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    raw = rng.integers(0, 256, size=(blocks, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
     for at in F16_FIELDS[qtype]:  # random bytes would make some scales inf or NaN
-        raw[:, at:at + 2] = rng.uniform(-2, 2, size=(300, 1)).astype(np.float16).view(np.uint8)
-    want = quants.dequantize(raw.reshape(-1), qtype).reshape(300, -1)
+        raw[:, at:at + 2] = rng.uniform(-2, 2, size=(blocks, 1)).astype(np.float16).view(
+            np.uint8)
+    want = quants.dequantize(raw.reshape(-1), qtype).reshape(blocks, -1)
     got = DECODERS[qtype](torch.from_numpy(raw))
     assert got.dtype == torch.float32
     assert np.array_equal(got.numpy(), want)

@@ -28,20 +28,21 @@ def test_a_state_within_one_held_is_not_saved_and_one_within_the_new_goes() -> N
     assert not cache.save(())
 
 
-def test_past_cache_ram_the_oldest_states_go_but_one_stays() -> None:
-    """0.1 MiB a token, --cache-ram 2: three states of 8 tokens are 2.4 MiB, so the
-    oldest goes; a state of 30 tokens (3 MiB) stays alone."""
+def test_a_save_makes_room_under_cache_ram_and_a_state_larger_than_it_is_not_saved() -> None:
+    """0.1 MiB a token, --cache-ram 2: a third state of 8 tokens needs 0.8 MiB where two
+    hold 1.6, so the oldest goes first; a state of 30 tokens (3 MiB) is not saved at all."""
     cache = PromptCache(lambda n: n * MIB / 10, cache_ram_mib=2)
     for first in (0, 100, 200):
-        cache.save(tokens(first, 8))
-    assert [t[0] for t, _ in cache.states] == [100, 200] and cache.num_dropped == 1
-    cache.save(tokens(300, 30))
-    assert [t[0] for t, _ in cache.states] == [300] and cache.num_dropped == 3
+        assert cache.save(tokens(first, 8))
+    assert [t[0] for t, _ in cache.states] == [100, 200]
+    assert not cache.save(tokens(300, 30))
+    assert [t[0] for t, _ in cache.states] == [100, 200]
 
 
 def test_the_context_bounds_its_tokens_unless_cache_ram_holds_more() -> None:
     """Context of 20 tokens. With no byte limit (-1), three states of 8 tokens (24) drop
-    the oldest. With 1 MiB at 1 KiB a token, the limit is the 1,024 tokens that fit."""
+    the oldest, and a state longer than the context is saved, then dropped with the rest.
+    With 1 MiB at 1 KiB a token, the limit is the 1,024 tokens that fit."""
     unbounded = PromptCache(lambda n: n * 1024, cache_ram_mib=-1, context_tokens=20)
     bounded = PromptCache(lambda n: n * 1024, cache_ram_mib=1, context_tokens=20)
     for first in (0, 100, 200):
@@ -49,6 +50,7 @@ def test_the_context_bounds_its_tokens_unless_cache_ram_holds_more() -> None:
         bounded.save(tokens(first, 8))
     assert [t[0] for t, _ in unbounded.states] == [100, 200]
     assert [t[0] for t, _ in bounded.states] == [0, 100, 200]
+    assert unbounded.save(tokens(300, 21)) and unbounded.states == []
 
 
 def ended(slots: ServerSlots, rid: str, prompt: list[int]) -> None:

@@ -101,7 +101,7 @@ def test_a_trace_behind_slots_runs_the_requests_that_came_during_a_save_together
 def test_without_a_prompt_cache_a_launch_saves_nothing(tmp_path: Path, monkeypatch) -> None:
     """The same trace with `--server-cache-ram 0` (llama-server's `--cache-ram 0`): B's
     launch waits for no save, and C, 10 ms behind, gets a step of its own. The cache's
-    token limit is the server's context: the pool's tokens."""
+    token limit is the pool's tokens where no server context is given (below)."""
     name = with_saves(tmp_path, monkeypatch, "[slot_save.h100-sxm]\npoints = [[16, 16.0]]\n")
     ttft = {}
     for ram in (0, 8192):
@@ -117,5 +117,21 @@ def test_without_a_prompt_cache_a_launch_saves_nothing(tmp_path: Path, monkeypat
         ttft[ram] = [r["ttft"] for r in out["requests"]]
     assert sim.slots.cache.states  # 8,192 MiB: the states were saved
     assert ttft[0][1] == pytest.approx(0.020 + 0.016)
-    assert ttft[0][2] > ttft[0][1] - 0.01
+    assert ttft[0][2] > ttft[0][1]  # C's first token after B's: not in B's step
     assert ttft[8192][1] == pytest.approx(0.018 + 0.020 + 0.032)
+
+
+def test_the_prompt_cache_takes_the_server_context_and_the_pools_kv_format() -> None:
+    """`--server-context` is its token limit; a state's bytes are its KV's in the pool's
+    format, there and after a live switch."""
+    sim = SimExecutor(SimConfig(model_profile="qwen3-8b", hardware="h100-sxm", server_slots=4,
+                                server_context_tokens=16384))
+    e = Engine(EngineConfig(num_blocks=64, knobs=Knobs(kv_format="q8_0")), sim)
+    cache = sim.slots.cache
+    assert cache.context_tokens == 16384
+    assert cache.state_bytes(799) == sim.model.kv_bytes(799, 1, "q8_0") < \
+        sim.model.kv_bytes(799, 1, "fp16")
+    e.set_knobs(kv_format="fp16")
+    e.step()
+    assert cache.state_bytes(799) == sim.model.kv_bytes(799, 1, "fp16")
+    assert cache.context_tokens == 16384
