@@ -37,24 +37,27 @@ EXECUTORS = ["torch", "llama_cpp"]
 PLAIN = "The capital of France is"
 
 
-def run(path, method: str, draft=None, texts=TEXTS, max_tokens: int = 32,
-        executor: str = "torch", dtype: str = "fp32"
+def open_executor(path, executor: str = "torch", dtype: str = "fp32", draft=None):
+    """The executor both runs of a test share, plain and speculative (each engine binds a
+    fresh KV pool, or llama.cpp context, to it): one load of the model, not two. llama_cpp
+    runs batch-invariant: its batched decode rows would otherwise differ from plain
+    decoding by themselves."""
+    if executor == "torch":
+        return TorchExecutor(path, device="cpu", dtype=dtype, weight_activations=dtype,
+                             draft_model=draft)
+    from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
+
+    return LlamaCppExecutor(path, threads=2, batch_invariant=True, draft_model=draft)
+
+
+def run(ex, path, method: str, texts=TEXTS, max_tokens: int = 32
         ) -> tuple[dict[str, list[int]], int, SpecStats]:
     """(outputs, target passes that gave the speculating requests their tokens, speculation
-    statistics). The executor is closed before returning: two copies of a 1.5B model
-    would not fit beside the rest of the test run. llama_cpp runs batch-invariant:
-    its batched decode rows would otherwise differ from plain decoding by themselves. Even
-    so, a verify chunk's rows are computed with other row counts than a lone decode row,
-    so on llama.cpp outputs agree up to kernel ties: with its re-packed kernels the Gemma
-    texts happen to agree exactly, without them (`--llama-repack off`, as on AMX CPUs) one
-    near-tie flips."""
-    if executor == "torch":
-        ex = TorchExecutor(path, device="cpu", dtype=dtype, weight_activations=dtype,
-                           draft_model=draft)
-    else:
-        from kvdeck.runtime.executors.llama_cpp import LlamaCppExecutor
-
-        ex = LlamaCppExecutor(path, threads=2, batch_invariant=True, draft_model=draft)
+    statistics) on the open executor `ex`. Even batch-invariant, llama.cpp computes a
+    verify chunk's rows with other row counts than a lone decode row, so on llama.cpp
+    outputs agree up to kernel ties: with its re-packed kernels the Gemma texts happen to
+    agree exactly, without them (`--llama-repack off`, as on AMX CPUs) one near-tie
+    flips."""
     tok = Tokenizer(path)
     # Fixed draft lengths: adaptive ones follow measured step times, so how many tokens
     # are drafted (and accepted) would depend on the machine's speed.
@@ -74,11 +77,19 @@ def run(path, method: str, draft=None, texts=TEXTS, max_tokens: int = 32,
         e.check_integrity()
     outputs = {r.request_id: list(r.output_token_ids) for r in e.completed}
     passes = sum(len(set(r.token_times)) for r in e.completed if r.request_id != "plain")
-    stats = e.scheduler.spec
-    e.close()
-    del e, ex
-    gc.collect()
-    return outputs, passes, stats
+    return outputs, passes, e.scheduler.spec
+
+
+def both(path, method: str, draft=None, executor: str = "torch", dtype: str = "fp32",
+         **kw) -> tuple[tuple, tuple]:
+    """Plain decoding's run and `method`'s, on one executor, closed after them."""
+    ex = open_executor(path, executor, dtype, draft)
+    try:
+        return run(ex, path, "off", **kw), run(ex, path, method, **kw)
+    finally:
+        ex.close()
+        del ex
+        gc.collect()
 
 
 def test_a_runner_up_is_no_kernel_tie(gemma_path) -> None:
@@ -109,8 +120,8 @@ def test_a_runner_up_is_no_kernel_tie(gemma_path) -> None:
 
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_ngram_speculation_on_gemma_is_lossless(gemma_path, executor) -> None:
-    expected, plain_passes, _ = run(gemma_path, "off", executor=executor)
-    got, passes, stats = run(gemma_path, "ngram", executor=executor)
+    (expected, plain_passes, _), (got, passes, stats) = both(gemma_path, "ngram",
+                                                             executor=executor)
     if executor == "llama_cpp":  # a verify chunk's rows vs lone decode rows: see run()
         prompts = {f"t{i}": t for i, t in enumerate(TEXTS)} | {"plain": PLAIN}
         assert_equal_up_to_kernel_ties(gemma_path, prompts, expected, got)
@@ -126,10 +137,8 @@ def test_draft_model_speculation_on_the_qwen_pair_is_lossless(qwen_pair, executo
     # bf16 on torch: the pair's weights are 8.2 GB in fp32, past the suite's 8 GiB budget
     # by themselves; 4.1 GB in bf16. Plain and speculative decoding run in the same dtype.
     dtype = "bf16" if executor == "torch" else "fp32"
-    expected, plain_passes, _ = run(target, "off", texts=CODE, max_tokens=16,
-                                    executor=executor, dtype=dtype)
-    got, passes, stats = run(target, "draft", draft, texts=CODE, max_tokens=16,
-                             executor=executor, dtype=dtype)
+    (expected, plain_passes, _), (got, passes, stats) = both(
+        target, "draft", draft, executor, dtype, texts=CODE, max_tokens=16)
     # Up to kernel ties on both: llama.cpp's rows (see run()), and torch's in bf16, where a
     # verify chunk's 1 + k rows are multiplied in other shapes than a lone decode row and
     # round differently (on an AMX Xeon, t1's fourth token flipped between two tokens
