@@ -377,6 +377,7 @@ class TorchExecutor(TorchAdapters):
         self.kv_format = kv_format
         self.groups = groups
         slots = groups.page_layers if groups is not None else info.num_layers
+        self.kv = None  # what a pool bound before held is gone: free it before the new one
         self.kv = PagedKVCache(slots, num_blocks, block_size, info.num_kv_heads, info.head_dim,
                                codec, self.device, spare=int(self.graphs.on))
         self.graphs.reset()
